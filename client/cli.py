@@ -1,0 +1,151 @@
+"""The ``speckv`` command line.
+
+Subcommands: ``demo`` (the main job on the embedded model), ``entropy`` (ideal
+code length of a text's KV), ``predictor build|info`` (pinned checkpoints),
+``bench`` (coder figures against peers). Results go to stdout (a table or
+``--json``); progress and logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TEXT_CANDIDATES = ("../shared/corpus/tinyshakespeare.txt",)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="default",
+                   help="'default' (embedded SmolLM2-135M-Instruct) or a local Hugging Face model directory")
+    p.add_argument("--predictor", default=None, help="predictor checkpoint directory (default: the embedded one)")
+    p.add_argument("--pin", default=None, help="expected sha256 pin of the predictor checkpoint")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="speckv", description="Lossless compressed KV-cache transfer.")
+    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    demo = sub.add_parser("demo", help="run speckv on a built-in prompt with the embedded model")
+    demo.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _add_model_args(demo)
+
+    ent = sub.add_parser("entropy", help="ideal bits/scalar of a text's KV under the predictor")
+    ent.add_argument("--text", required=True, help="UTF-8 text file")
+    ent.add_argument("--tokens", type=int, default=2048, help="prompt length in tokens")
+    ent.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
+    ent.add_argument("--json", action="store_true")
+    _add_model_args(ent)
+
+    pred = sub.add_parser("predictor", help="build or inspect a pinned predictor checkpoint")
+    psub = pred.add_subparsers(dest="pcmd", required=True)
+    build = psub.add_parser("build", help="FP8 copy of a target + calibration -> checkpoint dir")
+    build.add_argument("--target", default="default")
+    build.add_argument("--calib", required=True, help="calibration text file")
+    build.add_argument("--out", required=True, help="output directory")
+    build.add_argument("--tokens", type=int, default=None, help="calibration tokens (default 4096)")
+    build.add_argument("--derive-weights", action="store_true",
+                       help="do not write the FP8 weights; derive them from the target at load time")
+    info = psub.add_parser("info", help="verify a checkpoint and print its pin")
+    info.add_argument("dir")
+    info.add_argument("--pin", default=None)
+    info.add_argument("--json", action="store_true")
+    return ap
+
+
+def _print_table(title: str, rows: Sequence[tuple[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for k, v in rows:
+        table.add_row(k, f"{v:.4f}" if isinstance(v, float) else str(v))
+    Console().print(table)
+
+
+def cmd_entropy(args: argparse.Namespace) -> int:
+    from speckv.coder.calibrate import read_text
+    from speckv.coder.session import Session
+
+    from .progress import steps
+
+    with steps(4, quiet=args.json) as step:
+        step("loading target and predictor")
+        sess = Session.open(args.target, args.predictor, args.pin)
+        step("tokenizing")
+        ids = sess.target.tokenize(read_text(args.text, chars=args.tokens * 32), args.tokens)
+        step(f"prefill of {len(ids)} tokens (target + predictor)")
+        pre = sess.prefill(ids)
+        step("ideal code length")
+        rep = sess.entropy(pre, args.dtype)
+    if args.json:
+        print(json.dumps(rep))
+    else:
+        _print_table(f"speckv entropy ({args.dtype})", list(rep.items()))
+    return 0
+
+
+def cmd_predictor(args: argparse.Namespace) -> int:
+    from speckv.coder.predictor import load_checkpoint
+
+    if args.pcmd == "info":
+        ck = load_checkpoint(args.dir, args.pin)
+        desc = ck.describe()
+        print(json.dumps(desc, indent=1) if args.json else f"pin {ck.pin}\n{json.dumps(desc, indent=1)}")
+        return 0
+    from speckv.coder.calibrate import DEFAULT_CALIB_TOKENS, build_checkpoint
+    from speckv.coder.target import DEFAULT_TARGET, load_target
+
+    from .progress import steps
+
+    tokens = args.tokens or DEFAULT_CALIB_TOKENS
+    with steps(2) as step:
+        step("loading target")
+        target = load_target(args.target)
+        step(f"calibrating on {tokens} tokens of {args.calib}")
+        source = "embedded" if args.target == DEFAULT_TARGET else "path"
+        pin = build_checkpoint(target, Path(args.calib), Path(args.out), tokens=tokens,
+                               derive_weights=args.derive_weights, source=source)
+    print(pin)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    summary = run_demo(args.target, args.predictor, args.pin, quiet=args.json)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        _print_table("speckv demo", list(summary.items()))
+    return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "demo": cmd_demo, "entropy": cmd_entropy, "predictor": cmd_predictor,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from speckv.coder.errors import SpeckvError
+
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return COMMANDS[args.cmd](args)
+    except (SpeckvError, FileNotFoundError) as e:
+        print(f"speckv: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,400 @@
+"""Wire container for speckv compressed KV caches (format version 1).
+
+The byte layout is specified field by field in ``coder/FORMAT.md``. This module
+only frames and validates; it knows nothing about rANS or the predictor.
+
+Lifecycle. Writing: build one :class:`StreamHeader` (validated on construction);
+code the KV tensor chunk by chunk (``header.chunk_layers(i)`` and
+``header.chunk_blocks(i)`` give each chunk's extent); wrap each result in a
+:class:`Chunk`; emit ``pack_header(h)`` then ``pack_chunk(c)`` for ``i = 0 ..
+h.n_chunks - 1`` (or ``pack_stream(h, chunks)``). Reading: ``unpack_header(buf)``
+returns the header and its size; ``unpack_chunk(buf[off:], header)`` is then called
+``header.n_chunks`` times, each returning a chunk validated against the header and
+its size (or ``unpack_stream(buf)``, which also rejects trailing bytes). The caller
+then checks pin, prompt digest and mu fingerprint, decodes, and checks ``raw_digest``.
+
+Malformed input raises :class:`FormatError` (or its subclasses :class:`TruncatedError`
+and :class:`ChecksumError`) and nothing else. Sizes are checked against the bytes
+present, the CRC and the global limits ``MAX_CHUNK_BYTES``, ``MAX_ELEMENTS`` and
+``MAX_AUX_BYTES`` (read at call time, so an application may change them) before
+anything is allocated. A non-bytes-like ``buf`` is a programming error (TypeError).
+"""
+
+from __future__ import annotations
+
+import operator
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Iterable, Union
+
+import numpy as np
+
+from .errors import SpeckvError
+
+__all__ = ["FormatError", "TruncatedError", "ChecksumError", "StreamHeader", "Chunk",
+           "pack_header", "unpack_header", "pack_chunk", "unpack_chunk", "pack_stream",
+           "unpack_stream", "DTYPE_BF16", "DTYPE_FP8", "LANES", "FORMAT_VERSION", "MAGIC",
+           "CHUNK_MAGIC", "HEADER_LEN", "CHUNK_OVERHEAD", "MAX_CHUNK_BYTES",
+           "MAX_ELEMENTS", "MAX_AUX_BYTES"]
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+DTYPE_BF16 = 1
+DTYPE_FP8 = 2
+LANES = 32
+FORMAT_VERSION = 1
+MAGIC = b"SPKV"
+CHUNK_MAGIC = b"SPKC"
+
+MAX_CHUNK_BYTES = 1 << 30
+MAX_ELEMENTS = 1 << 40
+MAX_AUX_BYTES = 1 << 20
+
+_HEADER = struct.Struct("<4sHHBB32s5I32sHIHI")  # everything but the crc
+_CHUNK = struct.Struct("<4sQIIIII16s16sI")  # fixed part, up to aux_len
+_U32 = struct.Struct("<I")
+HEADER_LEN = _HEADER.size + 4  # 110
+CHUNK_OVERHEAD = _CHUNK.size + 4  # 72: fixed part plus crc
+_BLOCK_BYTES = LANES * 4 + 4  # states plus word_count per block
+_U16_MAX, _U32_MAX = 0xFFFF, 0xFFFFFFFF
+
+
+class FormatError(SpeckvError, ValueError):
+    """The bytes (or the values to be written) do not form a valid stream."""
+
+
+class TruncatedError(FormatError):
+    """The input ends before the record it describes does."""
+
+
+class ChecksumError(FormatError):
+    """A record's CRC-32 does not match its contents."""
+
+
+def _uint(name: str, value: object, lo: int, hi: int) -> int:
+    if isinstance(value, bool):
+        raise FormatError(f"{name} must be an integer, got bool")
+    try:
+        v = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise FormatError(f"{name} must be an int, not {type(value).__name__}") from None
+    if not lo <= v <= hi:
+        raise FormatError(f"{name}={v} outside [{lo}, {hi}]")
+    return v
+
+
+def _digest(name: str, value: object, size: int) -> bytes:
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise FormatError(f"{name} must be bytes, got {type(value).__name__}")
+    b = bytes(value)
+    if len(b) != size:
+        raise FormatError(f"{name} must be {size} bytes, got {len(b)}")
+    return b
+
+
+def _need(buf: memoryview, n: int, what: str) -> None:
+    if len(buf) < n:
+        raise TruncatedError(f"{what}: need {n} bytes, have {len(buf)}")
+
+
+def _check_magic(buf: memoryview, magic: bytes, what: str) -> None:
+    head = bytes(buf[: len(magic)])
+    if head != magic[: len(head)]:
+        raise FormatError(f"{what}: bad magic {head!r}")
+    _need(buf, len(magic), what)
+
+
+def _check_crc(body: memoryview, stored: int, what: str) -> None:
+    actual = zlib.crc32(body)
+    if actual != stored:
+        raise ChecksumError(f"{what}: crc32 {stored:#010x} != computed {actual:#010x}")
+
+
+@dataclass(frozen=True)
+class StreamHeader:
+    """Stream-wide parameters; every field is validated on construction."""
+
+    dtype: int
+    model: int
+    pin: bytes
+    shape: tuple[int, int, int, int, int]
+    prompt_digest: bytes
+    elems_per_lane: int
+    layers_per_chunk: int
+
+    def __post_init__(self) -> None:
+        s = object.__setattr__
+        s(self, "dtype", _uint("dtype", self.dtype, 1, 2))
+        s(self, "model", _uint("model", self.model, 1, 255))
+        s(self, "pin", _digest("pin", self.pin, 32))
+        s(self, "prompt_digest", _digest("prompt_digest", self.prompt_digest, 32))
+        s(self, "shape", _check_shape(self.shape))
+        s(self, "elems_per_lane", _uint("elems_per_lane", self.elems_per_lane, 1, _U32_MAX))
+        s(self, "layers_per_chunk", _uint("layers_per_chunk", self.layers_per_chunk, 1, _U16_MAX))
+        if self.chunk_blocks(0) > _U32_MAX:
+            raise FormatError("blocks per chunk do not fit in u32")
+
+    @property
+    def n_chunks(self) -> int:
+        return -(-self.shape[0] // self.layers_per_chunk)
+
+    @property
+    def block_elements(self) -> int:
+        """Elements per block: ``LANES * elems_per_lane``."""
+        return LANES * self.elems_per_lane
+
+    def chunk_layers(self, index: int) -> tuple[int, int]:
+        """``(layer_start, layer_count)`` of chunk ``index``; FormatError if out of range."""
+        if not 0 <= index < self.n_chunks:
+            raise FormatError(f"chunk index {index} outside [0, {self.n_chunks})")
+        start = index * self.layers_per_chunk
+        return start, min(self.layers_per_chunk, self.shape[0] - start)
+
+    def chunk_elements(self, index: int) -> int:
+        _, count = self.chunk_layers(index)
+        _, two, heads, tokens, dim = self.shape
+        return count * two * heads * tokens * dim
+
+    def chunk_blocks(self, index: int) -> int:
+        return -(-self.chunk_elements(index) // self.block_elements)
+
+
+def _check_shape(shape: object) -> tuple[int, int, int, int, int]:
+    try:
+        items = tuple(shape)  # type: ignore[arg-type]
+    except TypeError:
+        raise FormatError("shape must be a sequence of 5 integers") from None
+    if len(items) != 5:
+        raise FormatError(f"shape must have 5 dims, got {len(items)}")
+    names = ("layers", "shape[1]", "kv_heads", "tokens", "head_dim")
+    dims = tuple(_uint(n, v, 0 if n == "tokens" else 1, _U32_MAX)
+                 for n, v in zip(names, items))
+    if dims[1] != 2:
+        raise FormatError(f"shape[1] must be 2 (K and V), got {dims[1]}")
+    total = dims[0] * dims[1] * dims[2] * dims[3] * dims[4]
+    if total > MAX_ELEMENTS:
+        raise FormatError(f"{total} elements exceed MAX_ELEMENTS={MAX_ELEMENTS}")
+    return dims  # type: ignore[return-value]
+
+
+def _uint_array(name: str, value: object, dtype: type, ndim: int) -> np.ndarray:
+    """Validate ``value`` as a non-negative integer array fitting ``dtype``; return it
+    as a C-contiguous native ``dtype`` array that owns its data (copying if needed)."""
+    arr = np.asarray(value)
+    if arr.size == 0:
+        arr = arr.astype(dtype)
+    if arr.dtype.kind not in "ui":
+        raise FormatError(f"{name} must be an unsigned integer array, got {arr.dtype}")
+    if arr.ndim != ndim:
+        raise FormatError(f"{name} must have {ndim} dims, got shape {arr.shape}")
+    if arr.dtype == dtype and arr.flags.c_contiguous and arr.flags.owndata:
+        return arr
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > np.iinfo(dtype).max):
+        raise FormatError(f"{name} values outside [0, {np.iinfo(dtype).max}]")
+    return np.array(arr, dtype=dtype, copy=True, order="C")
+
+
+@dataclass(frozen=True, eq=False)
+class Chunk:
+    """One coded chunk; validated on construction (not against a header: see
+    ``pack_stream``/``unpack_chunk``). Arrays are normalised to C-contiguous native
+    arrays owning their data (copied unless already so): ``states`` uint32
+    ``(n_blocks, LANES)`` (a flat block-major array is reshaped), ``word_counts``
+    uint32 ``(n_blocks,)``, ``words`` uint16 ``(sum(word_counts),)``."""
+
+    index: int
+    layer_start: int
+    layer_count: int
+    steps: int
+    mu_fingerprint: bytes
+    raw_digest: bytes
+    aux: bytes
+    states: np.ndarray
+    word_counts: np.ndarray
+    words: np.ndarray
+
+    def __post_init__(self) -> None:
+        s = object.__setattr__
+        for name in ("index", "layer_start", "layer_count", "steps"):
+            s(self, name, _uint(name, getattr(self, name), 0, _U32_MAX))
+        s(self, "mu_fingerprint", _digest("mu_fingerprint", self.mu_fingerprint, 16))
+        s(self, "raw_digest", _digest("raw_digest", self.raw_digest, 16))
+        if not isinstance(self.aux, (bytes, bytearray, memoryview)):
+            raise FormatError("aux must be bytes")
+        s(self, "aux", bytes(self.aux))
+        if len(self.aux) > MAX_AUX_BYTES:
+            raise FormatError(f"aux of {len(self.aux)} bytes exceeds MAX_AUX_BYTES")
+        s(self, "word_counts", _uint_array("word_counts", self.word_counts, np.uint32, 1))
+        states = np.asarray(self.states)
+        if states.ndim == 1 and states.size == self.n_blocks * LANES:
+            states = states.reshape(self.n_blocks, LANES)  # flat block-major form
+        s(self, "states", _uint_array("states", states, np.uint32, 2))
+        s(self, "words", _uint_array("words", self.words, np.uint16, 1))
+        if self.states.shape != (self.n_blocks, LANES):
+            raise FormatError(f"states shape {self.states.shape} != ({self.n_blocks}, {LANES})")
+        if int(self.word_counts.sum(dtype=np.uint64)) != self.words.size:
+            raise FormatError("sum(word_counts) != len(words)")
+        if self.n_blocks > _U32_MAX:
+            raise FormatError("n_blocks does not fit in u32")
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.word_counts)
+
+    @property
+    def record_len(self) -> int:
+        """Size in bytes of this chunk's packed record."""
+        return CHUNK_OVERHEAD + len(self.aux) + _BLOCK_BYTES * self.n_blocks + 2 * self.words.size
+
+    def block_words(self, block: int) -> np.ndarray:
+        """The u16 words of block ``block`` (a view into ``words``)."""
+        if not 0 <= block < self.n_blocks:
+            raise IndexError(block)
+        start = int(self.word_counts[:block].sum(dtype=np.uint64))
+        return self.words[start: start + int(self.word_counts[block])]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Chunk):
+            return NotImplemented
+        pairs = ((getattr(self, f), getattr(other, f)) for f in self.__dataclass_fields__)
+        return all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b for a, b in pairs)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def pack_header(h: StreamHeader) -> bytes:
+    """Serialise ``h`` into its 110-byte header record."""
+    body = _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_LEN, h.dtype, h.model, h.pin,
+                        *h.shape, h.prompt_digest, LANES, h.elems_per_lane,
+                        h.layers_per_chunk, h.n_chunks)
+    return body + _U32.pack(zlib.crc32(body))
+
+
+def unpack_header(buf: Buffer) -> tuple[StreamHeader, int]:
+    """Parse and validate a header record at the start of ``buf``.
+
+    Returns the header and the number of bytes consumed (``HEADER_LEN``)."""
+    mv = memoryview(buf).cast("B")
+    _check_magic(mv, MAGIC, "header")
+    _need(mv, 8, "header")
+    version, header_len = struct.unpack_from("<HH", mv, 4)
+    if version != FORMAT_VERSION:
+        raise FormatError(f"unsupported format version {version}")
+    if header_len != HEADER_LEN:
+        raise FormatError(f"header_len {header_len} != {HEADER_LEN}")
+    _need(mv, HEADER_LEN, "header")
+    _check_crc(mv[: _HEADER.size], _U32.unpack_from(mv, _HEADER.size)[0], "header")
+    f = _HEADER.unpack_from(mv)
+    dtype, model, pin, shape, digest = f[3], f[4], f[5], f[6:11], f[11]
+    lanes, epl, lpc, n_chunks = f[12:16]
+    if lanes != LANES:
+        raise FormatError(f"lanes {lanes} != {LANES}")
+    h = StreamHeader(dtype=dtype, model=model, pin=pin, shape=shape, prompt_digest=digest,
+                     elems_per_lane=epl, layers_per_chunk=lpc)
+    if n_chunks != h.n_chunks:
+        raise FormatError(f"n_chunks {n_chunks} != ceil(layers/layers_per_chunk) {h.n_chunks}")
+    return h, HEADER_LEN
+
+
+def pack_chunk(c: Chunk) -> bytes:
+    """Serialise ``c`` into a chunk record (not checked against any header)."""
+    if c.record_len > MAX_CHUNK_BYTES:
+        raise FormatError(f"record of {c.record_len} bytes exceeds MAX_CHUNK_BYTES")
+    fixed = _CHUNK.pack(CHUNK_MAGIC, c.record_len, c.index, c.layer_start, c.layer_count,
+                        c.n_blocks, c.steps, c.mu_fingerprint, c.raw_digest, len(c.aux))
+    body = b"".join((fixed, c.aux, c.states.astype("<u4").tobytes(),
+                     c.word_counts.astype("<u4").tobytes(), c.words.astype("<u2").tobytes()))
+    return body + _U32.pack(zlib.crc32(body))
+
+
+def _check_against_header(i: int, layers: tuple[int, int], n_blocks: int, steps: int,
+                          header: StreamHeader) -> None:
+    """Chunk-vs-header rules of FORMAT.md (index, layer range, n_blocks, steps)."""
+    if layers != header.chunk_layers(i):
+        raise FormatError(f"chunk {i}: layers {layers} != header's {header.chunk_layers(i)}")
+    if n_blocks != header.chunk_blocks(i):
+        raise FormatError(f"chunk {i}: n_blocks {n_blocks} != header's {header.chunk_blocks(i)}")
+    if steps > 16 * header.elems_per_lane or (n_blocks == 0 and steps != 0):
+        raise FormatError(f"chunk {i}: steps {steps} invalid for {n_blocks} blocks "
+                          f"of {header.elems_per_lane} elements per lane")
+
+
+def _read_record(mv: memoryview) -> memoryview:
+    """Steps 1-3 of the reader order: magic, record_len bounds, crc."""
+    _check_magic(mv, CHUNK_MAGIC, "chunk")
+    _need(mv, 12, "chunk")
+    (record_len,) = struct.unpack_from("<Q", mv, 4)
+    if record_len < CHUNK_OVERHEAD:
+        raise FormatError(f"chunk record_len {record_len} < {CHUNK_OVERHEAD}")
+    if record_len > MAX_CHUNK_BYTES:
+        raise FormatError(f"chunk record_len {record_len} exceeds MAX_CHUNK_BYTES")
+    _need(mv, record_len, "chunk")
+    rec = mv[:record_len]
+    _check_crc(rec[:-4], _U32.unpack_from(rec, record_len - 4)[0], "chunk")
+    return rec
+
+
+def _array(rec: memoryview, offset: int, count: int, wire: str, native: type,
+           shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """Owned native-endian copy of ``count`` little-endian items at ``offset``."""
+    a = np.frombuffer(rec, dtype=wire, count=count, offset=offset)
+    return a.reshape(shape if shape is not None else (count,)).astype(native)
+
+
+def unpack_chunk(buf: Buffer, header: StreamHeader) -> tuple[Chunk, int]:
+    """Parse a chunk record at the start of ``buf`` and validate it against
+    ``header``. Returns the chunk and the number of bytes consumed."""
+    rec = _read_record(memoryview(buf).cast("B"))
+    (_, record_len, index, layer_start, layer_count, n_blocks, steps, mu, raw,
+     aux_len) = _CHUNK.unpack_from(rec)
+    _check_against_header(index, (layer_start, layer_count), n_blocks, steps, header)
+    if aux_len > MAX_AUX_BYTES:
+        raise FormatError(f"aux_len {aux_len} exceeds MAX_AUX_BYTES")
+    s_off = _CHUNK.size + aux_len
+    w_off = s_off + 4 * LANES * n_blocks
+    d_off = w_off + 4 * n_blocks
+    if d_off + 4 > record_len:
+        raise FormatError(f"chunk {index}: counts need {d_off + 4} bytes > record_len")
+    word_counts = _array(rec, w_off, n_blocks, "<u4", np.uint32)
+    n_words = int(word_counts.sum(dtype=np.uint64))
+    if d_off + 2 * n_words + 4 != record_len:
+        raise FormatError(f"chunk {index}: record_len {record_len} disagrees with counts")
+    states = _array(rec, s_off, LANES * n_blocks, "<u4", np.uint32, (n_blocks, LANES))
+    chunk = Chunk(index=index, layer_start=layer_start, layer_count=layer_count, steps=steps,
+                  mu_fingerprint=mu, raw_digest=raw, aux=bytes(rec[_CHUNK.size:s_off]),
+                  states=states, word_counts=word_counts,
+                  words=_array(rec, d_off, n_words, "<u2", np.uint16))
+    return chunk, record_len
+
+
+def pack_stream(h: StreamHeader, chunks: Iterable[Chunk]) -> bytes:
+    """Header followed by all chunks; checks count, order and header consistency."""
+    parts = [pack_header(h)]
+    for i, c in enumerate(chunks):
+        if c.index != i:
+            raise FormatError(f"chunk at position {i} has index {c.index}")
+        _check_against_header(c.index, (c.layer_start, c.layer_count), c.n_blocks, c.steps, h)
+        parts.append(pack_chunk(c))
+    if len(parts) - 1 != h.n_chunks:
+        raise FormatError(f"got {len(parts) - 1} chunks, header needs {h.n_chunks}")
+    return b"".join(parts)
+
+
+def unpack_stream(buf: Buffer) -> tuple[StreamHeader, list[Chunk]]:
+    """Parse a whole stream: header, exactly ``n_chunks`` chunks in index
+    order, and no trailing bytes."""
+    mv = memoryview(buf).cast("B")
+    header, off = unpack_header(mv)
+    if header.n_chunks * CHUNK_OVERHEAD > len(mv) - off:
+        raise TruncatedError(f"{header.n_chunks} chunks cannot fit in {len(mv) - off} bytes")
+    chunks = []
+    for i in range(header.n_chunks):
+        chunk, used = unpack_chunk(mv[off:], header)
+        if chunk.index != i:
+            raise FormatError(f"chunk at position {i} has index {chunk.index}")
+        chunks.append(chunk)
+        off += used
+    if off != len(mv):
+        raise FormatError(f"{len(mv) - off} trailing bytes after the last chunk")
+    return header, chunks

