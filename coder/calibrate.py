@@ -10,7 +10,6 @@ weights. It writes the checkpoint and returns its pin.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -20,8 +19,9 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from .errors import CalibrationError
-from .predictor import (CALIB, CONFIG, FORMAT_NAME, FORMAT_VERSION, WEIGHTS, Calibration,
-                        fp8_state, sha256_file, state_digest, write_manifest)
+from .predictor import (CALIB, CONFIG, FORMAT_NAME, FORMAT_VERSION, TABLES, WEIGHTS, Calibration,
+                        fp8_state, save_npz_stable, sha256_file, state_digest, write_manifest)
+from .tables import SIGMA_ONE, build_tables
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -67,7 +67,9 @@ class ResidualStats:
         if (self.count == 0).any():
             raise CalibrationError("calibration left a channel without any finite residual")
         sigma2 = np.maximum(self.sum_r2 / self.count, SIGMA2_FLOOR)
-        return Calibration(sigma2=sigma2, hist_bf16=self.hist_bf16.copy(),
+        # NOTE: the one float log of the coder, taken here once and stored (pinned)
+        log2q = np.round(np.log2(sigma2) * (SIGMA_ONE / 2.0)).astype(np.int32)
+        return Calibration(sigma2=sigma2, sigma_log2_q=log2q, hist_bf16=self.hist_bf16.copy(),
                            hist_fp8=self.hist_fp8.copy(), mixture=MIXTURE, wide=WIDE)
 
 
@@ -120,7 +122,8 @@ def build_checkpoint(target: "Target", calib_text: Path, out: Path, *, tokens: i
     ids = target.tokenize(read_text(calib_text, chars=tokens * 16), tokens)
     calib = calibrate(target, lambda s: extract_kv(model, s), segments(ids, tokens, segment), progress)
     calib.save(out / CALIB)
-    files = {CALIB: sha256_file(out / CALIB), CONFIG: sha256_file(out / CONFIG)}
+    save_npz_stable(out / TABLES, build_tables(calib.mixture, calib.wide))
+    files = {name: sha256_file(out / name) for name in (CALIB, CONFIG, TABLES)}
     if not derive_weights:
         from safetensors.torch import save_file
 

@@ -15,9 +15,9 @@ then checks pin, prompt digest and mu fingerprint, decodes, and checks ``raw_dig
 
 Malformed input raises :class:`FormatError` (or its subclasses :class:`TruncatedError`
 and :class:`ChecksumError`) and nothing else. Sizes are checked against the bytes
-present, the CRC and the global limits ``MAX_CHUNK_BYTES``, ``MAX_ELEMENTS`` and
-``MAX_AUX_BYTES`` (read at call time, so an application may change them) before
-anything is allocated. A non-bytes-like ``buf`` is a programming error (TypeError).
+present, the CRC and the global limits ``MAX_CHUNK_BYTES``, ``MAX_ELEMENTS``,
+``MAX_AUX_BYTES`` and ``MAX_BITS_BYTES`` (read at call time, so an application may
+change them) before anything is allocated. A non-bytes-like ``buf`` is a TypeError.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ __all__ = ["FormatError", "TruncatedError", "ChecksumError", "StreamHeader", "Ch
            "pack_header", "unpack_header", "pack_chunk", "unpack_chunk", "pack_stream",
            "unpack_stream", "DTYPE_BF16", "DTYPE_FP8", "LANES", "FORMAT_VERSION", "MAGIC",
            "CHUNK_MAGIC", "HEADER_LEN", "CHUNK_OVERHEAD", "MAX_CHUNK_BYTES",
-           "MAX_ELEMENTS", "MAX_AUX_BYTES"]
+           "MAX_ELEMENTS", "MAX_AUX_BYTES", "MAX_BITS_BYTES"]
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -50,12 +50,14 @@ CHUNK_MAGIC = b"SPKC"
 MAX_CHUNK_BYTES = 1 << 30
 MAX_ELEMENTS = 1 << 40
 MAX_AUX_BYTES = 1 << 20
+MAX_BITS_BYTES = 1 << 30
 
 _HEADER = struct.Struct("<4sHHBB32s5I32sHIHI")  # everything but the crc
 _CHUNK = struct.Struct("<4sQIIIII16s16sI")  # fixed part, up to aux_len
 _U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
 HEADER_LEN = _HEADER.size + 4  # 110
-CHUNK_OVERHEAD = _CHUNK.size + 4  # 72: fixed part plus crc
+CHUNK_OVERHEAD = _CHUNK.size + 8 + 4  # 80: fixed part, bits_len and crc
 _BLOCK_BYTES = LANES * 4 + 4  # states plus word_count per block
 _U16_MAX, _U32_MAX = 0xFFFF, 0xFFFFFFFF
 
@@ -90,6 +92,16 @@ def _digest(name: str, value: object, size: int) -> bytes:
     b = bytes(value)
     if len(b) != size:
         raise FormatError(f"{name} must be {size} bytes, got {len(b)}")
+    return b
+
+
+def _blob(name: str, value: object, limit: int, limit_name: str) -> bytes:
+    """Validate a variable-length byte field; return it as an owned ``bytes``."""
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise FormatError(f"{name} must be bytes, got {type(value).__name__}")
+    b = bytes(value)
+    if len(b) > limit:
+        raise FormatError(f"{name} of {len(b)} bytes exceeds {limit_name}={limit}")
     return b
 
 
@@ -201,7 +213,8 @@ class Chunk:
     ``pack_stream``/``unpack_chunk``). Arrays are normalised to C-contiguous native
     arrays owning their data (copied unless already so): ``states`` uint32
     ``(n_blocks, LANES)`` (a flat block-major array is reshaped), ``word_counts``
-    uint32 ``(n_blocks,)``, ``words`` uint16 ``(sum(word_counts),)``."""
+    uint32 ``(n_blocks,)``, ``words`` uint16 ``(sum(word_counts),)``; ``aux`` and
+    ``bits`` (raw bit fields of the probability model) are normalised to ``bytes``."""
 
     index: int
     layer_start: int
@@ -213,6 +226,7 @@ class Chunk:
     states: np.ndarray
     word_counts: np.ndarray
     words: np.ndarray
+    bits: bytes
 
     def __post_init__(self) -> None:
         s = object.__setattr__
@@ -220,11 +234,8 @@ class Chunk:
             s(self, name, _uint(name, getattr(self, name), 0, _U32_MAX))
         s(self, "mu_fingerprint", _digest("mu_fingerprint", self.mu_fingerprint, 16))
         s(self, "raw_digest", _digest("raw_digest", self.raw_digest, 16))
-        if not isinstance(self.aux, (bytes, bytearray, memoryview)):
-            raise FormatError("aux must be bytes")
-        s(self, "aux", bytes(self.aux))
-        if len(self.aux) > MAX_AUX_BYTES:
-            raise FormatError(f"aux of {len(self.aux)} bytes exceeds MAX_AUX_BYTES")
+        s(self, "aux", _blob("aux", self.aux, MAX_AUX_BYTES, "MAX_AUX_BYTES"))
+        s(self, "bits", _blob("bits", self.bits, MAX_BITS_BYTES, "MAX_BITS_BYTES"))
         s(self, "word_counts", _uint_array("word_counts", self.word_counts, np.uint32, 1))
         states = np.asarray(self.states)
         if states.ndim == 1 and states.size == self.n_blocks * LANES:
@@ -245,7 +256,8 @@ class Chunk:
     @property
     def record_len(self) -> int:
         """Size in bytes of this chunk's packed record."""
-        return CHUNK_OVERHEAD + len(self.aux) + _BLOCK_BYTES * self.n_blocks + 2 * self.words.size
+        return (CHUNK_OVERHEAD + len(self.aux) + _BLOCK_BYTES * self.n_blocks
+                + 2 * self.words.size + len(self.bits))
 
     def block_words(self, block: int) -> np.ndarray:
         """The u16 words of block ``block`` (a view into ``words``)."""
@@ -304,7 +316,8 @@ def pack_chunk(c: Chunk) -> bytes:
     fixed = _CHUNK.pack(CHUNK_MAGIC, c.record_len, c.index, c.layer_start, c.layer_count,
                         c.n_blocks, c.steps, c.mu_fingerprint, c.raw_digest, len(c.aux))
     body = b"".join((fixed, c.aux, c.states.astype("<u4").tobytes(),
-                     c.word_counts.astype("<u4").tobytes(), c.words.astype("<u2").tobytes()))
+                     c.word_counts.astype("<u4").tobytes(), c.words.astype("<u2").tobytes(),
+                     _U64.pack(len(c.bits)), c.bits))
     return body + _U32.pack(zlib.crc32(body))
 
 
@@ -342,6 +355,18 @@ def _array(rec: memoryview, offset: int, count: int, wire: str, native: type,
     return a.reshape(shape if shape is not None else (count,)).astype(native)
 
 
+def _read_bits(rec: memoryview, b_off: int, index: int) -> bytes:
+    """Owned copy of the ``bits`` section whose u64 length is at ``b_off``."""
+    if b_off + 8 > len(rec) - 4:
+        raise FormatError(f"chunk {index}: record_len {len(rec)} leaves no room for bits_len")
+    (bits_len,) = _U64.unpack_from(rec, b_off)
+    if b_off + 8 + bits_len + 4 != len(rec):
+        raise FormatError(f"chunk {index}: record_len {len(rec)} disagrees with counts")
+    if bits_len > MAX_BITS_BYTES:
+        raise FormatError(f"chunk {index}: bits_len {bits_len} exceeds MAX_BITS_BYTES")
+    return bytes(rec[b_off + 8: b_off + 8 + bits_len])
+
+
 def unpack_chunk(buf: Buffer, header: StreamHeader) -> tuple[Chunk, int]:
     """Parse a chunk record at the start of ``buf`` and validate it against
     ``header``. Returns the chunk and the number of bytes consumed."""
@@ -354,17 +379,16 @@ def unpack_chunk(buf: Buffer, header: StreamHeader) -> tuple[Chunk, int]:
     s_off = _CHUNK.size + aux_len
     w_off = s_off + 4 * LANES * n_blocks
     d_off = w_off + 4 * n_blocks
-    if d_off + 4 > record_len:
-        raise FormatError(f"chunk {index}: counts need {d_off + 4} bytes > record_len")
+    if d_off + 8 + 4 > record_len:
+        raise FormatError(f"chunk {index}: counts need {d_off + 12} bytes > record_len")
     word_counts = _array(rec, w_off, n_blocks, "<u4", np.uint32)
     n_words = int(word_counts.sum(dtype=np.uint64))
-    if d_off + 2 * n_words + 4 != record_len:
-        raise FormatError(f"chunk {index}: record_len {record_len} disagrees with counts")
+    bits = _read_bits(rec, d_off + 2 * n_words, index)  # checks the length rule
     states = _array(rec, s_off, LANES * n_blocks, "<u4", np.uint32, (n_blocks, LANES))
     chunk = Chunk(index=index, layer_start=layer_start, layer_count=layer_count, steps=steps,
                   mu_fingerprint=mu, raw_digest=raw, aux=bytes(rec[_CHUNK.size:s_off]),
                   states=states, word_counts=word_counts,
-                  words=_array(rec, d_off, n_words, "<u2", np.uint16))
+                  words=_array(rec, d_off, n_words, "<u2", np.uint16), bits=bits)
     return chunk, record_len
 
 

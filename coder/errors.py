@@ -19,3 +19,19 @@ class PinMismatchError(CheckpointError):
 
 class CalibrationError(SpeckvError):
     """Calibration text is too short or yields no usable statistics."""
+
+
+class CodecError(SpeckvError):
+    """A stream cannot be decoded with this predictor and prompt."""
+
+
+class IntegrityError(CodecError):
+    """Decoded data failed its checksum or held symbols no encoder emits: corrupt stream."""
+
+
+class MuMismatchError(CodecError):
+    """The decoder's mu differs from the encoder's (other predictor, GPU or library build)."""
+
+
+class PromptMismatchError(CodecError):
+    """The prompt token ids differ from the ones the stream was encoded with."""

@@ -38,6 +38,7 @@ from .errors import CheckpointError, PinMismatchError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from .tables import CodingTables
     from .target import Target
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ MANIFEST = "manifest.json"
 CALIB = "calib.npz"
 WEIGHTS = "weights.safetensors"
 CONFIG = "config.json"
+TABLES = "tables.npz"
 FP8_SUFFIX = ".weight_fp8"  # e4m3 symbols of a linear weight, stored as uint8
 SCALE_SUFFIX = ".weight_scale"  # its fp32 per-output-channel scales
 
@@ -117,13 +119,15 @@ class Calibration:
     """Frozen statistics of the residual KV_target - mu (see ``calibrate``)."""
 
     sigma2: np.ndarray  # (layers, 2, kv_heads, head_dim) float64 residual variance
+    sigma_log2_q: np.ndarray  # same shape, int32: round(SIGMA_ONE * log2 sigma), for the coder
     hist_bf16: np.ndarray  # (65536,) int64 counts of target BF16 symbols
     hist_fp8: np.ndarray  # (256,) int64 counts of target e4m3 symbols
     mixture: tuple[float, float, float]  # weights of N(s), N(wide*s), empirical
     wide: float  # the wide Gaussian's sigma multiplier
 
     def save(self, path: Path) -> None:
-        arrays = {"sigma2": self.sigma2, "hist_bf16": self.hist_bf16, "hist_fp8": self.hist_fp8,
+        arrays = {"sigma2": self.sigma2, "sigma_log2_q": self.sigma_log2_q,
+                  "hist_bf16": self.hist_bf16, "hist_fp8": self.hist_fp8,
                   "mixture": np.asarray(self.mixture, np.float64), "wide": np.float64(self.wide)}
         save_npz_stable(path, arrays)
 
@@ -131,7 +135,8 @@ class Calibration:
     def load(cls, path: Path) -> "Calibration":
         try:
             with np.load(path, allow_pickle=False) as z:
-                return cls(sigma2=z["sigma2"].astype(np.float64), hist_bf16=z["hist_bf16"],
+                return cls(sigma2=z["sigma2"].astype(np.float64), sigma_log2_q=z["sigma_log2_q"].astype(np.int32),
+                           hist_bf16=z["hist_bf16"],
                            hist_fp8=z["hist_fp8"], mixture=tuple(float(v) for v in z["mixture"]),
                            wide=float(z["wide"]))
         except (OSError, KeyError, ValueError) as e:
@@ -146,6 +151,7 @@ class Checkpoint:
     pin: str
     manifest: dict[str, Any]
     calib: Calibration
+    tables: "CodingTables"
 
     @property
     def derived_weights(self) -> bool:
@@ -191,4 +197,11 @@ def load_checkpoint(path: str | Path, pin: str | None = None) -> Checkpoint:
         got = sha256_file(fpath)
         if got != digest:
             raise PinMismatchError(f"{fpath}: sha256 {got} does not match manifest {digest}")
-    return Checkpoint(path=path, pin=actual, manifest=manifest, calib=Calibration.load(path / CALIB))
+    from .tables import CodingTables
+
+    try:
+        tables = CodingTables.load(path / TABLES)
+    except (OSError, KeyError, ValueError) as e:
+        raise CheckpointError(f"bad coding tables in {path}: {e}") from e
+    return Checkpoint(path=path, pin=actual, manifest=manifest, calib=Calibration.load(path / CALIB),
+                      tables=tables)

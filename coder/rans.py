@@ -106,9 +106,17 @@ def _check_ops(start: np.ndarray, freq: np.ndarray) -> tuple[np.ndarray, np.ndar
     return start, freq
 
 
-def rans_encode(start: np.ndarray, freq: np.ndarray) -> RansBlocks:
-    """Encode ops ``(start, freq)``, each of shape (blocks, steps, LANES)."""
-    start, freq = _check_ops(start, freq)
+def rans_encode(start: np.ndarray, freq: np.ndarray, validate: bool = True) -> RansBlocks:
+    """Encode ops ``(start, freq)``, each of shape (blocks, steps, LANES).
+
+    ``validate=False`` skips the range checks for ops taken from verified tables
+    (shapes are still checked)."""
+    if validate:
+        start, freq = _check_ops(start, freq)
+    elif start.ndim != 3 or start.shape != freq.shape or start.shape[2] != LANES:
+        raise ValueError(f"start/freq must both have shape (blocks, steps, {LANES})")
+    else:
+        start, freq = start.astype(_U32, copy=False), freq.astype(_U32, copy=False)
     n_blocks, steps, _ = start.shape
     x = np.full((n_blocks, LANES), RANS_L, dtype=_U32)  # (blocks, LANES) states
     q = np.empty_like(x)  # scratch: x // freq, also x >> X_MAX_SHIFT
@@ -191,6 +199,12 @@ class RansDecoder:
         np.less(x, RANS_L, out=self._need)
         if self._need.any():
             self._renorm()
+        self.step += 1
+
+    def dec_skip(self) -> None:
+        """A step whose ops are all no-ops (start=0, freq=PROB_SCALE): state unchanged."""
+        if self.step >= self.steps:
+            raise RansDecodeError(f"all {self.steps} steps already decoded")
         self.step += 1
 
     def _renorm(self) -> None:

@@ -28,7 +28,8 @@ def make_header(shape=(3, 2, 2, 5, 4), epl=2, lpc=2, dtype=C.DTYPE_BF16, model=3
                         layers_per_chunk=lpc)
 
 
-def make_chunk(h: StreamHeader, i: int, aux=b"", seed=0, steps=None) -> Chunk:
+def make_chunk(h: StreamHeader, i: int, aux=b"", seed=0, steps=None, bits=None) -> Chunk:
+    """A valid chunk ``i`` of ``h``; ``bits=None`` draws 1..11 random bytes."""
     rng = np.random.default_rng(seed + 1000 * i)
     nb = h.chunk_blocks(i)
     counts = rng.integers(0, 6, nb, dtype=np.uint32)
@@ -38,12 +39,14 @@ def make_chunk(h: StreamHeader, i: int, aux=b"", seed=0, steps=None) -> Chunk:
                  mu_fingerprint=bytes([i + 1]) * 16, raw_digest=bytes([i + 2]) * 16, aux=aux,
                  states=rng.integers(0, 2**32, (nb, C.LANES), dtype=np.uint32),
                  word_counts=counts,
-                 words=rng.integers(0, 2**16, int(counts.sum()), dtype=np.uint16))
+                 words=rng.integers(0, 2**16, int(counts.sum()), dtype=np.uint16),
+                 bits=rng.bytes(int(rng.integers(1, 12))) if bits is None else bits)
 
 
-def make_stream(h=None, aux=b"\x01\x02"):
+def make_stream(h=None, aux=b"\x01\x02", bits=None):
     h = h or make_header()
-    return h, [make_chunk(h, i, aux=aux if i == 0 else b"") for i in range(h.n_chunks)]
+    return h, [make_chunk(h, i, aux=aux if i == 0 else b"", bits=bits)
+               for i in range(h.n_chunks)]
 
 
 def fix_crcs(buf: bytes) -> bytes:
@@ -71,8 +74,10 @@ def fix_crcs(buf: bytes) -> bytes:
     ((2, 2, 2, 64, 16), 4, 1),    # whole blocks
 ])
 @pytest.mark.parametrize("aux", [b"", b"\xff" * 300])
-def test_round_trip(shape, epl, lpc, aux):
-    h, chunks = make_stream(make_header(shape, epl, lpc), aux=aux)
+@pytest.mark.parametrize("bits", [None, b"", b"\x80" * 1000], ids=["rand", "empty", "1000"])
+def test_round_trip(shape, epl, lpc, aux, bits):
+    h, chunks = make_stream(make_header(shape, epl, lpc), aux=aux, bits=bits)
+    assert all(len(c.bits) > 0 for c in chunks) == (bits != b"")
     data = pack_stream(h, chunks)
     h2, chunks2 = unpack_stream(data)
     assert h2 == h and chunks2 == chunks
@@ -89,8 +94,8 @@ def test_round_trip(shape, epl, lpc, aux):
 
 
 def test_zero_token_chunks_are_minimal():
-    h, chunks = make_stream(make_header((4, 2, 1, 0, 8), 1, 3), aux=b"")
-    assert h.n_chunks == 2 and all(c.n_blocks == 0 for c in chunks)
+    h, chunks = make_stream(make_header((4, 2, 1, 0, 8), 1, 3), aux=b"", bits=b"")
+    assert h.n_chunks == 2 and all(c.n_blocks == 0 for c in chunks) and C.CHUNK_OVERHEAD == 80
     assert len(pack_stream(h, chunks)) == C.HEADER_LEN + 2 * C.CHUNK_OVERHEAD
 
 
@@ -104,6 +109,7 @@ def test_unpacked_arrays_are_owned_native():
         assert arr.flags.owndata and arr.flags.writeable and arr.flags.c_contiguous
         assert not np.shares_memory(arr, np.frombuffer(data, np.uint8))
     assert c.states.shape == (c.n_blocks, C.LANES)
+    assert type(c.bits) is bytes and type(c.aux) is bytes and c.bits == chunks[0].bits != b""
     data[:] = b"\0" * len(data)  # mutating the source leaves the chunk intact
     assert got == chunks
 
@@ -115,6 +121,15 @@ def test_block_words_and_flat_states():
     assert flat == c
     joined = np.concatenate([c.block_words(b) for b in range(c.n_blocks)])
     assert np.array_equal(joined, c.words)
+
+
+def test_bits_normalised_and_compared():
+    c = make_chunk(make_header(), 0, bits=b"\x01\x02")
+    for like in (bytearray(b"\x01\x02"), memoryview(b"\x01\x02")):
+        other = Chunk(**{**c.__dict__, "bits": like})
+        assert type(other.bits) is bytes and other == c
+    assert Chunk(**{**c.__dict__, "bits": b"\x01\x03"}) != c
+    assert Chunk(**{**c.__dict__, "bits": b""}).record_len == c.record_len - 2
 
 
 def test_header_properties():
@@ -133,17 +148,18 @@ GOLDEN = bytes.fromhex(
     "53504b5601006e000207000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d"
     # shape (1, 2, 1, 1, 2), prompt_digest 20..3f
     "1e1f0100000002000000010000000100000002000000202122232425262728292a2b2c2d2e2f3031"
-    # lanes 32, elems_per_lane 1, layers_per_chunk 1, n_chunks 1, crc | chunk: magic, len 212
-    "32333435363738393a3b3c3d3e3f200001000000010001000000459da7ec53504b43d40000000000"
+    # lanes 32, elems_per_lane 1, layers_per_chunk 1, n_chunks 1, crc | chunk: magic, len 223
+    "32333435363738393a3b3c3d3e3f200001000000010001000000459da7ec53504b43df0000000000"
     # index 0, layer_start 0, layer_count 1, n_blocks 1, steps 1, mu 11.., raw 22..
     "00000000000000000000010000000100000001000000111111111111111111111111111111112222"
     # aux_len 2, aux abcd, states 0x10000 + lane
     "222222222222222222222222222202000000abcd0000010001000100020001000300010004000100"
     "05000100060001000700010008000100090001000a0001000b0001000c0001000d0001000e000100"
     "0f000100100001001100010012000100130001001400010015000100160001001700010018000100"
-    # word_counts [3], words 1234 5678 9abc, crc
-    "190001001a0001001b0001001c0001001d0001001e0001001f0001000300000034127856bc9a36f1"
-    "0602")
+    # word_counts [3], words 1234 5678 9abc, bits_len 3 (u64)
+    "190001001a0001001b0001001c0001001d0001001e0001001f0001000300000034127856bc9a0300"
+    # bits a5 0f 80, crc
+    "000000000000a50f802dc5ac7b")
 
 
 def golden_objects():
@@ -152,7 +168,7 @@ def golden_objects():
     c = Chunk(index=0, layer_start=0, layer_count=1, steps=1, mu_fingerprint=b"\x11" * 16,
               raw_digest=b"\x22" * 16, aux=b"\xab\xcd",
               states=(0x10000 + np.arange(32, dtype=np.uint32))[None, :],
-              word_counts=[3], words=[0x1234, 0x5678, 0x9ABC])
+              word_counts=[3], words=[0x1234, 0x5678, 0x9ABC], bits=b"\xa5\x0f\x80")
     return h, c
 
 
@@ -166,13 +182,22 @@ def test_golden_bytes():
     assert struct.unpack_from("<HIHI", GOLDEN, 94) == (32, 1, 1, 1)
     assert struct.unpack_from("<I", GOLDEN, 106)[0] == zlib.crc32(GOLDEN[:106])
     rec = GOLDEN[110:]
-    assert rec[:4] == b"SPKC" and struct.unpack_from("<Q", rec, 4)[0] == len(rec) == 212
+    # 80 + aux_len 2 + 132 * 1 block + 2 * 3 words + bits_len 3
+    assert rec[:4] == b"SPKC" and struct.unpack_from("<Q", rec, 4)[0] == len(rec) == 223
     assert struct.unpack_from("<5I", rec, 12) == (0, 0, 1, 1, 1)
+    assert rec[32:48] == b"\x11" * 16 and rec[48:64] == b"\x22" * 16
     assert struct.unpack_from("<I", rec, 64)[0] == 2 and rec[68:70] == b"\xab\xcd"
-    assert struct.unpack_from("<I", rec, 70)[0] == 0x10000
-    assert struct.unpack_from("<I", rec, 70 + 128)[0] == 3
-    assert struct.unpack_from("<3H", rec, 70 + 132) == (0x1234, 0x5678, 0x9ABC)
-    assert struct.unpack_from("<I", rec, 208)[0] == zlib.crc32(rec[:208])
+    s_off = 70
+    assert struct.unpack_from("<32I", rec, s_off) == tuple(range(0x10000, 0x10020))
+    w_off = s_off + 128
+    assert struct.unpack_from("<I", rec, w_off)[0] == 3
+    d_off = w_off + 4
+    assert struct.unpack_from("<3H", rec, d_off) == (0x1234, 0x5678, 0x9ABC)
+    b_off = d_off + 2 * 3
+    assert b_off == 208 and struct.unpack_from("<Q", rec, b_off)[0] == 3
+    assert rec[b_off + 8:b_off + 11] == b"\xa5\x0f\x80"
+    assert b_off + 11 == 219 == len(rec) - 4
+    assert struct.unpack_from("<I", rec, 219)[0] == zlib.crc32(rec[:219])
 
 
 # ----------------------------------------------------- corruption, truncation
@@ -267,16 +292,19 @@ def _patched_chunk(fields: dict, tail: bytes = b"", record_len=None) -> bytes:
     return body + struct.pack("<I", zlib.crc32(body))
 
 
-def _fast_and_small(fn, exc=FormatError):
+def _fast_and_small(fn, exc=FormatError, match=None):
+    """``fn`` raises ``exc`` (never a ChecksumError: the crcs are valid) in under
+    a second with under 1 MiB of peak allocation."""
     tracemalloc.start()
     t0 = time.perf_counter()
     try:
-        with pytest.raises(exc):
+        with pytest.raises(exc, match=match) as ei:
             fn()
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     assert time.perf_counter() - t0 < 1.0 and peak < 1 << 20
+    assert not isinstance(ei.value, ChecksumError)
 
 
 def test_lying_sizes_fail_fast_without_allocating():
@@ -294,10 +322,10 @@ def test_lying_sizes_fail_fast_without_allocating():
         _fast_and_small(lambda: unpack_chunk(rec, big))
     _fast_and_small(lambda: unpack_chunk(_patched_chunk({}, record_len=2**29), big),
                     TruncatedError)
-    # word_counts claiming 2**32-1 words each with an exactly consistent crc'd record
+    # word_counts claiming 2**32-1 words, in a crc'd record with room for bits_len
     small = make_header((1, 2, 1, 1, 2), epl=1, lpc=1)
-    lie = _patched_chunk({}, b"\0" * 128 + b"\xff\xff\xff\xff")
-    _fast_and_small(lambda: unpack_chunk(lie, small))
+    lie = _patched_chunk({}, b"\0" * 128 + b"\xff\xff\xff\xff" + bytes(8))
+    _fast_and_small(lambda: unpack_chunk(lie, small), match="bits_len")
     # header: more elements than MAX_ELEMENTS; n_chunks of 2**32-1 empty chunks
     hdr = bytearray(pack_header(small))
     struct.pack_into("<5I", hdr, 42, 2**32 - 1, 2, 2**32 - 1, 2**32 - 1, 2**32 - 1)
@@ -307,6 +335,47 @@ def test_lying_sizes_fail_fast_without_allocating():
     _fast_and_small(lambda: unpack_stream(fix_crcs(bytes(hdr))), TruncatedError)
 
 
+_SMALL = make_header((1, 2, 1, 1, 2), epl=1, lpc=1)  # one chunk of one block
+
+
+def _bits_chunk(bits_len: int, after: bytes = b"", n_words: int = 0) -> bytes:
+    """A crc-valid record of ``_SMALL``: one block of zero states, ``n_words``
+    words, then the u64 ``bits_len`` and the bytes ``after`` (not counted by it)."""
+    tail = (bytes(128) + struct.pack("<I", n_words) + bytes(2 * n_words)
+            + struct.pack("<Q", bits_len) + after)
+    return _patched_chunk({}, tail)
+
+
+@pytest.mark.parametrize("bits_len,after", [
+    (2**64 - 1, b""), (2**63, b"xyz"), (2**30, b""), (2**30 + 1, b"ab"),
+    (2**32 + 3, b"abc"),  # agrees with the record modulo 2**32
+    (4, b"abc"), (2, b"abc"), (0, b"\0"),  # off by one either way
+])
+def test_lying_bits_len_fails_fast_without_allocating(bits_len, after):
+    rec = _bits_chunk(bits_len, after)
+    _fast_and_small(lambda: unpack_chunk(rec, _SMALL), match="bits_len|disagrees")
+    _fast_and_small(lambda: unpack_stream(pack_header(_SMALL) + rec),
+                    match="bits_len|disagrees")
+
+
+def test_bits_len_must_lie_inside_the_record():
+    ok = _bits_chunk(3, b"abc", n_words=2)
+    assert unpack_chunk(ok, _SMALL)[0].bits == b"abc"
+    # the pre-bits layout (no bits_len; words run up to the crc) and records in which
+    # the words leave fewer than 8 bytes before the crc are rejected before reading it
+    for n_words in (1, 2, 3, 4, 5, 2**32 - 1):
+        body = bytes(128) + struct.pack("<I", n_words) + bytes(2 * 2 + 4)
+        _fast_and_small(lambda: unpack_chunk(_patched_chunk({}, body), _SMALL),
+                        match="no room for bits_len")
+    # n_blocks = 0 (tokens == 0): bits_len follows aux directly
+    empty = make_header((1, 2, 1, 0, 2), epl=1, lpc=1)
+    rec = _patched_chunk({"n_blocks": 0, "steps": 0, "aux_len": 1},
+                         b"\x07" + struct.pack("<Q", 2) + b"\x01\x02")
+    assert unpack_chunk(rec, empty)[0].bits == b"\x01\x02"
+    _fast_and_small(lambda: unpack_chunk(_patched_chunk(
+        {"n_blocks": 0, "steps": 0, "aux_len": 1}, b"\x07" + bytes(7)), empty))
+
+
 def test_limits_are_configurable(monkeypatch):
     h, c = golden_objects()
     monkeypatch.setattr(C, "MAX_CHUNK_BYTES", 200)
@@ -314,6 +383,19 @@ def test_limits_are_configurable(monkeypatch):
         unpack_stream(GOLDEN)
     with pytest.raises(FormatError):
         pack_chunk(c)
+    monkeypatch.setattr(C, "MAX_CHUNK_BYTES", 222)  # only the 3 bits bytes push it over
+    with pytest.raises(FormatError, match="MAX_CHUNK_BYTES"):
+        pack_chunk(c)
+    with pytest.raises(FormatError, match="MAX_CHUNK_BYTES"):
+        unpack_stream(GOLDEN)
+    monkeypatch.setattr(C, "MAX_CHUNK_BYTES", 223)
+    assert unpack_stream(GOLDEN) == (h, [c])
+    monkeypatch.setattr(C, "MAX_BITS_BYTES", 2)
+    with pytest.raises(FormatError, match="MAX_BITS_BYTES"):
+        unpack_stream(GOLDEN)
+    with pytest.raises(FormatError, match="MAX_BITS_BYTES"):
+        Chunk(**{**c.__dict__})
+    assert Chunk(**{**c.__dict__, "bits": b"\0\0"}).bits == b"\0\0"
     monkeypatch.setattr(C, "MAX_ELEMENTS", 3)
     with pytest.raises(FormatError, match="MAX_ELEMENTS"):
         make_header((1, 2, 1, 1, 2))
@@ -368,11 +450,13 @@ def test_header_validation(kw):
     {"states": np.zeros((2, 32), np.uint32)}, {"states": -np.ones((1, 32), np.int64)},
     {"states": np.full((1, 32), 2**32, np.int64)}, {"states": np.zeros((1, 32))},
     {"word_counts": [2]}, {"word_counts": [[1]]}, {"words": [70000]}, {"words": [1, 2]},
+    {"bits": "text"}, {"bits": None}, {"bits": [1, 2]}, {"bits": np.zeros(2, np.uint8)},
+    {"bits": 3},
 ])
 def test_chunk_validation(kw):
     base = dict(index=0, layer_start=0, layer_count=1, steps=1, mu_fingerprint=b"\0" * 16,
                 raw_digest=b"\0" * 16, aux=b"", states=np.zeros((1, 32), np.uint32),
-                word_counts=[1], words=[5])
+                word_counts=[1], words=[5], bits=b"")
     Chunk(**base)
     with pytest.raises(FormatError):
         Chunk(**{**base, **kw})
@@ -429,9 +513,10 @@ def test_fuzz_mutations(mutations, recrc):
 
 @FAST
 @given(st.integers(1, 6), st.integers(1, 3), st.integers(0, 9), st.integers(1, 9),
-       st.integers(1, 70), st.integers(1, 7), st.binary(max_size=40), st.integers(0, 99))
-def test_fuzz_round_trip(layers, heads, tokens, dim, epl, lpc, aux, seed):
+       st.integers(1, 70), st.integers(1, 7), st.binary(max_size=40), st.integers(0, 99),
+       st.binary(max_size=40))
+def test_fuzz_round_trip(layers, heads, tokens, dim, epl, lpc, aux, seed, bits):
     h = make_header((layers, 2, heads, tokens, dim), epl, lpc, dtype=1 + seed % 2,
                     model=1 + seed)
-    chunks = [make_chunk(h, i, aux=aux, seed=seed) for i in range(h.n_chunks)]
+    chunks = [make_chunk(h, i, aux=aux, seed=seed, bits=bits[i:]) for i in range(h.n_chunks)]
     assert unpack_stream(pack_stream(h, chunks)) == (h, chunks)

@@ -1,0 +1,325 @@
+"""The codec: a KV cache + its prompt <-> container records, bit-exact.
+
+Lifecycle::
+
+    codec = Codec.from_predictor(predictor)          # tables + sigma from the pinned checkpoint
+    records = list(codec.encode(kv, ids))            # header record, then one per chunk
+    kv_back = codec.decode(records, ids)             # checks pin, prompt, mu, checksums
+
+``kv`` is BF16 ``(layers, 2, kv_heads, tokens, head_dim)`` or :class:`Fp8KV`
+(e4m3 codes + one fp32 scale per (layer, kv)). mu comes from the predictor on
+``ids`` unless given. Chunks group ``layers_per_chunk`` layers; each holds
+whole rANS blocks of ``LANES * elems_per_lane`` elements, so it decodes on its
+own. The numpy path codes many chunks in one vectorised pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+
+import numpy as np
+
+from . import container as ct
+from .errors import IntegrityError, MuMismatchError, PinMismatchError, PromptMismatchError
+from .model import BF16, E4M3, FP32, MODEL_SEED_MIXTURE, Context, FloatFormat
+from .model import context, desymbolize, fp8_log2_sigma, symbolize
+from .rans import LANES, PROB_SCALE, RansBlocks, RansDecoder, rans_encode
+from .tables import NOOP_TABLE, CodingTables
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from .predict import Predictor
+
+logger = logging.getLogger(__name__)
+
+DIGEST_BYTES = 16  # blake2b digest size of mu fingerprints and raw checksums
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """Stream geometry; validated at construction."""
+
+    elems_per_lane: int = 1024  # rANS ops per lane; 32 * this elements per block
+    layers_per_chunk: int = 2
+    threads: int = field(default_factory=lambda: min(2, os.cpu_count() or 1))  # numpy releases the GIL
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.elems_per_lane <= 1 << 16:
+            raise ValueError(f"elems_per_lane must be in [1, 65536], not {self.elems_per_lane}")
+        if not 1 <= self.layers_per_chunk <= 0xFFFF:
+            raise ValueError(f"layers_per_chunk must be in [1, 65535], not {self.layers_per_chunk}")
+        if not 1 <= self.threads <= 64:
+            raise ValueError(f"threads must be in [1, 64], not {self.threads}")
+
+
+@dataclass
+class Fp8KV:
+    """An FP8 KV cache: e4m3 codes and their per-(layer, kv) fp32 scales."""
+
+    codes: np.ndarray  # (layers, 2, kv_heads, tokens, head_dim) uint8
+    scales: np.ndarray  # (layers, 2) float32
+
+
+def digest(*parts: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    for p in parts:
+        h.update(p)
+    return h.digest()
+
+
+def prompt_digest(ids: np.ndarray) -> bytes:
+    return hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).digest()
+
+
+def bf16_bits(t: "torch.Tensor | np.ndarray") -> np.ndarray:
+    """A BF16 tensor's bit patterns as uint16 numpy (numpy uint16 passes through)."""
+    if isinstance(t, np.ndarray):
+        return t.astype(np.uint16, copy=False)
+    import torch
+
+    return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+@dataclass
+class _Plan:
+    """One stream's symbols: formats, bits, mu, sigma per (layer, kv, head, dim)."""
+
+    fmt: FloatFormat  # of x
+    fmt_mu: FloatFormat  # of mu (FP32 mu / scale for FP8 KV)
+    x: np.ndarray | None  # (layers, 2, heads, tokens, dim) bit patterns (None when decoding)
+    mu: np.ndarray  # same shape, the predictor's bit patterns in fmt_mu
+    log2_sigma: np.ndarray  # (layers, 2, heads, dim) int64 fixed point
+    scales: np.ndarray | None  # (layers, 2) float32 for fp8
+
+    def chunk_slice(self, h: ct.StreamHeader, i: int) -> slice:
+        start, count = h.chunk_layers(i)
+        return slice(start, start + count)
+
+    def aux(self, sl: slice) -> bytes:
+        return b"" if self.scales is None else self.scales[sl].astype("<f4").tobytes()
+
+
+class Codec:
+    """Encoder and decoder of KV caches under one pinned predictor."""
+
+    def __init__(self, tables: CodingTables, log2_sigma: np.ndarray, pin: str,
+                 predictor: "Predictor | None" = None, config: CodecConfig | None = None) -> None:
+        self.tables = tables
+        self.log2_sigma = log2_sigma.astype(np.int64)  # (layers, 2, kv_heads, head_dim)
+        self.pin = pin
+        self.predictor = predictor
+        self.config = config or CodecConfig()
+
+    @classmethod
+    def from_predictor(cls, predictor: "Predictor", config: CodecConfig | None = None) -> "Codec":
+        ck = predictor.checkpoint
+        return cls(ck.tables, ck.calib.sigma_log2_q, ck.pin, predictor, config)
+
+    # -- encode -------------------------------------------------------------
+    def encode(self, kv: "torch.Tensor | Fp8KV", ids: np.ndarray,
+               mu: "torch.Tensor | None" = None) -> Iterator[bytes]:
+        """Header record, then one record per chunk."""
+        plan = self._plan(kv, ids, mu)
+        header = self._header(plan, ids)
+        yield ct.pack_header(header)
+        for chunk in self._encode_chunks(plan, header, range(header.n_chunks)):
+            yield ct.pack_chunk(chunk)
+
+    def _header(self, plan: _Plan, ids: np.ndarray) -> ct.StreamHeader:
+        shape = tuple(int(s) for s in plan.mu.shape)
+        return ct.StreamHeader(
+            dtype=ct.DTYPE_BF16 if plan.fmt is BF16 else ct.DTYPE_FP8, model=MODEL_SEED_MIXTURE,
+            pin=bytes.fromhex(self.pin), shape=shape, prompt_digest=prompt_digest(ids),
+            elems_per_lane=self.config.elems_per_lane,
+            layers_per_chunk=min(self.config.layers_per_chunk, max(shape[0], 1)))
+
+    def _encode_chunks(self, plan: _Plan, h: ct.StreamHeader, idx: Sequence[int]) -> list[ct.Chunk]:
+        """Chunks ``idx`` coded in one vectorised rANS pass (blocks never span chunks)."""
+        if not idx:
+            return []
+        parts = self._map(lambda i: self._chunk_ops(plan, h, i), idx)
+        start = np.concatenate([p[0] for p in parts])
+        freq = np.concatenate([p[1] for p in parts])
+        groups = np.array_split(np.arange(len(start)), self.config.threads)
+        coded = self._map(lambda g: rans_encode(start[g], freq[g], validate=False), groups)
+        blocks = concat_blocks(coded)  # ops come from verified tables: no range checks
+        spans = [len(p[0]) for p in parts]
+        return [self._chunk_record(plan, h, i, rb, p[2])
+                for i, rb, p in zip(idx, split_blocks(blocks, spans), parts)]
+
+    def _map(self, fn, items):
+        items = list(items)
+        if self.config.threads == 1 or len(items) < 2:
+            return [fn(i) for i in items]
+        with ThreadPoolExecutor(self.config.threads) as pool:
+            return list(pool.map(fn, items))
+
+    def _chunk_ops(self, plan: _Plan, h: ct.StreamHeader, i: int) -> tuple[np.ndarray, np.ndarray, bytes]:
+        """(blocks, steps, LANES) start/freq of chunk i (padding lanes: no-op), raw bits."""
+        sl = plan.chunk_slice(h, i)
+        ctx, n = _context(plan, sl), h.chunk_elements(i)
+        sym = symbolize(plan.fmt, self.tables, ctx, plan.x[sl].ravel())
+        g = self.tables.gauss
+        size = h.chunk_blocks(i) * h.elems_per_lane * LANES
+        idx = np.full(size, g.offset[NOOP_TABLE], np.int64)
+        idx[:n] = g.offset[ctx.t] + sym.j
+        grid = (h.chunk_blocks(i), h.elems_per_lane, LANES)  # element = block, step, lane
+        return g.cum[idx].reshape(grid), g.freq[idx].reshape(grid), sym.bits
+
+    def _chunk_record(self, plan: _Plan, h: ct.StreamHeader, i: int, rb: RansBlocks,
+                      bits: bytes) -> ct.Chunk:
+        sl = plan.chunk_slice(h, i)
+        aux = plan.aux(sl)
+        return ct.Chunk(index=i, layer_start=sl.start, layer_count=sl.stop - sl.start,
+                        steps=h.elems_per_lane if len(rb.word_counts) else 0,
+                        mu_fingerprint=digest(plan.mu[sl].tobytes()),
+                        raw_digest=digest(aux, plan.x[sl].tobytes()), aux=aux,
+                        states=rb.states, word_counts=rb.word_counts, words=rb.words, bits=bits)
+
+    def _plan(self, kv, ids, mu, fmt: FloatFormat | None = None, scales=None) -> _Plan:
+        if mu is None:
+            if self.predictor is None:
+                raise ValueError("no mu given and no predictor to compute it")
+            mu = self.predictor.mu(np.asarray(ids))
+        if isinstance(kv, Fp8KV) or fmt is E4M3:
+            scales = np.ascontiguousarray(kv.scales if isinstance(kv, Fp8KV) else scales, np.float32)
+            # NOTE: one IEEE fp32 division per scalar (correctly rounded on every backend)
+            y = mu.float().numpy() / scales[:, :, None, None, None]
+            log2_sigma = fp8_log2_sigma(self.log2_sigma, scales.view(np.uint32)[:, :, None, None])
+            x = kv.codes if isinstance(kv, Fp8KV) else None
+            return _Plan(E4M3, FP32, x, y.view(np.uint32), log2_sigma, scales)
+        x = bf16_bits(kv) if kv is not None else None
+        return _Plan(BF16, BF16, x, bf16_bits(mu), self.log2_sigma, None)
+
+    # -- decode -------------------------------------------------------------
+    def decode(self, records: Iterable[bytes], ids: np.ndarray,
+               mu: "torch.Tensor | None" = None) -> "np.ndarray | Fp8KV":
+        """KV bit patterns (uint16 for BF16) or :class:`Fp8KV`, verified bit for bit."""
+        it = iter(records)
+        header, _ = ct.unpack_header(next(it))
+        self._check_header(header, ids)
+        chunks = [ct.unpack_chunk(r, header)[0] for r in it]
+        if [c.index for c in chunks] != list(range(header.n_chunks)):
+            raise IntegrityError(f"stream has chunks {[c.index for c in chunks]}, "
+                                 f"expected 0..{header.n_chunks - 1}")
+        return self.decode_chunks(header, chunks, ids, mu)
+
+    def _check_header(self, h: ct.StreamHeader, ids: np.ndarray) -> None:
+        if h.pin.hex() != self.pin:
+            raise PinMismatchError(f"stream was coded with predictor {h.pin.hex()}, this decoder has {self.pin}")
+        if h.model != MODEL_SEED_MIXTURE:
+            raise IntegrityError(f"unknown probability model id {h.model}")
+        if h.prompt_digest != prompt_digest(ids):
+            raise PromptMismatchError("prompt token ids differ from the encoder's")
+        want = (self.log2_sigma.shape[0], 2, self.log2_sigma.shape[2], len(ids), self.log2_sigma.shape[3])
+        if h.shape != want:
+            raise IntegrityError(f"stream shape {h.shape} does not fit this predictor and prompt {want}")
+
+    def decode_chunks(self, h: ct.StreamHeader, chunks: Sequence[ct.Chunk], ids: np.ndarray,
+                      mu: "torch.Tensor | None" = None) -> "np.ndarray | Fp8KV":
+        fmt = BF16 if h.dtype == ct.DTYPE_BF16 else E4M3
+        scales = _scales(h, chunks) if fmt is E4M3 else None
+        plan = self._plan(None, ids, mu, fmt, scales)
+        for c in chunks:
+            if c.mu_fingerprint != digest(plan.mu[plan.chunk_slice(h, c.index)].tobytes()):
+                raise MuMismatchError(f"chunk {c.index}: the decoder's mu differs from the encoder's "
+                                      "(predictor, hardware or library build differ)")
+        out = np.zeros(plan.mu.shape, np.uint16 if fmt is BF16 else np.uint8)
+        decoded = self._decode_batch(plan, h, chunks)
+        for c, bits in zip(chunks, decoded):
+            sl = plan.chunk_slice(h, c.index)
+            out[sl] = bits.reshape(out[sl].shape)
+            if c.raw_digest != digest(c.aux, out[sl].tobytes()):
+                raise IntegrityError(f"chunk {c.index}: decoded KV fails its checksum")
+        return out if fmt is BF16 else Fp8KV(out, scales)
+
+    def _decode_batch(self, plan: _Plan, h: ct.StreamHeader, chunks: Sequence[ct.Chunk]) -> list[np.ndarray]:
+        """Bit patterns of each chunk's elements; all live chunks in one rANS pass."""
+        el = h.elems_per_lane
+        live = [c for c in chunks if c.n_blocks]
+        for c in live:
+            if c.steps != el:
+                raise IntegrityError(f"chunk {c.index}: {c.steps} steps, expected {el}")
+        for c in chunks:
+            if not c.n_blocks and c.bits:
+                raise IntegrityError(f"chunk {c.index}: raw bits without elements")
+        ctxs = self._map(lambda c: _context(plan, plan.chunk_slice(h, c.index)), live)
+        js = self._run_decoder(live, ctxs, el) if live else []
+        bits = self._map(lambda a: desymbolize(plan.fmt, self.tables, a[1], a[2][:len(a[1].t)], a[0].bits),
+                         list(zip(live, ctxs, js)))
+        out = {c.index: b for c, b in zip(live, bits)}
+        return [out.get(c.index, np.zeros(0, np.int64)) for c in chunks]
+
+    def _run_decoder(self, live: Sequence[ct.Chunk], ctxs: Sequence[Context], el: int) -> list[np.ndarray]:
+        """The rANS loop: one Gaussian-table op per element, blocks split across threads."""
+        blocks = concat_blocks([RansBlocks(c.states, c.word_counts, c.words) for c in live])
+        nb = len(blocks.word_counts)
+        tables = np.full(nb * el * LANES, NOOP_TABLE, np.int32)
+        pos = 0
+        for c, ctx in zip(live, ctxs):
+            tables[pos:pos + len(ctx.t)] = ctx.t
+            pos += c.n_blocks * el * LANES
+        tables = tables.reshape(nb, el, LANES)  # element = block, step, lane
+        groups = [g for g in np.array_split(np.arange(nb), self.config.threads) if len(g)]
+        sizes = [len(g) for g in groups]
+        parts = self._map(lambda a: self._decode_blocks(a[0], tables[a[1][0]:a[1][-1] + 1], el),
+                          list(zip(split_blocks(blocks, sizes), groups)))
+        js = np.concatenate(parts)
+        return [p.ravel() for p in np.split(js, np.cumsum([c.n_blocks for c in live])[:-1])]
+
+    def _decode_blocks(self, blocks: RansBlocks, tables: np.ndarray, el: int) -> np.ndarray:
+        """Symbol indices (blocks, el, LANES) of one group of blocks."""
+        g = self.tables.gauss
+        # NOTE: step-major copy, so each step reads a contiguous (blocks, LANES) slab
+        steps = np.ascontiguousarray(tables.transpose(1, 0, 2))
+        js = np.empty(steps.shape, np.int32)
+        dec = RansDecoder(blocks, el)
+        for s in range(el):
+            t = steps[s]
+            j = g.lookup[t * np.int32(PROB_SCALE) + dec.dec_get().view(np.int32)]
+            idx = g.offset[t] + j
+            dec.dec_advance(g.cum[idx], g.freq[idx])
+            js[s] = j
+        dec.finish()
+        return js.transpose(1, 0, 2)
+
+
+def _context(plan: _Plan, sl: slice) -> Context:
+    mu = plan.mu[sl]  # (n_layers, 2, heads, tokens, dim)
+    lg = plan.log2_sigma[sl]
+    lg = np.broadcast_to(lg[:, :, :, None, :] if lg.ndim == 4 else lg, mu.shape)
+    return context(plan.fmt, plan.fmt_mu, mu.ravel(), lg.ravel())
+
+
+def _scales(h: ct.StreamHeader, chunks: Sequence[ct.Chunk]) -> np.ndarray:
+    parts = []
+    for c in chunks:
+        if len(c.aux) != 8 * c.layer_count:
+            raise IntegrityError(f"chunk {c.index}: FP8 scales take {8 * c.layer_count} bytes, not {len(c.aux)}")
+        parts.append(np.frombuffer(c.aux, "<f4").astype(np.float32).reshape(c.layer_count, 2))
+    return np.concatenate(parts) if parts else np.zeros((0, 2), np.float32)
+
+
+def concat_blocks(parts: Sequence[RansBlocks]) -> RansBlocks:
+    if len(parts) == 1:
+        return parts[0]
+    return RansBlocks(states=np.concatenate([p.states for p in parts]),
+                      word_counts=np.concatenate([p.word_counts for p in parts]),
+                      words=np.concatenate([p.words for p in parts]))
+
+
+def split_blocks(b: RansBlocks, spans: Sequence[int]) -> list[RansBlocks]:
+    """Split a batch's RansBlocks back into per-chunk parts (``spans`` blocks each)."""
+    out, b0, w0 = [], 0, 0
+    for n in spans:
+        wc = b.word_counts[b0:b0 + n]
+        w1 = w0 + int(wc.sum(dtype=np.int64))
+        out.append(RansBlocks(states=b.states[b0:b0 + n], word_counts=wc, words=b.words[w0:w1]))
+        b0, w0 = b0 + n, w1
+    return out

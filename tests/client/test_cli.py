@@ -1,0 +1,135 @@
+"""The ``speckv`` command line on the real embedded model.
+
+``Session.open`` is redirected to the session-scoped embedded session (the
+same object ``Session.open()`` returned once for the whole test run) so the
+model is not loaded again for every command; everything after it (tokenizing,
+both prefills, the entropy measurement, the JSON output) runs for real.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from speckv.client.cli import main
+from speckv.coder.session import Session
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ENTROPY_KEYS = {"bits_per_scalar", "k_bits_per_scalar", "v_bits_per_scalar",
+                "order0_bits_per_scalar", "tokens", "pin"}
+
+
+@pytest.fixture
+def reuse_session(embedded_session, monkeypatch):
+    """Session.open() for the default target and predictor -> the loaded session."""
+    calls = []
+
+    def fake_open(cls, target="default", predictor=None, pin=None):
+        assert str(target) == "default" and predictor is None and pin is None
+        calls.append((target, predictor, pin))
+        return embedded_session
+
+    monkeypatch.setattr(Session, "open", classmethod(fake_open))
+    return calls
+
+
+def run_json(capsys, argv):
+    rc = main(argv)
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    return json.loads(captured.out)
+
+
+def test_demo_json(reuse_session, embedded_session, capsys):
+    out = run_json(capsys, ["demo", "--json"])
+    assert {"tokens", "raw_bytes", "bits_per_scalar", "pin"} <= set(out)
+    assert out["pin"] == embedded_session.pin
+    assert out["tokens"] > 20
+    assert out["raw_bytes"] == out["tokens"] * 30 * 2 * 3 * 64 * 2  # BF16: 2 bytes a scalar
+    assert 0 < out["bits_per_scalar"] < 16
+    assert reuse_session  # the command went through Session.open
+
+
+@pytest.mark.parametrize("dtype,limit", [("bf16", 6.6), ("fp8", 2.7)])
+def test_entropy_json(reuse_session, embedded_session, corpus_file, capsys, dtype, limit):
+    text = corpus_file("tinyshakespeare.txt")
+    argv = ["entropy", "--text", str(text), "--tokens", "2048", "--json"]
+    if dtype == "fp8":
+        argv += ["--dtype", "fp8"]
+    out = run_json(capsys, argv)
+    assert ENTROPY_KEYS <= set(out)
+    assert out["tokens"] == 2048
+    assert out["pin"] == embedded_session.pin
+    assert 0 < out["bits_per_scalar"] <= limit
+    # K and V have the same number of scalars: the total is their mean
+    assert math.isclose(out["bits_per_scalar"], (out["k_bits_per_scalar"] + out["v_bits_per_scalar"]) / 2,
+                        rel_tol=1e-12)
+    # the predictor beats an order-0 coder of the same symbols
+    assert out["bits_per_scalar"] < out["order0_bits_per_scalar"] <= (16 if dtype == "bf16" else 8)
+
+
+def test_entropy_wrong_pin_is_an_error(corpus_file, capsys):
+    """The real Session.open: the pin is checked before any model loads."""
+    text = corpus_file("tinyshakespeare.txt")
+    rc = main(["entropy", "--text", str(text), "--tokens", "8", "--pin", "0" * 64, "--json"])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == ""
+    assert "speckv: error:" in captured.err and "pin mismatch" in captured.err
+    assert "Traceback" not in captured.err
+
+
+def test_entropy_missing_text_is_an_error(reuse_session, tmp_path, capsys):
+    rc = main(["entropy", "--text", str(tmp_path / "nope.txt"), "--json"])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == ""
+    assert "speckv: error:" in captured.err and "nope.txt" in captured.err
+    assert "Traceback" not in captured.err
+
+
+def test_nonexistent_predictor_dir_is_an_error(tmp_path, capsys):
+    """The real Session.open: the checkpoint is checked before any model loads."""
+    missing = tmp_path / "no-such-predictor"
+    for argv in (["entropy", "--text", str(tmp_path / "t.txt"), "--predictor", str(missing), "--json"],
+                 ["demo", "--json", "--predictor", str(missing)],
+                 ["predictor", "info", str(missing)]):
+        rc = main(argv)
+        captured = capsys.readouterr()
+        assert rc == 2, argv
+        assert captured.out == ""
+        assert "speckv: error:" in captured.err and str(missing) in captured.err
+        assert "Traceback" not in captured.err
+
+
+def test_cli_process_exit_code(tmp_path):
+    """The installed entry point exits with status 2 and one line on stderr."""
+    proc = subprocess.run([sys.executable, "-m", "speckv.client.cli", "predictor", "info",
+                           str(tmp_path / "missing")], capture_output=True, text=True, timeout=120,
+                          cwd=REPO_ROOT)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.startswith("speckv: error:") and "Traceback" not in proc.stderr
+
+
+def test_import_is_cheap():
+    """Importing the packages pulls in neither torch, transformers nor cupy."""
+    code = textwrap.dedent("""
+        import sys
+        import speckv, speckv.coder, speckv.client, speckv.server
+        import speckv.client.cli
+        import speckv.coder.errors, speckv.coder.fp8, speckv.coder.entropy
+        import speckv.coder.predictor, speckv.coder.predict, speckv.coder.calibrate
+        import speckv.coder.target, speckv.coder.session
+        heavy = sorted(m for m in sys.modules
+                       if m.split(".")[0] in ("torch", "transformers", "cupy"))
+        print(",".join(heavy))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "", f"heavy modules imported: {proc.stdout.strip()[:300]}"
