@@ -17,9 +17,6 @@ from typing import Any, Callable, Sequence
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TEXT_CANDIDATES = ("../shared/corpus/tinyshakespeare.txt",)
-
-
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="default",
                    help="'default' (embedded SmolLM2-135M-Instruct) or a local Hugging Face model directory")
@@ -42,6 +39,14 @@ def _parser() -> argparse.ArgumentParser:
     ent.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
     ent.add_argument("--json", action="store_true")
     _add_model_args(ent)
+
+    bench = sub.add_parser("bench", help="coder figures on a real KV, against zstd/lz4/byte-split peers")
+    bench.add_argument("--text", default=None, help="text file (default: ../shared/corpus/tinyshakespeare.txt "
+                       "if present, else a built-in text)")
+    bench.add_argument("--tokens", type=int, default=2048)
+    bench.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
+    bench.add_argument("--json", action="store_true")
+    _add_model_args(bench)
 
     pred = sub.add_parser("predictor", help="build or inspect a pinned predictor checkpoint")
     psub = pred.add_subparsers(dest="pcmd", required=True)
@@ -129,8 +134,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import print_report, run_bench
+
+    rep = run_bench(args.text, args.tokens, args.dtype, args.target, args.predictor, args.pin, quiet=args.json)
+    if args.json:
+        print(json.dumps(rep))
+    else:
+        print_report(rep)
+    return 0 if rep["lossless"] else 1
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "demo": cmd_demo, "entropy": cmd_entropy, "predictor": cmd_predictor,
+    "demo": cmd_demo, "entropy": cmd_entropy, "predictor": cmd_predictor, "bench": cmd_bench,
 }
 
 

@@ -1,0 +1,162 @@
+"""``speckv bench``: coder figures on a real KV cache, against peers, in one run.
+
+Lifecycle: load the target and the pinned predictor, prefill the text once,
+then time speckv's encode and decode (coder alone, mu given, one process),
+verify the round trip bit for bit, and push the same raw KV bytes through the
+peers (zstd 3 and 19, lz4, byte-split + zstd as ZipNN does, and the order-0
+entropy bound). All throughputs are raw KV bytes per second.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+DEFAULT_TEXT = Path("../shared/corpus/tinyshakespeare.txt")
+REPEATS = 2  # best of this many timed runs
+
+
+def best_time(fn: Callable[[], Any], repeats: int = REPEATS) -> tuple[float, Any]:
+    """(fastest wall time, last result) over ``repeats`` calls."""
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def _peer(name: str, raw: bytes, enc: Callable[[bytes], Any], dec: Callable[[Any], bytes],
+          size: Callable[[Any], int] = len, repeats: int = REPEATS) -> dict[str, Any]:
+    te, blob = best_time(lambda: enc(raw), repeats)
+    td, back = best_time(lambda: dec(blob), repeats)
+    if back != raw:
+        raise AssertionError(f"peer {name} did not round-trip")
+    mb = len(raw) / 1e6
+    return {"name": name, "ratio": len(raw) / size(blob), "encode_mb_s": mb / te, "decode_mb_s": mb / td}
+
+
+def peers(raw: bytes, symbol_bytes: int, order0_bits: float) -> list[dict[str, Any]]:
+    """Generic compressors on the same raw bytes (those installed), plus the order-0 bound."""
+    out: list[dict[str, Any]] = []
+    try:
+        import zstandard as zstd
+
+        for level in (3, 19):
+            c, d = zstd.ZstdCompressor(level=level), zstd.ZstdDecompressor()
+            out.append(_peer(f"zstd-{level}", raw, c.compress, d.decompress, repeats=1 if level > 9 else REPEATS))
+        if symbol_bytes == 2:
+            out.append(_byte_split_peer(raw, zstd))
+    except ImportError:
+        out.append({"name": "zstd", "error": "zstandard not installed"})
+    try:
+        import lz4.frame as lz4f
+
+        out.append(_peer("lz4", raw, lz4f.compress, lz4f.decompress))
+    except ImportError:
+        out.append({"name": "lz4", "error": "lz4 not installed"})
+    out.append({"name": "order0-bound", "ratio": 8 * symbol_bytes / order0_bits,
+                "bits_per_scalar": order0_bits, "encode_mb_s": None, "decode_mb_s": None})
+    return out
+
+
+def _byte_split_peer(raw: bytes, zstd: Any) -> dict[str, Any]:
+    """High and low bytes of each 16-bit symbol compressed apart (ZipNN's byte grouping)."""
+    c, d = zstd.ZstdCompressor(level=3), zstd.ZstdDecompressor()
+
+    def enc(b: bytes) -> tuple[bytes, bytes]:
+        a = np.frombuffer(b, np.uint8).reshape(-1, 2)
+        return c.compress(a[:, 1].tobytes()), c.compress(a[:, 0].tobytes())
+
+    def dec(blobs: tuple[bytes, bytes]) -> bytes:
+        hi, lo = (np.frombuffer(d.decompress(x), np.uint8) for x in blobs)
+        return np.stack([lo, hi], axis=1).tobytes()
+
+    return _peer("byte-split+zstd-3", raw, enc, dec, size=lambda t: len(t[0]) + len(t[1]))
+
+
+def load_text(path: str | None) -> tuple[str, str]:
+    """(text, its name): the given file, the default corpus if present, else the built-in text."""
+    from speckv.coder.calibrate import read_text
+
+    from .demo import DEMO_PROMPT
+
+    if path:
+        return read_text(path), str(path)
+    if DEFAULT_TEXT.is_file():
+        return read_text(DEFAULT_TEXT), str(DEFAULT_TEXT)
+    return (DEMO_PROMPT + "\n") * 64, "built-in demo text (repeated)"
+
+
+def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf16",
+              target: str = "default", predictor: str | None = None, pin: str | None = None,
+              quiet: bool = False) -> dict[str, Any]:
+    from speckv.coder.codec import Codec, Fp8KV, bf16_bits
+    from speckv.coder.fp8 import kv_to_fp8
+    from speckv.coder.session import Session
+
+    from .progress import steps
+
+    with steps(5, quiet=quiet) as step:
+        step("loading target and predictor")
+        sess = Session.open(target, predictor, pin)
+        text, name = load_text(text_path)
+        ids = sess.target.tokenize(text, tokens)
+        step(f"prefill of {len(ids)} tokens")
+        pre = sess.prefill(ids)
+        codec = Codec.from_predictor(sess.predictor)
+        if dtype == "fp8":
+            q, scale = kv_to_fp8(pre.kv)
+            kv, raw = Fp8KV(q.numpy(), scale.numpy()), q.numpy().tobytes()
+        else:
+            kv = pre.kv
+            raw = bf16_bits(pre.kv).tobytes()
+        step("speckv encode")
+        te, records = best_time(lambda: list(codec.encode(kv, ids, pre.mu)))
+        step("speckv decode + verify")
+        td, back = best_time(lambda: codec.decode(records, ids, pre.mu))
+        lossless = _equal(back, kv)
+        step("ideal code length and peers")
+        ideal = sess.entropy(pre, dtype)
+        peer_rows = peers(raw, 2 if dtype == "bf16" else 1, ideal["order0_bits_per_scalar"])
+    coded = sum(len(r) for r in records)
+    n = int(pre.kv.numel())
+    mb = len(raw) / 1e6
+    return {"dtype": dtype, "text": name, "tokens": int(len(ids)), "scalars": n,
+            "raw_bytes": len(raw), "coded_bytes": coded, "bits_per_scalar": 8 * coded / max(n, 1),
+            "ideal_bits_per_scalar": ideal["bits_per_scalar"], "ratio": len(raw) / coded,
+            "lossless": lossless, "encode_mb_s": mb / te, "decode_mb_s": mb / td,
+            "predictor_s": pre.predictor_s, "target_s": pre.target_s, "pin": sess.pin, "peers": peer_rows}
+
+
+def _equal(back: Any, kv: Any) -> bool:
+    from speckv.coder.codec import Fp8KV, bf16_bits
+
+    if isinstance(kv, Fp8KV):
+        return (np.array_equal(back.codes, kv.codes) and
+                back.scales.view(np.uint32).tolist() == kv.scales.view(np.uint32).tolist())
+    return bool(np.array_equal(back, bf16_bits(kv)))
+
+
+def print_report(r: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"speckv bench: {r['tokens']} tokens of {r['text']}, {r['dtype']}, "
+                    f"lossless={r['lossless']}")
+    for col in ("coder", "bits/scalar", "ratio", "encode MB/s", "decode MB/s"):
+        t.add_column(col, justify="right")
+    fmt = lambda v: "-" if v is None else f"{v:.2f}"
+    bits = 8 * (2 if r["dtype"] == "bf16" else 1)
+    t.add_row("speckv", fmt(r["bits_per_scalar"]), fmt(r["ratio"]), fmt(r["encode_mb_s"]), fmt(r["decode_mb_s"]))
+    t.add_row("speckv ideal", fmt(r["ideal_bits_per_scalar"]), fmt(bits / r["ideal_bits_per_scalar"]), "-", "-")
+    for p in r["peers"]:
+        if "error" in p:
+            t.add_row(p["name"], p["error"], "", "", "")
+            continue
+        t.add_row(p["name"], fmt(bits / p["ratio"]), fmt(p["ratio"]), fmt(p["encode_mb_s"]), fmt(p["decode_mb_s"]))
+    Console().print(t)
+    Console().print(f"predictor {r['predictor_s']:.2f} s, target prefill {r['target_s']:.2f} s, pin {r['pin'][:16]}")
