@@ -110,11 +110,12 @@ def bin_index(fmt: FloatFormat, x: np.ndarray, k: np.ndarray,
         v = np.minimum(v, np.float32(MAX_BIN))  # NaN propagates; escaped by the caller
         v = np.where(np.isnan(v), np.float32(0), v)
         mag = np.floor(v)
-    neg = (x.astype(np.int64) >> (fmt.bits - 1)) == 1
-    c = np.where(neg, -1 - mag, mag).astype(np.int32)
+    neg = (x >> (fmt.bits - 1)) != 0  # sign bit (x holds unsigned bit patterns)
+    mi = mag.astype(np.int32)
+    c = np.where(neg, ~mi, mi)  # -1 - mag
     if not offsets:
         return c, None
-    frac = np.floor((v - mag) * np.float32(OFFSETS)).astype(np.int32)
+    frac = ((v - mag) * np.float32(OFFSETS)).astype(np.int32)  # truncation = floor (>= 0)
     return c, np.where(neg, OFFSETS - 1 - frac, frac)
 
 
@@ -177,31 +178,37 @@ class Symbols:
     bits: bytes  # raw sections LOW | ZMAN | ESC | UNARY, each byte-padded
 
 
-def classify(fx: FloatFormat, tab: CodingTables, ctx: Context, c: np.ndarray,
-             esc: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(zero, normal, nb) from the bins: nb = raw low bits of a normal element."""
-    zero = ~esc & ((c == 0) | (c == -1))
-    normal = ~esc & ~zero
-    mag = np.clip(np.where(c < 0, -1 - c, c), 0, MAX_BIN)
-    return zero, normal, fx.mant - FLOG2[mag]
+def magnitude(c: np.ndarray) -> np.ndarray:
+    """|bin| in the symmetric tiling: c for c >= 0, -1 - c for c < 0 (int32 sign trick)."""
+    return c ^ (c >> 31)
+
+
+def low_bits(fx: FloatFormat, mag: np.ndarray) -> np.ndarray:
+    """Raw low significand bits of a value in bin ``mag`` (>= 1): 2^nb values per bin;
+    negative when a value spans 2^-nb bins (top binades)."""
+    return fx.mant - FLOG2[np.minimum(mag, MAX_BIN)]
 
 
 def symbolize(fx: FloatFormat, tab: CodingTables, ctx: Context, x: np.ndarray) -> Symbols:
     """Encoder side: bins, escapes and raw bits of every element (chunk order)."""
-    _, e, man = split(fx, x)
     c, _ = bin_index(fx, x, ctx.k)
     d = c - ctx.c_mu
     radius = tab.radius[ctx.t]
-    esc = ~fx.finite(x) | ~ctx.mu_ok | (np.abs(d) > radius)
-    zero, normal, nb = classify(fx, tab, ctx, c, esc)
-    nb = np.maximum(nb, 0)  # bins above 2^mant ulps hold one value each: no low bits
-    sig = np.where(e > 0, man | (1 << fx.mant), man)
-    low = sig[normal] & ((1 << nb[normal]) - 1)
+    mag = magnitude(c)
+    esc = ~fx.finite(x) | ~ctx.mu_ok | (np.abs(d) > radius) | (mag >= MAX_BIN)
+    zero = (mag == 0) & ~esc
+    normal = ~(esc | zero)
+    width = np.where(normal, np.maximum(low_bits(fx, mag), 0), 0)
+    # NOTE: normal values are normal floats, so their low nb <= mant bits are the
+    # pattern's own low bits (the implicit leading 1 is never among them)
+    xi = x.astype(np.int32)
+    zi, ei = np.flatnonzero(zero), np.flatnonzero(esc)
+    _, e_zero, man_zero = split(fx, x[zi])
     sections = [
-        pack_fields(low, nb[normal]),
-        pack_fields(man[zero], np.full(int(zero.sum()), fx.mant)),
-        pack_fields(x[esc].astype(np.int64), np.full(int(esc.sum()), fx.bits)),
-        pack_unary((ctx.k + fx.bias - 1 - e)[zero]),
+        pack_fields(xi & ((1 << width) - 1), width),
+        pack_fields(man_zero, np.full(len(zi), fx.mant)),
+        pack_fields(xi[ei], np.full(len(ei), fx.bits)),
+        pack_unary(ctx.k[zi] + fx.bias - 1 - e_zero),
     ]
     return Symbols(j=np.where(esc, 2 * radius + 1, d + radius), bits=b"".join(sections))
 
@@ -214,30 +221,34 @@ def desymbolize(fx: FloatFormat, tab: CodingTables, ctx: Context, j: np.ndarray,
     radius = tab.radius[ctx.t]
     esc = j == 2 * radius + 1
     c = ctx.c_mu + (j - radius)
-    zero, normal, nb = classify(fx, tab, ctx, c, esc)
-    n_zero, n_esc = int(zero.sum()), int(esc.sum())
-    nbp = np.maximum(nb[normal], 0)
-    sizes = [(int(nbp.sum()) + 7) // 8, (n_zero * fx.mant + 7) // 8, (n_esc * fx.bits + 7) // 8, None]
+    mag = magnitude(c)
+    zero = (mag == 0) & ~esc
+    normal = ~(esc | zero)
+    nb = low_bits(fx, mag)
+    width = np.where(normal, np.maximum(nb, 0), 0)
+    zi, ei = np.flatnonzero(zero), np.flatnonzero(esc)
+    sizes = [(int(width.sum()) + 7) // 8, (len(zi) * fx.mant + 7) // 8, (len(ei) * fx.bits + 7) // 8, None]
     s_low, s_zman, s_esc, s_unary = split_sections(raw, sizes)
-    out = np.zeros(len(j), np.int64)
-    out[normal] = _normal_bits(fx, ctx.k[normal], c[normal], nb[normal], unpack_fields(s_low, nbp))
-    out[zero] = _zero_bits(fx, ctx.k[zero], c[zero], unpack_fields(s_zman, np.full(n_zero, fx.mant)),
-                           unpack_unary(s_unary, n_zero))
-    out[esc] = unpack_fields(s_esc, np.full(n_esc, fx.bits))
+    out = _normal_bits(fx, ctx.k, c, mag, nb, unpack_fields(s_low, width), normal)
+    out[zi] = _zero_bits(fx, ctx.k[zi], c[zi], unpack_fields(s_zman, np.full(len(zi), fx.mant)),
+                         unpack_unary(s_unary, len(zi)))
+    out[ei] = unpack_fields(s_esc, np.full(len(ei), fx.bits))
     if (~ctx.mu_ok & ~esc).any():
         raise IntegrityError("an element with a non-finite mu was not escaped")
     return out
 
 
-def _normal_bits(fx: FloatFormat, k, c, nb, low) -> np.ndarray:
-    mag = np.where(c < 0, -1 - c, c)
-    e = k + FLOG2[mag] + fx.bias  # exponent field of the bin's binade
-    sig = np.where(nb >= 0, (mag << np.maximum(nb, 0)) | low, mag >> np.clip(-nb, 0, 40))
-    odd = (nb < 0) & ((mag & ((1 << np.clip(-nb, 0, 40)) - 1)) != 0)
-    if ((e < 1) | (e > fx.max_field) | odd).any():
+def _normal_bits(fx: FloatFormat, k, c, mag, nb, low, normal) -> np.ndarray:
+    """Bit patterns of normal elements (garbage elsewhere; the caller overwrites those)."""
+    e = k + FLOG2[np.minimum(mag, MAX_BIN)] + fx.bias  # exponent field of the bin's binade
+    up = np.maximum(nb, 0)
+    down = np.minimum(np.maximum(-nb, 0), 30)
+    sig = np.where(nb >= 0, (mag << up) | low, mag >> down)
+    odd = (mag & ((1 << down) - 1)) != 0  # a bin strictly inside a wider value's bucket
+    if (normal & ((e < 1) | (e > fx.max_field) | odd | (mag >= MAX_BIN))).any():
         raise IntegrityError("decoded a bin that holds no value of this format")
-    bits = ((c < 0).astype(np.int64) << (fx.bits - 1)) | (e << fx.mant) | (sig - (1 << fx.mant))
-    if not fx.finite(bits).all():
+    bits = ((c >> 31) & 1) << (fx.bits - 1) | (e << fx.mant) | (sig & ((1 << fx.mant) - 1))
+    if not fx.finite(bits[normal]).all():
         raise IntegrityError("decoded a non-finite value outside an escape")
     return bits
 
@@ -246,4 +257,4 @@ def _zero_bits(fx: FloatFormat, k, c, man, delta) -> np.ndarray:
     e = k + fx.bias - 1 - delta
     if (e < 0).any():
         raise IntegrityError("zero-bin exponent distance out of range")
-    return ((c < 0).astype(np.int64) << (fx.bits - 1)) | (e << fx.mant) | man
+    return ((c >> 31) & 1) << (fx.bits - 1) | (e << fx.mant) | man
