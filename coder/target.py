@@ -71,7 +71,7 @@ def deterministic_torch() -> Iterator[None]:
     """Fixed thread count and deterministic algorithms for one forward pass."""
     import torch
 
-    threads = torch.get_num_threads()
+    threads, det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(COMPUTE_THREADS)
     torch.use_deterministic_algorithms(True, warn_only=False)
     try:
@@ -79,6 +79,7 @@ def deterministic_torch() -> Iterator[None]:
             yield
     finally:
         torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(det)
 
 
 def _fp32_linear_class() -> type:

@@ -15,6 +15,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from speckv.client.cli import main
@@ -25,17 +26,31 @@ ENTROPY_KEYS = {"bits_per_scalar", "k_bits_per_scalar", "v_bits_per_scalar",
                 "order0_bits_per_scalar", "tokens", "pin"}
 
 
+_PREFILLS: dict[bytes, object] = {}  # ids bytes -> the real Prefill, shared by bf16 and fp8 runs
+
+
 @pytest.fixture
 def reuse_session(embedded_session, monkeypatch):
-    """Session.open() for the default target and predictor -> the loaded session."""
+    """Session.open() for the default target and predictor -> the loaded session;
+    its prefill of a given prompt runs once (both models are deterministic, which
+    test_target and test_predictor check) and is reused by the next command."""
     calls = []
+    real_prefill = Session.prefill
 
     def fake_open(cls, target="default", predictor=None, pin=None):
         assert str(target) == "default" and predictor is None and pin is None
         calls.append((target, predictor, pin))
         return embedded_session
 
+    def cached_prefill(self, ids):
+        assert self is embedded_session
+        key = np.asarray(ids, dtype=np.int64).tobytes()
+        if key not in _PREFILLS:
+            _PREFILLS[key] = real_prefill(self, ids)
+        return _PREFILLS[key]
+
     monkeypatch.setattr(Session, "open", classmethod(fake_open))
+    monkeypatch.setattr(Session, "prefill", cached_prefill)
     return calls
 
 
