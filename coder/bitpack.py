@@ -45,10 +45,12 @@ def unpack_fields(buf: bytes, widths: np.ndarray) -> np.ndarray:
         return np.zeros(len(widths), np.int64)
     if total % 8 and np.frombuffer(buf, np.uint8)[-1] & ((1 << (8 - total % 8)) - 1):
         raise IntegrityError("non-zero padding after bit fields")
-    data = np.concatenate([np.frombuffer(buf, np.uint8), np.zeros(WINDOW_BYTES, np.uint8)]).astype(np.int64)
-    first = starts >> 3
-    word = (data[first] << 24) | (data[first + 1] << 16) | (data[first + 2] << 8) | data[first + 3]
-    return (word >> (32 - widths - (starts & 7))) & ((1 << widths) - 1)
+    data = np.concatenate([np.frombuffer(buf, np.uint8), np.zeros(WINDOW_BYTES, np.uint8)])
+    # big-endian 32-bit window at each field's first byte (unaligned uint32 reads)
+    windows = np.ndarray(len(data) - 3, ">u4", data, 0, (1,))
+    word = windows[starts >> 3].astype(np.uint32)
+    w32 = widths.astype(np.uint32)
+    return ((word << (starts & 7).astype(np.uint32)) >> (32 - w32)) * (w32 > 0)
 
 
 def pack_unary(deltas: np.ndarray) -> bytes:

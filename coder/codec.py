@@ -27,7 +27,7 @@ import numpy as np
 from . import container as ct
 from .errors import IntegrityError, MuMismatchError, PinMismatchError, PromptMismatchError
 from .model import BF16, E4M3, FP32, MODEL_SEED_MIXTURE, Context, FloatFormat
-from .model import context, desymbolize, fp8_log2_sigma, symbolize
+from .model import ContextTable, context, desymbolize, fp8_log2_sigma, symbolize
 from .rans import LANES, PROB_SCALE, RansBlocks, RansDecoder, rans_encode
 from .tables import NOOP_TABLE, CodingTables
 
@@ -66,10 +66,11 @@ class Fp8KV:
     scales: np.ndarray  # (layers, 2) float32
 
 
-def digest(*parts: bytes) -> bytes:
+def digest(*parts: "bytes | np.ndarray") -> bytes:
+    """blake2b-128 over byte strings or C-contiguous arrays (hashed in place, no copy)."""
     h = hashlib.blake2b(digest_size=DIGEST_BYTES)
     for p in parts:
-        h.update(p)
+        h.update(np.ascontiguousarray(p) if isinstance(p, np.ndarray) else p)
     return h.digest()
 
 
@@ -115,6 +116,13 @@ class Codec:
         self.pin = pin
         self.predictor = predictor
         self.config = config or CodecConfig()
+        self._bf16_contexts: ContextTable | None = None  # built on first BF16 use
+
+    @property
+    def bf16_contexts(self) -> ContextTable:
+        if self._bf16_contexts is None:
+            self._bf16_contexts = ContextTable(BF16, BF16, self.log2_sigma)
+        return self._bf16_contexts
 
     @classmethod
     def from_predictor(cls, predictor: "Predictor", config: CodecConfig | None = None) -> "Codec":
@@ -163,7 +171,7 @@ class Codec:
     def _chunk_ops(self, plan: _Plan, h: ct.StreamHeader, i: int) -> tuple[np.ndarray, np.ndarray, bytes]:
         """(blocks, steps, LANES) start/freq of chunk i (padding lanes: no-op), raw bits."""
         sl = plan.chunk_slice(h, i)
-        ctx, n = _context(plan, sl), h.chunk_elements(i)
+        ctx, n = self._context(plan, sl), h.chunk_elements(i)
         sym = symbolize(plan.fmt, self.tables, ctx, plan.x[sl].ravel())
         g = self.tables.gauss
         size = h.chunk_blocks(i) * h.elems_per_lane * LANES
@@ -178,8 +186,8 @@ class Codec:
         aux = plan.aux(sl)
         return ct.Chunk(index=i, layer_start=sl.start, layer_count=sl.stop - sl.start,
                         steps=h.elems_per_lane if len(rb.word_counts) else 0,
-                        mu_fingerprint=digest(plan.mu[sl].tobytes()),
-                        raw_digest=digest(aux, plan.x[sl].tobytes()), aux=aux,
+                        mu_fingerprint=digest(plan.mu[sl]),
+                        raw_digest=digest(aux, plan.x[sl]), aux=aux,
                         states=rb.states, word_counts=rb.word_counts, words=rb.words, bits=bits)
 
     def _plan(self, kv, ids, mu, fmt: FloatFormat | None = None, scales=None) -> _Plan:
@@ -195,6 +203,7 @@ class Codec:
             x = kv.codes if isinstance(kv, Fp8KV) else None
             return _Plan(E4M3, FP32, x, y.view(np.uint32), log2_sigma, scales)
         x = bf16_bits(kv) if kv is not None else None
+        _ = self.bf16_contexts  # NOTE: built here, once, before worker threads want it
         return _Plan(BF16, BF16, x, bf16_bits(mu), self.log2_sigma, None)
 
     # -- decode -------------------------------------------------------------
@@ -202,9 +211,12 @@ class Codec:
                mu: "torch.Tensor | None" = None) -> "np.ndarray | Fp8KV":
         """KV bit patterns (uint16 for BF16) or :class:`Fp8KV`, verified bit for bit."""
         it = iter(records)
-        header, _ = ct.unpack_header(next(it))
+        first = next(it, None)
+        if first is None:
+            raise ct.TruncatedError("empty stream: no header record")
+        header = _whole_record(first, ct.unpack_header(first))
         self._check_header(header, ids)
-        chunks = [ct.unpack_chunk(r, header)[0] for r in it]
+        chunks = [_whole_record(r, ct.unpack_chunk(r, header)) for r in it]
         if [c.index for c in chunks] != list(range(header.n_chunks)):
             raise IntegrityError(f"stream has chunks {[c.index for c in chunks]}, "
                                  f"expected 0..{header.n_chunks - 1}")
@@ -227,7 +239,7 @@ class Codec:
         scales = _scales(h, chunks) if fmt is E4M3 else None
         plan = self._plan(None, ids, mu, fmt, scales)
         for c in chunks:
-            if c.mu_fingerprint != digest(plan.mu[plan.chunk_slice(h, c.index)].tobytes()):
+            if c.mu_fingerprint != digest(plan.mu[plan.chunk_slice(h, c.index)]):
                 raise MuMismatchError(f"chunk {c.index}: the decoder's mu differs from the encoder's "
                                       "(predictor, hardware or library build differ)")
         out = np.zeros(plan.mu.shape, np.uint16 if fmt is BF16 else np.uint8)
@@ -235,7 +247,7 @@ class Codec:
         for c, bits in zip(chunks, decoded):
             sl = plan.chunk_slice(h, c.index)
             out[sl] = bits.reshape(out[sl].shape)
-            if c.raw_digest != digest(c.aux, out[sl].tobytes()):
+            if c.raw_digest != digest(c.aux, out[sl]):
                 raise IntegrityError(f"chunk {c.index}: decoded KV fails its checksum")
         return out if fmt is BF16 else Fp8KV(out, scales)
 
@@ -249,7 +261,7 @@ class Codec:
         for c in chunks:
             if not c.n_blocks and c.bits:
                 raise IntegrityError(f"chunk {c.index}: raw bits without elements")
-        ctxs = self._map(lambda c: _context(plan, plan.chunk_slice(h, c.index)), live)
+        ctxs = self._map(lambda c: self._context(plan, plan.chunk_slice(h, c.index)), live)
         js = self._run_decoder(live, ctxs, el) if live else []
         bits = self._map(lambda a: desymbolize(plan.fmt, self.tables, a[1], a[2][:len(a[1].t)], a[0].bits),
                          list(zip(live, ctxs, js)))
@@ -257,7 +269,7 @@ class Codec:
         return [out.get(c.index, np.zeros(0, np.int64)) for c in chunks]
 
     def _run_decoder(self, live: Sequence[ct.Chunk], ctxs: Sequence[Context], el: int) -> list[np.ndarray]:
-        """The rANS loop: one Gaussian-table op per element, blocks split across threads."""
+        """The rANS loop: one Gaussian-table op per element, all blocks at once."""
         blocks = concat_blocks([RansBlocks(c.states, c.word_counts, c.words) for c in live])
         nb = len(blocks.word_counts)
         tables = np.full(nb * el * LANES, NOOP_TABLE, np.int32)
@@ -266,12 +278,17 @@ class Codec:
             tables[pos:pos + len(ctx.t)] = ctx.t
             pos += c.n_blocks * el * LANES
         tables = tables.reshape(nb, el, LANES)  # element = block, step, lane
-        groups = [g for g in np.array_split(np.arange(nb), self.config.threads) if len(g)]
-        sizes = [len(g) for g in groups]
-        parts = self._map(lambda a: self._decode_blocks(a[0], tables[a[1][0]:a[1][-1] + 1], el),
-                          list(zip(split_blocks(blocks, sizes), groups)))
-        js = np.concatenate(parts)
+        # NOTE: one thread: the loop's per-step arrays are small, so a second thread
+        # mostly contends for the GIL (measured slower on 2 cores)
+        js = self._decode_blocks(blocks, tables, el)
         return [p.ravel() for p in np.split(js, np.cumsum([c.n_blocks for c in live])[:-1])]
+
+    def _context(self, plan: _Plan, sl: slice) -> Context:
+        if plan.fmt is BF16:
+            lidx = self.bf16_contexts.level_index[sl][:, :, :, None, :]  # (n, 2, heads, 1, dim)
+            return self.bf16_contexts.lookup(plan.mu[sl], lidx)
+        return _context(plan, sl)
+
 
     def _decode_blocks(self, blocks: RansBlocks, tables: np.ndarray, el: int) -> np.ndarray:
         """Symbol indices (blocks, el, LANES) of one group of blocks."""
@@ -288,6 +305,14 @@ class Codec:
             js[s] = j
         dec.finish()
         return js.transpose(1, 0, 2)
+
+
+def _whole_record(rec, parsed):
+    """The parsed record, which must span all of ``rec`` (nothing may follow a record)."""
+    obj, used = parsed
+    if used != memoryview(rec).nbytes:
+        raise ct.FormatError(f"{memoryview(rec).nbytes - used} trailing bytes after a {used}-byte record")
+    return obj
 
 
 def _context(plan: _Plan, sl: slice) -> Context:

@@ -60,12 +60,6 @@ assert RANS_L == 1 << (STATE_BITS - WORD_BITS)
 _U32 = np.uint32
 _U16 = np.uint16
 
-# Exclusive prefix count of a lane mask, as a 0/1 matmul: (need @ _LOWER)[l] =
-# popcount(ballot & ((1 << l) - 1)).  Exact in float32 (values <= LANES).
-# The extra last column gives the total count, popcount(ballot).
-_LOWER = np.zeros((LANES, LANES + 1), dtype=np.float32)
-_LOWER[:, :LANES] = np.triu(np.ones((LANES, LANES), dtype=np.float32), k=1)
-_LOWER[:, LANES] = 1.0
 
 
 class RansDecodeError(SpeckvError, ValueError):
@@ -167,8 +161,6 @@ class RansDecoder:
         self._end = ends  # (blocks,) one past the last unread word of each block
         self._tmp = np.empty_like(self._x)  # scratch (blocks, LANES)
         self._need = np.empty(self._x.shape, dtype=bool)  # lanes reading a word
-        self._needf = np.empty(self._x.shape, dtype=np.float32)  # same, as 0/1
-        self._rank = np.empty((self._x.shape[0], LANES + 1), dtype=np.float32)
 
     def dec_get(self) -> np.ndarray:
         """Current slots ``state & PROB_MASK``, shape (blocks, LANES) uint32."""
@@ -210,19 +202,18 @@ class RansDecoder:
     def _renorm(self) -> None:
         """Lanes with x < RANS_L read one word: x = (x << WORD_BITS) | word."""
         x, tmp, need = self._x, self._tmp, self._need
-        # Ballot + popcount: rank[:, l] = needing lanes below l, rank[:, LANES] = count.
-        np.copyto(self._needf, need)
-        np.matmul(self._needf, _LOWER, out=self._rank)
-        rank = self._rank.astype(np.int64)  # (blocks, LANES + 1)
+        # Ballot + popcount as an inclusive prefix count over the lanes (integer
+        # cumsum: no BLAS, whose thread pool made a matmul here erratic).
+        incl = np.cumsum(need.view(np.uint8), axis=1, dtype=np.int64)  # (blocks, LANES)
         # NOTE: a block's `count` needing lanes read its last `count` unread words;
         # the lane of rank k reads word end - count + k.
-        self._end -= rank[:, LANES]
+        self._end -= incl[:, LANES - 1]
         if (self._end < self._lo).any():
             bad = int(np.flatnonzero(self._end < self._lo)[0])
             raise RansDecodeError(
                 f"block {bad}: read past the start of its words at step {self.step}"
             )
-        pos = rank[:, :LANES]
+        pos = incl - need  # exclusive rank
         pos += self._end[:, None]  # (blocks, LANES); only `need` lanes are valid
         w = np.take(self._words, pos, mode="clip")  # (blocks, LANES) uint16
         # x = need ? (x << WORD_BITS) | w : x, branch-free (faster than where=).
