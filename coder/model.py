@@ -96,8 +96,8 @@ def as_float32(fmt: FloatFormat, x: np.ndarray) -> np.ndarray:
     return E4M3_F32[x]
 
 
-def bin_index(fmt: FloatFormat, x: np.ndarray, k: np.ndarray,
-              offsets: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+def bin_index(fmt: FloatFormat, x: np.ndarray, k: np.ndarray, offsets: bool = False,
+              shift: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """Signed bin of each value on the grid 2^k (clamped to +-MAX_BIN), and (if asked)
     the value's position inside its bin in 1/OFFSETS steps from the bin's lower end.
 
@@ -109,6 +109,8 @@ def bin_index(fmt: FloatFormat, x: np.ndarray, k: np.ndarray,
         v = np.abs(as_float32(fmt, x)) * scale  # NaN/Inf stay non-finite
         v = np.minimum(v, np.float32(MAX_BIN))  # NaN propagates; escaped by the caller
         v = np.where(np.isnan(v), np.float32(0), v)
+        if shift is not None:  # mu only: bins as the union of their values' buckets
+            v = np.minimum(v + shift, np.float32(MAX_BIN))
         mag = np.floor(v)
     neg = (x >> (fmt.bits - 1)) != 0  # sign bit (x holds unsigned bit patterns)
     mi = mag.astype(np.int32)
@@ -158,7 +160,12 @@ def context(fx: FloatFormat, fm: FloatFormat, mu: np.ndarray, log2_sigma: np.nda
     k_mu = e_unb - fx.mant + near_top(fx, fm, mu, e_unb, L)
     k_s = (L >> SIGMA_FRAC_BITS) - GRID_BELOW_SIGMA  # NOTE: >> floors negatives, like CUDA
     k = np.clip(np.maximum(k_s, k_mu), fx.k_min, fx.k_max)
-    c_mu, off = bin_index(fm, mu, k, offsets=True)
+    # NOTE: a value's rounding bucket is centred on it, half an ULP either side, so a bin
+    # holding 2^nb values spans [c - 2^-(nb+1), c + 1 - 2^-(nb+1)) grid units: place mu
+    # on that shifted grid (nb of mu's own binade; 2^-(nb+1) is exact in float32).
+    nb_mu = np.minimum(k - (e_unb - fx.mant), 24)
+    half = np.where(nb_mu >= 0, ((126 - nb_mu) << 23).astype(np.int32).view(np.float32), np.float32(0))
+    c_mu, off = bin_index(fm, mu, k, offsets=True, shift=half)
     t = table_row(L - (k << SIGMA_FRAC_BITS), off)
     return Context(k=k, t=t, c_mu=c_mu, mu_ok=fm.finite(mu))
 

@@ -88,10 +88,10 @@ def exact_value(fmt, bits: int) -> Fraction | float:
 E4M3_VALUES = e4m3_values()
 
 
-def ref_bin(fmt, bits: int, k: int) -> tuple[int, int]:
+def ref_bin(fmt, bits: int, k: int, shift: Fraction = Fraction(0)) -> tuple[int, int]:
     """(signed bin, offset in 1/8 of the bin from its lower end) by the documented
-    rule: c = floor(|x| / 2^k) (clamped to MAX_BIN) for +x, -1 - c for -x (sign
-    bit); NaN sits at 0 of its sign's bin, +-Inf at the clamp."""
+    rule: c = floor(|x| / 2^k + shift) (clamped to MAX_BIN) for +x, -1 - c for -x
+    (sign bit); NaN sits at 0 of its sign's bin, +-Inf at the clamp."""
     neg = bool(int(bits) >> (fmt.bits - 1))
     x = exact_value(fmt, bits)
     if isinstance(x, float) and math.isnan(x):
@@ -100,6 +100,7 @@ def ref_bin(fmt, bits: int, k: int) -> tuple[int, int]:
         v = Fraction(MAX_BIN)
     else:
         v = min(abs(x) / Fraction(2) ** k, Fraction(MAX_BIN))
+    v = min(v + shift, Fraction(MAX_BIN))
     mag = math.floor(v)
     frac = math.floor((v - mag) * OFFSETS)
     return (-1 - mag, OFFSETS - 1 - frac) if neg else (mag, frac)
@@ -246,8 +247,13 @@ def check_context(fx, fm, mu: np.ndarray, L: np.ndarray, tables: CodingTables,
     assert np.all((t >= 0) & (t < N_GAUSS)) and not np.any(t == NOOP_TABLE)
     assert np.all(tables.radius[t] >= 1)
     lam = L.astype(np.int64) - SIGMA_ONE * k
+    # mu sits on the grid shifted by half a value's bucket: 2^-(nb+1) for the 2^nb
+    # values per bin of mu's own binade (0 where its values span several bins)
+    ulp = np.where(finite, _ulp_exp(fx, fm, mu), (1 << (fm.bits - 1 - fm.mant)) - 1 - fm.bias - fx.mant)
     for i in range(len(mu)):
-        c_ref, off_ref = ref_bin(fm, int(mu[i]), int(k[i]))
+        nb = int(k[i]) - int(ulp[i])
+        shift = Fraction(1, 2 ** (min(nb, 24) + 1)) if nb >= 0 else Fraction(0)
+        c_ref, off_ref = ref_bin(fm, int(mu[i]), int(k[i]), shift)
         assert int(ctx.c_mu[i]) == c_ref
         assert int(t[i]) == ref_table_row(int(lam[i]), off_ref)
         if finite[i] and (check_near is None or check_near[i]):
