@@ -58,7 +58,7 @@ def peers(raw: bytes, symbol_bytes: int, order0_bits: float) -> list[dict[str, A
         out.append(_peer("lz4", raw, lz4f.compress, lz4f.decompress))
     except ImportError:
         out.append({"name": "lz4", "error": "lz4 not installed"})
-    out.append({"name": "order0-bound", "ratio": 8 * symbol_bytes / order0_bits,
+    out.append({"name": "order0-bound", "ratio": 8 * symbol_bytes / max(order0_bits, 1e-9),
                 "bits_per_scalar": order0_bits, "encode_mb_s": None, "decode_mb_s": None})
     return out
 

@@ -17,6 +17,13 @@ from typing import Any, Callable, Sequence
 
 logger = logging.getLogger(__name__)
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text}")
+    return value
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="default",
                    help="'default' (embedded SmolLM2-135M-Instruct) or a local Hugging Face model directory")
@@ -35,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
 
     ent = sub.add_parser("entropy", help="ideal bits/scalar of a text's KV under the predictor")
     ent.add_argument("--text", required=True, help="UTF-8 text file")
-    ent.add_argument("--tokens", type=int, default=2048, help="prompt length in tokens")
+    ent.add_argument("--tokens", type=_positive, default=2048, help="prompt length in tokens")
     ent.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
     ent.add_argument("--json", action="store_true")
     _add_model_args(ent)
@@ -43,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="coder figures on a real KV, against zstd/lz4/byte-split peers")
     bench.add_argument("--text", default=None, help="text file (default: ../shared/corpus/tinyshakespeare.txt "
                        "if present, else a built-in text)")
-    bench.add_argument("--tokens", type=int, default=2048)
+    bench.add_argument("--tokens", type=_positive, default=2048)
     bench.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
     bench.add_argument("--json", action="store_true")
     _add_model_args(bench)
@@ -54,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--target", default="default")
     build.add_argument("--calib", required=True, help="calibration text file")
     build.add_argument("--out", required=True, help="output directory")
-    build.add_argument("--tokens", type=int, default=None, help="calibration tokens (default 4096)")
+    build.add_argument("--tokens", type=_positive, default=None, help="calibration tokens (default 4096)")
     build.add_argument("--derive-weights", action="store_true",
                        help="do not write the FP8 weights; derive them from the target at load time")
     info = psub.add_parser("info", help="verify a checkpoint and print its pin")

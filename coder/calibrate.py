@@ -35,6 +35,7 @@ WIDE = 3.0
 SIGMA2_FLOOR = 1e-12  # keeps a channel whose residual is always 0 codable
 DEFAULT_CALIB_TOKENS = 4096
 DEFAULT_SEGMENT = 2048
+VOLATILE_CONFIG_KEYS = ("quantization_config", "_name_or_path", "transformers_version")
 
 
 @dataclass
@@ -114,7 +115,8 @@ def build_checkpoint(target: "Target", calib_text: Path, out: Path, *, tokens: i
     out.mkdir(parents=True, exist_ok=True)
     state = fp8_state(target.state)
     config = target.config.to_dict()
-    config.pop("quantization_config", None)
+    for volatile in VOLATILE_CONFIG_KEYS:  # where the model was loaded from is not what it is
+        config.pop(volatile, None)
     (out / CONFIG).write_bytes(json.dumps(config, sort_keys=True, indent=1).encode() + b"\n")
     model = build_model(type(target.config).from_dict(config), state)
     from .target import extract_kv

@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 DIGEST_BYTES = 16  # blake2b digest size of mu fingerprints and raw checksums
+MAX_ELEMS_PER_LANE = 1 << 16  # block geometry cap, for writers and readers
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class CodecConfig:
     threads: int = field(default_factory=lambda: min(2, os.cpu_count() or 1))  # numpy releases the GIL
 
     def __post_init__(self) -> None:
-        if not 1 <= self.elems_per_lane <= 1 << 16:
+        if not 1 <= self.elems_per_lane <= MAX_ELEMS_PER_LANE:
             raise ValueError(f"elems_per_lane must be in [1, 65536], not {self.elems_per_lane}")
         if not 1 <= self.layers_per_chunk <= 0xFFFF:
             raise ValueError(f"layers_per_chunk must be in [1, 65535], not {self.layers_per_chunk}")
@@ -81,10 +82,14 @@ def prompt_digest(ids: np.ndarray) -> bytes:
 def bf16_bits(t: "torch.Tensor | np.ndarray") -> np.ndarray:
     """A BF16 tensor's bit patterns as uint16 numpy (numpy uint16 passes through)."""
     if isinstance(t, np.ndarray):
-        return t.astype(np.uint16, copy=False)
+        if t.dtype not in (np.uint16, np.int16):
+            raise TypeError(f"BF16 KV as numpy must hold uint16/int16 bit patterns, not {t.dtype}")
+        return np.ascontiguousarray(t).view(np.uint16)
     import torch
 
-    return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+    if t.dtype != torch.bfloat16:
+        raise TypeError(f"KV and mu tensors must be torch.bfloat16, not {t.dtype}")
+    return t.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
 @dataclass
@@ -197,10 +202,12 @@ class Codec:
             mu = self.predictor.mu(np.asarray(ids))
         if isinstance(kv, Fp8KV) or fmt is E4M3:
             scales = np.ascontiguousarray(kv.scales if isinstance(kv, Fp8KV) else scales, np.float32)
-            # NOTE: one IEEE fp32 division per scalar (correctly rounded on every backend)
-            y = mu.float().numpy() / scales[:, :, None, None, None]
+            # NOTE: one IEEE fp32 division per scalar (correctly rounded on every backend);
+            # scales come from the stream: 0, inf or NaN give inf/NaN mu, which escape
+            with np.errstate(all="ignore"):
+                y = _mu_float32(mu) / scales[:, :, None, None, None]
             log2_sigma = fp8_log2_sigma(self.log2_sigma, scales.view(np.uint32)[:, :, None, None])
-            x = kv.codes if isinstance(kv, Fp8KV) else None
+            x = _fp8_codes(kv.codes) if isinstance(kv, Fp8KV) else None
             return _Plan(E4M3, FP32, x, y.view(np.uint32), log2_sigma, scales)
         x = bf16_bits(kv) if kv is not None else None
         _ = self.bf16_contexts  # NOTE: built here, once, before worker threads want it
@@ -217,9 +224,6 @@ class Codec:
         header = _whole_record(first, ct.unpack_header(first))
         self._check_header(header, ids)
         chunks = [_whole_record(r, ct.unpack_chunk(r, header)) for r in it]
-        if [c.index for c in chunks] != list(range(header.n_chunks)):
-            raise IntegrityError(f"stream has chunks {[c.index for c in chunks]}, "
-                                 f"expected 0..{header.n_chunks - 1}")
         return self.decode_chunks(header, chunks, ids, mu)
 
     def _check_header(self, h: ct.StreamHeader, ids: np.ndarray) -> None:
@@ -229,12 +233,18 @@ class Codec:
             raise IntegrityError(f"unknown probability model id {h.model}")
         if h.prompt_digest != prompt_digest(ids):
             raise PromptMismatchError("prompt token ids differ from the encoder's")
+        if h.elems_per_lane > MAX_ELEMS_PER_LANE:
+            raise IntegrityError(f"elems_per_lane {h.elems_per_lane} exceeds {MAX_ELEMS_PER_LANE}")
         want = (self.log2_sigma.shape[0], 2, self.log2_sigma.shape[2], len(ids), self.log2_sigma.shape[3])
         if h.shape != want:
             raise IntegrityError(f"stream shape {h.shape} does not fit this predictor and prompt {want}")
 
     def decode_chunks(self, h: ct.StreamHeader, chunks: Sequence[ct.Chunk], ids: np.ndarray,
                       mu: "torch.Tensor | None" = None) -> "np.ndarray | Fp8KV":
+        """Decode a whole stream's chunks (all of them, in index order)."""
+        if [c.index for c in chunks] != list(range(h.n_chunks)):
+            raise IntegrityError(f"stream has chunks {[c.index for c in chunks]}, "
+                                 f"expected 0..{h.n_chunks - 1}")
         fmt = BF16 if h.dtype == ct.DTYPE_BF16 else E4M3
         scales = _scales(h, chunks) if fmt is E4M3 else None
         plan = self._plan(None, ids, mu, fmt, scales)
@@ -305,6 +315,18 @@ class Codec:
             js[s] = j
         dec.finish()
         return js.transpose(1, 0, 2)
+
+
+def _mu_float32(mu: "torch.Tensor") -> np.ndarray:
+    """The predictor's BF16 mu as exact float32 numpy."""
+    return (bf16_bits(mu).astype(np.uint32) << 16).view(np.float32)
+
+
+def _fp8_codes(codes: np.ndarray) -> np.ndarray:
+    codes = np.asarray(codes)
+    if codes.dtype != np.uint8:
+        raise TypeError(f"FP8 KV codes must be uint8 e4m3 patterns, not {codes.dtype}")
+    return np.ascontiguousarray(codes)
 
 
 def _whole_record(rec, parsed):

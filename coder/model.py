@@ -101,10 +101,12 @@ def bin_index(fmt: FloatFormat, x: np.ndarray, k: np.ndarray, offsets: bool = Fa
     """Signed bin of each value on the grid 2^k (clamped to +-MAX_BIN), and (if asked)
     the value's position inside its bin in 1/OFFSETS steps from the bin's lower end.
 
-    NOTE: exact float arithmetic only: |x| * 2^-k is a power-of-two scaling (exact
-    unless it underflows, where the floor is 0 anyway) and floor is exact, so every
-    IEEE backend agrees bit for bit. 2^-k is built from its bits (k in [-126, 127])."""
-    with np.errstate(over="ignore", invalid="ignore"):
+    NOTE: |x| * 2^-k is a power-of-two scaling (exact unless it underflows, where the
+    floor is 0 anyway) and floor is exact. Adding mu's ``shift`` (a power of two) is
+    one IEEE float32 round-to-nearest addition: exact for BF16 mu, correctly rounded
+    (so still identical on every IEEE backend) for fp32 mu; a port must do it in
+    float32 without fast-math. 2^-k is built from its bits (k in [-126, 120])."""
+    with np.errstate(all="ignore"):  # overflow to inf, underflow to 0: both handled below
         scale = ((127 - k).astype(np.int32) << 23).view(np.float32)
         v = np.abs(as_float32(fmt, x)) * scale  # NaN/Inf stay non-finite
         v = np.minimum(v, np.float32(MAX_BIN))  # NaN propagates; escaped by the caller
@@ -263,6 +265,10 @@ def desymbolize(fx: FloatFormat, tab: CodingTables, ctx: Context, j: np.ndarray,
     zi, ei = np.flatnonzero(zero), np.flatnonzero(esc)
     sizes = [(int(width.sum()) + 7) // 8, (len(zi) * fx.mant + 7) // 8, (len(ei) * fx.bits + 7) // 8, None]
     s_low, s_zman, s_esc, s_unary = split_sections(raw, sizes)
+    # NOTE: bound the open-ended section before expanding it (8 bits per byte):
+    # each unary code is at most k + bias bits long
+    if 8 * len(s_unary) > int((ctx.k[zi].astype(np.int64) + fx.bias).sum()) + 7:
+        raise IntegrityError("unary section longer than any encoder writes")
     out = _normal_bits(fx, ctx.k, c, mag, nb, unpack_fields(s_low, width), normal)
     out[zi] = _zero_bits(fx, ctx.k[zi], c[zi], unpack_fields(s_zman, np.full(len(zi), fx.mant)),
                          unpack_unary(s_unary, len(zi)))

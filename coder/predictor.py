@@ -103,12 +103,13 @@ def save_npz_stable(path: Path, arrays: dict[str, np.ndarray]) -> None:
     """An ``.npz`` whose bytes depend only on the arrays.
 
     NOTE: ``np.savez`` stamps each member with the current time, so the pinned
-    checkpoint would change on every rebuild; here every member has a fixed date.
+    checkpoint would change on every rebuild; here every member has a fixed date
+    and is stored uncompressed (deflate output differs between zlib builds).
     """
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
         for name in sorted(arrays):
             info = zipfile.ZipInfo(name + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
-            info.compress_type = zipfile.ZIP_DEFLATED
+            info.compress_type = zipfile.ZIP_STORED  # deflate output varies across zlib builds
             buf = io.BytesIO()
             np.lib.format.write_array(buf, np.require(arrays[name], requirements="C"), allow_pickle=False)
             zf.writestr(info, buf.getvalue())
@@ -190,7 +191,12 @@ def load_checkpoint(path: str | Path, pin: str | None = None) -> Checkpoint:
     if manifest.get("format") != FORMAT_NAME or manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{mpath}: unsupported format {manifest.get('format')!r} "
                               f"v{manifest.get('format_version')!r}")
-    for name, digest in sorted(manifest["files"].items()):
+    required = {CALIB, TABLES, CONFIG} | ({WEIGHTS} if manifest.get("weights", {}).get("file") else set())
+    files = manifest.get("files", {})
+    if not required <= set(files) or any("/" in n or "\\" in n or n.startswith(".") for n in files):
+        raise PinMismatchError(f"{mpath}: the manifest must list exactly the checkpoint's files, "
+                               f"got {sorted(files)}")
+    for name, digest in sorted(files.items()):
         fpath = path / name
         if not fpath.is_file():
             raise CheckpointError(f"checkpoint {path} is missing {name}")

@@ -24,6 +24,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -66,9 +67,17 @@ def embedded_gguf_path() -> Path:
     return path
 
 
+_FORWARD_LOCK = threading.Lock()  # the settings below are process-global
+
+
 @contextlib.contextmanager
 def deterministic_torch() -> Iterator[None]:
-    """Fixed thread count and deterministic algorithms for one forward pass."""
+    """Fixed thread count and deterministic algorithms for one forward pass at a time."""
+    with _FORWARD_LOCK:
+        yield from _deterministic_settings()
+
+
+def _deterministic_settings() -> Iterator[None]:
     import torch
 
     threads, det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()

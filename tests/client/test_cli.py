@@ -148,3 +148,11 @@ def test_import_is_cheap():
                           cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "", f"heavy modules imported: {proc.stdout.strip()[:300]}"
+
+
+@pytest.mark.parametrize("cmd", [["entropy", "--text", "x.txt", "--tokens", "-5"], ["bench", "--tokens", "0"]])
+def test_token_counts_must_be_positive(cmd, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(cmd)
+    assert e.value.code == 2
+    assert "positive integer" in capsys.readouterr().err

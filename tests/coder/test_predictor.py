@@ -363,3 +363,17 @@ def test_shipped_default_predictor_is_reproducible(embedded_target, corpus_file,
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in shipped.iterdir())
     for f in shipped.iterdir():
         assert (tmp_path / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+@pytest.mark.parametrize("drop", ["calib.npz", "tables.npz", "config.json"])
+def test_manifest_must_list_every_checkpoint_file(tmp_path, drop):
+    """Re-signing a manifest that no longer covers a file must not pass verification."""
+    from speckv.coder.predictor import default_checkpoint_dir, load_checkpoint
+
+    d = tmp_path / "ck"
+    shutil.copytree(default_checkpoint_dir(), d)
+    manifest = json.loads((d / MANIFEST).read_bytes())
+    del manifest["files"][drop]
+    (d / MANIFEST).write_bytes(canonical_json(manifest))
+    with pytest.raises(PinMismatchError, match="must list"):
+        load_checkpoint(d)
