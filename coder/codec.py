@@ -279,7 +279,8 @@ class Codec:
         return [out.get(c.index, np.zeros(0, np.int64)) for c in chunks]
 
     def _run_decoder(self, live: Sequence[ct.Chunk], ctxs: Sequence[Context], el: int) -> list[np.ndarray]:
-        """The rANS loop: one Gaussian-table op per element, all blocks at once."""
+        """The rANS loop: one Gaussian-table op per element; blocks split across threads
+        (numpy releases the GIL inside each step's array operations)."""
         blocks = concat_blocks([RansBlocks(c.states, c.word_counts, c.words) for c in live])
         nb = len(blocks.word_counts)
         tables = np.full(nb * el * LANES, NOOP_TABLE, np.int32)
@@ -288,9 +289,10 @@ class Codec:
             tables[pos:pos + len(ctx.t)] = ctx.t
             pos += c.n_blocks * el * LANES
         tables = tables.reshape(nb, el, LANES)  # element = block, step, lane
-        # NOTE: one thread: the loop's per-step arrays are small, so a second thread
-        # mostly contends for the GIL (measured slower on 2 cores)
-        js = self._decode_blocks(blocks, tables, el)
+        groups = [g for g in np.array_split(np.arange(nb), self.config.threads) if len(g)]
+        parts = self._map(lambda a: self._decode_blocks(a[0], tables[a[1][0]:a[1][-1] + 1], el),
+                          list(zip(split_blocks(blocks, [len(g) for g in groups]), groups)))
+        js = np.concatenate(parts)
         return [p.ravel() for p in np.split(js, np.cumsum([c.n_blocks for c in live])[:-1])]
 
     def _context(self, plan: _Plan, sl: slice) -> Context:
