@@ -36,7 +36,6 @@ from .bitpack import pack_fields, pack_unary, split_sections, unpack_fields, unp
 from .errors import IntegrityError
 from .tables import GRID_BELOW_SIGMA, OFFSET_BITS, OFFSETS, SIGMA_FRAC_BITS, CodingTables, table_row
 
-OPS_PER_ELEMENT = 1  # one rANS op per element; the rest is raw bits
 MODEL_SEED_MIXTURE = 1  # container ``model`` id of this model
 MAX_BIN = 4095  # bins beyond this are far outside any window (escape anyway)
 FLOG2 = np.array([max(n.bit_length() - 1, 0) for n in range(MAX_BIN + 1)], np.int32)  # floor(log2 n)
