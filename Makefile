@@ -10,7 +10,7 @@ comma := ,
 EXTRAS := test$(if $(CUDA),$(comma)cuda)
 PYTEST_ARGS ?=
 
-.PHONY: demo test install clean
+.PHONY: demo test install proto clean
 
 install: $(STAMP)
 
@@ -28,6 +28,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# regenerate the committed gRPC stubs (speckv.v1) and lint the .proto files
+proto: $(STAMP)
+	$(PY) proto/generate.py
+	cd proto && ../$(VENV)/bin/buf lint && ../$(VENV)/bin/buf format --diff --exit-code
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,150 @@
+from . import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TransferState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSFER_STATE_UNSPECIFIED: _ClassVar[TransferState]
+    TRANSFER_STATE_RECEIVING: _ClassVar[TransferState]
+    TRANSFER_STATE_READY: _ClassVar[TransferState]
+    TRANSFER_STATE_FETCHED: _ClassVar[TransferState]
+    TRANSFER_STATE_FAILED: _ClassVar[TransferState]
+    TRANSFER_STATE_CANCELLED: _ClassVar[TransferState]
+TRANSFER_STATE_UNSPECIFIED: TransferState
+TRANSFER_STATE_RECEIVING: TransferState
+TRANSFER_STATE_READY: TransferState
+TRANSFER_STATE_FETCHED: TransferState
+TRANSFER_STATE_FAILED: TransferState
+TRANSFER_STATE_CANCELLED: TransferState
+
+class TransferHeader(_message.Message):
+    __slots__ = ("request_id", "predictor_pin", "model_id", "dtype", "shape", "prompt_token_ids", "header_record")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PREDICTOR_PIN_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    HEADER_RECORD_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    predictor_pin: bytes
+    model_id: str
+    dtype: _common_pb2.Dtype
+    shape: _common_pb2.KVShape
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    header_record: bytes
+    def __init__(self, request_id: _Optional[str] = ..., predictor_pin: _Optional[bytes] = ..., model_id: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ..., shape: _Optional[_Union[_common_pb2.KVShape, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., header_record: _Optional[bytes] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("index", "record")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    record: bytes
+    def __init__(self, index: _Optional[int] = ..., record: _Optional[bytes] = ...) -> None: ...
+
+class TransferRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: TransferHeader
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[TransferHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class ChunkAck(_message.Message):
+    __slots__ = ("index", "bytes_received")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    bytes_received: int
+    def __init__(self, index: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+
+class TransferResult(_message.Message):
+    __slots__ = ("status", "raw_bytes", "wire_bytes", "chunks", "predictor_seconds", "decode_seconds", "total_seconds")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTOR_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    status: _common_pb2.Status
+    raw_bytes: int
+    wire_bytes: int
+    chunks: int
+    predictor_seconds: float
+    decode_seconds: float
+    total_seconds: float
+    def __init__(self, status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., predictor_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ...) -> None: ...
+
+class TransferResponse(_message.Message):
+    __slots__ = ("chunk_ack", "result")
+    CHUNK_ACK_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    chunk_ack: ChunkAck
+    result: TransferResult
+    def __init__(self, chunk_ack: _Optional[_Union[ChunkAck, _Mapping]] = ..., result: _Optional[_Union[TransferResult, _Mapping]] = ...) -> None: ...
+
+class FetchKVRequest(_message.Message):
+    __slots__ = ("request_id", "wait_timeout_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    wait_timeout_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., wait_timeout_ms: _Optional[int] = ...) -> None: ...
+
+class FetchKVResponse(_message.Message):
+    __slots__ = ("layer",)
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    layer: _common_pb2.KVLayer
+    def __init__(self, layer: _Optional[_Union[_common_pb2.KVLayer, _Mapping]] = ...) -> None: ...
+
+class TransferStatus(_message.Message):
+    __slots__ = ("request_id", "state", "status", "chunks_received", "chunks_total", "chunks_decoded", "wire_bytes", "raw_bytes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_DECODED_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    state: TransferState
+    status: _common_pb2.Status
+    chunks_received: int
+    chunks_total: int
+    chunks_decoded: int
+    wire_bytes: int
+    raw_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., chunks_received: _Optional[int] = ..., chunks_total: _Optional[int] = ..., chunks_decoded: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., raw_bytes: _Optional[int] = ...) -> None: ...
+
+class GetTransferStatusRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class GetTransferStatusResponse(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: TransferStatus
+    def __init__(self, status: _Optional[_Union[TransferStatus, _Mapping]] = ...) -> None: ...
+
+class CancelTransferRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class CancelTransferResponse(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: TransferStatus
+    def __init__(self, status: _Optional[_Union[TransferStatus, _Mapping]] = ...) -> None: ...

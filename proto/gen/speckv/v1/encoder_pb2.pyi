@@ -1,0 +1,56 @@
+from . import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SubmitHeader(_message.Message):
+    __slots__ = ("request_id", "decoder_address", "model_id", "dtype", "shape", "prompt_token_ids", "fp8_scales", "expected_predictor_pin")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FP8_SCALES_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_PREDICTOR_PIN_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    decoder_address: str
+    model_id: str
+    dtype: _common_pb2.Dtype
+    shape: _common_pb2.KVShape
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    fp8_scales: _containers.RepeatedScalarFieldContainer[float]
+    expected_predictor_pin: bytes
+    def __init__(self, request_id: _Optional[str] = ..., decoder_address: _Optional[str] = ..., model_id: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ..., shape: _Optional[_Union[_common_pb2.KVShape, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., fp8_scales: _Optional[_Iterable[float]] = ..., expected_predictor_pin: _Optional[bytes] = ...) -> None: ...
+
+class SubmitRequest(_message.Message):
+    __slots__ = ("header", "layer")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    header: SubmitHeader
+    layer: _common_pb2.KVLayer
+    def __init__(self, header: _Optional[_Union[SubmitHeader, _Mapping]] = ..., layer: _Optional[_Union[_common_pb2.KVLayer, _Mapping]] = ...) -> None: ...
+
+class SubmitResponse(_message.Message):
+    __slots__ = ("status", "raw_bytes", "wire_bytes", "chunks", "predictor_seconds", "encode_seconds", "transfer_seconds", "total_seconds")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTOR_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    status: _common_pb2.Status
+    raw_bytes: int
+    wire_bytes: int
+    chunks: int
+    predictor_seconds: float
+    encode_seconds: float
+    transfer_seconds: float
+    total_seconds: float
+    def __init__(self, status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., predictor_seconds: _Optional[float] = ..., encode_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ...) -> None: ...
