@@ -1,0 +1,313 @@
+"""Typed errors of the codec on corrupt, truncated, reordered, mismatched and crafted
+streams: every bad input raises a ``SpeckvError`` and nothing else."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from speckv.coder import container as ct
+from speckv.coder.codec import Codec, bf16_bits, digest, prompt_digest
+from speckv.coder.container import FormatError, TruncatedError
+from speckv.coder.errors import (
+    IntegrityError,
+    MuMismatchError,
+    PinMismatchError,
+    PromptMismatchError,
+)
+from speckv.coder.model import BF16, E4M3, FP32, context, fp8_log2_sigma
+from speckv.coder.rans import LANES, RansDecodeError, rans_encode
+from speckv.coder.tables import NOOP_TABLE
+
+
+from codec_helpers import (
+    _sample_bf16,
+    ADVERSARIAL,
+    ALL_CODES,
+    LAYERS,
+    SCALES,
+    assert_rejected,
+    bf16_from_float,
+    bf16_tensor,
+    chunk_areas,
+    flip,
+    fp8_mu,
+    ids_for,
+    recrc,
+    round_trip_bf16,
+    round_trip_fp8,
+    shape,
+    tile,
+)
+
+# NaN / Inf / overflowing inputs are the point here: numpy's warnings are noise
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+# ------------------------------------------------------------------ errors
+
+
+@pytest.fixture(scope="module")
+def small_stream(make_codec):
+    """(codec, records, ids, mu) of a small BF16 stream: 3 chunks of 10 layers."""
+    codec = make_codec(16, 10)
+    x, mu = _sample_bf16(T=1, seed=4)
+    x.reshape(-1)[: len(ADVERSARIAL)] = ADVERSARIAL  # escapes, zero-bin and normal elements
+    ids = ids_for(1)
+    records = round_trip_bf16(codec, x, mu, ids)
+    return codec, records, ids, bf16_tensor(mu)
+
+
+@pytest.fixture(scope="module")
+def fp8_stream(make_codec):
+    codec = make_codec(16, 15)
+    codes = tile(ALL_CODES, 1)
+    scales = SCALES["mixed"]
+    mu = fp8_mu(codes, scales, "near")
+    ids = ids_for(1)
+    records = round_trip_fp8(codec, codes, scales, mu, ids)
+    return codec, records, ids, bf16_tensor(mu)
+
+
+def test_every_header_byte_flip_is_rejected(small_stream):
+    codec, records, ids, mu = small_stream
+    for pos in range(len(records[0])):
+        for mask in (0x01, 0x80):
+            assert_rejected(codec, [flip(records[0], pos, mask)] + records[1:], ids, mu,
+                            (FormatError, TruncatedError))
+
+
+def test_every_header_field_change_with_valid_crc_is_rejected(small_stream):
+    codec, records, ids, mu = small_stream
+    for pos in range(len(records[0]) - 4):
+        for mask in (0x01, 0x40):
+            bad = recrc(flip(records[0], pos, mask))
+            assert_rejected(codec, [bad] + records[1:], ids, mu)
+
+
+@pytest.mark.parametrize("which", ["bf16", "fp8"])
+def test_byte_flips_in_chunks_fail_the_crc(small_stream, fp8_stream, which):
+    codec, records, ids, mu = small_stream if which == "bf16" else fp8_stream
+    for i in range(1, len(records)):
+        rec = records[i]
+        positions = sorted(set(range(0, len(rec), 3)) | set(range(len(rec) - 12, len(rec))))
+        for pos in positions:
+            bad = list(records)
+            bad[i] = flip(rec, pos, 1 << (pos % 8))
+            assert_rejected(codec, bad, ids, mu, FormatError)
+
+
+def _positions(lo: int, hi: int, n: int) -> list[int]:
+    if hi <= lo:
+        return []
+    return sorted(set(np.linspace(lo, hi - 1, min(n, hi - lo)).astype(int).tolist()))
+
+
+@pytest.mark.parametrize("which", ["bf16", "fp8"])
+@pytest.mark.parametrize("area", ["fixed", "aux", "states", "word_counts", "words", "bits_len", "bits"])
+def test_bit_flips_with_valid_crc_are_rejected(small_stream, fp8_stream, which, area):
+    """A corrupted chunk whose crc32 was recomputed: the codec's own checks
+    (rANS final states, bit sections, raw digest, mu fingerprint) must catch it."""
+    codec, records, ids, mu = small_stream if which == "bf16" else fp8_stream
+    expect = (IntegrityError, RansDecodeError, FormatError, MuMismatchError)
+    n_tried = 0
+    for i in range(1, len(records)):
+        lo, hi = chunk_areas(records[0], records[i])[area]
+        for k, pos in enumerate(_positions(lo, hi, 40)):
+            bad = list(records)
+            bad[i] = recrc(flip(records[i], pos, 1 << ((pos + k) % 8)))
+            assert_rejected(codec, bad, ids, mu, expect)
+            n_tried += 1
+    assert n_tried or area == "aux" and which == "bf16"
+
+
+def test_dropped_last_record(small_stream):
+    codec, records, ids, mu = small_stream
+    assert_rejected(codec, records[:-1], ids, mu, IntegrityError)
+    assert_rejected(codec, records[:1], ids, mu, IntegrityError)
+
+
+def test_empty_stream(small_stream):
+    codec, records, ids, mu = small_stream
+    assert_rejected(codec, [], ids, mu)
+    assert_rejected(codec, iter([]), ids, mu)
+
+
+@pytest.mark.parametrize("cut", [0, 1, 3, 4, 11, 12, 79, 80, -5, -4, -1])
+def test_record_cut_short(small_stream, cut):
+    codec, records, ids, mu = small_stream
+    for i in range(len(records)):
+        bad = list(records)
+        bad[i] = records[i][:cut]
+        assert_rejected(codec, bad, ids, mu, (TruncatedError, FormatError))
+
+
+def test_extra_trailing_record(small_stream):
+    codec, records, ids, mu = small_stream
+    assert_rejected(codec, records + [records[-1]], ids, mu, IntegrityError)  # duplicate
+    assert_rejected(codec, records + [records[1]], ids, mu, IntegrityError)
+    assert_rejected(codec, records + [b"garbage!" * 20], ids, mu, FormatError)
+    assert_rejected(codec, records + [b""], ids, mu, TruncatedError)
+    assert_rejected(codec, records + [records[0]], ids, mu, FormatError)  # a second header
+
+
+def test_trailing_bytes_inside_a_record(small_stream):
+    """A record followed by extra bytes (e.g. two records glued together) is not a
+    valid record: FORMAT.md forbids anything after the last chunk record."""
+    codec, records, ids, mu = small_stream
+    for i in range(len(records)):
+        for extra in (b"\0", b"junk", records[-1]):
+            bad = list(records)
+            bad[i] = records[i] + extra
+            assert_rejected(codec, bad, ids, mu, FormatError)
+    # the whole stream passed as one record
+    assert_rejected(codec, [b"".join(records)], ids, mu)
+
+
+def test_garbage_bytes(small_stream):
+    codec, records, ids, mu = small_stream
+    rng = np.random.default_rng(0)
+    for n in (1, 4, 50, 110, 111, 500, 5000):
+        junk = rng.integers(0, 256, n).astype(np.uint8).tobytes()
+        assert_rejected(codec, [junk] + records[1:], ids, mu, FormatError)
+        assert_rejected(codec, records[:1] + [junk] + records[2:], ids, mu, FormatError)
+        # valid magic, garbage after it
+        assert_rejected(codec, [b"SPKV" + junk] + records[1:], ids, mu, FormatError)
+        assert_rejected(codec, records[:1] + [b"SPKC" + junk] + records[2:], ids, mu, FormatError)
+
+
+def test_chunks_reordered(small_stream):
+    codec, records, ids, mu = small_stream
+    h, c = records[0], records[1:]
+    for order in ([1, 0, 2], [0, 2, 1], [2, 1, 0], [0, 0, 2], [0, 1, 1]):
+        assert_rejected(codec, [h] + [c[k] for k in order], ids, mu, IntegrityError)
+    assert_rejected(codec, [c[0], h] + c[1:], ids, mu, FormatError)  # header not first
+
+
+def test_wrong_pin(small_stream, make_codec, ckpt):
+    codec, records, ids, mu = small_stream
+    for pin in ("00" * 32, hashlib.sha256(b"another predictor").hexdigest(),
+                ckpt.pin[:-1] + ("0" if ckpt.pin[-1] != "0" else "1")):
+        other = make_codec(16, 10, pin=pin)
+        assert_rejected(other, records, ids, mu, PinMismatchError)
+        # and a stream written under another pin is refused by the real one
+        x = codec.decode(records, ids, mu)
+        assert_rejected(codec, list(other.encode(x, ids, mu)), ids, mu, PinMismatchError)
+
+
+def test_mu_mismatch(small_stream):
+    codec, records, ids, mu = small_stream
+    bits = bf16_bits(mu).copy()
+    for pos in (0, 5000, bits.size - 1):  # first, middle and last chunk
+        other = bits.copy()
+        other.reshape(-1)[pos] ^= 1  # one ULP in one scalar
+        e = assert_rejected(codec, records, ids, bf16_tensor(other), MuMismatchError)
+        assert "chunk" in str(e)
+
+
+def test_mu_mismatch_fp8(fp8_stream):
+    codec, records, ids, mu = fp8_stream
+    other = bf16_bits(mu).copy()
+    other.reshape(-1)[1234] ^= 1
+    assert_rejected(codec, records, ids, bf16_tensor(other), MuMismatchError)
+
+
+def test_wrong_prompt(small_stream):
+    codec, records, ids, mu = small_stream
+    assert_rejected(codec, records, ids + 1, mu, PromptMismatchError)
+    assert_rejected(codec, records, np.concatenate([ids, ids]), mu, PromptMismatchError)
+    assert_rejected(codec, records, ids[:0], mu, PromptMismatchError)
+    assert_rejected(codec, records, ids.astype(np.int32) + 7, mu, PromptMismatchError)
+    # the digest is of the int64 values, whatever the caller's dtype
+    assert prompt_digest(ids.astype(np.int32)) == prompt_digest(ids)
+
+
+def test_stream_dtype_swapped(small_stream, fp8_stream):
+    """A BF16 header claiming FP8 (and vice versa), crc recomputed."""
+    for codec, records, ids, mu in (small_stream, fp8_stream):
+        hdr = bytearray(records[0])
+        hdr[8] = 3 - hdr[8]
+        assert_rejected(codec, [recrc(hdr)] + records[1:], ids, mu)
+
+
+# ----------------------------------------------- crafted malicious streams
+
+
+def _craft(codec: Codec, fmt, mu_bits: np.ndarray, ids: np.ndarray, choose, bits: bytes = b"",
+           scales: np.ndarray | None = None) -> list[bytes]:
+    """A well-framed stream (valid crcs, right mu fingerprint) whose rANS symbols
+    are ``choose(radius, rng)`` rather than the encoder's, with raw ``bits``."""
+    T = mu_bits.shape[3]
+    h = ct.StreamHeader(dtype=ct.DTYPE_BF16 if fmt is BF16 else ct.DTYPE_FP8, model=1,
+                        pin=bytes.fromhex(codec.pin), shape=shape(T), prompt_digest=prompt_digest(ids),
+                        elems_per_lane=codec.config.elems_per_lane,
+                        layers_per_chunk=min(codec.config.layers_per_chunk, LAYERS))
+    lg = codec.log2_sigma
+    if fmt is BF16:
+        mu_c, fm = mu_bits, BF16
+    else:
+        y = (mu_bits.astype(np.uint32) << 16).view(np.float32) / scales[:, :, None, None, None]
+        mu_c, fm = y.view(np.uint32), FP32
+        lg = fp8_log2_sigma(lg, scales.view(np.uint32)[:, :, None, None])
+    g, rng = codec.tables.gauss, np.random.default_rng(0)
+    records = [ct.pack_header(h)]
+    for i in range(h.n_chunks):
+        start, count = h.chunk_layers(i)
+        sl = slice(start, start + count)
+        m = mu_c[sl]
+        ctx = context(fmt, fm, m.ravel(), np.broadcast_to(lg[sl][:, :, :, None, :], m.shape).ravel())
+        radius = codec.tables.radius[ctx.t]
+        j = np.asarray(choose(radius, rng), np.int64)
+        n = h.chunk_elements(i)
+        size = h.chunk_blocks(i) * h.elems_per_lane * LANES
+        idx = np.full(size, g.offset[NOOP_TABLE], np.int64)
+        idx[:n] = g.offset[ctx.t] + j
+        grid = (h.chunk_blocks(i), h.elems_per_lane, LANES)
+        rb = rans_encode(g.cum[idx].reshape(grid), g.freq[idx].reshape(grid))
+        aux = b"" if scales is None else scales[sl].astype("<f4").tobytes()
+        records.append(ct.pack_chunk(ct.Chunk(
+            index=i, layer_start=start, layer_count=count, steps=h.elems_per_lane if n else 0,
+            mu_fingerprint=digest(m.tobytes()), raw_digest=bytes(16), aux=aux, states=rb.states,
+            word_counts=rb.word_counts, words=rb.words, bits=bits)))
+    return records
+
+
+CHOICES = {
+    "centre": lambda r, rng: r,  # d = 0: mu's own bin
+    "low_edge": lambda r, rng: 0 * r,  # d = -R
+    "high_edge": lambda r, rng: 2 * r,  # d = +R
+    "escape": lambda r, rng: 2 * r + 1,
+    "random": lambda r, rng: rng.integers(0, 2 * r + 2),
+}
+
+
+@pytest.mark.parametrize("choice", list(CHOICES))
+@pytest.mark.parametrize("mu_value", [0x7F80, 0xFF80, 0x7FC0, 0xFFFF, 0x7F7F, 0xFF7F, 0x0000, 0x8000,
+                                      0x0001, 0x3F80])
+@pytest.mark.parametrize("bits", [b"", b"\xff" * 64, bytes(range(256)) * 40])
+def test_crafted_symbols_bf16(make_codec, choice, mu_value, bits):
+    """Symbols no encoder emits (non-escapes for non-finite mu, bins past the
+    largest finite value, raw sections of the wrong size) must be typed errors."""
+    codec = make_codec(8, 16)
+    T = 1
+    ids = ids_for(T)
+    mu = np.full(shape(T), mu_value, np.uint16)
+    records = _craft(codec, BF16, mu, ids, CHOICES[choice], bits)
+    assert_rejected(codec, records, ids, bf16_tensor(mu))
+
+
+@pytest.mark.parametrize("choice", list(CHOICES))
+@pytest.mark.parametrize("mu_value", [1e6, -1e6, 0.0, 3.0e38, float("inf"), float("nan")])
+@pytest.mark.parametrize("scale", [1e-6, 1.0, 1e30])
+def test_crafted_symbols_fp8(make_codec, choice, mu_value, scale):
+    codec = make_codec(8, 16)
+    T = 1
+    ids = ids_for(T)
+    mu = bf16_from_float(np.full(shape(T), mu_value, np.float32))
+    scales = np.full((LAYERS, 2), scale, np.float32)
+    for bits in (b"", b"\x55" * 3000):
+        records = _craft(codec, E4M3, mu, ids, CHOICES[choice], bits, scales)
+        assert_rejected(codec, records, ids, bf16_tensor(mu))
+
