@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
@@ -122,12 +123,14 @@ class Codec:
         self.predictor = predictor
         self.config = config or CodecConfig()
         self._bf16_contexts: ContextTable | None = None  # built on first BF16 use
+        self._bf16_lock = threading.Lock()  # worker threads may all ask for it at once
 
     @property
     def bf16_contexts(self) -> ContextTable:
-        if self._bf16_contexts is None:
-            self._bf16_contexts = ContextTable(BF16, BF16, self.log2_sigma)
-        return self._bf16_contexts
+        with self._bf16_lock:
+            if self._bf16_contexts is None:
+                self._bf16_contexts = ContextTable(BF16, BF16, self.log2_sigma)
+            return self._bf16_contexts
 
     @classmethod
     def from_predictor(cls, predictor: "Predictor", config: CodecConfig | None = None) -> "Codec":
@@ -210,7 +213,6 @@ class Codec:
             x = _fp8_codes(kv.codes) if isinstance(kv, Fp8KV) else None
             return _Plan(E4M3, FP32, x, y.view(np.uint32), log2_sigma, scales)
         x = bf16_bits(kv) if kv is not None else None
-        _ = self.bf16_contexts  # NOTE: built here, once, before worker threads want it
         return _Plan(BF16, BF16, x, bf16_bits(mu), self.log2_sigma, None)
 
     # -- decode -------------------------------------------------------------
