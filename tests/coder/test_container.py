@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import struct
-import time
-import tracemalloc
 import zlib
 
 import numpy as np
@@ -20,48 +18,12 @@ from speckv.coder.container import (
 
 FAST = settings(max_examples=150, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
-
-
-def make_header(shape=(3, 2, 2, 5, 4), epl=2, lpc=2, dtype=C.DTYPE_BF16, model=3):
-    return StreamHeader(dtype=dtype, model=model, pin=bytes(range(32)), shape=shape,
-                        prompt_digest=bytes(range(32, 64)), elems_per_lane=epl,
-                        layers_per_chunk=lpc)
-
-
-def make_chunk(h: StreamHeader, i: int, aux=b"", seed=0, steps=None, bits=None) -> Chunk:
-    """A valid chunk ``i`` of ``h``; ``bits=None`` draws 1..11 random bytes."""
-    rng = np.random.default_rng(seed + 1000 * i)
-    nb = h.chunk_blocks(i)
-    counts = rng.integers(0, 6, nb, dtype=np.uint32)
-    start, count = h.chunk_layers(i)
-    return Chunk(index=i, layer_start=start, layer_count=count,
-                 steps=(min(3, 16 * h.elems_per_lane) if nb else 0) if steps is None else steps,
-                 mu_fingerprint=bytes([i + 1]) * 16, raw_digest=bytes([i + 2]) * 16, aux=aux,
-                 states=rng.integers(0, 2**32, (nb, C.LANES), dtype=np.uint32),
-                 word_counts=counts,
-                 words=rng.integers(0, 2**16, int(counts.sum()), dtype=np.uint16),
-                 bits=rng.bytes(int(rng.integers(1, 12))) if bits is None else bits)
-
-
-def make_stream(h=None, aux=b"\x01\x02", bits=None):
-    h = h or make_header()
-    return h, [make_chunk(h, i, aux=aux if i == 0 else b"", bits=bits)
-               for i in range(h.n_chunks)]
-
-
-def fix_crcs(buf: bytes) -> bytes:
-    """Recompute the crc of the header and of every chunk record that can be walked."""
-    b = bytearray(buf)
-    if len(b) >= C.HEADER_LEN:
-        struct.pack_into("<I", b, 106, zlib.crc32(b[:106]))
-    off = C.HEADER_LEN
-    while off + 12 <= len(b):
-        (rl,) = struct.unpack_from("<Q", b, off + 4)
-        if rl < C.CHUNK_OVERHEAD or off + rl > len(b):
-            break
-        struct.pack_into("<I", b, off + rl - 4, zlib.crc32(b[off:off + rl - 4]))
-        off += rl
-    return bytes(b)
+from container_helpers import (
+    make_header,
+    make_chunk,
+    make_stream,
+    fix_crcs,
+)
 
 
 # ---------------------------------------------------------------- round trips
@@ -279,128 +241,6 @@ def test_header_field_rules_with_valid_crc(offset, fmt, value, match):
     assert not isinstance(ei.value, ChecksumError)
 
 
-# -------------------------------------------- lying sizes (valid crc, no alloc)
-
-def _patched_chunk(fields: dict, tail: bytes = b"", record_len=None) -> bytes:
-    f = {"index": 0, "layer_start": 0, "layer_count": 1, "n_blocks": 1, "steps": 1,
-         "aux_len": 0, **fields}
-    body_len = 68 + len(tail)
-    rl = body_len + 4 if record_len is None else record_len
-    body = struct.pack("<4sQIIIII16s16sI", b"SPKC", rl, f["index"], f["layer_start"],
-                       f["layer_count"], f["n_blocks"], f["steps"], b"\0" * 16, b"\0" * 16,
-                       f["aux_len"]) + tail
-    return body + struct.pack("<I", zlib.crc32(body))
-
-
-def _fast_and_small(fn, exc=FormatError, match=None):
-    """``fn`` raises ``exc`` (never a ChecksumError: the crcs are valid) in under
-    a second with under 1 MiB of peak allocation."""
-    tracemalloc.start()
-    t0 = time.perf_counter()
-    try:
-        with pytest.raises(exc, match=match) as ei:
-            fn()
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert time.perf_counter() - t0 < 1.0 and peak < 1 << 20
-    assert not isinstance(ei.value, ChecksumError)
-
-
-def test_lying_sizes_fail_fast_without_allocating():
-    big = make_header((1024, 2, 8, 2**20, 32), epl=1, lpc=1)  # 2**39 elements
-    nb = big.chunk_blocks(0)
-    assert nb == 2**24
-    tail = b"\0" * (132 * 4)
-    cases = [
-        _patched_chunk({"n_blocks": nb}, tail),                     # counts exceed record
-        _patched_chunk({"n_blocks": nb}, tail, record_len=2**40),   # over MAX_CHUNK_BYTES
-        _patched_chunk({"n_blocks": nb, "aux_len": 2**32 - 1}, tail),
-        _patched_chunk({"n_blocks": nb, "aux_len": 2**20}, tail),
-    ]
-    for rec in cases:
-        _fast_and_small(lambda: unpack_chunk(rec, big))
-    _fast_and_small(lambda: unpack_chunk(_patched_chunk({}, record_len=2**29), big),
-                    TruncatedError)
-    # word_counts claiming 2**32-1 words, in a crc'd record with room for bits_len
-    small = make_header((1, 2, 1, 1, 2), epl=1, lpc=1)
-    lie = _patched_chunk({}, b"\0" * 128 + b"\xff\xff\xff\xff" + bytes(8))
-    _fast_and_small(lambda: unpack_chunk(lie, small), match="bits_len")
-    # header: more elements than MAX_ELEMENTS; n_chunks of 2**32-1 empty chunks
-    hdr = bytearray(pack_header(small))
-    struct.pack_into("<5I", hdr, 42, 2**32 - 1, 2, 2**32 - 1, 2**32 - 1, 2**32 - 1)
-    _fast_and_small(lambda: unpack_stream(fix_crcs(bytes(hdr))))
-    struct.pack_into("<5I", hdr, 42, 2**32 - 1, 2, 1, 0, 1)
-    struct.pack_into("<I", hdr, 102, 2**32 - 1)
-    _fast_and_small(lambda: unpack_stream(fix_crcs(bytes(hdr))), TruncatedError)
-
-
-_SMALL = make_header((1, 2, 1, 1, 2), epl=1, lpc=1)  # one chunk of one block
-
-
-def _bits_chunk(bits_len: int, after: bytes = b"", n_words: int = 0) -> bytes:
-    """A crc-valid record of ``_SMALL``: one block of zero states, ``n_words``
-    words, then the u64 ``bits_len`` and the bytes ``after`` (not counted by it)."""
-    tail = (bytes(128) + struct.pack("<I", n_words) + bytes(2 * n_words)
-            + struct.pack("<Q", bits_len) + after)
-    return _patched_chunk({}, tail)
-
-
-@pytest.mark.parametrize("bits_len,after", [
-    (2**64 - 1, b""), (2**63, b"xyz"), (2**30, b""), (2**30 + 1, b"ab"),
-    (2**32 + 3, b"abc"),  # agrees with the record modulo 2**32
-    (4, b"abc"), (2, b"abc"), (0, b"\0"),  # off by one either way
-])
-def test_lying_bits_len_fails_fast_without_allocating(bits_len, after):
-    rec = _bits_chunk(bits_len, after)
-    _fast_and_small(lambda: unpack_chunk(rec, _SMALL), match="bits_len|disagrees")
-    _fast_and_small(lambda: unpack_stream(pack_header(_SMALL) + rec),
-                    match="bits_len|disagrees")
-
-
-def test_bits_len_must_lie_inside_the_record():
-    ok = _bits_chunk(3, b"abc", n_words=2)
-    assert unpack_chunk(ok, _SMALL)[0].bits == b"abc"
-    # the pre-bits layout (no bits_len; words run up to the crc) and records in which
-    # the words leave fewer than 8 bytes before the crc are rejected before reading it
-    for n_words in (1, 2, 3, 4, 5, 2**32 - 1):
-        body = bytes(128) + struct.pack("<I", n_words) + bytes(2 * 2 + 4)
-        _fast_and_small(lambda: unpack_chunk(_patched_chunk({}, body), _SMALL),
-                        match="no room for bits_len")
-    # n_blocks = 0 (tokens == 0): bits_len follows aux directly
-    empty = make_header((1, 2, 1, 0, 2), epl=1, lpc=1)
-    rec = _patched_chunk({"n_blocks": 0, "steps": 0, "aux_len": 1},
-                         b"\x07" + struct.pack("<Q", 2) + b"\x01\x02")
-    assert unpack_chunk(rec, empty)[0].bits == b"\x01\x02"
-    _fast_and_small(lambda: unpack_chunk(_patched_chunk(
-        {"n_blocks": 0, "steps": 0, "aux_len": 1}, b"\x07" + bytes(7)), empty))
-
-
-def test_limits_are_configurable(monkeypatch):
-    h, c = golden_objects()
-    monkeypatch.setattr(C, "MAX_CHUNK_BYTES", 200)
-    with pytest.raises(FormatError, match="MAX_CHUNK_BYTES"):
-        unpack_stream(GOLDEN)
-    with pytest.raises(FormatError):
-        pack_chunk(c)
-    monkeypatch.setattr(C, "MAX_CHUNK_BYTES", 222)  # only the 3 bits bytes push it over
-    with pytest.raises(FormatError, match="MAX_CHUNK_BYTES"):
-        pack_chunk(c)
-    with pytest.raises(FormatError, match="MAX_CHUNK_BYTES"):
-        unpack_stream(GOLDEN)
-    monkeypatch.setattr(C, "MAX_CHUNK_BYTES", 223)
-    assert unpack_stream(GOLDEN) == (h, [c])
-    monkeypatch.setattr(C, "MAX_BITS_BYTES", 2)
-    with pytest.raises(FormatError, match="MAX_BITS_BYTES"):
-        unpack_stream(GOLDEN)
-    with pytest.raises(FormatError, match="MAX_BITS_BYTES"):
-        Chunk(**{**c.__dict__})
-    assert Chunk(**{**c.__dict__, "bits": b"\0\0"}).bits == b"\0\0"
-    monkeypatch.setattr(C, "MAX_ELEMENTS", 3)
-    with pytest.raises(FormatError, match="MAX_ELEMENTS"):
-        make_header((1, 2, 1, 1, 2))
-
-
 # ------------------------------------------------- chunk / header mismatches
 
 @pytest.mark.parametrize("field,value", [
@@ -520,3 +360,27 @@ def test_fuzz_round_trip(layers, heads, tokens, dim, epl, lpc, aux, seed, bits):
                     model=1 + seed)
     chunks = [make_chunk(h, i, aux=aux, seed=seed, bits=bits[i:]) for i in range(h.n_chunks)]
     assert unpack_stream(pack_stream(h, chunks)) == (h, chunks)
+
+def test_limits_are_configurable(monkeypatch):
+    h, c = golden_objects()
+    monkeypatch.setattr(C, "MAX_CHUNK_BYTES", 200)
+    with pytest.raises(FormatError, match="MAX_CHUNK_BYTES"):
+        unpack_stream(GOLDEN)
+    with pytest.raises(FormatError):
+        pack_chunk(c)
+    monkeypatch.setattr(C, "MAX_CHUNK_BYTES", 222)  # only the 3 bits bytes push it over
+    with pytest.raises(FormatError, match="MAX_CHUNK_BYTES"):
+        pack_chunk(c)
+    with pytest.raises(FormatError, match="MAX_CHUNK_BYTES"):
+        unpack_stream(GOLDEN)
+    monkeypatch.setattr(C, "MAX_CHUNK_BYTES", 223)
+    assert unpack_stream(GOLDEN) == (h, [c])
+    monkeypatch.setattr(C, "MAX_BITS_BYTES", 2)
+    with pytest.raises(FormatError, match="MAX_BITS_BYTES"):
+        unpack_stream(GOLDEN)
+    with pytest.raises(FormatError, match="MAX_BITS_BYTES"):
+        Chunk(**{**c.__dict__})
+    assert Chunk(**{**c.__dict__, "bits": b"\0\0"}).bits == b"\0\0"
+    monkeypatch.setattr(C, "MAX_ELEMENTS", 3)
+    with pytest.raises(FormatError, match="MAX_ELEMENTS"):
+        make_header((1, 2, 1, 1, 2))
