@@ -103,10 +103,12 @@ class _Plan:
     mu: np.ndarray  # same shape, the predictor's bit patterns in fmt_mu
     log2_sigma: np.ndarray  # (layers, 2, heads, dim) int64 fixed point
     scales: np.ndarray | None  # (layers, 2) float32 for fp8
+    layer0: int = 0  # absolute index of the plan's first layer (arrays hold a layer range)
 
     def chunk_slice(self, h: ct.StreamHeader, i: int) -> slice:
+        """Chunk i's layers, relative to the plan's arrays."""
         start, count = h.chunk_layers(i)
-        return slice(start, start + count)
+        return slice(start - self.layer0, start - self.layer0 + count)
 
     def aux(self, sl: slice) -> bytes:
         return b"" if self.scales is None else self.scales[sl].astype("<f4").tobytes()
@@ -148,12 +150,36 @@ class Codec:
             yield ct.pack_chunk(chunk)
 
     def _header(self, plan: _Plan, ids: np.ndarray) -> ct.StreamHeader:
-        shape = tuple(int(s) for s in plan.mu.shape)
+        return self.stream_header(plan.fmt is BF16, plan.mu.shape, ids)
+
+    def stream_header(self, bf16: bool, shape: Sequence[int], ids: np.ndarray,
+                      layers_per_chunk: int | None = None, stored: bool = False) -> ct.StreamHeader:
+        """The header of a stream this codec writes (``stored``: not entropy-coded)."""
+        shape = tuple(int(s) for s in shape)
+        lpc = layers_per_chunk or self.config.layers_per_chunk
         return ct.StreamHeader(
-            dtype=ct.DTYPE_BF16 if plan.fmt is BF16 else ct.DTYPE_FP8, model=MODEL_SEED_MIXTURE,
+            dtype=ct.DTYPE_BF16 if bf16 else ct.DTYPE_FP8,
+            model=ct.MODEL_STORED if stored else MODEL_SEED_MIXTURE,
             pin=bytes.fromhex(self.pin), shape=shape, prompt_digest=prompt_digest(ids),
-            elems_per_lane=self.config.elems_per_lane,
-            layers_per_chunk=min(self.config.layers_per_chunk, max(shape[0], 1)))
+            elems_per_lane=self.config.elems_per_lane, layers_per_chunk=min(lpc, max(shape[0], 1)))
+
+    def encode_chunk(self, h: ct.StreamHeader, i: int, x: np.ndarray, mu: "torch.Tensor | np.ndarray | None",
+                     scales: np.ndarray | None = None) -> ct.Chunk:
+        """Code chunk ``i`` alone (streaming): ``x`` holds only its layers' bit patterns
+        ``(layer_count, 2, heads, tokens, dim)`` (uint16 BF16 / uint8 e4m3), ``scales``
+        their ``(layer_count, 2)`` FP8 scales; ``mu`` is the whole stream's (None when stored)."""
+        start, count = h.chunk_layers(i)
+        want = (count,) + h.shape[1:]
+        if tuple(x.shape) != want:
+            raise ValueError(f"chunk {i} needs KV of shape {want}, not {tuple(x.shape)}")
+        fp8 = h.dtype == ct.DTYPE_FP8
+        if fp8 and (scales is None or np.shape(scales) != (count, 2)):
+            raise ValueError(f"chunk {i} needs FP8 scales of shape ({count}, 2)")
+        if h.model == ct.MODEL_STORED:
+            return stored_chunk(h, i, x, scales)
+        kv = Fp8KV(x, scales) if fp8 else x
+        plan = self._plan(kv, None, mu, layers=slice(start, start + count))
+        return self._encode_chunks(plan, h, [i])[0]
 
     def _encode_chunks(self, plan: _Plan, h: ct.StreamHeader, idx: Sequence[int]) -> list[ct.Chunk]:
         """Chunks ``idx`` coded in one vectorised rANS pass (blocks never span chunks)."""
@@ -192,28 +218,35 @@ class Codec:
                       bits: bytes) -> ct.Chunk:
         sl = plan.chunk_slice(h, i)
         aux = plan.aux(sl)
-        return ct.Chunk(index=i, layer_start=sl.start, layer_count=sl.stop - sl.start,
+        start, count = h.chunk_layers(i)
+        return ct.Chunk(index=i, layer_start=start, layer_count=count,
                         steps=h.elems_per_lane if len(rb.word_counts) else 0,
                         mu_fingerprint=digest(plan.mu[sl]),
                         raw_digest=digest(aux, plan.x[sl]), aux=aux,
                         states=rb.states, word_counts=rb.word_counts, words=rb.words, bits=bits)
 
-    def _plan(self, kv, ids, mu, fmt: FloatFormat | None = None, scales=None) -> _Plan:
+    def _plan(self, kv, ids, mu, fmt: FloatFormat | None = None, scales=None,
+              layers: slice | None = None) -> _Plan:
+        """Symbols of ``layers`` (default all): ``kv`` and ``scales`` hold only those
+        layers, ``mu`` (computed from ``ids`` when None) the whole stream's."""
         if mu is None:
             if self.predictor is None:
                 raise ValueError("no mu given and no predictor to compute it")
             mu = self.predictor.mu(np.asarray(ids))
+        mu = bf16_bits(mu)
+        layers = layers or slice(0, mu.shape[0])
+        mu, lg, layer0 = mu[layers], self.log2_sigma[layers], layers.start
         if isinstance(kv, Fp8KV) or fmt is E4M3:
             scales = np.ascontiguousarray(kv.scales if isinstance(kv, Fp8KV) else scales, np.float32)
             # NOTE: one IEEE fp32 division per scalar (correctly rounded on every backend);
             # scales come from the stream: 0, inf or NaN give inf/NaN mu, which escape
             with np.errstate(all="ignore"):
                 y = _mu_float32(mu) / scales[:, :, None, None, None]
-            log2_sigma = fp8_log2_sigma(self.log2_sigma, scales.view(np.uint32)[:, :, None, None])
+            log2_sigma = fp8_log2_sigma(lg, scales.view(np.uint32)[:, :, None, None])
             x = _fp8_codes(kv.codes) if isinstance(kv, Fp8KV) else None
-            return _Plan(E4M3, FP32, x, y.view(np.uint32), log2_sigma, scales)
+            return _Plan(E4M3, FP32, x, y.view(np.uint32), log2_sigma, scales, layer0)
         x = bf16_bits(kv) if kv is not None else None
-        return _Plan(BF16, BF16, x, bf16_bits(mu), self.log2_sigma, None)
+        return _Plan(BF16, BF16, x, mu, lg, None, layer0)
 
     # -- decode -------------------------------------------------------------
     def decode(self, records: Iterable[bytes], ids: np.ndarray,
@@ -229,9 +262,9 @@ class Codec:
         return self.decode_chunks(header, chunks, ids, mu)
 
     def _check_header(self, h: ct.StreamHeader, ids: np.ndarray) -> None:
-        if h.pin.hex() != self.pin:
+        if h.model != ct.MODEL_STORED and h.pin.hex() != self.pin:
             raise PinMismatchError(f"stream was coded with predictor {h.pin.hex()}, this decoder has {self.pin}")
-        if h.model != MODEL_SEED_MIXTURE:
+        if h.model not in (MODEL_SEED_MIXTURE, ct.MODEL_STORED):
             raise IntegrityError(f"unknown probability model id {h.model}")
         if h.prompt_digest != prompt_digest(ids):
             raise PromptMismatchError("prompt token ids differ from the encoder's")
@@ -248,20 +281,40 @@ class Codec:
             raise IntegrityError(f"stream has chunks {[c.index for c in chunks]}, "
                                  f"expected 0..{h.n_chunks - 1}")
         fmt = BF16 if h.dtype == ct.DTYPE_BF16 else E4M3
-        scales = _scales(h, chunks) if fmt is E4M3 else None
-        plan = self._plan(None, ids, mu, fmt, scales)
+        scales = _scales(chunks) if fmt is E4M3 else None
+        out = np.zeros(h.shape, np.uint16 if fmt is BF16 else np.uint8)
+        if h.model == ct.MODEL_STORED:
+            for c in chunks:
+                out[_abs_slice(h, c.index)] = unstored_chunk(h, c)
+        else:
+            plan = self._plan(None, ids, mu, fmt, scales)
+            self._check_mu(plan, h, chunks)
+            for c, bits in zip(chunks, self._decode_batch(plan, h, chunks)):
+                out[_abs_slice(h, c.index)] = _verified(c, bits.reshape((c.layer_count,) + h.shape[1:]), out.dtype)
+        return out if fmt is BF16 else Fp8KV(out, scales)
+
+    def decode_chunk(self, h: ct.StreamHeader, c: ct.Chunk,
+                     mu: "torch.Tensor | np.ndarray | None") -> np.ndarray:
+        """Decode one chunk alone (streaming) and verify it: its layers' bit patterns
+        ``(layer_count, 2, heads, tokens, dim)``. ``h`` must have passed the header checks
+        (``check_header``); ``mu`` is the whole stream's (None when stored)."""
+        if h.model == ct.MODEL_STORED:
+            return unstored_chunk(h, c)
+        fmt = BF16 if h.dtype == ct.DTYPE_BF16 else E4M3
+        scales = _scales([c]) if fmt is E4M3 else None
+        plan = self._plan(None, None, mu, fmt, scales, layers=_abs_slice(h, c.index))
+        self._check_mu(plan, h, [c])
+        bits = self._decode_batch(plan, h, [c])[0]
+        return _verified(c, bits.reshape((c.layer_count,) + h.shape[1:]), np.uint16 if fmt is BF16 else np.uint8)
+
+    check_header = _check_header  # public name for streaming decoders
+
+    @staticmethod
+    def _check_mu(plan: _Plan, h: ct.StreamHeader, chunks: Sequence[ct.Chunk]) -> None:
         for c in chunks:
             if c.mu_fingerprint != digest(plan.mu[plan.chunk_slice(h, c.index)]):
                 raise MuMismatchError(f"chunk {c.index}: the decoder's mu differs from the encoder's "
                                       "(predictor, hardware or library build differ)")
-        out = np.zeros(plan.mu.shape, np.uint16 if fmt is BF16 else np.uint8)
-        decoded = self._decode_batch(plan, h, chunks)
-        for c, bits in zip(chunks, decoded):
-            sl = plan.chunk_slice(h, c.index)
-            out[sl] = bits.reshape(out[sl].shape)
-            if c.raw_digest != digest(c.aux, out[sl]):
-                raise IntegrityError(f"chunk {c.index}: decoded KV fails its checksum")
-        return out if fmt is BF16 else Fp8KV(out, scales)
 
     def _decode_batch(self, plan: _Plan, h: ct.StreamHeader, chunks: Sequence[ct.Chunk]) -> list[np.ndarray]:
         """Bit patterns of each chunk's elements; all live chunks in one rANS pass."""
@@ -299,7 +352,8 @@ class Codec:
 
     def _context(self, plan: _Plan, sl: slice) -> Context:
         if plan.fmt is BF16:
-            lidx = self.bf16_contexts.level_index[sl][:, :, :, None, :]  # (n, 2, heads, 1, dim)
+            ab = slice(sl.start + plan.layer0, sl.stop + plan.layer0)  # level_index holds all layers
+            lidx = self.bf16_contexts.level_index[ab][:, :, :, None, :]  # (n, 2, heads, 1, dim)
             return self.bf16_contexts.lookup(plan.mu[sl], lidx)
         return _context(plan, sl)
 
@@ -348,7 +402,46 @@ def _context(plan: _Plan, sl: slice) -> Context:
     return context(plan.fmt, plan.fmt_mu, mu.ravel(), lg.ravel())
 
 
-def _scales(h: ct.StreamHeader, chunks: Sequence[ct.Chunk]) -> np.ndarray:
+def _abs_slice(h: ct.StreamHeader, i: int) -> slice:
+    start, count = h.chunk_layers(i)
+    return slice(start, start + count)
+
+
+def _verified(c: ct.Chunk, bits: np.ndarray, dtype: type | None = None) -> np.ndarray:
+    """``bits`` (chunk c's decoded layers) as ``dtype``, checked against c's raw_digest."""
+    if dtype is not None:
+        bits = np.ascontiguousarray(bits, dtype)
+    if c.raw_digest != digest(c.aux, bits):
+        raise IntegrityError(f"chunk {c.index}: decoded KV fails its checksum")
+    return bits
+
+
+def stored_chunk(h: ct.StreamHeader, i: int, x: np.ndarray, scales: np.ndarray | None) -> ct.Chunk:
+    """Chunk i of a stored stream (FORMAT.md, model 0): raw little-endian elements in ``bits``."""
+    start, count = h.chunk_layers(i)
+    aux = b"" if scales is None else np.asarray(scales, "<f4").tobytes()
+    x = np.ascontiguousarray(x)
+    raw = x.astype(x.dtype.newbyteorder("<"), copy=False).tobytes()
+    return ct.Chunk(index=i, layer_start=start, layer_count=count, steps=0,
+                    mu_fingerprint=bytes(DIGEST_BYTES), raw_digest=digest(aux, x), aux=aux,
+                    states=np.zeros((0, LANES), np.uint32), word_counts=np.zeros(0, np.uint32),
+                    words=np.zeros(0, np.uint16), bits=raw)
+
+
+def unstored_chunk(h: ct.StreamHeader, c: ct.Chunk) -> np.ndarray:
+    """The verified layers ``(layer_count, 2, heads, tokens, dim)`` of a stored chunk."""
+    dt = np.dtype("<u2") if h.dtype == ct.DTYPE_BF16 else np.dtype("u1")
+    shape = (c.layer_count,) + h.shape[1:]
+    need = int(np.prod(shape)) * dt.itemsize
+    if len(c.bits) != need:
+        raise IntegrityError(f"chunk {c.index}: stored chunk holds {len(c.bits)} bytes, needs {need}")
+    if h.dtype == ct.DTYPE_FP8 and len(c.aux) != 8 * c.layer_count:
+        raise IntegrityError(f"chunk {c.index}: FP8 scales take {8 * c.layer_count} bytes, not {len(c.aux)}")
+    bits = np.frombuffer(c.bits, dt).astype(dt.newbyteorder("="), copy=True).reshape(shape)
+    return _verified(c, bits)
+
+
+def _scales(chunks: Sequence[ct.Chunk]) -> np.ndarray:
     parts = []
     for c in chunks:
         if len(c.aux) != 8 * c.layer_count:

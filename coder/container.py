@@ -35,7 +35,7 @@ from .errors import SpeckvError
 __all__ = ["FormatError", "TruncatedError", "ChecksumError", "StreamHeader", "Chunk",
            "pack_header", "unpack_header", "pack_chunk", "unpack_chunk", "pack_stream",
            "unpack_stream", "DTYPE_BF16", "DTYPE_FP8", "LANES", "FORMAT_VERSION", "MAGIC",
-           "CHUNK_MAGIC", "HEADER_LEN", "CHUNK_OVERHEAD", "MAX_CHUNK_BYTES",
+           "CHUNK_MAGIC", "MODEL_STORED", "HEADER_LEN", "CHUNK_OVERHEAD", "MAX_CHUNK_BYTES",
            "MAX_ELEMENTS", "MAX_AUX_BYTES", "MAX_BITS_BYTES"]
 
 Buffer = Union[bytes, bytearray, memoryview]
@@ -46,6 +46,8 @@ LANES = 32
 FORMAT_VERSION = 1
 MAGIC = b"SPKV"
 CHUNK_MAGIC = b"SPKC"
+
+MODEL_STORED = 0  # model id of a stored stream: no rANS blocks, raw bytes in ``bits``
 
 MAX_CHUNK_BYTES = 1 << 30
 MAX_ELEMENTS = 1 << 40
@@ -138,7 +140,7 @@ class StreamHeader:
     def __post_init__(self) -> None:
         s = object.__setattr__
         s(self, "dtype", _uint("dtype", self.dtype, 1, 2))
-        s(self, "model", _uint("model", self.model, 1, 255))
+        s(self, "model", _uint("model", self.model, 0, 255))
         s(self, "pin", _digest("pin", self.pin, 32))
         s(self, "prompt_digest", _digest("prompt_digest", self.prompt_digest, 32))
         s(self, "shape", _check_shape(self.shape))
@@ -169,6 +171,9 @@ class StreamHeader:
         return count * two * heads * tokens * dim
 
     def chunk_blocks(self, index: int) -> int:
+        """rANS blocks of chunk ``index``: 0 in a stored stream (``model == MODEL_STORED``)."""
+        if self.model == MODEL_STORED:
+            return 0
         return -(-self.chunk_elements(index) // self.block_elements)
 
 

@@ -228,7 +228,7 @@ def test_bad_magic_and_version():
 
 @pytest.mark.parametrize("offset,fmt,value,match", [
     (6, "<H", 111, "header_len"), (6, "<H", 0, "header_len"), (8, "<B", 0, "dtype"),
-    (8, "<B", 3, "dtype"), (9, "<B", 0, "model"), (46, "<I", 3, "shape"),
+    (8, "<B", 3, "dtype"), (46, "<I", 3, "shape"),
     (42, "<I", 0, "layers"), (58, "<I", 0, "head_dim"), (94, "<H", 16, "lanes"),
     (96, "<I", 0, "elems_per_lane"), (100, "<H", 0, "layers_per_chunk"),
     (102, "<I", 2, "n_chunks"), (102, "<I", 0, "n_chunks"),
@@ -269,7 +269,7 @@ def test_steps_must_be_zero_without_blocks():
 
 
 @pytest.mark.parametrize("kw", [
-    {"dtype": 0}, {"dtype": 3}, {"model": 0}, {"model": 256}, {"pin": b"x" * 31},
+    {"dtype": 0}, {"dtype": 3}, {"model": -1}, {"model": 256}, {"pin": b"x" * 31},
     {"pin": "x" * 32}, {"prompt_digest": b""}, {"shape": (1, 2, 1, 1)},
     {"shape": (1, 3, 1, 1, 1)}, {"shape": (0, 2, 1, 1, 1)}, {"shape": (1, 2, 0, 1, 1)},
     {"shape": (1, 2, 1, 1, 0)}, {"shape": (1, 2, 1, -1, 1)}, {"shape": (2**32, 2, 1, 1, 1)},
