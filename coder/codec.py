@@ -168,18 +168,26 @@ class Codec:
         """Code chunk ``i`` alone (streaming): ``x`` holds only its layers' bit patterns
         ``(layer_count, 2, heads, tokens, dim)`` (uint16 BF16 / uint8 e4m3), ``scales``
         their ``(layer_count, 2)`` FP8 scales; ``mu`` is the whole stream's (None when stored)."""
-        start, count = h.chunk_layers(i)
-        want = (count,) + h.shape[1:]
+        return self.encode_chunks(h, range(i, i + 1), x, mu, scales)[0]
+
+    def encode_chunks(self, h: ct.StreamHeader, idx: range, x: np.ndarray,
+                      mu: "torch.Tensor | np.ndarray | None", scales: np.ndarray | None = None) -> list[ct.Chunk]:
+        """Code consecutive chunks ``idx`` in one vectorised pass (a streaming encoder
+        batches whatever is ready); ``x`` and ``scales`` hold exactly their layers."""
+        start = h.chunk_layers(idx[0])[0]
+        stop = sum(h.chunk_layers(idx[-1]))
+        want = (stop - start,) + h.shape[1:]
         if tuple(x.shape) != want:
-            raise ValueError(f"chunk {i} needs KV of shape {want}, not {tuple(x.shape)}")
+            raise ValueError(f"chunks {idx.start}..{idx.stop - 1} need KV of shape {want}, not {tuple(x.shape)}")
         fp8 = h.dtype == ct.DTYPE_FP8
-        if fp8 and (scales is None or np.shape(scales) != (count, 2)):
-            raise ValueError(f"chunk {i} needs FP8 scales of shape ({count}, 2)")
+        if fp8 and (scales is None or np.shape(scales) != (stop - start, 2)):
+            raise ValueError(f"chunks {idx.start}..{idx.stop - 1} need FP8 scales of shape ({stop - start}, 2)")
         if h.model == ct.MODEL_STORED:
-            return stored_chunk(h, i, x, scales)
+            return [stored_chunk(h, i, x[_rel(h, i, start)], None if scales is None else scales[_rel(h, i, start)])
+                    for i in idx]
         kv = Fp8KV(x, scales) if fp8 else x
-        plan = self._plan(kv, None, mu, layers=slice(start, start + count))
-        return self._encode_chunks(plan, h, [i])[0]
+        plan = self._plan(kv, None, mu, layers=slice(start, stop))
+        return self._encode_chunks(plan, h, list(idx))
 
     def _encode_chunks(self, plan: _Plan, h: ct.StreamHeader, idx: Sequence[int]) -> list[ct.Chunk]:
         """Chunks ``idx`` coded in one vectorised rANS pass (blocks never span chunks)."""
@@ -298,14 +306,24 @@ class Codec:
         """Decode one chunk alone (streaming) and verify it: its layers' bit patterns
         ``(layer_count, 2, heads, tokens, dim)``. ``h`` must have passed the header checks
         (``check_header``); ``mu`` is the whole stream's (None when stored)."""
+        return self.decode_run(h, [c], mu)
+
+    def decode_run(self, h: ct.StreamHeader, chunks: Sequence[ct.Chunk],
+                   mu: "torch.Tensor | np.ndarray | None") -> np.ndarray:
+        """Decode and verify consecutive chunks in one pass (a streaming decoder batches
+        whatever has arrived): the bit patterns of their layers, in order."""
+        if [c.index for c in chunks] != list(range(chunks[0].index, chunks[0].index + len(chunks))):
+            raise IntegrityError(f"chunks {[c.index for c in chunks]} are not consecutive")
+        dt = np.uint16 if h.dtype == ct.DTYPE_BF16 else np.uint8
         if h.model == ct.MODEL_STORED:
-            return unstored_chunk(h, c)
+            return np.concatenate([unstored_chunk(h, c) for c in chunks])
         fmt = BF16 if h.dtype == ct.DTYPE_BF16 else E4M3
-        scales = _scales([c]) if fmt is E4M3 else None
-        plan = self._plan(None, None, mu, fmt, scales, layers=_abs_slice(h, c.index))
-        self._check_mu(plan, h, [c])
-        bits = self._decode_batch(plan, h, [c])[0]
-        return _verified(c, bits.reshape((c.layer_count,) + h.shape[1:]), np.uint16 if fmt is BF16 else np.uint8)
+        scales = _scales(chunks) if fmt is E4M3 else None
+        start = h.chunk_layers(chunks[0].index)[0]
+        plan = self._plan(None, None, mu, fmt, scales, layers=slice(start, sum(h.chunk_layers(chunks[-1].index))))
+        self._check_mu(plan, h, chunks)
+        return np.concatenate([_verified(c, bits.reshape((c.layer_count,) + h.shape[1:]), dt)
+                               for c, bits in zip(chunks, self._decode_batch(plan, h, chunks))])
 
     check_header = _check_header  # public name for streaming decoders
 
@@ -400,6 +418,12 @@ def _context(plan: _Plan, sl: slice) -> Context:
     lg = plan.log2_sigma[sl]
     lg = np.broadcast_to(lg[:, :, :, None, :] if lg.ndim == 4 else lg, mu.shape)
     return context(plan.fmt, plan.fmt_mu, mu.ravel(), lg.ravel())
+
+
+def _rel(h: ct.StreamHeader, i: int, start: int) -> slice:
+    """Chunk i's layers relative to layer ``start``."""
+    s, n = h.chunk_layers(i)
+    return slice(s - start, s - start + n)
 
 
 def _abs_slice(h: ct.StreamHeader, i: int) -> slice:

@@ -42,12 +42,16 @@ class TransferHeader(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., predictor_pin: _Optional[bytes] = ..., model_id: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ..., shape: _Optional[_Union[_common_pb2.KVShape, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., header_record: _Optional[bytes] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("index", "record")
+    __slots__ = ("index", "record", "byte_offset", "record_bytes")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     RECORD_FIELD_NUMBER: _ClassVar[int]
+    BYTE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    RECORD_BYTES_FIELD_NUMBER: _ClassVar[int]
     index: int
     record: bytes
-    def __init__(self, index: _Optional[int] = ..., record: _Optional[bytes] = ...) -> None: ...
+    byte_offset: int
+    record_bytes: int
+    def __init__(self, index: _Optional[int] = ..., record: _Optional[bytes] = ..., byte_offset: _Optional[int] = ..., record_bytes: _Optional[int] = ...) -> None: ...
 
 class TransferRequest(_message.Message):
     __slots__ = ("header", "chunk")

@@ -64,9 +64,15 @@ class DecoderServiceServicer:
     def Transfer(self, request_iterator, context):
         """Receives one compressed KV transfer per call. The client (an encoder
         sidecar) sends a TransferRequest carrying the TransferHeader first, then
-        one TransferRequest per chunk record in index order, then half-closes.
-        The server answers each chunk with a ChunkAck and ends with exactly one
-        TransferResult.
+        the chunk records in index order (each in one or more parts, see Chunk),
+        then half-closes. The server answers each complete chunk record with a
+        ChunkAck and ends with exactly one TransferResult. Failures end the call
+        with a gRPC status: INVALID_ARGUMENT (malformed header, part order, stream
+        format), FAILED_PRECONDITION (predictor pin, model or mu mismatch),
+        ALREADY_EXISTS (request id in use), DATA_LOSS (checksum or integrity
+        failure), RESOURCE_EXHAUSTED (over a limit), CANCELLED, UNAVAILABLE
+        (shutting down). The server stops reading while its in-flight byte cap is
+        reached (backpressure through gRPC flow control).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,5 +1,6 @@
 from . import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -7,8 +8,17 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ENCODING_UNSPECIFIED: _ClassVar[Encoding]
+    ENCODING_SPECKV: _ClassVar[Encoding]
+    ENCODING_STORED: _ClassVar[Encoding]
+ENCODING_UNSPECIFIED: Encoding
+ENCODING_SPECKV: Encoding
+ENCODING_STORED: Encoding
+
 class SubmitHeader(_message.Message):
-    __slots__ = ("request_id", "decoder_address", "model_id", "dtype", "shape", "prompt_token_ids", "fp8_scales", "expected_predictor_pin")
+    __slots__ = ("request_id", "decoder_address", "model_id", "dtype", "shape", "prompt_token_ids", "fp8_scales", "expected_predictor_pin", "encoding")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DECODER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +27,7 @@ class SubmitHeader(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FP8_SCALES_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_PREDICTOR_PIN_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     decoder_address: str
     model_id: str
@@ -25,7 +36,8 @@ class SubmitHeader(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     fp8_scales: _containers.RepeatedScalarFieldContainer[float]
     expected_predictor_pin: bytes
-    def __init__(self, request_id: _Optional[str] = ..., decoder_address: _Optional[str] = ..., model_id: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ..., shape: _Optional[_Union[_common_pb2.KVShape, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., fp8_scales: _Optional[_Iterable[float]] = ..., expected_predictor_pin: _Optional[bytes] = ...) -> None: ...
+    encoding: Encoding
+    def __init__(self, request_id: _Optional[str] = ..., decoder_address: _Optional[str] = ..., model_id: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ..., shape: _Optional[_Union[_common_pb2.KVShape, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., fp8_scales: _Optional[_Iterable[float]] = ..., expected_predictor_pin: _Optional[bytes] = ..., encoding: _Optional[_Union[Encoding, str]] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
     __slots__ = ("header", "layer")

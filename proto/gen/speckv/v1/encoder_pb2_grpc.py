@@ -50,8 +50,14 @@ class EncoderServiceServicer:
         """Submits the raw KV of one request. The client sends a SubmitRequest with
         the SubmitHeader first, then the raw KV layers in increasing layer order
         (each in one or more parts, see KVLayer), then half-closes. The encoder
-        may start coding and sending before the last layer arrives. The response
-        reports the outcome of the whole transfer to the decoder.
+        codes and sends each chunk as soon as its layers have arrived (pipelined)
+        and stops reading while its in-flight byte cap is reached (backpressure).
+        The response reports the outcome of the whole transfer to the decoder;
+        failures end the call with a gRPC status: INVALID_ARGUMENT (malformed
+        header or layer order), FAILED_PRECONDITION (pin or model mismatch, here
+        or at the decoder), RESOURCE_EXHAUSTED (over a limit), UNAVAILABLE (the
+        decoder cannot be reached), DEADLINE_EXCEEDED, CANCELLED, or the decoder's
+        own status, its message prefixed with "decoder: ".
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

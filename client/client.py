@@ -1,0 +1,323 @@
+"""Python clients of the sidecars, sync and asyncio, with deadlines and typed errors.
+
+Prefill side::
+
+    enc = EncoderClient("127.0.0.1:50051")
+    res = enc.submit("req-1", kv, prompt_ids, decoder_address="10.0.0.7:50052", model_id=...)
+
+Decode side::
+
+    dec = DecoderClient("127.0.0.1:50052")
+    kv = dec.fetch("req-1")                  # waits for a transfer still in flight
+    for layer, arr, scales in dec.fetch_layers("req-1"): ...   # start before the last layer
+
+``kv`` is the canonical ``(layers, 2, kv_heads, tokens, head_dim)`` cache: a
+torch.bfloat16 tensor or uint16 numpy bit patterns (BF16), or an
+:class:`~speckv.coder.codec.Fp8KV` (e4m3 codes + per-(layer, kv) scales).
+``fetch`` returns uint16 numpy (``as_torch=True``: torch.bfloat16) or Fp8KV.
+Every failure raises :class:`RpcFailed` (a SpeckvError) carrying the gRPC code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator
+
+import grpc
+import numpy as np
+
+from speckv.coder.codec import Fp8KV, bf16_bits
+from speckv.coder.errors import SpeckvError
+from speckv.v1 import common_pb2 as pb
+from speckv.v1 import decoder_pb2 as dpb
+from speckv.v1 import decoder_pb2_grpc as dgrpc
+from speckv.v1 import encoder_pb2 as epb
+from speckv.v1 import encoder_pb2_grpc as egrpc
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+PART_BYTES = 2 << 20  # payload per message, well under gRPC's 4 MiB default
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 4 << 20), ("grpc.max_send_message_length", 4 << 20)]
+ENCODINGS = {"speckv": epb.ENCODING_SPECKV, "stored": epb.ENCODING_STORED}
+
+
+class RpcFailed(SpeckvError):
+    """A sidecar call failed; ``code`` is its grpc.StatusCode."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code, self.details = code, details
+
+
+def _failed(e: grpc.RpcError) -> RpcFailed:
+    return RpcFailed(e.code(), e.details() or "")
+
+
+@dataclass(frozen=True)
+class SubmitResult:
+    raw_bytes: int
+    wire_bytes: int
+    chunks: int
+    predictor_seconds: float
+    encode_seconds: float
+    transfer_seconds: float
+    total_seconds: float
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.wire_bytes if self.wire_bytes else float("inf")
+
+
+# -- request building (shared by the sync and async clients) ---------------------
+
+def _as_kv(kv: Any) -> tuple[int, np.ndarray, np.ndarray | None]:
+    """(dtype enum, bits array, scales) of a KV given as torch/numpy BF16 or Fp8KV."""
+    if isinstance(kv, Fp8KV):
+        codes = np.ascontiguousarray(kv.codes)
+        if codes.dtype != np.uint8:
+            raise TypeError(f"Fp8KV codes must be uint8, not {codes.dtype}")
+        scales = np.asarray(kv.scales, np.float32)
+        if scales.shape != (codes.shape[0], 2):
+            raise ValueError(f"Fp8KV scales must have shape ({codes.shape[0]}, 2), not {scales.shape}")
+        return pb.DTYPE_FP8_E4M3, codes, scales
+    bits = bf16_bits(kv)
+    return pb.DTYPE_BF16, bits, None
+
+
+def submit_requests(request_id: str, kv: Any, prompt_token_ids: Any, decoder_address: str,
+                    model_id: str, encoding: str = "speckv", expected_pin: str | None = None,
+                    part_bytes: int = PART_BYTES) -> Iterator[epb.SubmitRequest]:
+    """The SubmitRequest stream: header, then every layer in parts."""
+    from speckv.server.wire import kv_shape, layer_messages
+
+    dtype, bits, scales = _as_kv(kv)
+    if bits.ndim != 5 or bits.shape[1] != 2:
+        raise ValueError(f"KV must be (layers, 2, kv_heads, tokens, head_dim), not {bits.shape}")
+    if encoding not in ENCODINGS:
+        raise ValueError(f"encoding must be one of {sorted(ENCODINGS)}, not {encoding!r}")
+    shape = kv_shape(bits.shape)
+    yield epb.SubmitRequest(header=epb.SubmitHeader(
+        request_id=request_id, decoder_address=decoder_address, model_id=model_id, dtype=dtype,
+        shape=shape, prompt_token_ids=[int(t) for t in np.asarray(prompt_token_ids).ravel()],
+        expected_predictor_pin=bytes.fromhex(expected_pin) if expected_pin else b"",
+        encoding=ENCODINGS[encoding]))
+    for layer in range(bits.shape[0]):
+        sc = None if scales is None else scales[layer]
+        for part in layer_messages(layer, bits[layer], dtype, shape, part_bytes, sc):
+            yield epb.SubmitRequest(layer=part)
+
+
+def _result(r: epb.SubmitResponse) -> SubmitResult:
+    return SubmitResult(r.raw_bytes, r.wire_bytes, r.chunks, r.predictor_seconds, r.encode_seconds,
+                        r.transfer_seconds, r.total_seconds)
+
+
+class _Collector:
+    """Assembles FetchKV parts into layers and the whole cache."""
+
+    def __init__(self) -> None:
+        self.asm = None
+        self.out: np.ndarray | None = None
+        self.scales: np.ndarray | None = None
+
+    def add(self, msg: dpb.FetchKVResponse) -> tuple[int, np.ndarray, np.ndarray | None] | None:
+        from speckv.server.wire import LayerAssembler, shape_of
+
+        part = msg.layer
+        if self.asm is None:
+            self.asm = LayerAssembler(part.dtype, shape_of(part.shape))
+        try:
+            return self.asm.add(part)
+        except Exception as e:  # the server sent something malformed
+            raise RpcFailed(grpc.StatusCode.INTERNAL, f"malformed FetchKV stream: {e}") from None
+
+    def keep(self, layer: int, arr: np.ndarray, scales: np.ndarray | None) -> None:
+        assert self.asm is not None
+        if self.out is None:
+            self.out = np.empty(self.asm.shape, arr.dtype)
+            self.scales = None if scales is None else np.empty((self.asm.shape[0], 2), np.float32)
+        self.out[layer] = arr
+        if scales is not None:
+            self.scales[layer] = scales
+
+    def result(self, as_torch: bool) -> "np.ndarray | Fp8KV | torch.Tensor":
+        if self.asm is None or not self.asm.done:
+            raise RpcFailed(grpc.StatusCode.DATA_LOSS, "FetchKV ended before the last layer")
+        if self.scales is not None:
+            return Fp8KV(self.out, self.scales)
+        return to_torch(self.out) if as_torch else self.out
+
+
+def to_torch(bits: np.ndarray) -> "torch.Tensor":
+    """uint16 BF16 bit patterns -> torch.bfloat16 (shares memory)."""
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
+
+
+# -- sync ------------------------------------------------------------------------
+
+class EncoderClient:
+    """Blocking client of an encoder sidecar."""
+
+    def __init__(self, address: str, timeout: float = 600.0, channel: grpc.Channel | None = None) -> None:
+        self.channel = channel or grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = egrpc.EncoderServiceStub(self.channel)
+        self.timeout = timeout
+
+    def submit(self, request_id: str, kv: Any, prompt_token_ids: Any, decoder_address: str, model_id: str,
+               *, encoding: str = "speckv", expected_pin: str | None = None,
+               timeout: float | None = None) -> SubmitResult:
+        reqs = submit_requests(request_id, kv, prompt_token_ids, decoder_address, model_id, encoding, expected_pin)
+        try:
+            return _result(self.stub.Submit(reqs, timeout=timeout or self.timeout))
+        except grpc.RpcError as e:
+            raise _failed(e) from None
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "EncoderClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class DecoderClient:
+    """Blocking client of a decoder sidecar (the decode engine's side)."""
+
+    def __init__(self, address: str, timeout: float = 600.0, channel: grpc.Channel | None = None) -> None:
+        self.channel = channel or grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = dgrpc.DecoderServiceStub(self.channel)
+        self.timeout = timeout
+
+    def fetch_layers(self, request_id: str, wait: float | None = None,
+                     timeout: float | None = None) -> Iterator[tuple[int, np.ndarray, np.ndarray | None]]:
+        """Yields ``(layer, (2, heads, tokens, dim) array, scales | None)`` as layers arrive."""
+        req = dpb.FetchKVRequest(request_id=request_id, wait_timeout_ms=int((wait or 0) * 1000))
+        col = _Collector()
+        try:
+            for msg in self.stub.FetchKV(req, timeout=timeout or self.timeout):
+                done = col.add(msg)
+                if done is not None:
+                    yield done
+        except grpc.RpcError as e:
+            raise _failed(e) from None
+        if col.asm is None or not col.asm.done:
+            raise RpcFailed(grpc.StatusCode.DATA_LOSS, "FetchKV ended before the last layer")
+
+    def fetch(self, request_id: str, wait: float | None = None, timeout: float | None = None,
+              as_torch: bool = False) -> "np.ndarray | Fp8KV | torch.Tensor":
+        """The whole reconstructed KV (see the module docstring for its type)."""
+        col = _Collector()
+        req = dpb.FetchKVRequest(request_id=request_id, wait_timeout_ms=int((wait or 0) * 1000))
+        try:
+            for msg in self.stub.FetchKV(req, timeout=timeout or self.timeout):
+                done = col.add(msg)
+                if done is not None:
+                    col.keep(*done)
+        except grpc.RpcError as e:
+            raise _failed(e) from None
+        return col.result(as_torch)
+
+    def status(self, request_id: str, timeout: float | None = None) -> dpb.TransferStatus:
+        try:
+            return self.stub.GetTransferStatus(dpb.GetTransferStatusRequest(request_id=request_id),
+                                               timeout=timeout or self.timeout).status
+        except grpc.RpcError as e:
+            raise _failed(e) from None
+
+    def cancel(self, request_id: str, timeout: float | None = None) -> dpb.TransferStatus:
+        try:
+            return self.stub.CancelTransfer(dpb.CancelTransferRequest(request_id=request_id),
+                                            timeout=timeout or self.timeout).status
+        except grpc.RpcError as e:
+            raise _failed(e) from None
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "DecoderClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- asyncio -----------------------------------------------------------------------
+
+class AsyncEncoderClient:
+    """asyncio client of an encoder sidecar."""
+
+    def __init__(self, address: str, timeout: float = 600.0) -> None:
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = egrpc.EncoderServiceStub(self.channel)
+        self.timeout = timeout
+
+    async def submit(self, request_id: str, kv: Any, prompt_token_ids: Any, decoder_address: str,
+                     model_id: str, *, encoding: str = "speckv", expected_pin: str | None = None,
+                     timeout: float | None = None) -> SubmitResult:
+        reqs = submit_requests(request_id, kv, prompt_token_ids, decoder_address, model_id, encoding, expected_pin)
+        try:
+            return _result(await self.stub.Submit(_aiter(reqs), timeout=timeout or self.timeout))
+        except grpc.RpcError as e:
+            raise _failed(e) from None
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class AsyncDecoderClient:
+    """asyncio client of a decoder sidecar."""
+
+    def __init__(self, address: str, timeout: float = 600.0) -> None:
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = dgrpc.DecoderServiceStub(self.channel)
+        self.timeout = timeout
+
+    async def fetch_layers(self, request_id: str, wait: float | None = None,
+                           timeout: float | None = None) -> AsyncIterator[tuple[int, np.ndarray, np.ndarray | None]]:
+        req = dpb.FetchKVRequest(request_id=request_id, wait_timeout_ms=int((wait or 0) * 1000))
+        col = _Collector()
+        try:
+            async for msg in self.stub.FetchKV(req, timeout=timeout or self.timeout):
+                done = col.add(msg)
+                if done is not None:
+                    yield done
+        except grpc.RpcError as e:
+            raise _failed(e) from None
+        if col.asm is None or not col.asm.done:
+            raise RpcFailed(grpc.StatusCode.DATA_LOSS, "FetchKV ended before the last layer")
+
+    async def fetch(self, request_id: str, wait: float | None = None, timeout: float | None = None,
+                    as_torch: bool = False) -> "np.ndarray | Fp8KV | torch.Tensor":
+        col = _Collector()
+        async for layer, arr, scales in self.fetch_layers(request_id, wait, timeout):
+            col.keep(layer, arr, scales)
+        return col.result(as_torch)
+
+    async def status(self, request_id: str, timeout: float | None = None) -> dpb.TransferStatus:
+        try:
+            r = await self.stub.GetTransferStatus(dpb.GetTransferStatusRequest(request_id=request_id),
+                                                  timeout=timeout or self.timeout)
+            return r.status
+        except grpc.RpcError as e:
+            raise _failed(e) from None
+
+    async def cancel(self, request_id: str, timeout: float | None = None) -> dpb.TransferStatus:
+        try:
+            r = await self.stub.CancelTransfer(dpb.CancelTransferRequest(request_id=request_id),
+                                               timeout=timeout or self.timeout)
+            return r.status
+        except grpc.RpcError as e:
+            raise _failed(e) from None
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+async def _aiter(it: Iterator[Any]) -> AsyncIterator[Any]:
+    for x in it:
+        yield x

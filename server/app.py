@@ -1,0 +1,127 @@
+"""Building, starting and stopping a sidecar.
+
+``create_server(config) -> (sidecar, port)`` builds a grpc.aio server with the
+role's service, gRPC health checking and server reflection, bound to
+``config.listen`` (port 0 = ephemeral, the bound port is returned), plus its
+``/metrics`` endpoint; nothing runs until ``await sidecar.start()``.
+``serve(config)`` is the process entry point of ``speckv serve``: it starts
+one sidecar and, on SIGTERM or SIGINT, calls ``stop(grace)``: health goes
+NOT_SERVING first (so load balancers and probes drain it), new calls are
+refused, in-flight transfers get ``config.grace_s`` seconds to finish and are
+cancelled after that, then the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from speckv.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
+
+from .budget import ByteBudget
+from .config import ServerConfig
+from .decoder import DecoderService
+from .encoder import EncoderService
+from .metrics import Metrics
+from .runtime import Runtime
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAMES = {
+    "decoder": decoder_pb2.DESCRIPTOR.services_by_name["DecoderService"].full_name,
+    "encoder": encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name,
+}
+
+
+class Sidecar:
+    """One running (or ready to run) encoder or decoder sidecar."""
+
+    def __init__(self, config: ServerConfig, server: grpc.aio.Server, service, metrics: Metrics,
+                 health_servicer: health.aio.HealthServicer) -> None:
+        self.config, self.server, self.service, self.metrics = config, server, service, metrics
+        self.health = health_servicer
+        self.metrics_port: int | None = None
+        self._reaper: asyncio.Task | None = None
+        self._stopped = asyncio.Event()
+
+    @property
+    def service_name(self) -> str:
+        return SERVICE_NAMES[self.config.role]
+
+    async def start(self) -> None:
+        await self.server.start()
+        if self.config.metrics_port >= 0:
+            self.metrics_port = self.metrics.start_http(self.config.metrics_host, self.config.metrics_port)
+        for name in ("", self.service_name):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if isinstance(self.service, DecoderService):
+            self._reaper = asyncio.ensure_future(self._reap(self.service))
+
+    async def _reap(self, service: DecoderService) -> None:
+        period = min(5.0, service.config.lease_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            await service.table.expire()
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain: NOT_SERVING, refuse new calls, let in-flight ones finish within ``grace``."""
+        grace = self.config.grace_s if grace is None else grace
+        await self.health.enter_graceful_shutdown()
+        logger.info("%s stopping: health NOT_SERVING, %.1f s grace", self.config.role, grace)
+        await self.server.stop(grace)
+        if self._reaper is not None:
+            self._reaper.cancel()
+        if isinstance(self.service, EncoderService):
+            await self.service.close()
+        self.metrics.stop_http()
+        self._stopped.set()
+
+    async def wait_for_termination(self) -> None:
+        await self._stopped.wait()
+
+
+def create_server(config: ServerConfig, runtime: Runtime | None = None) -> tuple[Sidecar, int]:
+    """A sidecar bound to ``config.listen`` (not yet started) and its gRPC port."""
+    runtime = runtime or Runtime.load(config)
+    metrics = Metrics(config.role, runtime.model_id)
+    budget = ByteBudget(config.max_inflight_bytes,
+                        lambda used: metrics.inflight_bytes.labels(config.role, runtime.model_id).set(used))
+    metrics.gauges(0, 0, config.max_inflight_bytes)
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", config.max_receive_bytes),
+        ("grpc.max_send_message_length", config.max_receive_bytes)])
+    if config.role == "decoder":
+        service = DecoderService(config, runtime, metrics, budget)
+        decoder_pb2_grpc.add_DecoderServiceServicer_to_server(service, server)
+    else:
+        service = EncoderService(config, runtime, metrics, budget)
+        encoder_pb2_grpc.add_EncoderServiceServicer_to_server(service, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAMES[config.role], health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(config.listen)
+    if port == 0:
+        raise OSError(f"could not bind {config.listen}")
+    logger.info("%s sidecar on %s (port %d), predictor %s", config.role, config.listen, port, runtime.pin)
+    return Sidecar(config, server, service, metrics, health_servicer), port
+
+
+async def serve(config: ServerConfig, runtime: Runtime | None = None) -> None:
+    """Run one sidecar until SIGTERM/SIGINT, then stop gracefully."""
+    sidecar, port = create_server(config, runtime)
+    await sidecar.start()
+    print(f"speckv {config.role} listening on port {port}"
+          + (f", metrics on port {sidecar.metrics_port}" if sidecar.metrics_port else ""), flush=True)
+    loop = asyncio.get_running_loop()
+    stopping: list[asyncio.Task] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, lambda: stopping.append(asyncio.ensure_future(sidecar.stop())))
+    await sidecar.wait_for_termination()

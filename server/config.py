@@ -1,0 +1,134 @@
+"""Sidecar configuration: one typed dataclass, validated at construction.
+
+Every field can be set three ways, highest priority first: a keyword (or CLI
+flag, ``speckv serve --listen ...``), an environment variable (``SPECKV_LISTEN``,
+for Kubernetes), or the default. ``FIELDS`` lists the flag, variable and parser
+of each, so the CLI, the environment reader and the docs share one table.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Mapping
+
+ROLES = ("encoder", "decoder")
+MIB = 1 << 20
+
+
+def _opt_str(v: str) -> str | None:
+    return v or None
+
+
+def _bytes(v: str) -> int:
+    """An integer byte count, optionally with a binary suffix (``512Mi``, ``2Gi``)."""
+    v = v.strip()
+    for suffix, mult in (("Ki", 1 << 10), ("Mi", 1 << 20), ("Gi", 1 << 30), ("Ti", 1 << 40)):
+        if v.endswith(suffix):
+            return int(v[: -len(suffix)]) * mult
+    return int(v)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What one sidecar serves and its limits."""
+
+    role: str
+    predictor: str | None = None  # checkpoint directory; None = the shipped default
+    pin: str | None = None  # sha256 the checkpoint must have; None = accept what is there
+    target: str = "default"  # target model, needed when the checkpoint derives its weights
+    model_id: str | None = None  # served model id; None = the checkpoint's target name
+    listen: str = "127.0.0.1:0"  # loopback unless configured otherwise; port 0 = ephemeral
+    metrics_port: int = -1  # Prometheus /metrics; 0 = ephemeral, -1 = off
+    metrics_host: str = "127.0.0.1"
+    max_inflight_bytes: int = 1 << 30  # KV bytes buffered by all transfers together
+    max_transfers: int = 64  # concurrent transfers (each also holds its predictor mu)
+    max_tokens: int = 131072  # prompt length limit per transfer
+    message_bytes: int = 2 * MIB  # largest payload per gRPC message (parts)
+    max_receive_bytes: int = 4 * MIB  # gRPC max receive message length
+    grace_s: float = 10.0  # SIGTERM: time for in-flight transfers before they are cancelled
+    fetch_wait_s: float = 30.0  # FetchKV's default wait for a transfer to arrive
+    lease_s: float = 300.0  # an unfetched (or idle) decoded transfer expires after this
+    transfer_timeout_s: float = 600.0  # encoder: deadline of its call to the decoder
+    layers_per_chunk: int = 2
+    threads: int = 2  # coder threads
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, not {self.role!r}")
+        if self.pin is not None and (len(self.pin) != 64 or not _is_hex(self.pin)):
+            raise ValueError("pin must be 64 hex digits (a sha256)")
+        if ":" not in self.listen:
+            raise ValueError(f"listen must be HOST:PORT, not {self.listen!r}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be -1 (off), 0 (ephemeral) or a port, not {self.metrics_port}")
+        if not 64 * 1024 <= self.message_bytes <= self.max_receive_bytes - 64 * 1024:
+            raise ValueError("message_bytes must be >= 64 KiB and leave 64 KiB of max_receive_bytes "
+                             "for framing")
+        if self.max_inflight_bytes < self.message_bytes:
+            raise ValueError("max_inflight_bytes must hold at least one message")
+        for name in ("max_transfers", "max_tokens", "layers_per_chunk", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        for name in ("grace_s", "fetch_wait_s", "lease_s", "transfer_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+
+    @classmethod
+    def from_env(cls, role: str, env: Mapping[str, str] | None = None, **given: Any) -> "ServerConfig":
+        """Keyword values (None = not given) over ``SPECKV_*`` variables over defaults."""
+        env = os.environ if env is None else env
+        kw: dict[str, Any] = {}
+        for f in FIELDS:
+            if given.get(f.name) is not None:
+                kw[f.name] = given[f.name]
+            elif env.get(f.env):
+                try:
+                    kw[f.name] = f.parse(env[f.env])
+                except ValueError as e:
+                    raise ValueError(f"{f.env}={env[f.env]!r}: {e}") from None
+        return cls(role=role, **kw)
+
+
+def _is_hex(s: str) -> bool:
+    try:
+        int(s, 16)
+        return True
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    flag: str
+    env: str
+    parse: Callable[[str], Any]
+    help: str
+
+
+def _field(name: str, parse: Callable[[str], Any], help: str) -> Field:
+    return Field(name, "--" + name.replace("_", "-"), "SPECKV_" + name.upper(), parse, help)
+
+
+FIELDS = (
+    _field("predictor", _opt_str, "predictor checkpoint directory (default: the shipped one)"),
+    _field("pin", _opt_str, "sha256 the checkpoint must have"),
+    _field("target", str, "target model for derived predictor weights (default: embedded)"),
+    _field("model_id", _opt_str, "model id served (default: the checkpoint's target name)"),
+    _field("listen", str, "gRPC listen address HOST:PORT (default 127.0.0.1:0)"),
+    _field("metrics_port", int, "Prometheus /metrics port (0 ephemeral, -1 off)"),
+    _field("metrics_host", str, "Prometheus /metrics bind address"),
+    _field("max_inflight_bytes", _bytes, "cap on buffered KV bytes (e.g. 1Gi)"),
+    _field("max_transfers", int, "cap on concurrent transfers"),
+    _field("max_tokens", int, "prompt length limit per transfer"),
+    _field("message_bytes", _bytes, "largest payload per gRPC message"),
+    _field("max_receive_bytes", _bytes, "gRPC max receive message length"),
+    _field("grace_s", float, "SIGTERM grace period, seconds"),
+    _field("fetch_wait_s", float, "FetchKV default wait, seconds"),
+    _field("lease_s", float, "unfetched transfers expire after this many seconds"),
+    _field("transfer_timeout_s", float, "encoder's deadline for one transfer, seconds"),
+    _field("layers_per_chunk", int, "layers per coded chunk"),
+    _field("threads", int, "coder threads"),
+)
+assert {f.name for f in FIELDS} == {f.name for f in fields(ServerConfig)} - {"role"}

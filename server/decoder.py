@@ -1,0 +1,270 @@
+"""The decoder sidecar: receives compressed transfers, rebuilds the KV bit for
+bit, hands it to the local decode engine layer by layer.
+
+Lifecycle of one Transfer call: the header is validated (model, shape, pin,
+prompt digest) and a :class:`DecoderTransfer` registered; the predictor starts
+on the prompt at once; each chunk record is reassembled from its parts (its
+size reserved from the byte budget first), acknowledged, and queued to a
+decode task that verifies and publishes its layers (raw bytes reserved
+first). FetchKV takes the layers as they appear and gives their bytes back.
+When the budget is spent, reading stops: backpressure to the encoder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator
+
+import grpc
+import numpy as np
+
+from speckv.coder import container as ct
+from speckv.v1 import common_pb2 as pb
+from speckv.v1 import decoder_pb2 as dpb
+from speckv.v1 import decoder_pb2_grpc as dgrpc
+
+from .budget import ByteBudget
+from .config import ServerConfig
+from .metrics import Metrics
+from .runtime import Runtime
+from .status import RpcError, integrity_kind, outcome, to_status
+from .transfers import S, DecoderTransfer, TransferTable
+from .wire import RecordAssembler, dtype_of, kv_shape, layer_bytes, layer_messages, shape_of
+
+logger = logging.getLogger(__name__)
+
+
+class DecoderService(dgrpc.DecoderServiceServicer):
+    def __init__(self, config: ServerConfig, runtime: Runtime, metrics: Metrics, budget: ByteBudget) -> None:
+        self.config, self.rt, self.metrics, self.budget = config, runtime, metrics, budget
+        self.table = TransferTable(config.max_transfers, config.lease_s)
+
+    # -- Transfer -----------------------------------------------------------
+    async def Transfer(self, request_iterator: AsyncIterator[dpb.TransferRequest],
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[dpb.TransferResponse]:
+        t0 = time.perf_counter()
+        it = request_iterator.__aiter__()
+        first = await anext(it, None)
+        t: DecoderTransfer | None = None
+        labels = ("?", "?")
+        try:
+            if first is None or first.WhichOneof("kind") != "header":
+                raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "the first message must carry the TransferHeader")
+            h, ids, labels = self._check_header(first.header)
+            t = DecoderTransfer(first.header.request_id, h.shape[0], h.n_chunks, self.budget.holding())
+            t.task = asyncio.current_task()
+            await self.table.add(t)
+            self._gauges()
+            t.wire_bytes = ct.HEADER_LEN
+            self.metrics.header(*labels, ct.HEADER_LEN)
+            async for ack in self._receive(t, h, ids, it, labels):
+                yield ack
+            yield dpb.TransferResponse(result=dpb.TransferResult(
+                status=pb.Status(code=pb.STATUS_CODE_OK), raw_bytes=t.raw_bytes, wire_bytes=t.wire_bytes,
+                chunks=t.chunks_received, predictor_seconds=t.predictor_s, decode_seconds=t.decode_s,
+                total_seconds=time.perf_counter() - t0))
+            self.metrics.finished("ok", *labels, scalars=t.raw_bytes // dtype_of(h.dtype)[1].itemsize,
+                                  wire=t.wire_bytes)
+            self.metrics.seconds("transfer", time.perf_counter() - t0)
+        except BaseException as e:  # noqa: B902 -- CancelledError too: the transfer must end
+            code, msg = to_status(e)
+            kind = integrity_kind(e)
+            if kind:
+                self.metrics.integrity(kind)
+            if t is not None:
+                await t.end(S.TRANSFER_STATE_CANCELLED if code == grpc.StatusCode.CANCELLED
+                            else S.TRANSFER_STATE_FAILED, e)
+            self.metrics.finished(outcome(code))
+            logger.info("transfer %s failed: %s %s", t.request_id if t else "?", code.name, msg)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            await context.abort(code, msg)
+        finally:
+            self._gauges()
+
+    def _check_header(self, hdr: dpb.TransferHeader) -> tuple[ct.StreamHeader, np.ndarray, tuple[str, str]]:
+        if not hdr.request_id or len(hdr.request_id) > 256:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "request_id must be 1 to 256 characters")
+        name, _ = dtype_of(hdr.dtype)
+        shape = shape_of(hdr.shape)
+        ids = np.asarray(hdr.prompt_token_ids, np.int64)
+        self.rt.check(hdr.model_id, shape, ids, self.config.max_tokens)
+        h, used = ct.unpack_header(hdr.header_record)
+        if used != len(hdr.header_record):
+            raise ct.FormatError("header_record has trailing bytes")
+        if h.shape != shape or h.dtype != (ct.DTYPE_BF16 if name == "bf16" else ct.DTYPE_FP8):
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "header_record disagrees with the header's dtype/shape")
+        if h.model != ct.MODEL_STORED and hdr.predictor_pin != bytes.fromhex(self.rt.pin):
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"predictor pin mismatch: the encoder uses {hdr.predictor_pin.hex() or '(none)'}, "
+                           f"this decoder has {self.rt.pin}")
+        self.rt.codec.check_header(h, ids)
+        return h, ids, (name, "stored" if h.model == ct.MODEL_STORED else "speckv")
+
+    async def _receive(self, t: DecoderTransfer, h: ct.StreamHeader, ids: np.ndarray, it: AsyncIterator,
+                       labels: tuple[str, str]) -> AsyncIterator[dpb.TransferResponse]:
+        """Read the chunk parts, ack each record, and decode them in a task alongside."""
+        queue: asyncio.Queue[tuple[ct.Chunk, int] | None] = asyncio.Queue()
+        mu = None if h.model == ct.MODEL_STORED else asyncio.ensure_future(self.rt.mu(ids))
+        worker = asyncio.ensure_future(self._decode_loop(t, h, mu, queue, labels))
+        asm = RecordAssembler(h.n_chunks, min(ct.MAX_CHUNK_BYTES, self.budget.limit))
+        lb = layer_bytes(h.shape, dtype_of_header(h))
+        try:
+            while True:
+                req = await _next_or_fail(it, worker)
+                if req is None:
+                    break
+                if req.WhichOneof("kind") != "chunk":
+                    raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "only chunk messages may follow the header")
+                size = asm.first_part_size(req.chunk)
+                if size is not None:
+                    # NOTE: the record AND its decoded layers are reserved up front, so a queued
+                    # chunk never waits for memory that only a later chunk could free (deadlock)
+                    raw = lb * h.chunk_layers(req.chunk.index)[1]
+                    await _await_or_fail(t.holding.acquire(size + raw), worker)
+                rec = asm.add(req.chunk)
+                if rec is None:
+                    continue
+                chunk = _whole(rec, h)
+                t.chunks_received += 1
+                t.wire_bytes += len(rec)
+                queue.put_nowait((chunk, len(rec)))
+                yield dpb.TransferResponse(chunk_ack=dpb.ChunkAck(index=chunk.index, bytes_received=t.wire_bytes))
+            if asm.next_index != h.n_chunks or asm.pending:
+                raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"stream ended after {asm.next_index} of {h.n_chunks} chunk records")
+            queue.put_nowait(None)
+            await worker
+            await t.end(S.TRANSFER_STATE_READY)
+        finally:
+            for f in (worker, mu):
+                if f is not None and not f.done():
+                    f.cancel()
+
+    async def _decode_loop(self, t: DecoderTransfer, h: ct.StreamHeader, mu_task, queue: asyncio.Queue,
+                           labels: tuple[str, str]) -> None:
+        """Decode queued chunks; whatever has queued up is decoded in one vectorised pass."""
+        mu = None
+        lb = layer_bytes(h.shape, dtype_of_header(h))
+        while batch := await _drain(queue):
+            if mu_task is not None and mu is None:
+                mu, t.predictor_s = await mu_task
+                self.metrics.seconds("predictor", t.predictor_s)
+            d0 = time.perf_counter()
+            bits = await asyncio.to_thread(self.rt.codec.decode_run, h, [c for c, _ in batch], mu)
+            t.decode_s += time.perf_counter() - d0
+            first = batch[0][0].layer_start
+            for c, wire in batch:
+                raw = lb * c.layer_count  # reserved with the record; FetchKV releases it per layer
+                t.holding.release(wire)
+                scales = (np.frombuffer(c.aux, "<f4").reshape(-1, 2).astype(np.float32)
+                          if h.dtype == ct.DTYPE_FP8 else None)
+                rel = c.layer_start - first
+                await t.publish(c.layer_start, bits[rel:rel + c.layer_count], scales)
+                t.raw_bytes += raw
+                self.metrics.chunk(*labels, raw, wire)
+        self.metrics.seconds("decode", t.decode_s)
+
+    # -- FetchKV ------------------------------------------------------------
+    async def FetchKV(self, request: dpb.FetchKVRequest,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[dpb.FetchKVResponse]:
+        wait = request.wait_timeout_ms / 1000 if request.wait_timeout_ms else self.config.fetch_wait_s
+        t0 = time.perf_counter()
+        t = None
+        try:
+            t = await self.table.wait_for(request.request_id, wait)
+            if t.fetching or t.state == S.TRANSFER_STATE_FETCHED:
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"transfer {request.request_id!r} is already being fetched or was fetched")
+            t.fetching = True
+            async for msg in self._layers(t, wait, t0):
+                yield msg
+            await t.end(S.TRANSFER_STATE_FETCHED)
+            t.holding.close()
+        except BaseException as e:  # noqa: B902
+            code, msg = to_status(e)
+            if t is not None and t.fetching and code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+                await t.end(S.TRANSFER_STATE_CANCELLED, e)  # layers already handed out are gone
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            await context.abort(code, msg)
+
+    async def _layers(self, t: DecoderTransfer, wait: float, t0: float) -> AsyncIterator[dpb.FetchKVResponse]:
+        hdr_shape, dtype = None, None
+        for layer in range(t.n_layers):
+            arr, scales = await t.take(layer, max(wait, self.config.lease_s))
+            if layer == 0:
+                self.metrics.seconds("first_layer", time.perf_counter() - t0)
+                dtype = 1 if arr.dtype == np.uint16 else 2
+                hdr_shape = kv_shape((t.n_layers,) + arr.shape[:2] + arr.shape[2:])
+            for part in layer_messages(layer, arr, dtype, hdr_shape, self.config.message_bytes, scales):
+                yield dpb.FetchKVResponse(layer=part)
+            t.holding.release(arr.nbytes)
+
+    # -- status and cancel ----------------------------------------------------
+    async def GetTransferStatus(self, request: dpb.GetTransferStatusRequest,
+                                context: grpc.aio.ServicerContext) -> dpb.GetTransferStatusResponse:
+        try:
+            return dpb.GetTransferStatusResponse(status=self.table.get(request.request_id).status())
+        except RpcError as e:
+            await context.abort(e.code, str(e))
+
+    async def CancelTransfer(self, request: dpb.CancelTransferRequest,
+                             context: grpc.aio.ServicerContext) -> dpb.CancelTransferResponse:
+        try:
+            t = self.table.get(request.request_id)
+        except RpcError as e:
+            await context.abort(e.code, str(e))
+        if t.live:
+            await t.end(S.TRANSFER_STATE_CANCELLED, RpcError(grpc.StatusCode.CANCELLED, "cancelled by CancelTransfer"))
+            if t.task is not None and not t.task.done():
+                t.task.cancel()
+        self._gauges()
+        return dpb.CancelTransferResponse(status=t.status())
+
+    def _gauges(self) -> None:
+        self.metrics.gauges(len(self.table), self.budget.used, self.budget.limit)
+
+
+MAX_BATCH = 64  # chunks decoded in one pass at most
+
+
+async def _drain(queue: asyncio.Queue) -> list:
+    """The next item and everything queued behind it (up to MAX_BATCH); [] at the end
+    marker (None), which stays queued so later calls see it too."""
+    items = [await queue.get()]
+    while items[-1] is not None and len(items) < MAX_BATCH and not queue.empty():
+        items.append(queue.get_nowait())
+    if items[-1] is None:
+        items.pop()
+        queue.put_nowait(None)
+    return items
+
+
+def dtype_of_header(h: ct.StreamHeader) -> int:
+    """Element size of a stream's KV."""
+    return 1 if h.dtype == ct.DTYPE_FP8 else 2
+
+
+def _whole(rec: bytearray, h: ct.StreamHeader) -> ct.Chunk:
+    chunk, used = ct.unpack_chunk(rec, h)
+    if used != len(rec):
+        raise ct.FormatError(f"chunk record of {used} bytes sent as {len(rec)}")
+    return chunk
+
+
+async def _next_or_fail(it: AsyncIterator, worker: asyncio.Future):
+    """The next request, unless ``worker`` fails first (its exception is raised)."""
+    return await _await_or_fail(anext(it, None), worker)
+
+
+async def _await_or_fail(aw, worker: asyncio.Future):
+    task = asyncio.ensure_future(aw)
+    done, _ = await asyncio.wait({task, worker}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        return task.result()
+    task.cancel()
+    worker.result()  # raises the worker's error
+    raise RpcError(grpc.StatusCode.INTERNAL, "decode task ended early")

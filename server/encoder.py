@@ -1,0 +1,280 @@
+"""The encoder sidecar: takes a request's raw KV from the prefill engine, codes
+it under the pinned predictor and streams it to the destination decoder.
+
+Lifecycle of one Submit call: the header is validated and the predictor
+starts on the prompt at once; a Transfer call to the decoder opens and gets
+the stream header; raw layers are reassembled from their parts (each layer's
+bytes reserved from the byte budget first); as soon as a chunk's layers are
+all in, a sender task codes it (off the event loop) and writes its record in
+parts, while the next layers keep arriving. ``await call.write`` is where the
+decoder's backpressure reaches us; the budget is where ours reaches the
+engine. A failure anywhere cancels the decoder call and ends Submit with a
+precise status (the decoder's own, prefixed "decoder: ").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import grpc
+import numpy as np
+
+from speckv.coder import container as ct
+from speckv.v1 import common_pb2 as pb
+from speckv.v1 import decoder_pb2 as dpb
+from speckv.v1 import decoder_pb2_grpc as dgrpc
+from speckv.v1 import encoder_pb2 as epb
+from speckv.v1 import encoder_pb2_grpc as egrpc
+
+from .budget import ByteBudget, Holding
+from .config import ServerConfig
+from .metrics import Metrics
+from .runtime import Runtime
+from .status import RpcError, outcome, to_status
+from .wire import LayerAssembler, bad, dtype_of, layer_bytes, parts, shape_of
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    """One Submit in progress."""
+
+    header: epb.SubmitHeader
+    h: ct.StreamHeader
+    ids: np.ndarray
+    labels: tuple[str, str]  # (dtype, encoding)
+    holding: Holding
+    layers: dict[int, tuple[np.ndarray, np.ndarray | None]] = field(default_factory=dict)
+    raw_bytes: int = 0
+    wire_bytes: int = 0
+    chunks: int = 0
+    predictor_s: float = 0.0
+    encode_s: float = 0.0
+    first_send: float | None = None
+
+
+class EncoderService(egrpc.EncoderServiceServicer):
+    def __init__(self, config: ServerConfig, runtime: Runtime, metrics: Metrics, budget: ByteBudget) -> None:
+        self.config, self.rt, self.metrics, self.budget = config, runtime, metrics, budget
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.active = 0
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+
+    async def Submit(self, request_iterator: AsyncIterator[epb.SubmitRequest],
+                     context: grpc.aio.ServicerContext) -> epb.SubmitResponse:
+        t0 = time.perf_counter()
+        it = request_iterator.__aiter__()
+        job: _Job | None = None
+        self.active += 1
+        self._gauges()
+        try:
+            job = self._start(await anext(it, None))
+            resp = await self._run(job, it, context, t0)
+            self.metrics.finished("ok", *job.labels, scalars=job.raw_bytes // dtype_of(job.header.dtype)[1].itemsize,
+                                  wire=job.wire_bytes)
+            self.metrics.seconds("transfer", time.perf_counter() - t0)
+            return resp
+        except BaseException as e:  # noqa: B902 -- CancelledError too
+            code, msg = to_status(e)
+            self.metrics.finished(outcome(code))
+            logger.info("submit %s failed: %s %s", job.header.request_id if job else "?", code.name, msg)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            await context.abort(code, msg)
+        finally:
+            if job is not None:
+                job.holding.close()
+            self.active -= 1
+            self._gauges()
+
+    def _start(self, first: epb.SubmitRequest | None) -> _Job:
+        if first is None or first.WhichOneof("kind") != "header":
+            raise bad("the first message must carry the SubmitHeader")
+        hdr = first.header
+        if not hdr.request_id or len(hdr.request_id) > 256:
+            raise bad("request_id must be 1 to 256 characters")
+        if not hdr.decoder_address or ":" not in hdr.decoder_address:
+            raise bad(f"decoder_address must be HOST:PORT, not {hdr.decoder_address!r}")
+        if hdr.expected_predictor_pin and hdr.expected_predictor_pin != bytes.fromhex(self.rt.pin):
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"predictor pin mismatch: caller expects {hdr.expected_predictor_pin.hex()}, "
+                           f"this encoder has {self.rt.pin}")
+        name, dt = dtype_of(hdr.dtype)
+        shape = shape_of(hdr.shape)
+        ids = np.asarray(hdr.prompt_token_ids, np.int64)
+        self.rt.check(hdr.model_id, shape, ids, self.config.max_tokens)
+        if hdr.encoding not in (epb.ENCODING_UNSPECIFIED, epb.ENCODING_SPECKV, epb.ENCODING_STORED):
+            raise bad(f"unknown encoding {hdr.encoding}")
+        stored = hdr.encoding == epb.ENCODING_STORED
+        lb = layer_bytes(shape, dt.itemsize)
+        if 2 * lb > self.budget.limit:
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"one layer ({lb} bytes) needs more than half the in-flight cap ({self.budget.limit})")
+        lpc = max(1, min(self.config.layers_per_chunk, self.budget.limit // (2 * max(lb, 1))))
+        h = self.rt.codec.stream_header(name == "bf16", shape, ids, lpc, stored)
+        return _Job(hdr, h, ids, (name, "stored" if stored else "speckv"), self.budget.holding())
+
+    async def _run(self, job: _Job, it: AsyncIterator, context: grpc.aio.ServicerContext,
+                   t0: float) -> epb.SubmitResponse:
+        mu = None if job.h.model == ct.MODEL_STORED else asyncio.ensure_future(self.rt.mu(job.ids))
+        call = self._open(job, context)
+        queue: asyncio.Queue[int | None] = asyncio.Queue()
+        acks = asyncio.ensure_future(_read_result(call))
+        sender = asyncio.ensure_future(self._send_loop(job, mu, call, queue))
+        watch = (acks, sender)
+        try:
+            await call.write(dpb.TransferRequest(header=_transfer_header(job, self.rt.pin)))
+            job.wire_bytes = ct.HEADER_LEN
+            self.metrics.header(*job.labels, ct.HEADER_LEN)
+            await self._receive(job, it, queue, watch)
+            queue.put_nowait(None)
+            await _watched(sender, watch)
+            await call.done_writing()
+            result = await _watched(acks, watch)
+        except BaseException:
+            call.cancel()
+            raise
+        finally:
+            for f in (mu, sender, acks):
+                if f is not None and not f.done():
+                    f.cancel()
+        self.metrics.seconds("encode", job.encode_s)
+        now = time.perf_counter()
+        return epb.SubmitResponse(
+            status=pb.Status(code=pb.STATUS_CODE_OK), raw_bytes=job.raw_bytes, wire_bytes=job.wire_bytes,
+            chunks=job.chunks, predictor_seconds=job.predictor_s, encode_seconds=job.encode_s,
+            transfer_seconds=now - (job.first_send or now), total_seconds=now - t0)
+
+    def _open(self, job: _Job, context: grpc.aio.ServicerContext):
+        addr = job.header.decoder_address
+        if addr not in self._channels:
+            self._channels[addr] = grpc.aio.insecure_channel(addr, options=[
+                ("grpc.max_receive_message_length", self.config.max_receive_bytes),
+                ("grpc.max_send_message_length", self.config.max_receive_bytes)])
+        remaining = context.time_remaining()
+        timeout = min(self.config.transfer_timeout_s, remaining if remaining is not None else float("inf"))
+        return dgrpc.DecoderServiceStub(self._channels[addr]).Transfer(timeout=timeout)
+
+    async def _receive(self, job: _Job, it: AsyncIterator, queue: asyncio.Queue, watch) -> None:
+        """Reassemble raw layers; queue each chunk once its layers are all in."""
+        asm = LayerAssembler(job.header.dtype, job.h.shape)
+        next_chunk = 0
+        while (req := await _watched(anext(it, None), watch)) is not None:
+            if req.WhichOneof("kind") != "layer":
+                raise bad("only layer messages may follow the header")
+            if asm.starting:
+                await _watched(job.holding.acquire(asm.layer_size), watch)  # backpressure on the engine
+            done = asm.add(req.layer)
+            if done is None:
+                continue
+            layer, arr, scales = done
+            job.layers[layer] = (arr, scales)
+            start, count = job.h.chunk_layers(next_chunk)
+            if layer == start + count - 1:
+                queue.put_nowait(next_chunk)
+                next_chunk += 1
+        if not asm.done:
+            raise bad(f"stream ended after {asm.next_layer} of {job.h.shape[0]} layers")
+
+    async def _send_loop(self, job: _Job, mu_task, call, queue: asyncio.Queue) -> None:
+        """Code ready chunks (all that queued up, in one pass) and write their records."""
+        from .decoder import _drain
+
+        mu = None
+        lb = layer_bytes(job.h.shape, dtype_of(job.header.dtype)[1].itemsize)
+        while batch := await _drain(queue):
+            start = job.h.chunk_layers(batch[0])[0]
+            stop = sum(job.h.chunk_layers(batch[-1]))
+            got = [job.layers.pop(k) for k in range(start, stop)]
+            x = np.stack([g[0] for g in got])  # (layers, 2, heads, tokens, dim)
+            sc = np.stack([g[1] for g in got]) if got[0][1] is not None else None
+            del got
+            if mu_task is not None and mu is None:
+                mu, job.predictor_s = await mu_task
+                self.metrics.seconds("predictor", job.predictor_s)
+            e0 = time.perf_counter()
+            recs = await asyncio.to_thread(_encode, self.rt.codec, job.h, range(batch[0], batch[-1] + 1), x, mu, sc)
+            job.encode_s += time.perf_counter() - e0
+            del x
+            for i, rec in zip(batch, recs):
+                await self._send(job, call, i, rec, lb * job.h.chunk_layers(i)[1])
+
+    async def _send(self, job: _Job, call, i: int, rec: bytes, raw: int) -> None:
+        keep = min(raw, len(rec))  # the record inherits its layers' reservation
+        job.holding.release(raw - keep)
+        job.first_send = job.first_send or time.perf_counter()
+        for off, ln in parts(len(rec), self.config.message_bytes):
+            await call.write(dpb.TransferRequest(chunk=dpb.Chunk(
+                index=i, record=rec[off:off + ln], byte_offset=off, record_bytes=len(rec))))
+        job.holding.release(keep)
+        job.raw_bytes += raw
+        job.wire_bytes += len(rec)
+        job.chunks += 1
+        self.metrics.chunk(*job.labels, raw, len(rec))
+
+    def _gauges(self) -> None:
+        self.metrics.gauges(self.active, self.budget.used, self.budget.limit)
+
+
+def _encode(codec, h: ct.StreamHeader, idx: range, x: np.ndarray, mu, scales) -> list[bytes]:
+    return [ct.pack_chunk(c) for c in codec.encode_chunks(h, idx, x, mu, scales)]
+
+
+def _transfer_header(job: _Job, pin: str) -> dpb.TransferHeader:
+    hdr = job.header
+    return dpb.TransferHeader(request_id=hdr.request_id, predictor_pin=bytes.fromhex(pin),
+                              model_id=hdr.model_id, dtype=hdr.dtype, shape=hdr.shape,
+                              prompt_token_ids=hdr.prompt_token_ids, header_record=ct.pack_header(job.h))
+
+
+async def _read_result(call) -> dpb.TransferResult:
+    """Drain the decoder's acks; its TransferResult (or its gRPC error)."""
+    result = None
+    async for resp in call:
+        if resp.WhichOneof("kind") == "result":
+            result = resp.result
+    if result is None:
+        raise RpcError(grpc.StatusCode.INTERNAL, "decoder ended the transfer without a result")
+    return result
+
+
+async def _watched(aw, watch: tuple[asyncio.Future, ...]):
+    """Await ``aw`` unless a watched task (acks, sender) fails first; then raise the most
+    telling error: the decoder's status from the ack reader rather than a failed write."""
+    task = asyncio.ensure_future(aw)
+    others = [w for w in watch if w is not task]
+    while not task.done():
+        if any(_failed(w) for w in others):
+            task.cancel()
+            await _raise_preferring(watch)
+        await asyncio.wait([task, *[w for w in others if not w.done()]], return_when=asyncio.FIRST_COMPLETED)
+    if task.cancelled() or task.exception() is None:
+        return task.result()
+    if task is watch[1]:
+        await _raise_preferring(watch)
+    raise task.exception()
+
+
+def _failed(f: asyncio.Future) -> bool:
+    return f.done() and not f.cancelled() and f.exception() is not None
+
+
+async def _raise_preferring(watch, fallback: BaseException | None = None):
+    acks = watch[0]
+    if not acks.done():
+        await asyncio.wait({acks}, timeout=2.0)  # the decoder's status usually follows a failed write
+    for w in watch:  # acks first
+        if _failed(w):
+            raise w.exception()
+    if fallback is not None:
+        raise fallback
+    raise RpcError(grpc.StatusCode.INTERNAL, "transfer task ended without a result")

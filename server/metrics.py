@@ -1,0 +1,107 @@
+"""All Prometheus metrics of a sidecar, in one place.
+
+Names follow the Prometheus conventions: ``speckv_`` prefix, base units
+(bytes, seconds), ``_total`` on counters. Every sidecar owns a private
+``CollectorRegistry`` (two sidecars in one process, as in tests and the demo,
+do not mix their series) served on ``/metrics`` by ``start_http``.
+
+Labels: ``role`` (encoder | decoder), ``model`` (the served model id),
+``dtype`` (bf16 | fp8), ``encoding`` (speckv | stored), ``outcome`` (a lower-case
+gRPC status name, ``ok`` on success), ``kind`` (what failed an integrity check).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+logger = logging.getLogger(__name__)
+
+_SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_BITS = (0.5, 1, 1.5, 2, 2.5, 3, 4, 5, 5.5, 6, 6.5, 7, 8, 10, 12, 16, 17)
+
+
+class Metrics:
+    """The metric families of one sidecar; ``role`` and ``model`` are bound here."""
+
+    def __init__(self, role: str, model: str, registry: CollectorRegistry | None = None) -> None:
+        self.role, self.model = role, model
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        lab = ("role", "model", "dtype", "encoding")
+        self.raw_bytes = Counter("speckv_raw_bytes_total",
+                                 "Raw (uncompressed) KV bytes encoded or decoded.", lab, registry=r)
+        self.wire_bytes = Counter("speckv_wire_bytes_total",
+                                  "Compressed stream bytes (header and chunk records) sent or received.",
+                                  lab, registry=r)
+        self.saved_bytes = Counter("speckv_saved_bytes_total",
+                                   "Raw bytes minus wire bytes of completed chunks.", lab, registry=r)
+        self.bits_per_scalar = Histogram("speckv_bits_per_scalar",
+                                         "Wire bits per KV scalar of completed transfers.", lab,
+                                         buckets=_BITS, registry=r)
+        self.stage_seconds = {
+            stage: Histogram(f"speckv_{stage}_seconds", doc, ("role", "model"), buckets=_SECONDS, registry=r)
+            for stage, doc in (("encode", "Entropy-coding time per transfer."),
+                               ("decode", "Entropy-decoding time per transfer."),
+                               ("predictor", "Predictor (mu) time per transfer."),
+                               ("transfer", "Time from a transfer's header to its result."),
+                               ("first_layer", "Decoder: time from FetchKV to its first layer."))}
+        self.transfers = Counter("speckv_transfers_total", "Transfers finished, by outcome.",
+                                 ("role", "model", "outcome"), registry=r)
+        self.integrity_failures = Counter("speckv_integrity_failures_total",
+                                          "Checksum, digest and mu-fingerprint failures.",
+                                          ("role", "model", "kind"), registry=r)
+        self.inflight_transfers = Gauge("speckv_inflight_transfers", "Transfers in progress.",
+                                        ("role", "model"), registry=r)
+        self.inflight_bytes = Gauge("speckv_inflight_bytes", "KV bytes buffered by transfers in progress.",
+                                    ("role", "model"), registry=r)
+        self.inflight_limit = Gauge("speckv_inflight_limit_bytes", "Cap on buffered KV bytes.",
+                                    ("role", "model"), registry=r)
+        self._http: Any = None
+
+    # -- recording helpers (labels bound) -----------------------------------
+    def chunk(self, dtype: str, encoding: str, raw: int, wire: int) -> None:
+        lab = (self.role, self.model, dtype, encoding)
+        self.raw_bytes.labels(*lab).inc(raw)
+        self.wire_bytes.labels(*lab).inc(wire)
+        self.saved_bytes.labels(*lab).inc(max(raw - wire, 0))
+
+    def header(self, dtype: str, encoding: str, wire: int) -> None:
+        self.wire_bytes.labels(self.role, self.model, dtype, encoding).inc(wire)
+
+    def finished(self, outcome: str, dtype: str | None = None, encoding: str | None = None,
+                 scalars: int = 0, wire: int = 0) -> None:
+        self.transfers.labels(self.role, self.model, outcome).inc()
+        if outcome == "ok" and scalars and dtype and encoding:
+            self.bits_per_scalar.labels(self.role, self.model, dtype, encoding).observe(8 * wire / scalars)
+
+    def seconds(self, stage: str, value: float) -> None:
+        self.stage_seconds[stage].labels(self.role, self.model).observe(value)
+
+    def integrity(self, kind: str) -> None:
+        self.integrity_failures.labels(self.role, self.model, kind).inc()
+
+    def gauges(self, transfers: int, inflight: int, limit: int) -> None:
+        self.inflight_transfers.labels(self.role, self.model).set(transfers)
+        self.inflight_bytes.labels(self.role, self.model).set(inflight)
+        self.inflight_limit.labels(self.role, self.model).set(limit)
+
+    # -- exposition -----------------------------------------------------------
+    def start_http(self, host: str, port: int) -> int:
+        """Serve ``/metrics`` on ``host:port`` (0 = ephemeral); returns the bound port."""
+        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = (server, thread)
+        bound = server.server_address[1]
+        logger.info("%s metrics on http://%s:%s/metrics", self.role, host, bound)
+        return bound
+
+    def stop_http(self) -> None:
+        if self._http is not None:
+            server, thread = self._http
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=5)
+            self._http = None
+

@@ -1,0 +1,105 @@
+"""Errors of the sidecars as gRPC status codes (and their in-band twins).
+
+Handlers raise typed exceptions; ``to_status`` maps each to one precise gRPC
+code and a message, the one place where that mapping lives. ``RpcError``
+carries a code chosen by a handler itself (e.g. NOT_FOUND for an unknown
+request id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from speckv.coder import container as ct
+from speckv.coder.errors import (CalibrationError, CheckpointError, IntegrityError, MuMismatchError,
+                                 PinMismatchError, PromptMismatchError)
+from speckv.v1 import common_pb2 as pb
+
+from .budget import BudgetExceeded, HoldingClosed
+
+logger = logging.getLogger(__name__)
+C = grpc.StatusCode
+
+
+class RpcError(Exception):
+    """A failure with its gRPC status code chosen by the raiser."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+_BY_TYPE: tuple[tuple[type, grpc.StatusCode], ...] = (
+    (ct.ChecksumError, C.DATA_LOSS),
+    (ct.FormatError, C.INVALID_ARGUMENT),
+    (PinMismatchError, C.FAILED_PRECONDITION),
+    (MuMismatchError, C.FAILED_PRECONDITION),
+    (PromptMismatchError, C.INVALID_ARGUMENT),
+    (IntegrityError, C.DATA_LOSS),
+    (CheckpointError, C.FAILED_PRECONDITION),
+    (CalibrationError, C.FAILED_PRECONDITION),
+    (BudgetExceeded, C.RESOURCE_EXHAUSTED),
+    (HoldingClosed, C.CANCELLED),
+    (asyncio.TimeoutError, C.DEADLINE_EXCEEDED),
+)
+
+
+def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC code and message that report ``exc`` to a caller."""
+    if isinstance(exc, RpcError):
+        return exc.code, str(exc)
+    if isinstance(exc, grpc.aio.AioRpcError):  # from our own call to a peer sidecar
+        return exc.code(), f"decoder: {exc.details()}"
+    if isinstance(exc, asyncio.CancelledError):
+        return C.CANCELLED, "cancelled"
+    for typ, code in _BY_TYPE:
+        if isinstance(exc, typ):
+            return code, str(exc) or typ.__name__
+    logger.error("internal error", exc_info=exc)
+    return C.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def integrity_kind(exc: BaseException) -> str | None:
+    """The ``kind`` label of speckv_integrity_failures_total for ``exc``, if it is one."""
+    if isinstance(exc, ct.ChecksumError):
+        return "crc32"
+    if isinstance(exc, MuMismatchError):
+        return "mu_fingerprint"
+    if isinstance(exc, IntegrityError):
+        return "raw_digest"
+    return None
+
+
+def outcome(code: grpc.StatusCode) -> str:
+    """The ``outcome`` label of a finished transfer: ``ok`` or the status name."""
+    return code.name.lower()
+
+
+_IN_BAND = {
+    C.OK: pb.STATUS_CODE_OK, C.INVALID_ARGUMENT: pb.STATUS_CODE_INVALID_ARGUMENT,
+    C.FAILED_PRECONDITION: pb.STATUS_CODE_PIN_MISMATCH, C.DATA_LOSS: pb.STATUS_CODE_INTEGRITY_ERROR,
+    C.ALREADY_EXISTS: pb.STATUS_CODE_ALREADY_EXISTS, C.NOT_FOUND: pb.STATUS_CODE_NOT_FOUND,
+    C.CANCELLED: pb.STATUS_CODE_CANCELLED, C.DEADLINE_EXCEEDED: pb.STATUS_CODE_DEADLINE_EXCEEDED,
+    C.UNAVAILABLE: pb.STATUS_CODE_UNAVAILABLE, C.RESOURCE_EXHAUSTED: pb.STATUS_CODE_RESOURCE_EXHAUSTED,
+}
+
+
+def in_band(exc: BaseException | None) -> pb.Status:
+    """The in-band Status (TransferStatus.status) of a transfer ended by ``exc`` (None: ok)."""
+    if exc is None:
+        return pb.Status(code=pb.STATUS_CODE_OK)
+    code, message = to_status(exc)
+    if isinstance(exc, MuMismatchError):
+        sc = pb.STATUS_CODE_MU_MISMATCH
+    elif isinstance(exc, PromptMismatchError):
+        sc = pb.STATUS_CODE_PROMPT_MISMATCH
+    elif isinstance(exc, ct.ChecksumError):
+        sc = pb.STATUS_CODE_CHECKSUM_ERROR
+    elif isinstance(exc, ct.FormatError):
+        sc = pb.STATUS_CODE_FORMAT_ERROR
+    else:
+        sc = _IN_BAND.get(code, pb.STATUS_CODE_INTERNAL)
+    return pb.Status(code=sc, message=message)

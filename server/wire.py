@@ -1,0 +1,200 @@
+"""Messages <-> arrays: KV layers and chunk records split into parts, and put
+back together with every size and order checked before anything is allocated.
+
+A raw KV layer is ``kv[layer]`` of the canonical tensor, ``(2, kv_heads,
+tokens, head_dim)`` little-endian; a record is one container record. Both
+travel as parts of at most ``part_bytes`` so that no gRPC message nears the
+4 MiB default limit, whatever the cache size (a 128k-token, 80-layer cache
+is ~500 MB per layer: ~250 messages per layer, never one giant one).
+Assemblers are used by both sides (sidecars and clients) and raise
+``RpcError(INVALID_ARGUMENT)`` on any inconsistency.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import grpc
+import numpy as np
+
+from speckv.v1 import common_pb2 as pb
+
+from .status import RpcError
+
+DTYPES = {pb.DTYPE_BF16: ("bf16", np.dtype("<u2")), pb.DTYPE_FP8_E4M3: ("fp8", np.dtype("u1"))}
+MAX_DIM = 1 << 24  # any one dimension; products are checked against the caller's limits
+
+
+def bad(message: str) -> RpcError:
+    return RpcError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def dtype_of(d: int) -> tuple[str, np.dtype]:
+    if d not in DTYPES:
+        raise bad(f"dtype {d} is not one of DTYPE_BF16, DTYPE_FP8_E4M3")
+    return DTYPES[d]
+
+
+def shape_of(s: pb.KVShape) -> tuple[int, int, int, int, int]:
+    shape = (s.layers, s.kv, s.kv_heads, s.tokens, s.head_dim)
+    if s.kv != 2 or min(s.layers, s.kv_heads, s.head_dim) < 1 or max(shape) > MAX_DIM:
+        raise bad(f"shape {shape} is not a KV shape (layers >= 1, kv = 2, heads >= 1, head_dim >= 1)")
+    return shape
+
+
+def kv_shape(shape: tuple[int, ...]) -> pb.KVShape:
+    L, two, H, T, D = (int(v) for v in shape)
+    return pb.KVShape(layers=L, kv=two, kv_heads=H, tokens=T, head_dim=D)
+
+
+def layer_bytes(shape: tuple[int, ...], itemsize: int) -> int:
+    return int(np.prod(shape[1:], dtype=np.int64)) * itemsize
+
+
+def parts(n: int, part_bytes: int) -> Iterator[tuple[int, int]]:
+    """(offset, length) of the parts of ``n`` bytes (one empty part when n == 0)."""
+    if n == 0:
+        yield 0, 0
+    for off in range(0, n, part_bytes):
+        yield off, min(part_bytes, n - off)
+
+
+def layer_messages(index: int, layer: np.ndarray, dtype: int, shape: pb.KVShape, part_bytes: int,
+                   scales: np.ndarray | None = None) -> Iterator[pb.KVLayer]:
+    """The KVLayer parts of one layer ``(2, heads, tokens, dim)`` (no copy of the array
+    beyond each part's bytes)."""
+    _, dt = dtype_of(dtype)
+    buf = memoryview(np.ascontiguousarray(layer, dt)).cast("B")
+    n = buf.nbytes
+    sp = [] if scales is None else [float(v) for v in np.asarray(scales, np.float32).ravel()]
+    pieces = list(parts(n, part_bytes))
+    for k, (off, ln) in enumerate(pieces):
+        yield pb.KVLayer(layer=index, dtype=dtype, shape=shape, part_index=k, part_count=len(pieces),
+                         byte_offset=off, layer_bytes=n, data=bytes(buf[off:off + ln]), fp8_scales=sp)
+
+
+@dataclass
+class LayerAssembler:
+    """Rebuilds layers 0, 1, ... from KVLayer parts sent in order."""
+
+    dtype: int
+    shape: tuple[int, int, int, int, int]
+    next_layer: int = 0
+    _buf: bytearray | None = None
+    _part: int = 0
+    _count: int = 0
+    _scales: tuple[float, ...] = ()
+    _filled: int = 0
+
+    @property
+    def layer_size(self) -> int:
+        return layer_bytes(self.shape, dtype_of(self.dtype)[1].itemsize)
+
+    @property
+    def done(self) -> bool:
+        return self.next_layer == self.shape[0] and self._buf is None
+
+    @property
+    def starting(self) -> bool:
+        """True when the next part must begin a new layer (nothing half-received)."""
+        return self._buf is None
+
+    def add(self, m: pb.KVLayer) -> tuple[int, np.ndarray, np.ndarray | None] | None:
+        """Take one part; returns ``(layer, array (2, H, T, D), scales (2,) | None)`` when
+        the layer is complete."""
+        if m.dtype != self.dtype or shape_of(m.shape) != self.shape:
+            raise bad(f"layer {m.layer}: dtype/shape differ from the header's")
+        if m.layer != self.next_layer:
+            raise bad(f"got layer {m.layer}, expected layer {self.next_layer} (layers are sent in order)")
+        if m.layer_bytes != self.layer_size:
+            raise bad(f"layer {m.layer}: layer_bytes {m.layer_bytes} != {self.layer_size} for this shape")
+        if self._buf is None:
+            if m.part_index != 0 or not 1 <= m.part_count <= max(1, self.layer_size):
+                raise bad(f"layer {m.layer}: first part has index {m.part_index} of {m.part_count}")
+            self._buf, self._part, self._count = bytearray(self.layer_size), 0, m.part_count
+            self._filled = 0
+            self._scales = tuple(m.fp8_scales)
+        filled = self._fill(m)
+        if filled < self.layer_size and self._part < self._count:
+            return None
+        if filled != self.layer_size or self._part != self._count:
+            raise bad(f"layer {m.layer}: parts cover {filled} of {self.layer_size} bytes "
+                      f"in {self._part} of {self._count} parts")
+        return self._finish()
+
+    def _fill(self, m: pb.KVLayer) -> int:
+        if m.part_index != self._part or m.part_count != self._count:
+            raise bad(f"layer {m.layer}: part {m.part_index}/{m.part_count}, expected "
+                      f"{self._part}/{self._count}")
+        if m.byte_offset != self._filled or m.byte_offset + len(m.data) > self.layer_size:
+            raise bad(f"layer {m.layer}: part at offset {m.byte_offset} (+{len(m.data)}) does not "
+                      f"continue the layer")
+        if tuple(m.fp8_scales) != self._scales:
+            raise bad(f"layer {m.layer}: fp8_scales differ between parts")
+        assert self._buf is not None
+        self._buf[m.byte_offset:m.byte_offset + len(m.data)] = m.data
+        self._filled = m.byte_offset + len(m.data)
+        self._part += 1
+        return self._filled
+
+    def _finish(self) -> tuple[int, np.ndarray, np.ndarray | None]:
+        name, dt = dtype_of(self.dtype)
+        assert self._buf is not None
+        arr = np.frombuffer(self._buf, dt).astype(dt.newbyteorder("="), copy=False).reshape(self.shape[1:])
+        scales = None
+        if name == "fp8":
+            if len(self._scales) != 2:
+                raise bad(f"layer {self.next_layer}: FP8 layers need 2 fp8_scales, got {len(self._scales)}")
+            scales = np.array(self._scales, np.float32)
+        elif self._scales:
+            raise bad(f"layer {self.next_layer}: BF16 layers carry no fp8_scales")
+        out = (self.next_layer, arr, scales)
+        self.next_layer += 1
+        self._buf, self._filled = None, 0
+        return out
+
+
+@dataclass
+class RecordAssembler:
+    """Rebuilds chunk records 0, 1, ... from Chunk parts sent in order."""
+
+    n_chunks: int
+    max_record: int
+    next_index: int = 0
+    _buf: bytearray | None = None
+    _filled: int = 0
+
+    @property
+    def pending(self) -> int:
+        """Bytes of the record being received (0 between records)."""
+        return 0 if self._buf is None else len(self._buf)
+
+    def first_part_size(self, c) -> int | None:
+        """The record size a first part announces (to reserve memory before copying)."""
+        if self._buf is not None:
+            return None
+        if c.index != self.next_index or self.next_index >= self.n_chunks:
+            raise bad(f"got chunk {c.index}, expected chunk {self.next_index} of {self.n_chunks}")
+        if c.byte_offset != 0 or not 0 < c.record_bytes <= self.max_record:
+            raise bad(f"chunk {c.index}: first part at offset {c.byte_offset} of a "
+                      f"{c.record_bytes}-byte record (limit {self.max_record})")
+        return c.record_bytes
+
+    def add(self, c) -> bytearray | None:
+        """Take one part (after ``first_part_size``); returns the record when complete."""
+        if self._buf is None:
+            self._buf, self._filled = bytearray(c.record_bytes), 0
+        if c.index != self.next_index or c.record_bytes != len(self._buf) or c.byte_offset != self._filled:
+            raise bad(f"chunk {c.index}: part at offset {c.byte_offset} does not continue record "
+                      f"{self.next_index} ({self._filled} of {len(self._buf)} bytes)")
+        end = self._filled + len(c.record)
+        if end > len(self._buf) or not c.record:
+            raise bad(f"chunk {c.index}: part overruns its {len(self._buf)}-byte record or is empty")
+        self._buf[self._filled:end] = c.record
+        self._filled = end
+        if end < len(self._buf):
+            return None
+        rec, self._buf = self._buf, None
+        self.next_index += 1
+        return rec
