@@ -1,6 +1,7 @@
 """The ``speckv`` command line.
 
-Subcommands: ``demo`` (the main job on the embedded model), ``entropy`` (ideal
+Subcommands: ``demo`` (the main job on the embedded model), ``serve
+encoder|decoder`` (a sidecar), ``entropy`` (ideal
 code length of a text's KV), ``predictor build|info`` (pinned checkpoints),
 ``bench`` (coder figures against peers). Results go to stdout (a table or
 ``--json``); progress and logs go to stderr.
@@ -31,6 +32,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin", default=None, help="expected sha256 pin of the predictor checkpoint")
 
 
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    from speckv.server.config import FIELDS
+
+    for f in FIELDS:
+        p.add_argument(f.flag, dest=f.name, type=f.parse, default=None, help=f"{f.help} [{f.env}]")
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="speckv", description="Lossless compressed KV-cache transfer.")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
@@ -54,6 +62,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
     bench.add_argument("--json", action="store_true")
     _add_model_args(bench)
+
+    serve = sub.add_parser("serve", help="run an encoder or decoder sidecar (gRPC) until SIGTERM",
+                           description="Every flag can also be set by its SPECKV_* environment variable "
+                                       "(e.g. --listen / SPECKV_LISTEN); flags win.")
+    serve.add_argument("role", choices=("encoder", "decoder"))
+    _add_server_args(serve)
 
     pred = sub.add_parser("predictor", help="build or inspect a pinned predictor checkpoint")
     psub = pred.add_subparsers(dest="pcmd", required=True)
@@ -137,7 +151,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
-        _print_table("speckv demo", list(summary.items()))
+        rows = [(f"{k}.{k2}" if isinstance(v, dict) else k, v2)
+                for k, v in summary.items() for k2, v2 in (v.items() if isinstance(v, dict) else [(k, v)])]
+        _print_table("speckv demo (encoder -> decoder over gRPC on loopback)", rows)
+        print("the sidecars stop when the demo ends; metrics.* were served there and "
+              "metrics_scraped.* read from them before they stopped")
+    return 0 if summary["lossless"] else 1
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from speckv.server.app import serve
+    from speckv.server.config import FIELDS, ServerConfig
+
+    config = ServerConfig.from_env(args.role, **{f.name: getattr(args, f.name) for f in FIELDS})
+    logging.getLogger("speckv").setLevel(logging.INFO)
+    asyncio.run(serve(config))
     return 0
 
 
@@ -153,7 +183,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "demo": cmd_demo, "entropy": cmd_entropy, "predictor": cmd_predictor, "bench": cmd_bench,
+    "demo": cmd_demo, "serve": cmd_serve, "entropy": cmd_entropy, "predictor": cmd_predictor, "bench": cmd_bench,
 }
 
 
@@ -165,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         return COMMANDS[args.cmd](args)
-    except (SpeckvError, FileNotFoundError) as e:
+    except (SpeckvError, FileNotFoundError, ValueError) as e:
         print(f"speckv: error: {e}", file=sys.stderr)
         return 2
 

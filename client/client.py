@@ -63,6 +63,7 @@ class SubmitResult:
     encode_seconds: float
     transfer_seconds: float
     total_seconds: float
+    message_bytes: int
 
     @property
     def ratio(self) -> float:
@@ -110,7 +111,7 @@ def submit_requests(request_id: str, kv: Any, prompt_token_ids: Any, decoder_add
 
 def _result(r: epb.SubmitResponse) -> SubmitResult:
     return SubmitResult(r.raw_bytes, r.wire_bytes, r.chunks, r.predictor_seconds, r.encode_seconds,
-                        r.transfer_seconds, r.total_seconds)
+                        r.transfer_seconds, r.total_seconds, r.message_bytes)
 
 
 class _Collector:

@@ -164,7 +164,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
                 rel = c.layer_start - first
                 await t.publish(c.layer_start, bits[rel:rel + c.layer_count], scales)
                 t.raw_bytes += raw
-                self.metrics.chunk(*labels, raw, wire)
+                self.metrics.chunk(*labels, raw, wire, ct.HEADER_LEN if c.index == 0 else 0)
         self.metrics.seconds("decode", t.decode_s)
 
     # -- FetchKV ------------------------------------------------------------

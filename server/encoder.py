@@ -56,6 +56,7 @@ class _Job:
     predictor_s: float = 0.0
     encode_s: float = 0.0
     first_send: float | None = None
+    message_bytes: int = 0  # serialized TransferRequests written
 
 
 class EncoderService(egrpc.EncoderServiceServicer):
@@ -132,7 +133,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
         sender = asyncio.ensure_future(self._send_loop(job, mu, call, queue))
         watch = (acks, sender)
         try:
-            await call.write(dpb.TransferRequest(header=_transfer_header(job, self.rt.pin)))
+            await _write(job, call, dpb.TransferRequest(header=_transfer_header(job, self.rt.pin)))
             job.wire_bytes = ct.HEADER_LEN
             self.metrics.header(*job.labels, ct.HEADER_LEN)
             await self._receive(job, it, queue, watch)
@@ -140,6 +141,10 @@ class EncoderService(egrpc.EncoderServiceServicer):
             await _watched(sender, watch)
             await call.done_writing()
             result = await _watched(acks, watch)
+            if (result.raw_bytes, result.wire_bytes) != (job.raw_bytes, job.wire_bytes):
+                raise RpcError(grpc.StatusCode.DATA_LOSS,
+                               f"decoder reports {result.raw_bytes} raw / {result.wire_bytes} wire bytes, "
+                               f"encoder sent {job.raw_bytes} / {job.wire_bytes}")
         except BaseException:
             call.cancel()
             raise
@@ -152,7 +157,8 @@ class EncoderService(egrpc.EncoderServiceServicer):
         return epb.SubmitResponse(
             status=pb.Status(code=pb.STATUS_CODE_OK), raw_bytes=job.raw_bytes, wire_bytes=job.wire_bytes,
             chunks=job.chunks, predictor_seconds=job.predictor_s, encode_seconds=job.encode_s,
-            transfer_seconds=now - (job.first_send or now), total_seconds=now - t0)
+            transfer_seconds=now - (job.first_send or now), total_seconds=now - t0,
+            message_bytes=job.message_bytes)
 
     def _open(self, job: _Job, context: grpc.aio.ServicerContext):
         addr = job.header.decoder_address
@@ -213,16 +219,21 @@ class EncoderService(egrpc.EncoderServiceServicer):
         job.holding.release(raw - keep)
         job.first_send = job.first_send or time.perf_counter()
         for off, ln in parts(len(rec), self.config.message_bytes):
-            await call.write(dpb.TransferRequest(chunk=dpb.Chunk(
+            await _write(job, call, dpb.TransferRequest(chunk=dpb.Chunk(
                 index=i, record=rec[off:off + ln], byte_offset=off, record_bytes=len(rec))))
         job.holding.release(keep)
         job.raw_bytes += raw
         job.wire_bytes += len(rec)
         job.chunks += 1
-        self.metrics.chunk(*job.labels, raw, len(rec))
+        self.metrics.chunk(*job.labels, raw, len(rec), ct.HEADER_LEN if i == 0 else 0)
 
     def _gauges(self) -> None:
         self.metrics.gauges(self.active, self.budget.used, self.budget.limit)
+
+
+async def _write(job: _Job, call, req: dpb.TransferRequest) -> None:
+    job.message_bytes += req.ByteSize()
+    await call.write(req)  # NOTE: awaits HTTP/2 flow control: the decoder's backpressure
 
 
 def _encode(codec, h: ct.StreamHeader, idx: range, x: np.ndarray, mu, scales) -> list[bytes]:

@@ -37,7 +37,8 @@ class Metrics:
                                   "Compressed stream bytes (header and chunk records) sent or received.",
                                   lab, registry=r)
         self.saved_bytes = Counter("speckv_saved_bytes_total",
-                                   "Raw bytes minus wire bytes of completed chunks.", lab, registry=r)
+                                   "Raw bytes minus wire bytes (header record included) of completed "
+                                   "chunks; a chunk that grew counts 0.", lab, registry=r)
         self.bits_per_scalar = Histogram("speckv_bits_per_scalar",
                                          "Wire bits per KV scalar of completed transfers.", lab,
                                          buckets=_BITS, registry=r)
@@ -62,11 +63,13 @@ class Metrics:
         self._http: Any = None
 
     # -- recording helpers (labels bound) -----------------------------------
-    def chunk(self, dtype: str, encoding: str, raw: int, wire: int) -> None:
+    def chunk(self, dtype: str, encoding: str, raw: int, wire: int, overhead: int = 0) -> None:
+        """One completed chunk; ``overhead``: wire bytes already counted for it (the
+        header record, charged to a transfer's first chunk) that its savings must pay."""
         lab = (self.role, self.model, dtype, encoding)
         self.raw_bytes.labels(*lab).inc(raw)
         self.wire_bytes.labels(*lab).inc(wire)
-        self.saved_bytes.labels(*lab).inc(max(raw - wire, 0))
+        self.saved_bytes.labels(*lab).inc(max(raw - wire - overhead, 0))
 
     def header(self, dtype: str, encoding: str, wire: int) -> None:
         self.wire_bytes.labels(self.role, self.model, dtype, encoding).inc(wire)

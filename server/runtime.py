@@ -19,6 +19,7 @@ import grpc
 import numpy as np
 
 from speckv.coder.codec import Codec, CodecConfig, bf16_bits
+from speckv.coder.errors import PinMismatchError
 
 from .status import RpcError
 
@@ -44,12 +45,18 @@ class Runtime:
 
         ckpt = load_checkpoint(config.predictor or default_checkpoint_dir(), config.pin)
         target = load_target(config.target) if ckpt.derived_weights else None
-        predictor = Predictor.from_checkpoint(ckpt, target)
+        runtime = cls.from_predictor(Predictor.from_checkpoint(ckpt, target), config)
+        logger.info("loaded predictor %s for model %s", ckpt.pin, runtime.model_id)
+        return runtime
+
+    @classmethod
+    def from_predictor(cls, predictor: "Predictor", config: "ServerConfig") -> "Runtime":
+        """A runtime around an already loaded predictor (tests, the demo)."""
+        if config.pin is not None and config.pin != predictor.pin:
+            raise PinMismatchError(f"predictor pin mismatch: expected {config.pin}, loaded {predictor.pin}")
         codec = Codec.from_predictor(predictor, CodecConfig(layers_per_chunk=config.layers_per_chunk,
                                                             threads=config.threads))
-        model_id = config.model_id or ckpt.manifest["target"]["name"]
-        logger.info("loaded predictor %s for model %s", ckpt.pin, model_id)
-        return cls(codec, predictor, model_id)
+        return cls(codec, predictor, config.model_id or predictor.checkpoint.manifest["target"]["name"])
 
     @property
     def pin(self) -> str:

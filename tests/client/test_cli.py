@@ -69,6 +69,17 @@ def test_demo_json(reuse_session, embedded_session, capsys):
     assert out["raw_bytes"] == out["tokens"] * 30 * 2 * 3 * 64 * 2  # BF16: 2 bytes a scalar
     assert 0 < out["bits_per_scalar"] < 16
     assert reuse_session  # the command went through Session.open
+    # the real path: two sidecars on loopback, fetched back and compared bit for bit
+    assert out["lossless"] is True and out["transport"] == "grpc-loopback"
+    assert out["bits_per_scalar"] == 8 * out["coded_bytes"] / (out["raw_bytes"] / 2)
+    assert out["raw_bytes"] / out["coded_bytes"] > 2  # the predictor pays
+    assert out["wire_bytes"] > out["coded_bytes"]  # protobuf framing on top of the records
+    scraped = out["metrics_scraped"]
+    for role in ("encoder", "decoder"):
+        assert scraped[f"{role}_speckv_raw_bytes_total"] == out["raw_bytes"]
+        assert scraped[f"{role}_speckv_wire_bytes_total"] == out["coded_bytes"]
+        assert scraped[f"{role}_speckv_saved_bytes_total"] == out["raw_bytes"] - out["coded_bytes"]
+    assert all(u.startswith("http://127.0.0.1:") for u in out["metrics"].values())
 
 
 @pytest.mark.parametrize("dtype,limit", [("bf16", 6.6), ("fp8", 2.7)])
