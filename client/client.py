@@ -142,9 +142,12 @@ class _Collector:
         if scales is not None:
             self.scales[layer] = scales
 
-    def result(self, as_torch: bool) -> "np.ndarray | Fp8KV | torch.Tensor":
+    def check_done(self) -> None:
         if self.asm is None or not self.asm.done:
             raise RpcFailed(grpc.StatusCode.DATA_LOSS, "FetchKV ended before the last layer")
+
+    def result(self, as_torch: bool) -> "np.ndarray | Fp8KV | torch.Tensor":
+        self.check_done()
         if self.scales is not None:
             return Fp8KV(self.out, self.scales)
         return to_torch(self.out) if as_torch else self.out
@@ -197,8 +200,11 @@ class DecoderClient:
     def fetch_layers(self, request_id: str, wait: float | None = None,
                      timeout: float | None = None) -> Iterator[tuple[int, np.ndarray, np.ndarray | None]]:
         """Yields ``(layer, (2, heads, tokens, dim) array, scales | None)`` as layers arrive."""
+        yield from self._stream(request_id, wait, timeout, _Collector())
+
+    def _stream(self, request_id: str, wait: float | None, timeout: float | None,
+                col: _Collector) -> Iterator[tuple[int, np.ndarray, np.ndarray | None]]:
         req = dpb.FetchKVRequest(request_id=request_id, wait_timeout_ms=int((wait or 0) * 1000))
-        col = _Collector()
         try:
             for msg in self.stub.FetchKV(req, timeout=timeout or self.timeout):
                 done = col.add(msg)
@@ -206,21 +212,14 @@ class DecoderClient:
                     yield done
         except grpc.RpcError as e:
             raise _failed(e) from None
-        if col.asm is None or not col.asm.done:
-            raise RpcFailed(grpc.StatusCode.DATA_LOSS, "FetchKV ended before the last layer")
+        col.check_done()
 
     def fetch(self, request_id: str, wait: float | None = None, timeout: float | None = None,
               as_torch: bool = False) -> "np.ndarray | Fp8KV | torch.Tensor":
         """The whole reconstructed KV (see the module docstring for its type)."""
         col = _Collector()
-        req = dpb.FetchKVRequest(request_id=request_id, wait_timeout_ms=int((wait or 0) * 1000))
-        try:
-            for msg in self.stub.FetchKV(req, timeout=timeout or self.timeout):
-                done = col.add(msg)
-                if done is not None:
-                    col.keep(*done)
-        except grpc.RpcError as e:
-            raise _failed(e) from None
+        for layer, arr, scales in self._stream(request_id, wait, timeout, col):
+            col.keep(layer, arr, scales)
         return col.result(as_torch)
 
     def status(self, request_id: str, timeout: float | None = None) -> dpb.TransferStatus:
@@ -280,8 +279,13 @@ class AsyncDecoderClient:
 
     async def fetch_layers(self, request_id: str, wait: float | None = None,
                            timeout: float | None = None) -> AsyncIterator[tuple[int, np.ndarray, np.ndarray | None]]:
+        """Yields ``(layer, (2, heads, tokens, dim) array, scales | None)`` as layers arrive."""
+        async for done in self._stream(request_id, wait, timeout, _Collector()):
+            yield done
+
+    async def _stream(self, request_id: str, wait: float | None, timeout: float | None,
+                      col: _Collector) -> AsyncIterator[tuple[int, np.ndarray, np.ndarray | None]]:
         req = dpb.FetchKVRequest(request_id=request_id, wait_timeout_ms=int((wait or 0) * 1000))
-        col = _Collector()
         try:
             async for msg in self.stub.FetchKV(req, timeout=timeout or self.timeout):
                 done = col.add(msg)
@@ -289,13 +293,13 @@ class AsyncDecoderClient:
                     yield done
         except grpc.RpcError as e:
             raise _failed(e) from None
-        if col.asm is None or not col.asm.done:
-            raise RpcFailed(grpc.StatusCode.DATA_LOSS, "FetchKV ended before the last layer")
+        col.check_done()
 
     async def fetch(self, request_id: str, wait: float | None = None, timeout: float | None = None,
                     as_torch: bool = False) -> "np.ndarray | Fp8KV | torch.Tensor":
+        """The whole reconstructed KV (see the module docstring for its type)."""
         col = _Collector()
-        async for layer, arr, scales in self.fetch_layers(request_id, wait, timeout):
+        async for layer, arr, scales in self._stream(request_id, wait, timeout, col):
             col.keep(layer, arr, scales)
         return col.result(as_torch)
 
