@@ -15,7 +15,6 @@ own. The numpy path codes many chunks in one vectorised pass.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -27,9 +26,11 @@ import numpy as np
 
 from . import container as ct
 from .errors import IntegrityError, MuMismatchError, PinMismatchError, PromptMismatchError
+from .integrity import DIGEST_BYTES, digest, prompt_digest, verified
 from .model import BF16, E4M3, FP32, MODEL_SEED_MIXTURE, Context, FloatFormat
 from .model import ContextTable, context, desymbolize, fp8_log2_sigma, symbolize
-from .rans import LANES, PROB_SCALE, RansBlocks, RansDecoder, rans_encode
+from .rans import LANES, PROB_SCALE, RansBlocks, RansDecoder, concat_blocks, rans_encode, split_blocks
+from .stored import stored_chunk, unstored_chunk
 from .tables import NOOP_TABLE, CodingTables
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -39,7 +40,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-DIGEST_BYTES = 16  # blake2b digest size of mu fingerprints and raw checksums
 MAX_ELEMS_PER_LANE = 1 << 16  # block geometry cap, for writers and readers
 
 
@@ -66,18 +66,6 @@ class Fp8KV:
 
     codes: np.ndarray  # (layers, 2, kv_heads, tokens, head_dim) uint8
     scales: np.ndarray  # (layers, 2) float32
-
-
-def digest(*parts: "bytes | np.ndarray") -> bytes:
-    """blake2b-128 over byte strings or C-contiguous arrays (hashed in place, no copy)."""
-    h = hashlib.blake2b(digest_size=DIGEST_BYTES)
-    for p in parts:
-        h.update(np.ascontiguousarray(p) if isinstance(p, np.ndarray) else p)
-    return h.digest()
-
-
-def prompt_digest(ids: np.ndarray) -> bytes:
-    return hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).digest()
 
 
 def bf16_bits(t: "torch.Tensor | np.ndarray") -> np.ndarray:
@@ -298,7 +286,7 @@ class Codec:
             plan = self._plan(None, ids, mu, fmt, scales)
             self._check_mu(plan, h, chunks)
             for c, bits in zip(chunks, self._decode_batch(plan, h, chunks)):
-                out[_abs_slice(h, c.index)] = _verified(c, bits.reshape((c.layer_count,) + h.shape[1:]), out.dtype)
+                out[_abs_slice(h, c.index)] = verified(c, bits.reshape((c.layer_count,) + h.shape[1:]), out.dtype)
         return out if fmt is BF16 else Fp8KV(out, scales)
 
     def decode_chunk(self, h: ct.StreamHeader, c: ct.Chunk,
@@ -322,7 +310,7 @@ class Codec:
         start = h.chunk_layers(chunks[0].index)[0]
         plan = self._plan(None, None, mu, fmt, scales, layers=slice(start, sum(h.chunk_layers(chunks[-1].index))))
         self._check_mu(plan, h, chunks)
-        return np.concatenate([_verified(c, bits.reshape((c.layer_count,) + h.shape[1:]), dt)
+        return np.concatenate([verified(c, bits.reshape((c.layer_count,) + h.shape[1:]), dt)
                                for c, bits in zip(chunks, self._decode_batch(plan, h, chunks))])
 
     check_header = _check_header  # public name for streaming decoders
@@ -431,40 +419,6 @@ def _abs_slice(h: ct.StreamHeader, i: int) -> slice:
     return slice(start, start + count)
 
 
-def _verified(c: ct.Chunk, bits: np.ndarray, dtype: type | None = None) -> np.ndarray:
-    """``bits`` (chunk c's decoded layers) as ``dtype``, checked against c's raw_digest."""
-    if dtype is not None:
-        bits = np.ascontiguousarray(bits, dtype)
-    if c.raw_digest != digest(c.aux, bits):
-        raise IntegrityError(f"chunk {c.index}: decoded KV fails its checksum")
-    return bits
-
-
-def stored_chunk(h: ct.StreamHeader, i: int, x: np.ndarray, scales: np.ndarray | None) -> ct.Chunk:
-    """Chunk i of a stored stream (FORMAT.md, model 0): raw little-endian elements in ``bits``."""
-    start, count = h.chunk_layers(i)
-    aux = b"" if scales is None else np.asarray(scales, "<f4").tobytes()
-    x = np.ascontiguousarray(x)
-    raw = x.astype(x.dtype.newbyteorder("<"), copy=False).tobytes()
-    return ct.Chunk(index=i, layer_start=start, layer_count=count, steps=0,
-                    mu_fingerprint=bytes(DIGEST_BYTES), raw_digest=digest(aux, x), aux=aux,
-                    states=np.zeros((0, LANES), np.uint32), word_counts=np.zeros(0, np.uint32),
-                    words=np.zeros(0, np.uint16), bits=raw)
-
-
-def unstored_chunk(h: ct.StreamHeader, c: ct.Chunk) -> np.ndarray:
-    """The verified layers ``(layer_count, 2, heads, tokens, dim)`` of a stored chunk."""
-    dt = np.dtype("<u2") if h.dtype == ct.DTYPE_BF16 else np.dtype("u1")
-    shape = (c.layer_count,) + h.shape[1:]
-    need = int(np.prod(shape)) * dt.itemsize
-    if len(c.bits) != need:
-        raise IntegrityError(f"chunk {c.index}: stored chunk holds {len(c.bits)} bytes, needs {need}")
-    if h.dtype == ct.DTYPE_FP8 and len(c.aux) != 8 * c.layer_count:
-        raise IntegrityError(f"chunk {c.index}: FP8 scales take {8 * c.layer_count} bytes, not {len(c.aux)}")
-    bits = np.frombuffer(c.bits, dt).astype(dt.newbyteorder("="), copy=True).reshape(shape)
-    return _verified(c, bits)
-
-
 def _scales(chunks: Sequence[ct.Chunk]) -> np.ndarray:
     parts = []
     for c in chunks:
@@ -474,20 +428,5 @@ def _scales(chunks: Sequence[ct.Chunk]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros((0, 2), np.float32)
 
 
-def concat_blocks(parts: Sequence[RansBlocks]) -> RansBlocks:
-    if len(parts) == 1:
-        return parts[0]
-    return RansBlocks(states=np.concatenate([p.states for p in parts]),
-                      word_counts=np.concatenate([p.word_counts for p in parts]),
-                      words=np.concatenate([p.words for p in parts]))
-
-
-def split_blocks(b: RansBlocks, spans: Sequence[int]) -> list[RansBlocks]:
-    """Split a batch's RansBlocks back into per-chunk parts (``spans`` blocks each)."""
-    out, b0, w0 = [], 0, 0
-    for n in spans:
-        wc = b.word_counts[b0:b0 + n]
-        w1 = w0 + int(wc.sum(dtype=np.int64))
-        out.append(RansBlocks(states=b.states[b0:b0 + n], word_counts=wc, words=b.words[w0:w1]))
-        b0, w0 = b0 + n, w1
-    return out
+__all__ = ["Codec", "CodecConfig", "Fp8KV", "bf16_bits", "digest", "prompt_digest", "DIGEST_BYTES",
+           "stored_chunk", "unstored_chunk", "concat_blocks", "split_blocks", "MAX_ELEMS_PER_LANE"]

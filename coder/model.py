@@ -34,7 +34,7 @@ import numpy as np
 
 from .bitpack import pack_fields, pack_unary, split_sections, unpack_fields, unpack_unary
 from .errors import IntegrityError
-from .tables import GRID_BELOW_SIGMA, OFFSET_BITS, OFFSETS, SIGMA_FRAC_BITS, CodingTables, table_row
+from .tables import GRID_BELOW_SIGMA, OFFSETS, SIGMA_FRAC_BITS, CodingTables, table_row
 
 MODEL_SEED_MIXTURE = 1  # container ``model`` id of this model
 MAX_BIN = 4095  # bins beyond this are far outside any window (escape anyway)

@@ -29,6 +29,7 @@ Byte layout (a CUDA kernel reproduces it bit for bit):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -302,3 +303,22 @@ def _bench(n_blocks: int = 150, steps: int = 1024, repeat: int = 5) -> None:
 
 if __name__ == "__main__":
     _bench()
+
+
+def concat_blocks(parts: Sequence[RansBlocks]) -> RansBlocks:
+    if len(parts) == 1:
+        return parts[0]
+    return RansBlocks(states=np.concatenate([p.states for p in parts]),
+                      word_counts=np.concatenate([p.word_counts for p in parts]),
+                      words=np.concatenate([p.words for p in parts]))
+
+
+def split_blocks(b: RansBlocks, spans: Sequence[int]) -> list[RansBlocks]:
+    """Split a batch's RansBlocks back into per-chunk parts (``spans`` blocks each)."""
+    out, b0, w0 = [], 0, 0
+    for n in spans:
+        wc = b.word_counts[b0:b0 + n]
+        w1 = w0 + int(wc.sum(dtype=np.int64))
+        out.append(RansBlocks(states=b.states[b0:b0 + n], word_counts=wc, words=b.words[w0:w1]))
+        b0, w0 = b0 + n, w1
+    return out
