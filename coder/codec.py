@@ -113,14 +113,12 @@ class Codec:
         self.predictor = predictor
         self.config = config or CodecConfig()
         self._bf16_contexts: ContextTable | None = None  # built on first BF16 use
-        self._bf16_lock = threading.Lock()  # worker threads may all ask for it at once
 
     @property
     def bf16_contexts(self) -> ContextTable:
-        with self._bf16_lock:
-            if self._bf16_contexts is None:
-                self._bf16_contexts = ContextTable(BF16, BF16, self.log2_sigma)
-            return self._bf16_contexts
+        if self._bf16_contexts is None:
+            self._bf16_contexts = _context_table(self.log2_sigma)
+        return self._bf16_contexts
 
     @classmethod
     def from_predictor(cls, predictor: "Predictor", config: CodecConfig | None = None) -> "Codec":
@@ -379,6 +377,19 @@ class Codec:
             js[s] = j
         dec.finish()
         return js.transpose(1, 0, 2)
+
+
+_TABLES: dict[bytes, ContextTable] = {}  # by sigma digest: codecs of one checkpoint share one
+_TABLES_LOCK = threading.Lock()  # worker threads (and sidecars) may all ask at once
+
+
+def _context_table(log2_sigma: np.ndarray) -> ContextTable:
+    """The BF16 context table of these sigmas, built once per process (~1.5 s)."""
+    key = digest(np.ascontiguousarray(log2_sigma, np.int64), str(log2_sigma.shape).encode())
+    with _TABLES_LOCK:
+        if key not in _TABLES:
+            _TABLES[key] = ContextTable(BF16, BF16, log2_sigma)
+        return _TABLES[key]
 
 
 def _mu_float32(mu: "torch.Tensor") -> np.ndarray:
