@@ -67,7 +67,8 @@ class Sidecar:
         period = min(5.0, service.config.lease_s / 4)
         while True:
             await asyncio.sleep(period)
-            await service.table.expire()
+            if await service.table.expire():
+                service._gauges()  # expired transfers are no longer in flight
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain: NOT_SERVING, refuse new calls, let in-flight ones finish within ``grace``."""

@@ -56,8 +56,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {self.role!r}")
-        if self.pin is not None and (len(self.pin) != 64 or not _is_hex(self.pin)):
-            raise ValueError("pin must be 64 hex digits (a sha256)")
+        if self.pin is not None:
+            if len(self.pin) != 64 or not _is_hex(self.pin):
+                raise ValueError("pin must be 64 hex digits (a sha256)")
+            object.__setattr__(self, "pin", self.pin.lower())  # pins compare as lower-case hex
         if ":" not in self.listen:
             raise ValueError(f"listen must be HOST:PORT, not {self.listen!r}")
         if not -1 <= self.metrics_port <= 65535:
@@ -79,6 +81,7 @@ class ServerConfig:
         """Keyword values (None = not given) over ``SPECKV_*`` variables over defaults."""
         env = os.environ if env is None else env
         kw: dict[str, Any] = {}
+        source: dict[str, str] = {}
         for f in FIELDS:
             if given.get(f.name) is not None:
                 kw[f.name] = given[f.name]
@@ -87,7 +90,12 @@ class ServerConfig:
                     kw[f.name] = f.parse(env[f.env])
                 except ValueError as e:
                     raise ValueError(f"{f.env}={env[f.env]!r}: {e}") from None
-        return cls(role=role, **kw)
+                source[f.name] = f.env
+        try:
+            return cls(role=role, **kw)
+        except ValueError as e:  # name the variable a bad value came from
+            names = [v for k, v in source.items() if str(e).startswith(k) or f" {k} " in f" {e} "]
+            raise ValueError(f"{names[0]}: {e}" if names else str(e)) from None
 
 
 def _is_hex(s: str) -> bool:

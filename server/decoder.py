@@ -70,6 +70,13 @@ class DecoderService(dgrpc.DecoderServiceServicer):
             self.metrics.seconds("transfer", time.perf_counter() - t0)
         except BaseException as e:  # noqa: B902 -- CancelledError too: the transfer must end
             code, msg = to_status(e)
+            if isinstance(e, asyncio.CancelledError) and t is not None and t.error is not None \
+                    and not isinstance(t.error, asyncio.CancelledError):
+                # NOTE: ended from inside (CancelTransfer, lease expiry) and this handler cancelled:
+                # report why to the caller; a bare CancelledError sends no status, leaving the
+                # encoder's call open until its deadline
+                code, msg = to_status(t.error)
+                e = t.error
             kind = integrity_kind(e)
             if kind:
                 self.metrics.integrity(kind)
@@ -190,6 +197,8 @@ class DecoderService(dgrpc.DecoderServiceServicer):
             if isinstance(e, asyncio.CancelledError):
                 raise
             await context.abort(code, msg)
+        finally:
+            self._gauges()  # a fetched or cancelled transfer is no longer in flight
 
     async def _layers(self, t: DecoderTransfer, wait: float, t0: float) -> AsyncIterator[dpb.FetchKVResponse]:
         hdr_shape, dtype = None, None
@@ -262,7 +271,11 @@ async def _next_or_fail(it: AsyncIterator, worker: asyncio.Future):
 
 async def _await_or_fail(aw, worker: asyncio.Future):
     task = asyncio.ensure_future(aw)
-    done, _ = await asyncio.wait({task, worker}, return_when=asyncio.FIRST_COMPLETED)
+    try:
+        done, _ = await asyncio.wait({task, worker}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # cancelled (CancelTransfer, lease, client): no orphaned read or acquire
+        task.cancel()
+        raise
     if task in done:
         return task.result()
     task.cancel()

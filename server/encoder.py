@@ -165,7 +165,10 @@ class EncoderService(egrpc.EncoderServiceServicer):
         if addr not in self._channels:
             self._channels[addr] = grpc.aio.insecure_channel(addr, options=[
                 ("grpc.max_receive_message_length", self.config.max_receive_bytes),
-                ("grpc.max_send_message_length", self.config.max_receive_bytes)])
+                ("grpc.max_send_message_length", self.config.max_receive_bytes),
+                # a restarted decoder is reached again within ~0.1-1 s, not gRPC's default 1-120 s backoff
+                ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000)])
         remaining = context.time_remaining()
         timeout = min(self.config.transfer_timeout_s, remaining if remaining is not None else float("inf"))
         return dgrpc.DecoderServiceStub(self._channels[addr]).Transfer(timeout=timeout)
@@ -267,7 +270,12 @@ async def _watched(aw, watch: tuple[asyncio.Future, ...]):
         if any(_failed(w) for w in others):
             task.cancel()
             await _raise_preferring(watch)
-        await asyncio.wait([task, *[w for w in others if not w.done()]], return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait([task, *[w for w in others if not w.done()]], return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled: leave no orphaned read, acquire or write behind
+            if task not in watch:
+                task.cancel()
+            raise
     if task.cancelled() or task.exception() is None:
         return task.result()
     if task is watch[1]:

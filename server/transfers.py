@@ -88,7 +88,7 @@ class DecoderTransfer:
                 raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"transfer {self.request_id!r}: layer {layer} did not arrive in {timeout:.1f} s")
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"transfer {self.request_id!r} {S.Name(self.state)}: {self.error}")
+                           f"transfer {self.request_id!r} {S.Name(self.state)}: {in_band(self.error).message}")
 
     def status(self) -> dpb.TransferStatus:
         return dpb.TransferStatus(

@@ -65,7 +65,7 @@ def layer_messages(index: int, layer: np.ndarray, dtype: int, shape: pb.KVShape,
     """The KVLayer parts of one layer ``(2, heads, tokens, dim)`` (no copy of the array
     beyond each part's bytes)."""
     _, dt = dtype_of(dtype)
-    buf = memoryview(np.ascontiguousarray(layer, dt)).cast("B")
+    buf = memoryview(np.ascontiguousarray(layer, dt).reshape(-1)).cast("B")  # 1-D: a 0-token layer casts too
     n = buf.nbytes
     sp = [] if scales is None else [float(v) for v in np.asarray(scales, np.float32).ravel()]
     pieces = list(parts(n, part_bytes))
