@@ -116,13 +116,13 @@ def main() -> None:
     print(f"transfer over {report['transport']}: {report['tokens']} tokens, "
           f"{report['stored']['raw_bytes'] / 1e6:.1f} MB raw BF16 KV, median of {args.repeats}")
     cols = ("encoding", "lossless", "wire MB", "ratio", "end-to-end s", "raw MB/s", "first layer s",
-            "10 Gb/s link s", "100 Gb/s link s")
+            "predictor s", "encode s", "10 Gb/s link s", "100 Gb/s link s")
     print(" | ".join(cols))
     for enc in ("stored", "speckv"):
         r = report[enc]
         print(" | ".join([enc, str(r["lossless"]), f"{r['wire_bytes'] / 1e6:.2f}", f"{r['ratio']:.3f}",
                           f"{r['total_s']:.3f}", f"{r['raw_MBps']:.1f}", f"{r['first_layer_s']:.3f}",
-                          f"{r['link_10Gbps_s']:.4f}", f"{r['link_100Gbps_s']:.5f}"]))
+                          f"{r['encoder_predictor_s']:.2f}", f"{r['encode_s']:.2f}", f"{r['link_10Gbps_s']:.4f}", f"{r['link_100Gbps_s']:.5f}"]))
 
 
 if __name__ == "__main__":
