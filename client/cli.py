@@ -69,6 +69,14 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("role", choices=("encoder", "decoder"))
     _add_server_args(serve)
 
+    hc = sub.add_parser("health", help="gRPC health check of a sidecar (exit 0 SERVING, 1 not, 2 error)")
+    hc.add_argument("address", help="HOST:PORT (the main port, or the plaintext --health-listen port)")
+    hc.add_argument("--service", default="", help="service name ('' = the whole sidecar)")
+    hc.add_argument("--timeout", type=float, default=5.0)
+    hc.add_argument("--tls-ca", default=None, help="verify the sidecar with this CA (TLS)")
+    hc.add_argument("--tls-cert", default=None, help="client certificate (mTLS)")
+    hc.add_argument("--tls-key", default=None, help="client key (mTLS)")
+
     pred = sub.add_parser("predictor", help="build or inspect a pinned predictor checkpoint")
     psub = pred.add_subparsers(dest="pcmd", required=True)
     build = psub.add_parser("build", help="FP8 copy of a target + calibration -> checkpoint dir")
@@ -182,8 +190,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if rep["lossless"] else 1
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from .client import _channel, tls_credentials
+
+    creds = tls_credentials(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
+    with _channel(args.address, creds) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+        except grpc.RpcError as e:
+            print(f"speckv: health check of {args.address} failed: {e.code().name} {e.details()}", file=sys.stderr)
+            return 2
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    print(status)
+    return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "demo": cmd_demo, "serve": cmd_serve, "entropy": cmd_entropy, "predictor": cmd_predictor, "bench": cmd_bench,
+    "demo": cmd_demo, "serve": cmd_serve, "health": cmd_health, "entropy": cmd_entropy, "predictor": cmd_predictor, "bench": cmd_bench,
 }
 
 

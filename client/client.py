@@ -50,6 +50,24 @@ class RpcFailed(SpeckvError):
         self.code, self.details = code, details
 
 
+def tls_credentials(ca: str, cert: str | None = None, key: str | None = None) -> grpc.ChannelCredentials:
+    """Channel credentials from PEM files: verify the sidecar with ``ca``; present
+    ``cert``/``key`` where the sidecar requires client certificates (mTLS)."""
+    def read(path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+    return grpc.ssl_channel_credentials(read(ca), read(key), read(cert))
+
+
+def _channel(address: str, credentials: grpc.ChannelCredentials | None, aio: bool = False):
+    mod = grpc.aio if aio else grpc
+    if credentials is None:
+        return mod.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return mod.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+
+
 def _failed(e: grpc.RpcError) -> RpcFailed:
     return RpcFailed(e.code(), e.details() or "")
 
@@ -165,8 +183,9 @@ def to_torch(bits: np.ndarray) -> "torch.Tensor":
 class EncoderClient:
     """Blocking client of an encoder sidecar."""
 
-    def __init__(self, address: str, timeout: float = 600.0, channel: grpc.Channel | None = None) -> None:
-        self.channel = channel or grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def __init__(self, address: str, timeout: float = 600.0, channel: grpc.Channel | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.channel = channel or _channel(address, credentials)
         self.stub = egrpc.EncoderServiceStub(self.channel)
         self.timeout = timeout
 
@@ -192,8 +211,9 @@ class EncoderClient:
 class DecoderClient:
     """Blocking client of a decoder sidecar (the decode engine's side)."""
 
-    def __init__(self, address: str, timeout: float = 600.0, channel: grpc.Channel | None = None) -> None:
-        self.channel = channel or grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def __init__(self, address: str, timeout: float = 600.0, channel: grpc.Channel | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.channel = channel or _channel(address, credentials)
         self.stub = dgrpc.DecoderServiceStub(self.channel)
         self.timeout = timeout
 
@@ -251,8 +271,9 @@ class DecoderClient:
 class AsyncEncoderClient:
     """asyncio client of an encoder sidecar."""
 
-    def __init__(self, address: str, timeout: float = 600.0) -> None:
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def __init__(self, address: str, timeout: float = 600.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.channel = _channel(address, credentials, aio=True)
         self.stub = egrpc.EncoderServiceStub(self.channel)
         self.timeout = timeout
 
@@ -272,8 +293,9 @@ class AsyncEncoderClient:
 class AsyncDecoderClient:
     """asyncio client of a decoder sidecar."""
 
-    def __init__(self, address: str, timeout: float = 600.0) -> None:
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def __init__(self, address: str, timeout: float = 600.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.channel = _channel(address, credentials, aio=True)
         self.stub = dgrpc.DecoderServiceStub(self.channel)
         self.timeout = timeout
 

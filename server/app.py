@@ -43,9 +43,11 @@ class Sidecar:
     """One running (or ready to run) encoder or decoder sidecar."""
 
     def __init__(self, config: ServerConfig, server: grpc.aio.Server, service, metrics: Metrics,
-                 health_servicer: health.aio.HealthServicer) -> None:
+                 health_servicer: health.aio.HealthServicer, health_server: grpc.aio.Server | None = None,
+                 health_port: int | None = None) -> None:
         self.config, self.server, self.service, self.metrics = config, server, service, metrics
         self.health = health_servicer
+        self.health_server, self.health_port = health_server, health_port
         self.metrics_port: int | None = None
         self._reaper: asyncio.Task | None = None
         self._stopped = asyncio.Event()
@@ -56,6 +58,8 @@ class Sidecar:
 
     async def start(self) -> None:
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
         if self.config.metrics_port >= 0:
             self.metrics_port = self.metrics.start_http(self.config.metrics_host, self.config.metrics_port)
         for name in ("", self.service_name):
@@ -76,6 +80,8 @@ class Sidecar:
         await self.health.enter_graceful_shutdown()
         logger.info("%s stopping: health NOT_SERVING, %.1f s grace", self.config.role, grace)
         await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         if self._reaper is not None:
             self._reaper.cancel()
         if isinstance(self.service, EncoderService):
@@ -107,11 +113,44 @@ def create_server(config: ServerConfig, runtime: Runtime | None = None) -> tuple
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAMES[config.role], health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(config.listen)
+    creds = server_credentials(config)
+    port = server.add_secure_port(config.listen, creds) if creds else server.add_insecure_port(config.listen)
     if port == 0:
         raise OSError(f"could not bind {config.listen}")
-    logger.info("%s sidecar on %s (port %d), predictor %s", config.role, config.listen, port, runtime.pin)
-    return Sidecar(config, server, service, metrics, health_servicer), port
+    health_server, health_port = None, None
+    if config.health_listen:
+        # NOTE: plaintext and health only, for kubelet probes while the main port requires mTLS
+        health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+        health_port = health_server.add_insecure_port(config.health_listen)
+    logger.info("%s sidecar on %s (port %d, %s), predictor %s", config.role, config.listen, port,
+                "mTLS" if config.tls_ca else "TLS" if creds else "plaintext", runtime.pin)
+    return Sidecar(config, server, service, metrics, health_servicer, health_server, health_port), port
+
+
+def _read(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    """TLS from ``tls_cert``/``tls_key``; with ``tls_ca`` clients must present a certificate
+    signed by it (mutual TLS). None: plaintext."""
+    if config.tls_cert is None:
+        return None
+    key, cert = _read(config.tls_key), _read(config.tls_cert)
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=_read(config.tls_ca),
+                                       require_client_auth=config.tls_ca is not None)
+
+
+def channel_credentials(config: ServerConfig) -> grpc.ChannelCredentials | None:
+    """The encoder's credentials towards decoders: verify them with ``tls_ca`` and present
+    its own certificate (mTLS). None (plaintext) unless ``tls_ca`` is set."""
+    if config.tls_ca is None:
+        return None
+    return grpc.ssl_channel_credentials(_read(config.tls_ca), _read(config.tls_key), _read(config.tls_cert))
 
 
 async def serve(config: ServerConfig, runtime: Runtime | None = None) -> None:
@@ -119,7 +158,8 @@ async def serve(config: ServerConfig, runtime: Runtime | None = None) -> None:
     sidecar, port = create_server(config, runtime)
     await sidecar.start()
     print(f"speckv {config.role} listening on port {port}"
-          + (f", metrics on port {sidecar.metrics_port}" if sidecar.metrics_port else ""), flush=True)
+          + (f", metrics on port {sidecar.metrics_port}" if sidecar.metrics_port else "")
+          + (f", health on port {sidecar.health_port}" if sidecar.health_port else ""), flush=True)
     loop = asyncio.get_running_loop()
     stopping: list[asyncio.Task] = []
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -52,6 +52,10 @@ class ServerConfig:
     transfer_timeout_s: float = 600.0  # encoder: deadline of its call to the decoder
     layers_per_chunk: int = 2
     threads: int = 2  # coder threads
+    tls_cert: str | None = None  # PEM files: serve TLS (cert + key); with tls_ca, require client certs
+    tls_key: str | None = None
+    tls_ca: str | None = None  # CA bundle: verifies clients (mTLS) and, on the encoder, the decoder
+    health_listen: str | None = None  # extra plaintext health-only port (probes while mTLS is on)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -72,6 +76,12 @@ class ServerConfig:
         for name in ("max_transfers", "max_tokens", "layers_per_chunk", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.tls_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_ca needs tls_cert and tls_key (mTLS)")
+        if self.health_listen is not None and ":" not in self.health_listen:
+            raise ValueError(f"health_listen must be HOST:PORT, not {self.health_listen!r}")
         for name in ("grace_s", "fetch_wait_s", "lease_s", "transfer_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
@@ -138,5 +148,9 @@ FIELDS = (
     _field("transfer_timeout_s", float, "encoder's deadline for one transfer, seconds"),
     _field("layers_per_chunk", int, "layers per coded chunk"),
     _field("threads", int, "coder threads"),
+    _field("tls_cert", _opt_str, "PEM certificate: serve TLS"),
+    _field("tls_key", _opt_str, "PEM private key of tls_cert"),
+    _field("tls_ca", _opt_str, "PEM CA bundle: require and verify client certificates (mTLS)"),
+    _field("health_listen", _opt_str, "extra plaintext health-only HOST:PORT (probes under mTLS)"),
 )
 assert {f.name for f in FIELDS} == {f.name for f in fields(ServerConfig)} - {"role"}

@@ -163,12 +163,16 @@ class EncoderService(egrpc.EncoderServiceServicer):
     def _open(self, job: _Job, context: grpc.aio.ServicerContext):
         addr = job.header.decoder_address
         if addr not in self._channels:
-            self._channels[addr] = grpc.aio.insecure_channel(addr, options=[
-                ("grpc.max_receive_message_length", self.config.max_receive_bytes),
-                ("grpc.max_send_message_length", self.config.max_receive_bytes),
-                # a restarted decoder is reached again within ~0.1-1 s, not gRPC's default 1-120 s backoff
-                ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 1000)])
+            from .app import channel_credentials
+
+            options = [("grpc.max_receive_message_length", self.config.max_receive_bytes),
+                       ("grpc.max_send_message_length", self.config.max_receive_bytes),
+                       # a restarted decoder is reached again within ~0.1-1 s, not gRPC's 1-120 s backoff
+                       ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                       ("grpc.max_reconnect_backoff_ms", 1000)]
+            creds = channel_credentials(self.config)
+            self._channels[addr] = (grpc.aio.secure_channel(addr, creds, options=options) if creds
+                                    else grpc.aio.insecure_channel(addr, options=options))
         remaining = context.time_remaining()
         timeout = min(self.config.transfer_timeout_s, remaining if remaining is not None else float("inf"))
         return dgrpc.DecoderServiceStub(self._channels[addr]).Transfer(timeout=timeout)
