@@ -30,6 +30,7 @@ from .integrity import DIGEST_BYTES, digest, prompt_digest, verified
 from .model import BF16, E4M3, FP32, MODEL_SEED_MIXTURE, Context, FloatFormat
 from .model import ContextTable, context, desymbolize, fp8_log2_sigma, symbolize
 from .rans import LANES, PROB_SCALE, RansBlocks, RansDecoder, concat_blocks, rans_encode, split_blocks
+from .rans_kernels import CODERS, select_kernels
 from .stored import stored_chunk, unstored_chunk
 from .tables import NOOP_TABLE, CodingTables
 
@@ -50,6 +51,7 @@ class CodecConfig:
     elems_per_lane: int = 1024  # rANS ops per lane; 32 * this elements per block
     layers_per_chunk: int = 2
     threads: int = field(default_factory=lambda: min(2, os.cpu_count() or 1))  # numpy releases the GIL
+    coder: str = "cpu"  # rANS backend: cpu (numpy) | cuda | auto | host (kernels' g++ build)
 
     def __post_init__(self) -> None:
         if not 1 <= self.elems_per_lane <= MAX_ELEMS_PER_LANE:
@@ -58,6 +60,8 @@ class CodecConfig:
             raise ValueError(f"layers_per_chunk must be in [1, 65535], not {self.layers_per_chunk}")
         if not 1 <= self.threads <= 64:
             raise ValueError(f"threads must be in [1, 64], not {self.threads}")
+        if self.coder not in CODERS:
+            raise ValueError(f"coder must be one of {CODERS}, not {self.coder!r}")
 
 
 @dataclass
@@ -113,6 +117,7 @@ class Codec:
         self.predictor = predictor
         self.config = config or CodecConfig()
         self._bf16_contexts: ContextTable | None = None  # built on first BF16 use
+        self.kernels = select_kernels(self.config.coder)  # None: the numpy rANS loops
 
     @property
     def bf16_contexts(self) -> ContextTable:
@@ -182,9 +187,12 @@ class Codec:
         parts = self._map(lambda i: self._chunk_ops(plan, h, i), idx)
         start = np.concatenate([p[0] for p in parts])
         freq = np.concatenate([p[1] for p in parts])
-        groups = np.array_split(np.arange(len(start)), self.config.threads)
-        coded = self._map(lambda g: rans_encode(start[g], freq[g], validate=False), groups)
-        blocks = concat_blocks(coded)  # ops come from verified tables: no range checks
+        if self.kernels is not None:
+            blocks = self.kernels.encode(start, freq)  # the same bytes (tests/coder/test_rans_kernels.py)
+        else:
+            groups = np.array_split(np.arange(len(start)), self.config.threads)
+            coded = self._map(lambda g: rans_encode(start[g], freq[g], validate=False), groups)
+            blocks = concat_blocks(coded)  # ops come from verified tables: no range checks
         spans = [len(p[0]) for p in parts]
         return [self._chunk_record(plan, h, i, rb, p[2])
                 for i, rb, p in zip(idx, split_blocks(blocks, spans), parts)]
@@ -348,6 +356,9 @@ class Codec:
             tables[pos:pos + len(ctx.t)] = ctx.t
             pos += c.n_blocks * el * LANES
         tables = tables.reshape(nb, el, LANES)  # element = block, step, lane
+        if self.kernels is not None:
+            js = self.kernels.decode(blocks, el, tables, self.tables.gauss)
+            return [p.ravel() for p in np.split(js, np.cumsum([c.n_blocks for c in live])[:-1])]
         groups = [g for g in np.array_split(np.arange(nb), self.config.threads) if len(g)]
         parts = self._map(lambda a: self._decode_blocks(a[0], tables[a[1][0]:a[1][-1] + 1], el),
                           list(zip(split_blocks(blocks, [len(g) for g in groups]), groups)))

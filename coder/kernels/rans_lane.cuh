@@ -1,0 +1,79 @@
+// Per-lane logic of speckv's interleaved rANS coder, shared by the CUDA kernels
+// (rans.cu) and their host build (rans_host.cpp, compiled with g++ and driven by
+// the tests through ctypes), so both run the very same integer code.
+//
+// Layout and byte format: coder/rans.py (the numpy reference) and coder/FORMAT.md.
+// A block is one warp: LANES independent 32-bit states sharing one word stream.
+// Integer-only: no floating point anywhere, so no --fmad question arises.
+#pragma once
+
+#ifdef __CUDACC__
+#define SPK_HD __host__ __device__ __forceinline__
+#include <stdint.h>
+#else
+#define SPK_HD static inline
+#include <cstdint>
+#endif
+
+#define SPK_PROB_BITS 15u                      // frequencies are 15-bit fixed point
+#define SPK_PROB_SCALE (1u << SPK_PROB_BITS)    // an alphabet's frequencies sum to this
+#define SPK_PROB_MASK (SPK_PROB_SCALE - 1u)     // state & mask = decoder slot
+#define SPK_LANES 32u                           // lanes per block: one warp
+#define SPK_WORD_BITS 16u                       // renormalisation words are uint16
+#define SPK_RANS_L (1u << 16)                   // state lower bound between ops
+#define SPK_X_MAX_SHIFT 17u                     // x_max = 2**17 * freq (see rans.py NOTE)
+
+// -- encoder -----------------------------------------------------------------
+// enc_put: code one op (start, freq) into *x. Returns 1 when the lane first
+// renormalises, writing the low 16 bits of the old state to *word.
+// NOTE: rANS is LIFO: callers feed ops from the last step to the first.
+SPK_HD uint32_t enc_put(uint32_t* x, uint32_t start, uint32_t freq, uint16_t* word) {
+    uint32_t s = *x;
+    // NOTE: x >= 2**17 * freq, tested as (x >> 17) >= freq: 2**17 * 2**15 overflows u32
+    uint32_t emit = (s >> SPK_X_MAX_SHIFT) >= freq;
+    *word = (uint16_t)(s & 0xFFFFu);
+    if (emit) s >>= SPK_WORD_BITS;
+    *x = ((s / freq) << SPK_PROB_BITS) + (s % freq) + start;
+    return emit;
+}
+
+// -- decoder -----------------------------------------------------------------
+SPK_HD uint32_t dec_get(uint32_t x) { return x & SPK_PROB_MASK; }
+
+// dec_find: the symbol j of one table whose [cum[j], cum[j] + freq[j]) holds slot:
+// the largest j with cum[j] <= slot (binary search; cum ascending from 0).
+SPK_HD uint32_t dec_find(const uint16_t* cum, uint32_t n, uint32_t slot) {
+    uint32_t lo = 0, hi = n;  // invariant: cum[lo] <= slot < cum[hi] (cum[n] = scale)
+    while (hi - lo > 1u) {
+        uint32_t mid = (lo + hi) >> 1;
+        if (cum[mid] <= slot) lo = mid; else hi = mid;
+    }
+    return lo;
+}
+
+// dec_advance: consume the op (start, freq) that owns slot = dec_get(*x).
+SPK_HD void dec_advance(uint32_t* x, uint32_t start, uint32_t freq) {
+    *x = freq * (*x >> SPK_PROB_BITS) + (*x & SPK_PROB_MASK) - start;
+}
+
+// dec_needs: the lane reads one word before its next op.
+SPK_HD uint32_t dec_needs(uint32_t x) { return x < SPK_RANS_L; }
+
+SPK_HD uint32_t dec_put_word(uint32_t x, uint16_t w) { return (x << SPK_WORD_BITS) | (uint32_t)w; }
+
+// rank of this lane among the set bits of a warp ballot (bits of lower lanes)
+SPK_HD uint32_t lane_rank(uint32_t ballot, uint32_t lane) {
+#ifdef __CUDA_ARCH__
+    return __popc(ballot & ((1u << lane) - 1u));
+#else
+    return (uint32_t)__builtin_popcount(ballot & ((1u << lane) - 1u));
+#endif
+}
+
+SPK_HD uint32_t popcount32(uint32_t v) {
+#ifdef __CUDA_ARCH__
+    return __popc(v);
+#else
+    return (uint32_t)__builtin_popcount(v);
+#endif
+}
