@@ -15,15 +15,16 @@ def ckpt():
 
 @pytest.fixture(scope="module")
 def make_codec(ckpt):
-    """``make_codec(elems_per_lane, layers_per_chunk, threads=2, pin=None)``, one
+    """``make_codec(elems_per_lane, layers_per_chunk, threads=2, pin=None, coder="cpu")``, one
     Codec per configuration (a Codec keeps no per-stream state)."""
     cache: dict[tuple, Codec] = {}
     shared: dict[str, object] = {}
 
-    def make(epl: int = 1024, lpc: int = 2, threads: int = 2, pin: str | None = None) -> Codec:
-        key = (epl, lpc, threads, pin)
+    def make(epl: int = 1024, lpc: int = 2, threads: int = 2, pin: str | None = None,
+             coder: str = "cpu") -> Codec:
+        key = (epl, lpc, threads, pin, coder)
         if key not in cache:
-            cfg = CodecConfig(elems_per_lane=epl, layers_per_chunk=lpc, threads=threads)
+            cfg = CodecConfig(elems_per_lane=epl, layers_per_chunk=lpc, threads=threads, coder=coder)
             codec = Codec(ckpt.tables, ckpt.calib.sigma_log2_q, pin or ckpt.pin, config=cfg)
             # NOTE: the codec's lazily built BF16 context table depends only on the
             # checkpoint's sigma; build it once for the module, not once per config
