@@ -93,8 +93,8 @@ def load_text(path: str | None) -> tuple[str, str]:
 
 def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf16",
               target: str = "default", predictor: str | None = None, pin: str | None = None,
-              quiet: bool = False) -> dict[str, Any]:
-    from speckv.coder.codec import Codec, Fp8KV, bf16_bits
+              quiet: bool = False, coder: str = "auto") -> dict[str, Any]:
+    from speckv.coder.codec import Codec, CodecConfig, Fp8KV, bf16_bits
     from speckv.coder.fp8 import kv_to_fp8
     from speckv.coder.session import Session
 
@@ -107,7 +107,7 @@ def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf
         ids = sess.target.tokenize(text, tokens)
         step(f"prefill of {len(ids)} tokens")
         pre = sess.prefill(ids)
-        codec = Codec.from_predictor(sess.predictor)
+        codec = Codec.from_predictor(sess.predictor, CodecConfig(coder=coder))
         if dtype == "fp8":
             q, scale = kv_to_fp8(pre.kv)
             kv, raw = Fp8KV(q.numpy(), scale.numpy()), q.numpy().tobytes()
@@ -129,7 +129,8 @@ def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf
             "raw_bytes": len(raw), "coded_bytes": coded, "bits_per_scalar": 8 * coded / max(n, 1),
             "ideal_bits_per_scalar": ideal["bits_per_scalar"], "ratio": len(raw) / coded,
             "lossless": lossless, "encode_mb_s": mb / te, "decode_mb_s": mb / td,
-            "predictor_s": pre.predictor_s, "target_s": pre.target_s, "pin": sess.pin, "peers": peer_rows}
+            "predictor_s": pre.predictor_s, "target_s": pre.target_s, "pin": sess.pin, "peers": peer_rows,
+            "coder": "numpy" if codec.kernels is None else type(codec.kernels).__name__}
 
 
 def _equal(back: Any, kv: Any) -> bool:

@@ -30,6 +30,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="'default' (embedded SmolLM2-135M-Instruct) or a local Hugging Face model directory")
     p.add_argument("--predictor", default=None, help="predictor checkpoint directory (default: the embedded one)")
     p.add_argument("--pin", default=None, help="expected sha256 pin of the predictor checkpoint")
+    p.add_argument("--coder", choices=("cpu", "cuda", "auto"), default="auto",
+                   help="rANS backend: numpy, CuPy CUDA kernels, or cuda when available (default)")
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
@@ -155,7 +157,7 @@ def cmd_predictor(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    summary = run_demo(args.target, args.predictor, args.pin, quiet=args.json)
+    summary = run_demo(args.target, args.predictor, args.pin, quiet=args.json, coder=args.coder)
     if args.json:
         print(json.dumps(summary))
     else:
@@ -182,7 +184,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import print_report, run_bench
 
-    rep = run_bench(args.text, args.tokens, args.dtype, args.target, args.predictor, args.pin, quiet=args.json)
+    rep = run_bench(args.text, args.tokens, args.dtype, args.target, args.predictor, args.pin, quiet=args.json,
+                    coder=args.coder)
     if args.json:
         print(json.dumps(rep))
     else:

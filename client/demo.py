@@ -28,7 +28,7 @@ TRANSPORT = "grpc-loopback"
 
 
 def run_demo(target: str | Path = "default", predictor: str | Path | None = None,
-             pin: str | None = None, quiet: bool = False) -> dict[str, Any]:
+             pin: str | None = None, quiet: bool = False, coder: str = "auto") -> dict[str, Any]:
     """Prefill, transfer through both sidecars, verify bit for bit; returns the summary."""
     import numpy as np
 
@@ -43,7 +43,7 @@ def run_demo(target: str | Path = "default", predictor: str | Path | None = None
         step("loading target and predictor (first run converts the GGUF)")
         sess = Session.open(target, predictor, pin)
         step("starting decoder and encoder sidecars on loopback")
-        with LocalPair(sess.predictor) as pair:
+        with LocalPair(sess.predictor, coder=coder) as pair:
             step("prefill: the target's KV")
             t0 = time.perf_counter()
             ids = sess.target.tokenize(DEMO_PROMPT)

@@ -52,6 +52,7 @@ class ServerConfig:
     transfer_timeout_s: float = 600.0  # encoder: deadline of its call to the decoder
     layers_per_chunk: int = 2
     threads: int = 2  # coder threads
+    coder: str = "auto"  # rANS backend: cpu (numpy) | cuda (CuPy kernels) | auto (cuda when present)
     tls_cert: str | None = None  # PEM files: serve TLS (cert + key); with tls_ca, require client certs
     tls_key: str | None = None
     tls_ca: str | None = None  # CA bundle: verifies clients (mTLS) and, on the encoder, the decoder
@@ -76,6 +77,8 @@ class ServerConfig:
         for name in ("max_transfers", "max_tokens", "layers_per_chunk", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.coder not in ("cpu", "cuda", "auto", "host"):
+            raise ValueError(f"coder must be cpu, cuda or auto, not {self.coder!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together")
         if self.tls_ca is not None and self.tls_cert is None:
@@ -148,6 +151,7 @@ FIELDS = (
     _field("transfer_timeout_s", float, "encoder's deadline for one transfer, seconds"),
     _field("layers_per_chunk", int, "layers per coded chunk"),
     _field("threads", int, "coder threads"),
+    _field("coder", str, "rANS backend: cpu | cuda | auto (cuda when a device and CuPy are present)"),
     _field("tls_cert", _opt_str, "PEM certificate: serve TLS"),
     _field("tls_key", _opt_str, "PEM private key of tls_cert"),
     _field("tls_ca", _opt_str, "PEM CA bundle: require and verify client certificates (mTLS)"),

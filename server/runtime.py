@@ -56,7 +56,7 @@ class Runtime:
         if config.pin is not None and config.pin != predictor.pin:
             raise PinMismatchError(f"predictor pin mismatch: expected {config.pin}, loaded {predictor.pin}")
         codec = Codec.from_predictor(predictor, CodecConfig(layers_per_chunk=config.layers_per_chunk,
-                                                            threads=config.threads))
+                                                            threads=config.threads, coder=config.coder))
         return cls(codec, predictor, config.model_id or predictor.checkpoint.manifest["target"]["name"])
 
     @property
