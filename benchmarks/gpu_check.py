@@ -34,10 +34,13 @@ BF16_SPECIAL = np.array([0x0000, 0x8000, 0x0001, 0x807F, 0x7F7F, 0xFF7F, 0x7F80,
                          0x3F80, 0xBF80, 0x0080, 0x4049, 0x1234, 0xC2F7], np.uint16)
 
 
+DEVICE_CODER = "cuda"  # tests/benchmarks/test_gpu_check.py runs this script's logic with "host"
+
+
 def codecs(ck, epl: int = 1024, lpc: int = 2) -> tuple[Codec, Codec]:
     cfg = dict(elems_per_lane=epl, layers_per_chunk=lpc)
     return (Codec(ck.tables, ck.calib.sigma_log2_q, ck.pin, config=CodecConfig(coder="cpu", **cfg)),
-            Codec(ck.tables, ck.calib.sigma_log2_q, ck.pin, config=CodecConfig(coder="cuda", **cfg)))
+            Codec(ck.tables, ck.calib.sigma_log2_q, ck.pin, config=CodecConfig(coder=DEVICE_CODER, **cfg)))
 
 
 def _equal(a, b) -> bool:
@@ -104,10 +107,16 @@ def real_kv(ck, tokens: int) -> dict:
 
 
 def timed(cp, fn, repeats: int) -> float:
-    """Median seconds of fn() over repeats, CUDA events, after one warm-up call."""
+    """Median seconds of fn() over repeats, CUDA events (perf_counter when ``cp`` is
+    numpy, for the CPU test of this script), after one warm-up call."""
     fn()
     times = []
     for _ in range(repeats):
+        if cp is np:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+            continue
         a, b = cp.cuda.Event(), cp.cuda.Event()
         a.record()
         fn()
@@ -124,10 +133,11 @@ def copy_bandwidth(cp, nbytes: int, repeats: int) -> float:
     return nbytes / t / 1e9  # bytes copied per second (each read once and written once)
 
 
-def throughput(ck, gb: float, inputs: int, repeats: int, steps: int = 1024) -> dict:
-    import cupy as cp
-
-    k = CudaKernels.load()
+def throughput(ck, gb: float, inputs: int, repeats: int, steps: int = 1024, cp=None, k=None) -> dict:
+    """``cp``/``k``: the array module and kernels (CuPy + CudaKernels unless given)."""
+    if cp is None:
+        import cupy as cp
+    k = k or CudaKernels.load()
     g = ck.tables.gauss
     t_dev = k._device_tables(g)
     size = t_dev["size"]
@@ -155,7 +165,7 @@ def throughput(ck, gb: float, inputs: int, repeats: int, steps: int = 1024) -> d
     coded = [k.encode_device(s, f) for (_, _, s, f) in data]
     ok = True
     for (t, j, _, _), (st, cn, w) in zip(data, coded):
-        ok &= bool((k.decode_device(st, cn, w, t, steps, g).astype(cp.int32) == j).all())
+        ok &= bool((k.decode_device(st, cn, w, t, steps, g).astype(np.int32) == j).all())
     state["i"] = 0
 
     def dec():

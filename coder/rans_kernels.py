@@ -108,6 +108,17 @@ class HostKernels:
         total = int(counts.sum(dtype=np.int64))
         return RansBlocks(states=states, word_counts=counts, words=words[:total].copy())
 
+    # the CudaKernels device-array interface, on host arrays (lets scripts run either)
+    def encode_device(self, start: np.ndarray, freq: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        b = self.encode(start, freq)
+        return b.states, b.word_counts, b.words
+
+    def decode_device(self, states, counts, words, tables, steps: int, gauss: Any) -> np.ndarray:
+        return self.decode(RansBlocks(states, counts, words), steps, tables, gauss).astype(np.uint16)
+
+    def _device_tables(self, gauss: Any) -> dict[str, np.ndarray]:
+        return table_arrays(gauss)
+
     def decode(self, blocks: RansBlocks, steps: int, tables: np.ndarray, gauss: Any) -> np.ndarray:
         """Symbol index (within its table) of every op, (blocks, steps, LANES) int32."""
         states, counts, words = _check_blocks(blocks)
