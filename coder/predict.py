@@ -93,6 +93,31 @@ class Predictor:
                                    f"{ckpt.manifest['weights']['sha256']}")
         return cls(ckpt, build_model(config, state))
 
+    @property
+    def device(self) -> str:
+        return str(next(self.model.parameters()).device)
+
+    def to(self, device: str) -> "Predictor":
+        """Run the predictor on ``device``: ``cpu``, ``cuda[:N]`` or ``auto`` (cuda when
+        torch sees one). Same math on every device (BF16 activations, FP32-accumulated
+        linears with the dequantised FP8 weights, TF32 off, deterministic algorithms);
+        see README "GPU path" for when two machines reproduce mu bit for bit."""
+        import os
+
+        import torch
+
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise CheckpointError(f"predictor device {device!r} requested but torch sees no CUDA device")
+            # NOTE: deterministic cuBLAS needs this before the first CUDA matmul
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        elif device != "cpu":
+            raise ValueError(f"predictor device must be cpu, cuda[:N] or auto, not {device!r}")
+        self.model.to(device)
+        return self
+
     def mu(self, ids: np.ndarray) -> "torch.Tensor":
         """Predicted KV ``(layers, 2, kv_heads, tokens, head_dim)`` BF16."""
         from .target import extract_kv

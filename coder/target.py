@@ -81,14 +81,20 @@ def _deterministic_settings() -> Iterator[None]:
     import torch
 
     threads, det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    # NOTE: on CUDA, TF32 and reduced-precision reductions would change mu's bits
+    cuda = torch.backends.cuda.matmul
+    flags = (cuda.allow_tf32, torch.backends.cudnn.allow_tf32, cuda.allow_bf16_reduced_precision_reduction)
     torch.set_num_threads(COMPUTE_THREADS)
     torch.use_deterministic_algorithms(True, warn_only=False)
+    cuda.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    cuda.allow_bf16_reduced_precision_reduction = False
     try:
         with torch.inference_mode():
             yield
     finally:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(det)
+        cuda.allow_tf32, torch.backends.cudnn.allow_tf32, cuda.allow_bf16_reduced_precision_reduction = flags
 
 
 def _fp32_linear_class() -> type:
@@ -137,7 +143,8 @@ def extract_kv(model: Any, ids: np.ndarray) -> "torch.Tensor":
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if len(ids) == 0:
         return torch.empty((n_layers, 2, n_kv, 0, head_dim), dtype=torch.bfloat16)
-    inp = torch.as_tensor(np.asarray(ids, dtype=np.int64)).unsqueeze(0)
+    device = next(model.parameters()).device
+    inp = torch.as_tensor(np.asarray(ids, dtype=np.int64)).unsqueeze(0).to(device)
     with deterministic_torch():
         out = model.model(input_ids=inp, use_cache=True)
     cache = getattr(out, "cache", None) or out.past_key_values
@@ -148,7 +155,7 @@ def extract_kv(model: Any, ids: np.ndarray) -> "torch.Tensor":
         else:  # pragma: no cover - older transformers
             k, v = cache[i]
         layers.append(torch.stack([k[0], v[0]]))  # (2, kv_heads, tokens, head_dim)
-    kv = torch.stack(layers).to(torch.bfloat16).contiguous()
+    kv = torch.stack(layers).to(torch.bfloat16).contiguous().cpu()
     return kv  # (layers, 2, kv_heads, tokens, head_dim)
 
 

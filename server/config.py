@@ -53,6 +53,7 @@ class ServerConfig:
     layers_per_chunk: int = 2
     threads: int = 2  # coder threads
     coder: str = "auto"  # rANS backend: cpu (numpy) | cuda (CuPy kernels) | auto (cuda when present)
+    predictor_device: str = "cpu"  # where the predictor runs: cpu | cuda[:N] | auto
     tls_cert: str | None = None  # PEM files: serve TLS (cert + key); with tls_ca, require client certs
     tls_key: str | None = None
     tls_ca: str | None = None  # CA bundle: verifies clients (mTLS) and, on the encoder, the decoder
@@ -151,6 +152,7 @@ FIELDS = (
     _field("transfer_timeout_s", float, "encoder's deadline for one transfer, seconds"),
     _field("layers_per_chunk", int, "layers per coded chunk"),
     _field("threads", int, "coder threads"),
+    _field("predictor_device", str, "predictor device: cpu | cuda[:N] | auto (both sidecars alike!)"),
     _field("coder", str, "rANS backend: cpu | cuda | auto (cuda when a device and CuPy are present)"),
     _field("tls_cert", _opt_str, "PEM certificate: serve TLS"),
     _field("tls_key", _opt_str, "PEM private key of tls_cert"),

@@ -45,7 +45,8 @@ class Runtime:
 
         ckpt = load_checkpoint(config.predictor or default_checkpoint_dir(), config.pin)
         target = load_target(config.target) if ckpt.derived_weights else None
-        runtime = cls.from_predictor(Predictor.from_checkpoint(ckpt, target), config)
+        predictor = Predictor.from_checkpoint(ckpt, target).to(config.predictor_device)
+        runtime = cls.from_predictor(predictor, config)
         runtime.codec.bf16_contexts  # noqa: B018 -- build the BF16 context table before serving
         logger.info("loaded predictor %s for model %s", ckpt.pin, runtime.model_id)
         return runtime

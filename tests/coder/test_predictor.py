@@ -377,3 +377,37 @@ def test_manifest_must_list_every_checkpoint_file(tmp_path, drop):
     (d / MANIFEST).write_bytes(canonical_json(manifest))
     with pytest.raises(PinMismatchError, match="must list"):
         load_checkpoint(d)
+
+
+def test_predictor_device_selection(embedded_session):
+    """``to(device)``: auto stays on the CPU without CUDA, cuda without a device is a clear
+    error, and mu is bit-identical after a round through ``to``."""
+    import torch
+
+    from speckv.coder.errors import CheckpointError
+
+    pred = embedded_session.predictor
+    ids = embedded_session.target.tokenize("Where does the predictor run?")
+    before = pred.mu(ids)
+    assert pred.to("cpu").device == "cpu"
+    if not torch.cuda.is_available():
+        assert pred.to("auto").device == "cpu"
+        with pytest.raises(CheckpointError, match="no CUDA device"):
+            pred.to("cuda")
+    with pytest.raises(ValueError, match="cpu, cuda"):
+        pred.to("tpu")
+    assert torch.equal(pred.to("cpu").mu(ids).view(torch.int16), before.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no CUDA device")
+def test_predictor_on_cuda_is_deterministic(embedded_session):
+    import torch
+
+    pred = embedded_session.predictor
+    ids = embedded_session.target.tokenize("Twice on the GPU, the same bits.")
+    try:
+        a, b = pred.to("cuda").mu(ids), pred.mu(ids)
+    finally:
+        pred.to("cpu")
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
