@@ -9,7 +9,14 @@
 
 #ifdef __CUDACC__
 #define SPK_HD __host__ __device__ __forceinline__
+#ifdef __CUDACC_RTC__
+// NOTE: NVRTC (CuPy RawModule) ships no C standard headers
+typedef unsigned int uint32_t;
+typedef unsigned short uint16_t;
+typedef int int32_t;
+#else
 #include <stdint.h>
+#endif
 #else
 #define SPK_HD static inline
 #include <cstdint>
