@@ -28,6 +28,7 @@ import numpy as np
 
 from speckv.coder.codec import Fp8KV, bf16_bits
 from speckv.coder.errors import SpeckvError
+from speckv.coder.integrity import KVDigest
 from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.v1 import decoder_pb2_grpc as dgrpc
@@ -135,21 +136,40 @@ def _result(r: epb.SubmitResponse) -> SubmitResult:
 class _Collector:
     """Assembles FetchKV parts into layers and the whole cache."""
 
-    def __init__(self) -> None:
+    def __init__(self, verified_only: bool = False) -> None:
         self.asm = None
         self.out: np.ndarray | None = None
         self.scales: np.ndarray | None = None
+        self.digest = KVDigest()  # recomputed here: the check is end to end
+        self.done = False
+        self.verified_only = verified_only  # ask the server to hold layers until verified
 
     def add(self, msg: dpb.FetchKVResponse) -> tuple[int, np.ndarray, np.ndarray | None] | None:
         from speckv.server.wire import LayerAssembler, shape_of
 
+        if self.done:
+            raise RpcFailed(grpc.StatusCode.INTERNAL, "FetchKV sent data after FetchKVDone")
+        if msg.WhichOneof("kind") == "done":
+            self._finish(msg.done)
+            return None
         part = msg.layer
         if self.asm is None:
             self.asm = LayerAssembler(part.dtype, shape_of(part.shape))
         try:
-            return self.asm.add(part)
+            got = self.asm.add(part)
         except Exception as e:  # the server sent something malformed
             raise RpcFailed(grpc.StatusCode.INTERNAL, f"malformed FetchKV stream: {e}") from None
+        if got is not None:
+            self.digest.update_layer(got[1], got[2])
+        return got
+
+    def _finish(self, done: dpb.FetchKVDone) -> None:
+        if self.asm is None or not self.asm.done:
+            raise RpcFailed(grpc.StatusCode.INTERNAL, "FetchKVDone before the last layer")
+        if (self.digest.digest(), self.digest.raw_bytes) != (bytes(done.raw_digest), done.raw_bytes):
+            raise RpcFailed(grpc.StatusCode.DATA_LOSS, "the fetched KV does not match the encoder's "
+                                                       "whole-transfer digest")
+        self.done = True
 
     def keep(self, layer: int, arr: np.ndarray, scales: np.ndarray | None) -> None:
         assert self.asm is not None
@@ -163,6 +183,8 @@ class _Collector:
     def check_done(self) -> None:
         if self.asm is None or not self.asm.done:
             raise RpcFailed(grpc.StatusCode.DATA_LOSS, "FetchKV ended before the last layer")
+        if not self.done:
+            raise RpcFailed(grpc.StatusCode.DATA_LOSS, "FetchKV ended without the whole-transfer verification")
 
     def result(self, as_torch: bool) -> "np.ndarray | Fp8KV | torch.Tensor":
         self.check_done()
@@ -217,14 +239,17 @@ class DecoderClient:
         self.stub = dgrpc.DecoderServiceStub(self.channel)
         self.timeout = timeout
 
-    def fetch_layers(self, request_id: str, wait: float | None = None,
-                     timeout: float | None = None) -> Iterator[tuple[int, np.ndarray, np.ndarray | None]]:
-        """Yields ``(layer, (2, heads, tokens, dim) array, scales | None)`` as layers arrive."""
-        yield from self._stream(request_id, wait, timeout, _Collector())
+    def fetch_layers(self, request_id: str, wait: float | None = None, timeout: float | None = None,
+                     verified_only: bool = False) -> Iterator[tuple[int, np.ndarray, np.ndarray | None]]:
+        """Yields ``(layer, (2, heads, tokens, dim) array, scales | None)`` as layers arrive.
+        NOTE: each layer passed its chunk's checksum; the whole transfer is verified only
+        when the iterator ends without raising (``verified_only``: nothing arrives before)."""
+        yield from self._stream(request_id, wait, timeout, _Collector(verified_only))
 
     def _stream(self, request_id: str, wait: float | None, timeout: float | None,
                 col: _Collector) -> Iterator[tuple[int, np.ndarray, np.ndarray | None]]:
-        req = dpb.FetchKVRequest(request_id=request_id, wait_timeout_ms=int((wait or 0) * 1000))
+        req = dpb.FetchKVRequest(request_id=request_id, wait_timeout_ms=int((wait or 0) * 1000),
+                                 verified_only=col.verified_only)
         try:
             for msg in self.stub.FetchKV(req, timeout=timeout or self.timeout):
                 done = col.add(msg)
@@ -235,9 +260,10 @@ class DecoderClient:
         col.check_done()
 
     def fetch(self, request_id: str, wait: float | None = None, timeout: float | None = None,
-              as_torch: bool = False) -> "np.ndarray | Fp8KV | torch.Tensor":
-        """The whole reconstructed KV (see the module docstring for its type)."""
-        col = _Collector()
+              as_torch: bool = False, verified_only: bool = False) -> "np.ndarray | Fp8KV | torch.Tensor":
+        """The whole reconstructed KV (see the module docstring for its type), returned only
+        after its whole-transfer digest matched, on the server and again here."""
+        col = _Collector(verified_only)
         for layer, arr, scales in self._stream(request_id, wait, timeout, col):
             col.keep(layer, arr, scales)
         return col.result(as_torch)
@@ -299,15 +325,16 @@ class AsyncDecoderClient:
         self.stub = dgrpc.DecoderServiceStub(self.channel)
         self.timeout = timeout
 
-    async def fetch_layers(self, request_id: str, wait: float | None = None,
-                           timeout: float | None = None) -> AsyncIterator[tuple[int, np.ndarray, np.ndarray | None]]:
-        """Yields ``(layer, (2, heads, tokens, dim) array, scales | None)`` as layers arrive."""
-        async for done in self._stream(request_id, wait, timeout, _Collector()):
+    async def fetch_layers(self, request_id: str, wait: float | None = None, timeout: float | None = None,
+                           verified_only: bool = False) -> AsyncIterator[tuple[int, np.ndarray, np.ndarray | None]]:
+        """As the blocking client's ``fetch_layers``."""
+        async for done in self._stream(request_id, wait, timeout, _Collector(verified_only)):
             yield done
 
     async def _stream(self, request_id: str, wait: float | None, timeout: float | None,
                       col: _Collector) -> AsyncIterator[tuple[int, np.ndarray, np.ndarray | None]]:
-        req = dpb.FetchKVRequest(request_id=request_id, wait_timeout_ms=int((wait or 0) * 1000))
+        req = dpb.FetchKVRequest(request_id=request_id, wait_timeout_ms=int((wait or 0) * 1000),
+                                 verified_only=col.verified_only)
         try:
             async for msg in self.stub.FetchKV(req, timeout=timeout or self.timeout):
                 done = col.add(msg)
@@ -318,9 +345,9 @@ class AsyncDecoderClient:
         col.check_done()
 
     async def fetch(self, request_id: str, wait: float | None = None, timeout: float | None = None,
-                    as_torch: bool = False) -> "np.ndarray | Fp8KV | torch.Tensor":
-        """The whole reconstructed KV (see the module docstring for its type)."""
-        col = _Collector()
+                    as_torch: bool = False, verified_only: bool = False) -> "np.ndarray | Fp8KV | torch.Tensor":
+        """As the blocking client's ``fetch``."""
+        col = _Collector(verified_only)
         async for layer, arr, scales in self._stream(request_id, wait, timeout, col):
             col.keep(layer, arr, scales)
         return col.result(as_torch)

@@ -34,3 +34,24 @@ def verified(c: ct.Chunk, bits: np.ndarray, dtype: type | None = None) -> np.nda
     if c.raw_digest != digest(c.aux, bits):
         raise IntegrityError(f"chunk {c.index}: decoded KV fails its checksum")
     return bits
+
+
+class KVDigest:
+    """The whole-transfer digest: blake2b-128 over the layers in order, each as its
+    FP8 scales (two little-endian fp32, FP8 only) then its raw little-endian bytes.
+    Encoder, decoder and client each compute it as layers pass by."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.blake2b(digest_size=DIGEST_BYTES)
+        self.raw_bytes = 0
+
+    def update_layer(self, layer: np.ndarray, scales: "np.ndarray | None" = None) -> None:
+        if scales is not None:
+            self._h.update(np.asarray(scales, "<f4").tobytes())
+        a = np.ascontiguousarray(layer)
+        a = a.astype(a.dtype.newbyteorder("<"), copy=False)
+        self._h.update(a)
+        self.raw_bytes += a.nbytes
+
+    def digest(self) -> bytes:
+        return self._h.digest()

@@ -29,7 +29,7 @@ from .budget import ByteBudget
 from .config import ServerConfig
 from .metrics import Metrics
 from .runtime import Runtime
-from .status import RpcError, integrity_kind, outcome, to_status
+from .status import RpcError, TransferDigestError, integrity_kind, outcome, to_status
 from .transfers import S, DecoderTransfer, TransferTable
 from .wire import RecordAssembler, dtype_of, kv_shape, layer_bytes, layer_messages, shape_of
 
@@ -54,6 +54,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
                 raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "the first message must carry the TransferHeader")
             h, ids, labels = self._check_header(first.header)
             t = DecoderTransfer(first.header.request_id, h.shape[0], h.n_chunks, self.budget.holding())
+            t.layer_bytes = layer_bytes(h.shape, dtype_of_header(h))
             t.task = asyncio.current_task()
             await self.table.add(t)
             self._gauges()
@@ -118,11 +119,20 @@ class DecoderService(dgrpc.DecoderServiceServicer):
         worker = asyncio.ensure_future(self._decode_loop(t, h, mu, queue, labels))
         asm = RecordAssembler(h.n_chunks, min(ct.MAX_CHUNK_BYTES, self.budget.limit))
         lb = layer_bytes(h.shape, dtype_of_header(h))
+        trailer = None
         try:
             while True:
                 req = await _next_or_fail(it, worker)
                 if req is None:
                     break
+                if trailer is not None:
+                    raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "nothing may follow the TransferTrailer")
+                if req.WhichOneof("kind") == "trailer":
+                    if asm.next_index != h.n_chunks or asm.pending:
+                        raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                                       f"trailer after {asm.next_index} of {h.n_chunks} chunk records")
+                    trailer = req.trailer
+                    continue
                 if req.WhichOneof("kind") != "chunk":
                     raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "only chunk messages may follow the header")
                 size = asm.first_part_size(req.chunk)
@@ -142,8 +152,15 @@ class DecoderService(dgrpc.DecoderServiceServicer):
             if asm.next_index != h.n_chunks or asm.pending:
                 raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"stream ended after {asm.next_index} of {h.n_chunks} chunk records")
+            if trailer is None:
+                raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "stream ended without its TransferTrailer")
             queue.put_nowait(None)
             await worker
+            # NOTE: every chunk passed its own digest; this one binds them into the whole KV
+            if (t.digest.digest(), t.digest.raw_bytes) != (bytes(trailer.raw_digest), trailer.raw_bytes):
+                raise TransferDigestError(f"transfer {t.request_id!r}: whole-transfer digest does not match "
+                                          f"({t.digest.raw_bytes} raw bytes decoded, {trailer.raw_bytes} sent)")
+            t.verified = t.digest.digest()
             await t.end(S.TRANSFER_STATE_READY)
         finally:
             for f in (worker, mu):
@@ -186,8 +203,16 @@ class DecoderService(dgrpc.DecoderServiceServicer):
                 raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"transfer {request.request_id!r} is already being fetched or was fetched")
             t.fetching = True
+            if request.verified_only:
+                if t.n_layers * t.layer_bytes > self.budget.limit:
+                    raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"verified_only needs the whole KV ({t.n_layers * t.layer_bytes} bytes) "
+                                   f"in memory; the in-flight cap is {self.budget.limit}")
+                await t.wait_final(max(wait, self.config.lease_s))
             async for msg in self._layers(t, wait, t0):
                 yield msg
+            digest = await t.wait_final(max(wait, self.config.lease_s))
+            yield dpb.FetchKVResponse(done=dpb.FetchKVDone(raw_digest=digest, raw_bytes=t.digest.raw_bytes))
             await t.end(S.TRANSFER_STATE_FETCHED)
             t.holding.close()
         except BaseException as e:  # noqa: B902

@@ -24,6 +24,7 @@ import grpc
 import numpy as np
 
 from speckv.coder import container as ct
+from speckv.coder.integrity import KVDigest
 from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.v1 import decoder_pb2_grpc as dgrpc
@@ -57,6 +58,7 @@ class _Job:
     encode_s: float = 0.0
     first_send: float | None = None
     message_bytes: int = 0  # serialized TransferRequests written
+    digest: KVDigest = field(default_factory=KVDigest)  # whole-transfer digest, layer by layer
 
 
 class EncoderService(egrpc.EncoderServiceServicer):
@@ -139,6 +141,8 @@ class EncoderService(egrpc.EncoderServiceServicer):
             await self._receive(job, it, queue, watch)
             queue.put_nowait(None)
             await _watched(sender, watch)
+            await _write(job, call, dpb.TransferRequest(trailer=dpb.TransferTrailer(
+                raw_digest=job.digest.digest(), raw_bytes=job.digest.raw_bytes)))
             await call.done_writing()
             result = await _watched(acks, watch)
             if (result.raw_bytes, result.wire_bytes) != (job.raw_bytes, job.wire_bytes):
@@ -191,6 +195,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
                 continue
             layer, arr, scales = done
             job.layers[layer] = (arr, scales)
+            job.digest.update_layer(arr, scales)
             start, count = job.h.chunk_layers(next_chunk)
             if layer == start + count - 1:
                 queue.put_nowait(next_chunk)

@@ -24,6 +24,10 @@ logger = logging.getLogger(__name__)
 C = grpc.StatusCode
 
 
+class TransferDigestError(IntegrityError):
+    """The decoded KV as a whole does not match the encoder's whole-transfer digest."""
+
+
 class RpcError(Exception):
     """A failure with its gRPC status code chosen by the raiser."""
 
@@ -68,6 +72,8 @@ def integrity_kind(exc: BaseException) -> str | None:
         return "crc32"
     if isinstance(exc, MuMismatchError):
         return "mu_fingerprint"
+    if isinstance(exc, TransferDigestError):
+        return "transfer_digest"
     if isinstance(exc, IntegrityError):
         return "raw_digest"
     return None

@@ -24,6 +24,8 @@ import numpy as np
 
 from speckv.v1 import decoder_pb2 as dpb
 
+from speckv.coder.integrity import KVDigest
+
 from .budget import Holding
 from .status import RpcError, in_band
 
@@ -47,6 +49,9 @@ class DecoderTransfer:
         self.chunks_received = self.chunks_decoded = 0
         self.wire_bytes = self.raw_bytes = 0
         self.predictor_s = self.decode_s = 0.0
+        self.digest = KVDigest()  # over the decoded layers, in order
+        self.verified: bytes | None = None  # the whole-transfer digest, once it matched
+        self.layer_bytes = 0  # raw bytes per layer
         self.touched = time.monotonic()
         self.task: asyncio.Task[Any] | None = None  # the Transfer handler, for cancel
         self._cond = asyncio.Condition()
@@ -60,6 +65,7 @@ class DecoderTransfer:
         async with self._cond:
             for k in range(bits.shape[0]):
                 self.layers[start + k] = (bits[k], None if scales is None else scales[k])
+                self.digest.update_layer(bits[k], None if scales is None else scales[k])
             self.chunks_decoded += 1
             self.touched = time.monotonic()
             self._cond.notify_all()
@@ -87,6 +93,18 @@ class DecoderTransfer:
             if not ok:
                 raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"transfer {self.request_id!r}: layer {layer} did not arrive in {timeout:.1f} s")
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"transfer {self.request_id!r} {S.Name(self.state)}: {in_band(self.error).message}")
+
+    async def wait_final(self, timeout: float) -> bytes:
+        """Wait for the producer's verdict: the verified whole-transfer digest, or raise."""
+        async with self._cond:
+            ok = await _wait(self._cond, lambda: self.state != S.TRANSFER_STATE_RECEIVING, timeout)
+            if self.verified is not None and self.state in (S.TRANSFER_STATE_READY, S.TRANSFER_STATE_FETCHED):
+                return self.verified
+            if not ok:
+                raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"transfer {self.request_id!r} was not verified within {timeout:.1f} s")
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
                            f"transfer {self.request_id!r} {S.Name(self.state)}: {in_band(self.error).message}")
 

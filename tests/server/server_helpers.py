@@ -201,6 +201,16 @@ def stored_stream(codec, request_id: str, bits: np.ndarray, ids: np.ndarray, pin
     return header, recs
 
 
+def trailer_request(bits: np.ndarray, digest: bytes | None = None) -> dpb.TransferRequest:
+    """The TransferTrailer of a BF16 KV (its whole-transfer digest, or the given one)."""
+    from speckv.coder.integrity import KVDigest
+
+    d = KVDigest()
+    for layer in bits:
+        d.update_layer(layer)
+    return dpb.TransferRequest(trailer=dpb.TransferTrailer(raw_digest=digest or d.digest(), raw_bytes=d.raw_bytes))
+
+
 def chunk_requests(recs: list[bytes], part_bytes: int = 1 << 20) -> list[dpb.TransferRequest]:
     out = []
     for i, rec in enumerate(recs):

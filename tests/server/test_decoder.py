@@ -6,11 +6,15 @@ transfer-count limit and the lease each end with their precise status."""
 from __future__ import annotations
 
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
 
 import grpc
 import pytest
 from server_helpers import (MODEL, WAIT, Gate, Pair, assert_same_kv, chunk_requests, raw_transfer, rid,
-                            status_or_none, stored_stream, wait_until)
+                            status_or_none, stored_stream, trailer_request, wait_until)
 
 from speckv.client.client import RpcFailed
 from speckv.coder import container as ct
@@ -47,7 +51,7 @@ def _transfer_fails(pair, reqs, code=INVALID, *words: str) -> grpc.RpcError:
 def test_stored_stream_in_record_parts_is_acked_and_bit_exact(pair, stream):
     r, header, recs, bits, _ = stream
     assert len(recs) == 15 and all(len(rec) > 7000 for rec in recs)
-    reqs = [header] + chunk_requests(recs, part_bytes=7000)  # every record in 3 to 5 parts
+    reqs = [header] + chunk_requests(recs, part_bytes=7000) + [trailer_request(bits)]  # records in 3-5 parts
     resps = raw_transfer(pair.daddr, reqs)
     acks = [m.chunk_ack for m in resps[:-1]]
     assert all(m.WhichOneof("kind") == "chunk_ack" for m in resps[:-1])
@@ -186,8 +190,8 @@ class _Held:
     """A raw Transfer that sent its header and ``sent`` chunks and then waits (a thread
     drains its responses); ``finish()`` lets the rest go and returns the responses or error."""
 
-    def __init__(self, daddr: str, header, recs, sent: int) -> None:
-        self.gate = Gate([header] + chunk_requests(recs), after=1 + sent)
+    def __init__(self, daddr: str, header, recs, sent: int, trailer=None) -> None:
+        self.gate = Gate([header] + chunk_requests(recs) + ([trailer] if trailer else []), after=1 + sent)
         self.channel = grpc.insecure_channel(daddr)
         self.call = dgrpc.DecoderServiceStub(self.channel).Transfer(iter(self.gate), timeout=WAIT)
         self.out: list = []
@@ -211,7 +215,7 @@ class _Held:
 
 def test_same_id_while_live_is_already_exists(pair, stream):
     r, header, recs, bits, _ = stream
-    held = _Held(pair.daddr, header, recs, sent=2)
+    held = _Held(pair.daddr, header, recs, sent=2, trailer=trailer_request(bits))
     try:
         wait_until(lambda: (s := status_or_none(pair.dec, r)) and s.chunks_received == 2)
         _transfer_fails(pair, [header], grpc.StatusCode.ALREADY_EXISTS, "already in progress")
@@ -230,7 +234,7 @@ def test_max_transfers_is_resource_exhausted(sidecars, prompts, embedded_session
         codec = p.decoder.service.rt.codec
         h1, recs = stored_stream(codec, rid("slot1"), bits, ids, pin)
         h2, _ = stored_stream(codec, rid("slot2"), bits, ids, pin)
-        held = _Held(p.daddr, h1, recs, sent=1)
+        held = _Held(p.daddr, h1, recs, sent=1, trailer=trailer_request(bits))
         try:
             wait_until(lambda: status_or_none(p.dec, h1.header.request_id))
             _transfer_fails(p, [h2], grpc.StatusCode.RESOURCE_EXHAUSTED, "max_transfers")
@@ -252,7 +256,8 @@ def test_lease_expires_idle_transfers(sidecars, prompts, embedded_session):
         pin = bytes.fromhex(embedded_session.predictor.pin)
         codec = p.decoder.service.rt.codec
         h1, recs = stored_stream(codec, rid("lease-ready"), bits, ids, pin)
-        assert raw_transfer(p.daddr, [h1] + chunk_requests(recs))[-1].result.status.code == pb.STATUS_CODE_OK
+        reqs = [h1] + chunk_requests(recs) + [trailer_request(bits)]
+        assert raw_transfer(p.daddr, reqs)[-1].result.status.code == pb.STATUS_CODE_OK
         assert p.dec.status(h1.header.request_id).state == S.TRANSFER_STATE_READY
 
         h2, recs2 = stored_stream(codec, rid("lease-stalled"), bits, ids, pin)
@@ -277,3 +282,59 @@ def test_lease_expires_idle_transfers(sidecars, prompts, embedded_session):
         assert ei.value.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
     finally:
         p.stop()
+
+
+# -- the whole-transfer digest (TransferTrailer) ------------------------------------
+
+def _renamed(header: dpb.TransferRequest, request_id: str) -> dpb.TransferRequest:
+    """A copy of a (shared fixture's) header request under another request id."""
+    out = dpb.TransferRequest()
+    out.CopyFrom(header)
+    out.header.request_id = request_id
+    return out
+
+
+def test_stream_without_trailer_is_refused(pair, stream):
+    r, header, recs, _, _ = stream
+    r2 = rid("no-trailer")
+    header = _renamed(header, r2)
+    _transfer_fails(pair, [header] + chunk_requests(recs), INVALID, "TransferTrailer")
+    assert pair.dec.status(r2).state == S.TRANSFER_STATE_FAILED
+
+
+def test_wrong_whole_transfer_digest_is_data_loss_and_never_served(pair, stream):
+    _, header, recs, bits, _ = stream
+    r2 = rid("bad-trailer")
+    header = _renamed(header, r2)
+    bad = trailer_request(bits, digest=bytes(16))  # every chunk is intact; the whole is not
+    _transfer_fails(pair, [header] + chunk_requests(recs) + [bad], grpc.StatusCode.DATA_LOSS,
+                    "whole-transfer digest")
+    with pytest.raises(RpcFailed) as e:
+        pair.dec.fetch(r2, wait=WAIT, timeout=WAIT)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_trailer_must_come_last(pair, stream):
+    _, header, recs, bits, _ = stream
+    header = _renamed(header, rid("early-trailer"))
+    _transfer_fails(pair, [header] + chunk_requests(recs[:2]) + [trailer_request(bits)], INVALID,
+                    "trailer after 2 of 15")
+
+
+def test_verified_only_fetch_waits_for_the_whole_transfer(pair, stream):
+    _, header, recs, bits, _ = stream
+    r2 = rid("verified-only")
+    header = _renamed(header, r2)
+    gate = Gate([header] + chunk_requests(recs) + [trailer_request(bits)], after=1 + 14)
+    with ThreadPoolExecutor(2) as pool:
+        fut = pool.submit(lambda: list(pair.dec.fetch_layers(r2, wait=WAIT, timeout=WAIT, verified_only=True)))
+        xfer = pool.submit(raw_transfer, pair.daddr, gate)
+        wait_until(lambda: status_or_none(pair.dec, r2) is not None
+                   and status_or_none(pair.dec, r2).chunks_decoded == 14, WAIT, what="14 chunks decoded")
+        time.sleep(0.3)
+        assert not fut.done()  # 14 of 15 chunks decoded, still nothing handed out
+        gate.open()
+        assert xfer.result(WAIT)[-1].result.status.code == pb.STATUS_CODE_OK
+        layers = fut.result(WAIT)
+    assert [k for k, _, _ in layers] == list(range(bits.shape[0]))
+    assert all(np.array_equal(a, bits[k]) for k, a, _ in layers)

@@ -53,13 +53,23 @@ class Chunk(_message.Message):
     record_bytes: int
     def __init__(self, index: _Optional[int] = ..., record: _Optional[bytes] = ..., byte_offset: _Optional[int] = ..., record_bytes: _Optional[int] = ...) -> None: ...
 
+class TransferTrailer(_message.Message):
+    __slots__ = ("raw_digest", "raw_bytes")
+    RAW_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    raw_digest: bytes
+    raw_bytes: int
+    def __init__(self, raw_digest: _Optional[bytes] = ..., raw_bytes: _Optional[int] = ...) -> None: ...
+
 class TransferRequest(_message.Message):
-    __slots__ = ("header", "chunk")
+    __slots__ = ("header", "chunk", "trailer")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
     header: TransferHeader
     chunk: Chunk
-    def __init__(self, header: _Optional[_Union[TransferHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+    trailer: TransferTrailer
+    def __init__(self, header: _Optional[_Union[TransferHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[TransferTrailer, _Mapping]] = ...) -> None: ...
 
 class ChunkAck(_message.Message):
     __slots__ = ("index", "bytes_received")
@@ -96,18 +106,30 @@ class TransferResponse(_message.Message):
     def __init__(self, chunk_ack: _Optional[_Union[ChunkAck, _Mapping]] = ..., result: _Optional[_Union[TransferResult, _Mapping]] = ...) -> None: ...
 
 class FetchKVRequest(_message.Message):
-    __slots__ = ("request_id", "wait_timeout_ms")
+    __slots__ = ("request_id", "wait_timeout_ms", "verified_only")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WAIT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_ONLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     wait_timeout_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., wait_timeout_ms: _Optional[int] = ...) -> None: ...
+    verified_only: bool
+    def __init__(self, request_id: _Optional[str] = ..., wait_timeout_ms: _Optional[int] = ..., verified_only: _Optional[bool] = ...) -> None: ...
+
+class FetchKVDone(_message.Message):
+    __slots__ = ("raw_digest", "raw_bytes")
+    RAW_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    raw_digest: bytes
+    raw_bytes: int
+    def __init__(self, raw_digest: _Optional[bytes] = ..., raw_bytes: _Optional[int] = ...) -> None: ...
 
 class FetchKVResponse(_message.Message):
-    __slots__ = ("layer",)
+    __slots__ = ("layer", "done")
     LAYER_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
     layer: _common_pb2.KVLayer
-    def __init__(self, layer: _Optional[_Union[_common_pb2.KVLayer, _Mapping]] = ...) -> None: ...
+    done: FetchKVDone
+    def __init__(self, layer: _Optional[_Union[_common_pb2.KVLayer, _Mapping]] = ..., done: _Optional[_Union[FetchKVDone, _Mapping]] = ...) -> None: ...
 
 class TransferStatus(_message.Message):
     __slots__ = ("request_id", "state", "status", "chunks_received", "chunks_total", "chunks_decoded", "wire_bytes", "raw_bytes")
