@@ -83,6 +83,8 @@ class SubmitResult:
     transfer_seconds: float
     total_seconds: float
     message_bytes: int
+    encoding: str = "speckv"
+    fallback: bool = False
 
     @property
     def ratio(self) -> float:
@@ -130,7 +132,7 @@ def submit_requests(request_id: str, kv: Any, prompt_token_ids: Any, decoder_add
 
 def _result(r: epb.SubmitResponse) -> SubmitResult:
     return SubmitResult(r.raw_bytes, r.wire_bytes, r.chunks, r.predictor_seconds, r.encode_seconds,
-                        r.transfer_seconds, r.total_seconds, r.message_bytes)
+                        r.transfer_seconds, r.total_seconds, r.message_bytes, r.encoding, r.fallback)
 
 
 class _Collector:

@@ -21,6 +21,7 @@ import grpc
 import numpy as np
 
 from speckv.coder import container as ct
+from speckv.coder.integrity import digest
 from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.v1 import decoder_pb2_grpc as dgrpc
@@ -40,6 +41,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
     def __init__(self, config: ServerConfig, runtime: Runtime, metrics: Metrics, budget: ByteBudget) -> None:
         self.config, self.rt, self.metrics, self.budget = config, runtime, metrics, budget
         self.table = TransferTable(config.max_transfers, config.lease_s)
+        self._fallback_peers: set[str] = set()
 
     # -- Transfer -----------------------------------------------------------
     async def Transfer(self, request_iterator: AsyncIterator[dpb.TransferRequest],
@@ -56,6 +58,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
             t = DecoderTransfer(first.header.request_id, h.shape[0], h.n_chunks, self.budget.holding())
             t.layer_bytes = layer_bytes(h.shape, dtype_of_header(h))
             t.task = asyncio.current_task()
+            t.peer = context.peer() or "?"
             await self.table.add(t)
             self._gauges()
             t.wire_bytes = ct.HEADER_LEN
@@ -65,7 +68,8 @@ class DecoderService(dgrpc.DecoderServiceServicer):
             yield dpb.TransferResponse(result=dpb.TransferResult(
                 status=pb.Status(code=pb.STATUS_CODE_OK), raw_bytes=t.raw_bytes, wire_bytes=t.wire_bytes,
                 chunks=t.chunks_received, predictor_seconds=t.predictor_s, decode_seconds=t.decode_s,
-                total_seconds=time.perf_counter() - t0))
+                total_seconds=time.perf_counter() - t0, encoding=t.encoding, fallback=t.fallback))
+            labels = (labels[0], t.encoding)
             self.metrics.finished("ok", *labels, scalars=t.raw_bytes // dtype_of(h.dtype)[1].itemsize,
                                   wire=t.wire_bytes)
             self.metrics.seconds("transfer", time.perf_counter() - t0)
@@ -92,6 +96,26 @@ class DecoderService(dgrpc.DecoderServiceServicer):
         finally:
             self._gauges()
 
+    def _fallback(self, t: DecoderTransfer, h: ct.StreamHeader, ids: np.ndarray,
+                  fb: dpb.Fallback) -> ct.StreamHeader:
+        """The stored header replacing ``h`` after a predictor mismatch (validated)."""
+        h2, used = ct.unpack_header(fb.header_record)
+        if used != len(fb.header_record):
+            raise ct.FormatError("fallback header_record has trailing bytes")
+        if h2.model != ct.MODEL_STORED or (h2.dtype, h2.shape, h2.prompt_digest, h2.layers_per_chunk) != (
+                h.dtype, h.shape, h.prompt_digest, h.layers_per_chunk):
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           "fallback header_record must be the stored twin of the stream's header")
+        self.rt.codec.check_header(h2, ids)
+        t.fallback = True
+        self.metrics.fallback(fb.reason or "unspecified")
+        host = t.peer.rsplit(":", 1)[0]  # a peer's host: its source port changes per connection
+        if host not in self._fallback_peers:  # NOTE: logged once per peer, counted every time
+            self._fallback_peers.add(host)
+            logger.warning("transfer %s from %s fell back to a stored stream: %s (predictor pin %s)",
+                           t.request_id, t.peer, fb.reason, self.rt.pin[:12])
+        return h2
+
     def _check_header(self, hdr: dpb.TransferHeader) -> tuple[ct.StreamHeader, np.ndarray, tuple[str, str]]:
         if not hdr.request_id or len(hdr.request_id) > 256:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "request_id must be 1 to 256 characters")
@@ -115,7 +139,22 @@ class DecoderService(dgrpc.DecoderServiceServicer):
                        labels: tuple[str, str]) -> AsyncIterator[dpb.TransferResponse]:
         """Read the chunk parts, ack each record, and decode them in a task alongside."""
         queue: asyncio.Queue[tuple[ct.Chunk, int] | None] = asyncio.Queue()
-        mu = None if h.model == ct.MODEL_STORED else asyncio.ensure_future(self.rt.mu(ids))
+        mu = None
+        if h.model != ct.MODEL_STORED:
+            # NOTE: the encoder sends no chunk before this check: a predictor that disagrees
+            # turns the transfer into a stored one (Fallback) instead of failing it
+            mu, t.predictor_s = await self.rt.mu(ids)
+            self.metrics.seconds("predictor", t.predictor_s)
+            yield dpb.TransferResponse(predictor=dpb.PredictorCheck(mu_digest=digest(mu)))
+            first = await anext(it, None)
+            if first is not None and first.WhichOneof("kind") == "fallback":
+                h, mu = self._fallback(t, h, ids, first.fallback), None
+                t.wire_bytes += ct.HEADER_LEN
+                labels = (labels[0], "stored")
+                self.metrics.header(*labels, ct.HEADER_LEN)
+                first = await anext(it, None)
+            it = _prepend(first, it)
+        t.encoding = labels[1]
         worker = asyncio.ensure_future(self._decode_loop(t, h, mu, queue, labels))
         asm = RecordAssembler(h.n_chunks, min(ct.MAX_CHUNK_BYTES, self.budget.limit))
         lb = layer_bytes(h.shape, dtype_of_header(h))
@@ -163,19 +202,14 @@ class DecoderService(dgrpc.DecoderServiceServicer):
             t.verified = t.digest.digest()
             await t.end(S.TRANSFER_STATE_READY)
         finally:
-            for f in (worker, mu):
-                if f is not None and not f.done():
-                    f.cancel()
+            if not worker.done():
+                worker.cancel()
 
-    async def _decode_loop(self, t: DecoderTransfer, h: ct.StreamHeader, mu_task, queue: asyncio.Queue,
-                           labels: tuple[str, str]) -> None:
+    async def _decode_loop(self, t: DecoderTransfer, h: ct.StreamHeader, mu: np.ndarray | None,
+                           queue: asyncio.Queue, labels: tuple[str, str]) -> None:
         """Decode queued chunks; whatever has queued up is decoded in one vectorised pass."""
-        mu = None
         lb = layer_bytes(h.shape, dtype_of_header(h))
         while batch := await _drain(queue):
-            if mu_task is not None and mu is None:
-                mu, t.predictor_s = await mu_task
-                self.metrics.seconds("predictor", t.predictor_s)
             d0 = time.perf_counter()
             bits = await asyncio.to_thread(self.rt.codec.decode_run, h, [c for c, _ in batch], mu)
             t.decode_s += time.perf_counter() - d0
@@ -275,6 +309,14 @@ async def _drain(queue: asyncio.Queue) -> list:
         items.pop()
         queue.put_nowait(None)
     return items
+
+
+async def _prepend(first, it: AsyncIterator) -> AsyncIterator:
+    """``first`` (unless None), then the rest of ``it``."""
+    if first is not None:
+        yield first
+    async for x in it:
+        yield x
 
 
 def dtype_of_header(h: ct.StreamHeader) -> int:

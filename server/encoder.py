@@ -24,7 +24,7 @@ import grpc
 import numpy as np
 
 from speckv.coder import container as ct
-from speckv.coder.integrity import KVDigest
+from speckv.coder.integrity import KVDigest, digest
 from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.v1 import decoder_pb2_grpc as dgrpc
@@ -58,6 +58,7 @@ class _Job:
     encode_s: float = 0.0
     first_send: float | None = None
     message_bytes: int = 0  # serialized TransferRequests written
+    fallback: bool = False  # switched to a stored stream after a predictor mismatch
     digest: KVDigest = field(default_factory=KVDigest)  # whole-transfer digest, layer by layer
 
 
@@ -65,6 +66,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
     def __init__(self, config: ServerConfig, runtime: Runtime, metrics: Metrics, budget: ByteBudget) -> None:
         self.config, self.rt, self.metrics, self.budget = config, runtime, metrics, budget
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._fallback_peers: set[str] = set()
         self.active = 0
 
     async def close(self) -> None:
@@ -131,8 +133,9 @@ class EncoderService(egrpc.EncoderServiceServicer):
         mu = None if job.h.model == ct.MODEL_STORED else asyncio.ensure_future(self.rt.mu(job.ids))
         call = self._open(job, context)
         queue: asyncio.Queue[int | None] = asyncio.Queue()
-        acks = asyncio.ensure_future(_read_result(call))
-        sender = asyncio.ensure_future(self._send_loop(job, mu, call, queue))
+        check: asyncio.Future = asyncio.get_running_loop().create_future()  # the decoder's mu digest
+        acks = asyncio.ensure_future(_read_result(call, check))
+        sender = asyncio.ensure_future(self._send_loop(job, mu, call, queue, check))
         watch = (acks, sender)
         try:
             await _write(job, call, dpb.TransferRequest(header=_transfer_header(job, self.rt.pin)))
@@ -145,7 +148,8 @@ class EncoderService(egrpc.EncoderServiceServicer):
                 raw_digest=job.digest.digest(), raw_bytes=job.digest.raw_bytes)))
             await call.done_writing()
             result = await _watched(acks, watch)
-            if (result.raw_bytes, result.wire_bytes) != (job.raw_bytes, job.wire_bytes):
+            if (result.raw_bytes, result.wire_bytes, result.encoding) != (job.raw_bytes, job.wire_bytes,
+                                                                           job.labels[1]):
                 raise RpcError(grpc.StatusCode.DATA_LOSS,
                                f"decoder reports {result.raw_bytes} raw / {result.wire_bytes} wire bytes, "
                                f"encoder sent {job.raw_bytes} / {job.wire_bytes}")
@@ -162,7 +166,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
             status=pb.Status(code=pb.STATUS_CODE_OK), raw_bytes=job.raw_bytes, wire_bytes=job.wire_bytes,
             chunks=job.chunks, predictor_seconds=job.predictor_s, encode_seconds=job.encode_s,
             transfer_seconds=now - (job.first_send or now), total_seconds=now - t0,
-            message_bytes=job.message_bytes)
+            message_bytes=job.message_bytes, encoding=job.labels[1], fallback=job.fallback)
 
     def _open(self, job: _Job, context: grpc.aio.ServicerContext):
         addr = job.header.decoder_address
@@ -203,11 +207,17 @@ class EncoderService(egrpc.EncoderServiceServicer):
         if not asm.done:
             raise bad(f"stream ended after {asm.next_layer} of {job.h.shape[0]} layers")
 
-    async def _send_loop(self, job: _Job, mu_task, call, queue: asyncio.Queue) -> None:
+    async def _send_loop(self, job: _Job, mu_task, call, queue: asyncio.Queue, check: asyncio.Future) -> None:
         """Code ready chunks (all that queued up, in one pass) and write their records."""
         from .decoder import _drain
 
         mu = None
+        if mu_task is not None:
+            mu, job.predictor_s = await mu_task
+            self.metrics.seconds("predictor", job.predictor_s)
+            # NOTE: no chunk leaves before the decoder's predictor agrees with ours
+            if await check != digest(mu):
+                mu = await self._fall_back(job, call)
         lb = layer_bytes(job.h.shape, dtype_of(job.header.dtype)[1].itemsize)
         while batch := await _drain(queue):
             start = job.h.chunk_layers(batch[0])[0]
@@ -216,15 +226,29 @@ class EncoderService(egrpc.EncoderServiceServicer):
             x = np.stack([g[0] for g in got])  # (layers, 2, heads, tokens, dim)
             sc = np.stack([g[1] for g in got]) if got[0][1] is not None else None
             del got
-            if mu_task is not None and mu is None:
-                mu, job.predictor_s = await mu_task
-                self.metrics.seconds("predictor", job.predictor_s)
             e0 = time.perf_counter()
             recs = await asyncio.to_thread(_encode, self.rt.codec, job.h, range(batch[0], batch[-1] + 1), x, mu, sc)
             job.encode_s += time.perf_counter() - e0
             del x
             for i, rec in zip(batch, recs):
                 await self._send(job, call, i, rec, lb * job.h.chunk_layers(i)[1])
+
+    async def _fall_back(self, job: _Job, call) -> None:
+        """Switch the transfer to a stored stream (same chunking): still bit-exact."""
+        h = job.h
+        job.h = self.rt.codec.stream_header(h.dtype == ct.DTYPE_BF16, h.shape, job.ids, h.layers_per_chunk, True)
+        job.labels, job.fallback = (job.labels[0], "stored"), True
+        await _write(job, call, dpb.TransferRequest(fallback=dpb.Fallback(
+            header_record=ct.pack_header(job.h), reason="mu_mismatch")))
+        job.wire_bytes += ct.HEADER_LEN
+        self.metrics.header(*job.labels, ct.HEADER_LEN)
+        self.metrics.fallback("mu_mismatch")
+        peer = job.header.decoder_address
+        if peer not in self._fallback_peers:  # NOTE: logged once per peer, counted every time
+            self._fallback_peers.add(peer)
+            logger.warning("decoder %s computes another mu than this encoder (predictor %s): transfers to it "
+                           "fall back to stored streams", peer, self.rt.pin[:12])
+        return None
 
     async def _send(self, job: _Job, call, i: int, rec: bytes, raw: int) -> None:
         keep = min(raw, len(rec))  # the record inherits its layers' reservation
@@ -259,11 +283,15 @@ def _transfer_header(job: _Job, pin: str) -> dpb.TransferHeader:
                               prompt_token_ids=hdr.prompt_token_ids, header_record=ct.pack_header(job.h))
 
 
-async def _read_result(call) -> dpb.TransferResult:
-    """Drain the decoder's acks; its TransferResult (or its gRPC error)."""
+async def _read_result(call, check: asyncio.Future) -> dpb.TransferResult:
+    """Drain the decoder's messages: its PredictorCheck (into ``check``), acks, and its
+    TransferResult (or its gRPC error)."""
     result = None
     async for resp in call:
-        if resp.WhichOneof("kind") == "result":
+        kind = resp.WhichOneof("kind")
+        if kind == "predictor" and not check.done():
+            check.set_result(bytes(resp.predictor.mu_digest))
+        elif kind == "result":
             result = resp.result
     if result is None:
         raise RpcError(grpc.StatusCode.INTERNAL, "decoder ended the transfer without a result")

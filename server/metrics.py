@@ -56,6 +56,9 @@ class Metrics:
         self.integrity_failures = Counter("speckv_integrity_failures_total",
                                           "Checksum, digest and mu-fingerprint failures.",
                                           ("role", "model", "kind"), registry=r)
+        self.fallbacks = Counter("speckv_fallbacks_total",
+                                 "Transfers that fell back to a stored stream (e.g. predictor mismatch).",
+                                 ("role", "model", "reason"), registry=r)
         self.inflight_transfers = Gauge("speckv_inflight_transfers", "Transfers in progress.",
                                         ("role", "model"), registry=r)
         self.inflight_bytes = Gauge("speckv_inflight_bytes", "KV bytes buffered by transfers in progress.",
@@ -84,6 +87,9 @@ class Metrics:
 
     def seconds(self, stage: str, value: float) -> None:
         self.stage_seconds[stage].labels(self.role, self.model).observe(value)
+
+    def fallback(self, reason: str) -> None:
+        self.fallbacks.labels(self.role, self.model, reason).inc()
 
     def integrity(self, kind: str) -> None:
         self.integrity_failures.labels(self.role, self.model, kind).inc()

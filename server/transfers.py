@@ -52,6 +52,9 @@ class DecoderTransfer:
         self.digest = KVDigest()  # over the decoded layers, in order
         self.verified: bytes | None = None  # the whole-transfer digest, once it matched
         self.layer_bytes = 0  # raw bytes per layer
+        self.encoding = "speckv"  # or "stored" (asked for, or after a fallback)
+        self.fallback = False
+        self.peer = "?"
         self.touched = time.monotonic()
         self.task: asyncio.Task[Any] | None = None  # the Transfer handler, for cancel
         self._cond = asyncio.Condition()

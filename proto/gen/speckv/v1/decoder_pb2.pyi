@@ -61,15 +61,25 @@ class TransferTrailer(_message.Message):
     raw_bytes: int
     def __init__(self, raw_digest: _Optional[bytes] = ..., raw_bytes: _Optional[int] = ...) -> None: ...
 
+class Fallback(_message.Message):
+    __slots__ = ("header_record", "reason")
+    HEADER_RECORD_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    header_record: bytes
+    reason: str
+    def __init__(self, header_record: _Optional[bytes] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class TransferRequest(_message.Message):
-    __slots__ = ("header", "chunk", "trailer")
+    __slots__ = ("header", "chunk", "trailer", "fallback")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
     header: TransferHeader
     chunk: Chunk
     trailer: TransferTrailer
-    def __init__(self, header: _Optional[_Union[TransferHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[TransferTrailer, _Mapping]] = ...) -> None: ...
+    fallback: Fallback
+    def __init__(self, header: _Optional[_Union[TransferHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[TransferTrailer, _Mapping]] = ..., fallback: _Optional[_Union[Fallback, _Mapping]] = ...) -> None: ...
 
 class ChunkAck(_message.Message):
     __slots__ = ("index", "bytes_received")
@@ -80,7 +90,7 @@ class ChunkAck(_message.Message):
     def __init__(self, index: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class TransferResult(_message.Message):
-    __slots__ = ("status", "raw_bytes", "wire_bytes", "chunks", "predictor_seconds", "decode_seconds", "total_seconds")
+    __slots__ = ("status", "raw_bytes", "wire_bytes", "chunks", "predictor_seconds", "decode_seconds", "total_seconds", "encoding", "fallback")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +98,8 @@ class TransferResult(_message.Message):
     PREDICTOR_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
     status: _common_pb2.Status
     raw_bytes: int
     wire_bytes: int
@@ -95,15 +107,25 @@ class TransferResult(_message.Message):
     predictor_seconds: float
     decode_seconds: float
     total_seconds: float
-    def __init__(self, status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., predictor_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ...) -> None: ...
+    encoding: str
+    fallback: bool
+    def __init__(self, status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., predictor_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., encoding: _Optional[str] = ..., fallback: _Optional[bool] = ...) -> None: ...
+
+class PredictorCheck(_message.Message):
+    __slots__ = ("mu_digest",)
+    MU_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    mu_digest: bytes
+    def __init__(self, mu_digest: _Optional[bytes] = ...) -> None: ...
 
 class TransferResponse(_message.Message):
-    __slots__ = ("chunk_ack", "result")
+    __slots__ = ("chunk_ack", "result", "predictor")
     CHUNK_ACK_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    PREDICTOR_FIELD_NUMBER: _ClassVar[int]
     chunk_ack: ChunkAck
     result: TransferResult
-    def __init__(self, chunk_ack: _Optional[_Union[ChunkAck, _Mapping]] = ..., result: _Optional[_Union[TransferResult, _Mapping]] = ...) -> None: ...
+    predictor: PredictorCheck
+    def __init__(self, chunk_ack: _Optional[_Union[ChunkAck, _Mapping]] = ..., result: _Optional[_Union[TransferResult, _Mapping]] = ..., predictor: _Optional[_Union[PredictorCheck, _Mapping]] = ...) -> None: ...
 
 class FetchKVRequest(_message.Message):
     __slots__ = ("request_id", "wait_timeout_ms", "verified_only")
