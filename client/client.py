@@ -20,6 +20,7 @@ Every failure raises :class:`RpcFailed` (a SpeckvError) carrying the gRPC code.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator
 
@@ -37,6 +38,8 @@ from speckv.v1 import encoder_pb2_grpc as egrpc
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+
+logger = logging.getLogger(__name__)
 
 PART_BYTES = 2 << 20  # payload per message, well under gRPC's 4 MiB default
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 4 << 20), ("grpc.max_send_message_length", 4 << 20)]
@@ -215,12 +218,25 @@ class EncoderClient:
 
     def submit(self, request_id: str, kv: Any, prompt_token_ids: Any, decoder_address: str, model_id: str,
                *, encoding: str = "speckv", expected_pin: str | None = None,
-               timeout: float | None = None) -> SubmitResult:
-        reqs = submit_requests(request_id, kv, prompt_token_ids, decoder_address, model_id, encoding, expected_pin)
-        try:
-            return _result(self.stub.Submit(reqs, timeout=timeout or self.timeout))
-        except grpc.RpcError as e:
-            raise _failed(e) from None
+               timeout: float | None = None, retries: int = 0, backoff_s: float = 0.5) -> SubmitResult:
+        """Submit one request's KV; with ``retries``, an UNAVAILABLE failure (the encoder
+        or the decoder unreachable, a connection reset, a restart) is retried under the
+        same request id after ``backoff_s`` (doubling): the decoder keeps no state of a
+        transfer whose call ended, so a retry starts afresh."""
+        import time
+
+        for attempt in range(retries + 1):
+            reqs = submit_requests(request_id, kv, prompt_token_ids, decoder_address, model_id, encoding,
+                                   expected_pin)
+            try:
+                return _result(self.stub.Submit(reqs, timeout=timeout or self.timeout))
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == retries:
+                    raise _failed(e) from None
+                logger.warning("submit %s: %s (attempt %d of %d), retrying in %.1f s", request_id,
+                               e.details(), attempt + 1, retries + 1, backoff_s * 2 ** attempt)
+                time.sleep(backoff_s * 2 ** attempt)
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         self.channel.close()

@@ -33,6 +33,12 @@ from .runtime import Runtime
 
 logger = logging.getLogger(__name__)
 
+# NOTE: a peer that vanished without a FIN/RST (partition, killed host) is noticed
+# within ~15 s, so its transfer ends, frees its memory and a retry can take the id
+KEEPALIVE = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+             ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+             ("grpc.http2.max_pings_without_data", 0)]
+
 SERVICE_NAMES = {
     "decoder": decoder_pb2.DESCRIPTOR.services_by_name["DecoderService"].full_name,
     "encoder": encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name,
@@ -93,16 +99,19 @@ class Sidecar:
         await self._stopped.wait()
 
 
-def create_server(config: ServerConfig, runtime: Runtime | None = None) -> tuple[Sidecar, int]:
-    """A sidecar bound to ``config.listen`` (not yet started) and its gRPC port."""
+def create_server(config: ServerConfig, runtime: Runtime | None = None,
+                  interceptors: list[grpc.aio.ServerInterceptor] | None = None) -> tuple[Sidecar, int]:
+    """A sidecar bound to ``config.listen`` (not yet started) and its gRPC port;
+    ``interceptors`` wrap every call (auth, auditing, fault injection in tests)."""
     runtime = runtime or Runtime.load(config)
     metrics = Metrics(config.role, runtime.model_id)
     budget = ByteBudget(config.max_inflight_bytes,
                         lambda used: metrics.inflight_bytes.labels(config.role, runtime.model_id).set(used))
     metrics.gauges(0, 0, config.max_inflight_bytes)
-    server = grpc.aio.server(options=[
+    server = grpc.aio.server(interceptors=interceptors or None, options=[
         ("grpc.max_receive_message_length", config.max_receive_bytes),
-        ("grpc.max_send_message_length", config.max_receive_bytes)])
+        ("grpc.max_send_message_length", config.max_receive_bytes),
+        *KEEPALIVE])
     if config.role == "decoder":
         service = DecoderService(config, runtime, metrics, budget)
         decoder_pb2_grpc.add_DecoderServiceServicer_to_server(service, server)

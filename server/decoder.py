@@ -13,6 +13,7 @@ When the budget is spent, reading stops: backpressure to the encoder.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import AsyncIterator
@@ -30,7 +31,7 @@ from .budget import ByteBudget
 from .config import ServerConfig
 from .metrics import Metrics
 from .runtime import Runtime
-from .status import RpcError, TransferDigestError, integrity_kind, outcome, to_status
+from .status import RpcError, TransferDigestError, in_band, integrity_kind, outcome, to_status
 from .transfers import S, DecoderTransfer, TransferTable
 from .wire import RecordAssembler, dtype_of, kv_shape, layer_bytes, layer_messages, shape_of
 
@@ -92,6 +93,12 @@ class DecoderService(dgrpc.DecoderServiceServicer):
             logger.info("transfer %s failed: %s %s", t.request_id if t else "?", code.name, msg)
             if isinstance(e, asyncio.CancelledError):
                 raise
+            # NOTE: the verdict goes in-band first, then the sender's in-flight messages are
+            # drained: a peer still writing when the call ends would see a transport error
+            # (INTERNAL) instead of this status
+            with contextlib.suppress(Exception):
+                yield dpb.TransferResponse(result=dpb.TransferResult(status=in_band(e)))
+                await asyncio.wait_for(_drain_requests(it), DRAIN_S)
             await context.abort(code, msg)
         finally:
             self._gauges()
@@ -297,6 +304,12 @@ class DecoderService(dgrpc.DecoderServiceServicer):
 
 
 MAX_BATCH = 64  # chunks decoded in one pass at most
+DRAIN_S = 2.0  # after a failure, how long the rest of the sender's messages are read and dropped
+
+
+async def _drain_requests(it: AsyncIterator) -> None:
+    async for _ in it:
+        pass
 
 
 async def _drain(queue: asyncio.Queue) -> list:

@@ -35,7 +35,7 @@ from .budget import ByteBudget, Holding
 from .config import ServerConfig
 from .metrics import Metrics
 from .runtime import Runtime
-from .status import RpcError, outcome, to_status
+from .status import RpcError, from_in_band, outcome, to_status
 from .wire import LayerAssembler, bad, dtype_of, layer_bytes, parts, shape_of
 
 logger = logging.getLogger(__name__)
@@ -171,13 +171,13 @@ class EncoderService(egrpc.EncoderServiceServicer):
     def _open(self, job: _Job, context: grpc.aio.ServicerContext):
         addr = job.header.decoder_address
         if addr not in self._channels:
-            from .app import channel_credentials
+            from .app import KEEPALIVE, channel_credentials
 
             options = [("grpc.max_receive_message_length", self.config.max_receive_bytes),
                        ("grpc.max_send_message_length", self.config.max_receive_bytes),
                        # a restarted decoder is reached again within ~0.1-1 s, not gRPC's 1-120 s backoff
                        ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                       ("grpc.max_reconnect_backoff_ms", 1000)]
+                       ("grpc.max_reconnect_backoff_ms", 1000), *KEEPALIVE]
             creds = channel_credentials(self.config)
             self._channels[addr] = (grpc.aio.secure_channel(addr, creds, options=options) if creds
                                     else grpc.aio.insecure_channel(addr, options=options))
@@ -293,6 +293,8 @@ async def _read_result(call, check: asyncio.Future) -> dpb.TransferResult:
             check.set_result(bytes(resp.predictor.mu_digest))
         elif kind == "result":
             result = resp.result
+            if result.status.code != pb.STATUS_CODE_OK:  # the decoder's verdict, in-band
+                raise RpcError(from_in_band(result.status), f"decoder: {result.status.message}")
     if result is None:
         raise RpcError(grpc.StatusCode.INTERNAL, "decoder ended the transfer without a result")
     return result

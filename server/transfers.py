@@ -160,9 +160,17 @@ class TransferTable:
         return t
 
     async def wait_for(self, request_id: str, timeout: float) -> DecoderTransfer:
-        """The transfer ``request_id``, waiting up to ``timeout`` s for it to arrive."""
+        """The transfer ``request_id``, waiting up to ``timeout`` s for it to arrive; a failed
+        or cancelled one is returned only if no retry under the same id replaces it in time
+        (so a decode engine's FetchKV rides over the encoder's retry)."""
+        ended = (S.TRANSFER_STATE_FAILED, S.TRANSFER_STATE_CANCELLED)
+
+        def usable() -> bool:
+            t = self._by_id.get(request_id)
+            return t is not None and t.state not in ended
+
         async with self._arrived:
-            await _wait(self._arrived, lambda: request_id in self._by_id, timeout)
+            await _wait(self._arrived, usable, timeout)
         if request_id not in self._by_id:
             raise RpcError(grpc.StatusCode.NOT_FOUND,
                            f"no transfer with request id {request_id!r} arrived within {timeout:.1f} s")

@@ -43,13 +43,13 @@ class Sidecars:
         self.loop = LoopThread()
         self.running: list[Sidecar] = []
 
-    def start(self, role: str, **overrides: Any) -> tuple[Sidecar, str]:
+    def start(self, role: str, interceptors: list | None = None, **overrides: Any) -> tuple[Sidecar, str]:
         """A started sidecar and its ``127.0.0.1:PORT`` address."""
         config = ServerConfig(role=role, **{"metrics_port": 0, **overrides})
         runtime = Runtime.from_predictor(self.predictor, config)
 
         async def make() -> tuple[Sidecar, int]:
-            sidecar, port = create_server(config, runtime)
+            sidecar, port = create_server(config, runtime, interceptors)
             await sidecar.start()
             return sidecar, port
 

@@ -83,7 +83,8 @@ class DecoderServiceServicer:
         engine, layer by layer (each layer in one or more parts), waiting up to
         the request's timeout for a transfer still in flight. Fails with gRPC
         NOT_FOUND if no such transfer arrives in time, FAILED_PRECONDITION if the
-        transfer failed or was cancelled.
+        transfer failed or was cancelled and no retry under the same request id
+        replaced it within the wait (so a fetch rides over the encoder's retry).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
