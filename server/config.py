@@ -58,6 +58,8 @@ class ServerConfig:
     tls_key: str | None = None
     tls_ca: str | None = None  # CA bundle: verifies clients (mTLS) and, on the encoder, the decoder
     health_listen: str | None = None  # extra plaintext health-only port (probes while mTLS is on)
+    allow: str | None = None  # per-RPC allow-list of client certificate names (server/auth.py), needs mTLS
+    max_transfers_per_peer: int = 16  # concurrent transfers from one client host
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -84,6 +86,14 @@ class ServerConfig:
             raise ValueError("tls_cert and tls_key must be given together")
         if self.tls_ca is not None and self.tls_cert is None:
             raise ValueError("tls_ca needs tls_cert and tls_key (mTLS)")
+        if self.allow is not None:
+            from .auth import parse_allow
+
+            parse_allow(self.allow)  # ValueError names the bad entry
+            if self.tls_ca is None:
+                raise ValueError("allow needs mutual TLS (tls_ca): identities come from client certificates")
+        if self.max_transfers_per_peer < 1:
+            raise ValueError("max_transfers_per_peer must be >= 1")
         if self.health_listen is not None and ":" not in self.health_listen:
             raise ValueError(f"health_listen must be HOST:PORT, not {self.health_listen!r}")
         for name in ("grace_s", "fetch_wait_s", "lease_s", "transfer_timeout_s"):
@@ -158,5 +168,7 @@ FIELDS = (
     _field("tls_key", _opt_str, "PEM private key of tls_cert"),
     _field("tls_ca", _opt_str, "PEM CA bundle: require and verify client certificates (mTLS)"),
     _field("health_listen", _opt_str, "extra plaintext health-only HOST:PORT (probes under mTLS)"),
+    _field("allow", _opt_str, "per-RPC allow-list of client cert names: RPC=ID,ID;RPC=ID (needs mTLS)"),
+    _field("max_transfers_per_peer", int, "concurrent transfers from one client host"),
 )
 assert {f.name for f in FIELDS} == {f.name for f in fields(ServerConfig)} - {"role"}

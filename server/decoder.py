@@ -27,6 +27,7 @@ from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.v1 import decoder_pb2_grpc as dgrpc
 
+from .auth import authorize, parse_allow
 from .budget import ByteBudget
 from .config import ServerConfig
 from .metrics import Metrics
@@ -43,10 +44,12 @@ class DecoderService(dgrpc.DecoderServiceServicer):
         self.config, self.rt, self.metrics, self.budget = config, runtime, metrics, budget
         self.table = TransferTable(config.max_transfers, config.lease_s)
         self._fallback_peers: set[str] = set()
+        self.allow = parse_allow(config.allow)
 
     # -- Transfer -----------------------------------------------------------
     async def Transfer(self, request_iterator: AsyncIterator[dpb.TransferRequest],
                        context: grpc.aio.ServicerContext) -> AsyncIterator[dpb.TransferResponse]:
+        await authorize(context, "Transfer", self.allow)
         t0 = time.perf_counter()
         it = request_iterator.__aiter__()
         first = await anext(it, None)
@@ -60,6 +63,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
             t.layer_bytes = layer_bytes(h.shape, dtype_of_header(h))
             t.task = asyncio.current_task()
             t.peer = context.peer() or "?"
+            self._check_peer(t.peer)
             await self.table.add(t)
             self._gauges()
             t.wire_bytes = ct.HEADER_LEN
@@ -103,6 +107,13 @@ class DecoderService(dgrpc.DecoderServiceServicer):
         finally:
             self._gauges()
 
+    def _check_peer(self, peer: str) -> None:
+        host = peer_host(peer)
+        n = sum(1 for x in self.table.live() if peer_host(x.peer) == host)
+        if n >= self.config.max_transfers_per_peer:
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"{n} transfers from {host} in progress (max_transfers_per_peer)")
+
     def _fallback(self, t: DecoderTransfer, h: ct.StreamHeader, ids: np.ndarray,
                   fb: dpb.Fallback) -> ct.StreamHeader:
         """The stored header replacing ``h`` after a predictor mismatch (validated)."""
@@ -116,7 +127,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
         self.rt.codec.check_header(h2, ids)
         t.fallback = True
         self.metrics.fallback(fb.reason or "unspecified")
-        host = t.peer.rsplit(":", 1)[0]  # a peer's host: its source port changes per connection
+        host = peer_host(t.peer)
         if host not in self._fallback_peers:  # NOTE: logged once per peer, counted every time
             self._fallback_peers.add(host)
             logger.warning("transfer %s from %s fell back to a stored stream: %s (predictor pin %s)",
@@ -235,6 +246,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
     # -- FetchKV ------------------------------------------------------------
     async def FetchKV(self, request: dpb.FetchKVRequest,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[dpb.FetchKVResponse]:
+        await authorize(context, "FetchKV", self.allow)
         wait = request.wait_timeout_ms / 1000 if request.wait_timeout_ms else self.config.fetch_wait_s
         t0 = time.perf_counter()
         t = None
@@ -281,6 +293,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
     # -- status and cancel ----------------------------------------------------
     async def GetTransferStatus(self, request: dpb.GetTransferStatusRequest,
                                 context: grpc.aio.ServicerContext) -> dpb.GetTransferStatusResponse:
+        await authorize(context, "GetTransferStatus", self.allow)
         try:
             return dpb.GetTransferStatusResponse(status=self.table.get(request.request_id).status())
         except RpcError as e:
@@ -288,6 +301,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
 
     async def CancelTransfer(self, request: dpb.CancelTransferRequest,
                              context: grpc.aio.ServicerContext) -> dpb.CancelTransferResponse:
+        await authorize(context, "CancelTransfer", self.allow)
         try:
             t = self.table.get(request.request_id)
         except RpcError as e:
@@ -322,6 +336,11 @@ async def _drain(queue: asyncio.Queue) -> list:
         items.pop()
         queue.put_nowait(None)
     return items
+
+
+def peer_host(peer: str) -> str:
+    """``ipv4:10.0.0.7:51234`` -> ``ipv4:10.0.0.7``: a peer's source port changes per connection."""
+    return peer.rsplit(":", 1)[0]
 
 
 async def _prepend(first, it: AsyncIterator) -> AsyncIterator:

@@ -31,10 +31,12 @@ from speckv.v1 import decoder_pb2_grpc as dgrpc
 from speckv.v1 import encoder_pb2 as epb
 from speckv.v1 import encoder_pb2_grpc as egrpc
 
+from .auth import authorize, parse_allow
 from .budget import ByteBudget, Holding
 from .config import ServerConfig
 from .metrics import Metrics
 from .runtime import Runtime
+from .decoder import peer_host
 from .status import RpcError, from_in_band, outcome, to_status
 from .wire import LayerAssembler, bad, dtype_of, layer_bytes, parts, shape_of
 
@@ -67,6 +69,8 @@ class EncoderService(egrpc.EncoderServiceServicer):
         self.config, self.rt, self.metrics, self.budget = config, runtime, metrics, budget
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._fallback_peers: set[str] = set()
+        self._per_peer: dict[str, int] = {}
+        self.allow = parse_allow(config.allow)
         self.active = 0
 
     async def close(self) -> None:
@@ -76,6 +80,12 @@ class EncoderService(egrpc.EncoderServiceServicer):
 
     async def Submit(self, request_iterator: AsyncIterator[epb.SubmitRequest],
                      context: grpc.aio.ServicerContext) -> epb.SubmitResponse:
+        await authorize(context, "Submit", self.allow)
+        host = peer_host(context.peer() or "?")
+        if self._per_peer.get(host, 0) >= self.config.max_transfers_per_peer:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self._per_peer[host]} submits from {host} in progress (max_transfers_per_peer)")
+        self._per_peer[host] = self._per_peer.get(host, 0) + 1
         t0 = time.perf_counter()
         it = request_iterator.__aiter__()
         job: _Job | None = None
@@ -99,6 +109,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
             if job is not None:
                 job.holding.close()
             self.active -= 1
+            self._per_peer[host] -= 1
             self._gauges()
 
     def _start(self, first: epb.SubmitRequest | None) -> _Job:

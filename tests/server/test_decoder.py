@@ -338,3 +338,23 @@ def test_verified_only_fetch_waits_for_the_whole_transfer(pair, stream):
         layers = fut.result(WAIT)
     assert [k for k, _, _ in layers] == list(range(bits.shape[0]))
     assert all(np.array_equal(a, bits[k]) for k, a, _ in layers)
+
+
+def test_max_transfers_per_peer(sidecars, prompts, embedded_session):
+    p = Pair.start(sidecars, decoder={"max_transfers_per_peer": 1})
+    try:
+        ids, kv = prompts("short")
+        bits = bf16_bits(kv)
+        pin = bytes.fromhex(embedded_session.predictor.pin)
+        codec = p.decoder.service.rt.codec
+        h1, recs = stored_stream(codec, rid("peer1"), bits, ids, pin)
+        h2, _ = stored_stream(codec, rid("peer2"), bits, ids, pin)
+        held = _Held(p.daddr, h1, recs, sent=1, trailer=trailer_request(bits))
+        try:
+            wait_until(lambda: status_or_none(p.dec, h1.header.request_id))
+            _transfer_fails(p, [h2], grpc.StatusCode.RESOURCE_EXHAUSTED, "max_transfers_per_peer")
+        finally:
+            out = held.finish()
+        assert out[-1].result.status.code == pb.STATUS_CODE_OK  # the first one is unharmed
+    finally:
+        p.stop()

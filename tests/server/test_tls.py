@@ -41,7 +41,14 @@ def pki(tmp_path_factory):
     if shutil.which("openssl") is None:
         pytest.skip("openssl CLI not found")
     d = tmp_path_factory.mktemp("pki")
-    return {"good": _ca_and_node(d, "node"), "rogue": _ca_and_node(d, "rogue")}
+    good = _ca_and_node(d, "node")
+    # a second identity under the same CA: the decode engine
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", *ec, "-keyout", "engine.key", "-out", "engine.csr", "-subj", "/CN=engine", cwd=d)
+    _openssl("x509", "-req", "-in", "engine.csr", "-CA", "node-ca.crt", "-CAkey", "node-ca.key",
+             "-CAcreateserial", "-out", "engine.crt", "-days", "2", "-extfile", "ext.cnf", cwd=d)
+    engine = {"ca": good["ca"], "cert": str(d / "engine.crt"), "key": str(d / "engine.key")}
+    return {"good": good, "rogue": _ca_and_node(d, "rogue"), "engine": engine}
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +119,38 @@ def test_tls_config_validation(pki):
         ServerConfig(role="decoder", tls_ca=g["ca"])
     with pytest.raises(ValueError, match="health_listen"):
         ServerConfig(role="decoder", health_listen="8081")
+
+
+def test_allow_list_per_rpc(sidecars, pki):
+    g, eng = pki["good"], pki["engine"]
+    dec, daddr = sidecars.start("decoder", tls_cert=g["cert"], tls_key=g["key"], tls_ca=g["ca"],
+                                allow="FetchKV=engine;CancelTransfer=engine;*=node")
+    try:
+        node_creds = tls_credentials(g["ca"], g["cert"], g["key"])
+        engine_creds = tls_credentials(eng["ca"], eng["cert"], eng["key"])
+        with DecoderClient(daddr, credentials=node_creds, timeout=10) as node, \
+                DecoderClient(daddr, credentials=engine_creds, timeout=10) as engine:
+            with pytest.raises(RpcFailed) as e:
+                node.fetch("x", wait=0.1)  # the encoder's identity may not fetch
+            assert e.value.code == grpc.StatusCode.PERMISSION_DENIED and "node" in e.value.details
+            with pytest.raises(RpcFailed) as e:
+                engine.fetch("x", wait=0.1)  # allowed: gets as far as the lookup
+            assert e.value.code == grpc.StatusCode.NOT_FOUND
+            with pytest.raises(RpcFailed) as e:
+                engine.status("x")  # GetTransferStatus falls under *=node
+            assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+            with pytest.raises(RpcFailed) as e:
+                node.status("x")
+            assert e.value.code == grpc.StatusCode.NOT_FOUND
+    finally:
+        sidecars.stop(dec, 0.1)
+
+
+@pytest.mark.parametrize("spec,match", [("FetchKV", "RPC=ID"), ("Nope=a", "RPC=ID"), ("FetchKV=", "RPC=ID"),
+                                        ("FetchKV=a;FetchKV=b", "twice")])
+def test_allow_list_validation(pki, spec, match):
+    g = pki["good"]
+    with pytest.raises(ValueError, match=match):
+        ServerConfig(role="decoder", tls_cert=g["cert"], tls_key=g["key"], tls_ca=g["ca"], allow=spec)
+    with pytest.raises(ValueError, match="mutual TLS"):
+        ServerConfig(role="decoder", allow="FetchKV=engine")
