@@ -59,6 +59,7 @@ class Metrics:
         self.fallbacks = Counter("speckv_fallbacks_total",
                                  "Transfers that fell back to a stored stream (e.g. predictor mismatch).",
                                  ("role", "model", "reason"), registry=r)
+        self.fallbacks.labels(role, model, "mu_mismatch")  # NOTE: a known series exists at 0 from the start
         self.inflight_transfers = Gauge("speckv_inflight_transfers", "Transfers in progress.",
                                         ("role", "model"), registry=r)
         self.inflight_bytes = Gauge("speckv_inflight_bytes", "KV bytes buffered by transfers in progress.",
