@@ -113,15 +113,25 @@ def _as_kv(kv: Any) -> tuple[int, np.ndarray, np.ndarray | None]:
 def submit_requests(request_id: str, kv: Any, prompt_token_ids: Any, decoder_address: str,
                     model_id: str, encoding: str = "speckv", expected_pin: str | None = None,
                     part_bytes: int = PART_BYTES) -> Iterator[epb.SubmitRequest]:
-    """The SubmitRequest stream: header, then every layer in parts."""
-    from speckv.server.wire import kv_shape, layer_messages
+    """The SubmitRequest stream: header, then every layer in parts. The KV is checked
+    here, before any call starts (ValueError / TypeError)."""
+    from speckv.server.wire import NAN_SCALES, kv_shape
 
     dtype, bits, scales = _as_kv(kv)
     if bits.ndim != 5 or bits.shape[1] != 2:
         raise ValueError(f"KV must be (layers, 2, kv_heads, tokens, head_dim), not {bits.shape}")
     if encoding not in ENCODINGS:
         raise ValueError(f"encoding must be one of {sorted(ENCODINGS)}, not {encoding!r}")
-    shape = kv_shape(bits.shape)
+    if scales is not None and np.isnan(scales).any():
+        raise ValueError(NAN_SCALES)
+    return _submit_stream(request_id, bits, scales, dtype, kv_shape(bits.shape), prompt_token_ids,
+                          decoder_address, model_id, encoding, expected_pin, part_bytes)
+
+
+def _submit_stream(request_id, bits, scales, dtype, shape, prompt_token_ids, decoder_address, model_id,
+                   encoding, expected_pin, part_bytes) -> Iterator[epb.SubmitRequest]:
+    from speckv.server.wire import layer_messages
+
     yield epb.SubmitRequest(header=epb.SubmitHeader(
         request_id=request_id, decoder_address=decoder_address, model_id=model_id, dtype=dtype,
         shape=shape, prompt_token_ids=[int(t) for t in np.asarray(prompt_token_ids).ravel()],

@@ -22,12 +22,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from speckv.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
+from speckv.v1 import decoder_pb2, encoder_pb2
 
 from .budget import ByteBudget
 from .config import ServerConfig
 from .decoder import DecoderService
 from .encoder import EncoderService
+from .handlers import add_service
 from .metrics import Metrics
 from .runtime import Runtime
 
@@ -114,10 +115,10 @@ def create_server(config: ServerConfig, runtime: Runtime | None = None,
         *KEEPALIVE])
     if config.role == "decoder":
         service = DecoderService(config, runtime, metrics, budget)
-        decoder_pb2_grpc.add_DecoderServiceServicer_to_server(service, server)
+        add_service(server, service, decoder_pb2.DESCRIPTOR.services_by_name["DecoderService"])
     else:
         service = EncoderService(config, runtime, metrics, budget)
-        encoder_pb2_grpc.add_EncoderServiceServicer_to_server(service, server)
+        add_service(server, service, encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -33,7 +33,7 @@ from .config import ServerConfig
 from .metrics import Metrics
 from .runtime import Runtime
 from .status import RpcError, TransferDigestError, in_band, integrity_kind, outcome, to_status
-from .transfers import S, DecoderTransfer, TransferTable
+from .transfers import S, DecoderTransfer, TransferTable, check_request_id
 from .wire import RecordAssembler, dtype_of, kv_shape, layer_bytes, layer_messages, shape_of
 
 logger = logging.getLogger(__name__)
@@ -52,16 +52,15 @@ class DecoderService(dgrpc.DecoderServiceServicer):
         await authorize(context, "Transfer", self.allow)
         t0 = time.perf_counter()
         it = request_iterator.__aiter__()
-        first = await anext(it, None)
         t: DecoderTransfer | None = None
         labels = ("?", "?")
         try:
+            first = await anext(it, None)
             if first is None or first.WhichOneof("kind") != "header":
                 raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "the first message must carry the TransferHeader")
             h, ids, labels = self._check_header(first.header)
             t = DecoderTransfer(first.header.request_id, h.shape[0], h.n_chunks, self.budget.holding())
             t.layer_bytes = layer_bytes(h.shape, dtype_of_header(h))
-            t.task = asyncio.current_task()
             t.peer = context.peer() or "?"
             self._check_peer(t.peer)
             await self.table.add(t)
@@ -80,13 +79,6 @@ class DecoderService(dgrpc.DecoderServiceServicer):
             self.metrics.seconds("transfer", time.perf_counter() - t0)
         except BaseException as e:  # noqa: B902 -- CancelledError too: the transfer must end
             code, msg = to_status(e)
-            if isinstance(e, asyncio.CancelledError) and t is not None and t.error is not None \
-                    and not isinstance(t.error, asyncio.CancelledError):
-                # NOTE: ended from inside (CancelTransfer, lease expiry) and this handler cancelled:
-                # report why to the caller; a bare CancelledError sends no status, leaving the
-                # encoder's call open until its deadline
-                code, msg = to_status(t.error)
-                e = t.error
             kind = integrity_kind(e)
             if kind:
                 self.metrics.integrity(kind)
@@ -95,7 +87,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
                             else S.TRANSFER_STATE_FAILED, e)
             self.metrics.finished(outcome(code))
             logger.info("transfer %s failed: %s %s", t.request_id if t else "?", code.name, msg)
-            if isinstance(e, asyncio.CancelledError):
+            if isinstance(e, (asyncio.CancelledError, GeneratorExit)):  # the call itself is gone
                 raise
             # NOTE: the verdict goes in-band first, then the sender's in-flight messages are
             # drained: a peer still writing when the call ends would see a transport error
@@ -135,8 +127,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
         return h2
 
     def _check_header(self, hdr: dpb.TransferHeader) -> tuple[ct.StreamHeader, np.ndarray, tuple[str, str]]:
-        if not hdr.request_id or len(hdr.request_id) > 256:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "request_id must be 1 to 256 characters")
+        check_request_id(hdr.request_id)
         name, _ = dtype_of(hdr.dtype)
         shape = shape_of(hdr.shape)
         ids = np.asarray(hdr.prompt_token_ids, np.int64)
@@ -161,16 +152,16 @@ class DecoderService(dgrpc.DecoderServiceServicer):
         if h.model != ct.MODEL_STORED:
             # NOTE: the encoder sends no chunk before this check: a predictor that disagrees
             # turns the transfer into a stored one (Fallback) instead of failing it
-            mu, t.predictor_s = await self.rt.mu(ids)
+            mu, t.predictor_s = await _await_or_fail(self.rt.mu(ids), None, t)
             self.metrics.seconds("predictor", t.predictor_s)
             yield dpb.TransferResponse(predictor=dpb.PredictorCheck(mu_digest=digest(mu)))
-            first = await anext(it, None)
+            first = await _await_or_fail(anext(it, None), None, t)
             if first is not None and first.WhichOneof("kind") == "fallback":
                 h, mu = self._fallback(t, h, ids, first.fallback), None
                 t.wire_bytes += ct.HEADER_LEN
                 labels = (labels[0], "stored")
                 self.metrics.header(*labels, ct.HEADER_LEN)
-                first = await anext(it, None)
+                first = await _await_or_fail(anext(it, None), None, t)
             it = _prepend(first, it)
         t.encoding = labels[1]
         worker = asyncio.ensure_future(self._decode_loop(t, h, mu, queue, labels))
@@ -179,7 +170,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
         trailer = None
         try:
             while True:
-                req = await _next_or_fail(it, worker)
+                req = await _await_or_fail(anext(it, None), worker, t)
                 if req is None:
                     break
                 if trailer is not None:
@@ -197,11 +188,11 @@ class DecoderService(dgrpc.DecoderServiceServicer):
                     # NOTE: the record AND its decoded layers are reserved up front, so a queued
                     # chunk never waits for memory that only a later chunk could free (deadlock)
                     raw = lb * h.chunk_layers(req.chunk.index)[1]
-                    await _await_or_fail(t.holding.acquire(size + raw), worker)
+                    await _await_or_fail(t.holding.acquire(size + raw), worker, t)
                 rec = asm.add(req.chunk)
                 if rec is None:
                     continue
-                chunk = _whole(rec, h)
+                chunk = _whole(rec, h, asm.next_index - 1)
                 t.chunks_received += 1
                 t.wire_bytes += len(rec)
                 queue.put_nowait((chunk, len(rec)))
@@ -212,7 +203,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
             if trailer is None:
                 raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "stream ended without its TransferTrailer")
             queue.put_nowait(None)
-            await worker
+            await _await_or_fail(asyncio.shield(worker), None, t)
             # NOTE: every chunk passed its own digest; this one binds them into the whole KV
             if (t.digest.digest(), t.digest.raw_bytes) != (bytes(trailer.raw_digest), trailer.raw_bytes):
                 raise TransferDigestError(f"transfer {t.request_id!r}: whole-transfer digest does not match "
@@ -222,6 +213,8 @@ class DecoderService(dgrpc.DecoderServiceServicer):
         finally:
             if not worker.done():
                 worker.cancel()
+            elif not worker.cancelled():
+                worker.exception()  # retrieved: the handler already reports why it ended
 
     async def _decode_loop(self, t: DecoderTransfer, h: ct.StreamHeader, mu: np.ndarray | None,
                            queue: asyncio.Queue, labels: tuple[str, str]) -> None:
@@ -307,9 +300,8 @@ class DecoderService(dgrpc.DecoderServiceServicer):
         except RpcError as e:
             await context.abort(e.code, str(e))
         if t.live:
+            # NOTE: ending it wakes its Transfer handler, which reports CANCELLED to the sender
             await t.end(S.TRANSFER_STATE_CANCELLED, RpcError(grpc.StatusCode.CANCELLED, "cancelled by CancelTransfer"))
-            if t.task is not None and not t.task.done():
-                t.task.cancel()
         self._gauges()
         return dpb.CancelTransferResponse(status=t.status())
 
@@ -356,27 +348,36 @@ def dtype_of_header(h: ct.StreamHeader) -> int:
     return 1 if h.dtype == ct.DTYPE_FP8 else 2
 
 
-def _whole(rec: bytearray, h: ct.StreamHeader) -> ct.Chunk:
+def _whole(rec: bytearray, h: ct.StreamHeader, index: int) -> ct.Chunk:
     chunk, used = ct.unpack_chunk(rec, h)
     if used != len(rec):
         raise ct.FormatError(f"chunk record of {used} bytes sent as {len(rec)}")
+    if chunk.index != index:
+        raise ct.FormatError(f"chunk record {chunk.index} sent as chunk {index}")
     return chunk
 
 
-async def _next_or_fail(it: AsyncIterator, worker: asyncio.Future):
-    """The next request, unless ``worker`` fails first (its exception is raised)."""
-    return await _await_or_fail(anext(it, None), worker)
+async def _await_or_fail(aw, worker: asyncio.Future | None, t: DecoderTransfer):
+    """``await aw``, unless ``worker`` fails or ``t`` is ended from outside (CancelTransfer,
+    lease expiry) first: then the worker's error or ``t.error`` is raised here, in the
+    handler, which reports it to the sender with its status.
 
-
-async def _await_or_fail(aw, worker: asyncio.Future):
+    NOTE: the handler is never cancelled from outside: a cancelled grpc.aio handler
+    sends no status at all, leaving the sender's call open until its deadline."""
     task = asyncio.ensure_future(aw)
+    stop = asyncio.ensure_future(t.stopped.wait())
+    guards = {task, stop} | ({worker} if worker is not None else set())
     try:
-        done, _ = await asyncio.wait({task, worker}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # cancelled (CancelTransfer, lease, client): no orphaned read or acquire
+        done, _ = await asyncio.wait(guards, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the call itself is cancelled: no orphaned read or acquire
         task.cancel()
         raise
+    finally:
+        stop.cancel()
     if task in done:
         return task.result()
     task.cancel()
+    if stop in done:
+        raise t.error or RpcError(grpc.StatusCode.CANCELLED, "transfer ended")
     worker.result()  # raises the worker's error
     raise RpcError(grpc.StatusCode.INTERNAL, "decode task ended early")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -38,6 +39,7 @@ from .metrics import Metrics
 from .runtime import Runtime
 from .decoder import peer_host
 from .status import RpcError, from_in_band, outcome, to_status
+from .transfers import check_request_id
 from .wire import LayerAssembler, bad, dtype_of, layer_bytes, parts, shape_of
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,16 @@ class _Job:
     message_bytes: int = 0  # serialized TransferRequests written
     fallback: bool = False  # switched to a stored stream after a predictor mismatch
     digest: KVDigest = field(default_factory=KVDigest)  # whole-transfer digest, layer by layer
+
+
+# HOST:PORT: a DNS name or IPv4 address, or a bracketed IPv6 address; grpc would fail
+# to create a channel for anything else (e.g. "x:1##") with an opaque UNKNOWN
+ADDRESS = re.compile(r"(?:\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9][A-Za-z0-9._-]{0,252}):([0-9]{1,5})")
+
+
+def valid_address(addr: str) -> bool:
+    m = ADDRESS.fullmatch(addr)
+    return m is not None and 1 <= int(m.group(1)) <= 65535
 
 
 class EncoderService(egrpc.EncoderServiceServicer):
@@ -116,10 +128,9 @@ class EncoderService(egrpc.EncoderServiceServicer):
         if first is None or first.WhichOneof("kind") != "header":
             raise bad("the first message must carry the SubmitHeader")
         hdr = first.header
-        if not hdr.request_id or len(hdr.request_id) > 256:
-            raise bad("request_id must be 1 to 256 characters")
-        if not hdr.decoder_address or ":" not in hdr.decoder_address:
-            raise bad(f"decoder_address must be HOST:PORT, not {hdr.decoder_address!r}")
+        check_request_id(hdr.request_id)
+        if not valid_address(hdr.decoder_address):
+            raise bad(f"decoder_address must be HOST:PORT, not {hdr.decoder_address[:300]!r}")
         if hdr.expected_predictor_pin and hdr.expected_predictor_pin != bytes.fromhex(self.rt.pin):
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
                            f"predictor pin mismatch: caller expects {hdr.expected_predictor_pin.hex()}, "

@@ -14,6 +14,7 @@ import logging
 import grpc
 
 from speckv.coder import container as ct
+from speckv.coder.rans import RansDecodeError
 from speckv.coder.errors import (CalibrationError, CheckpointError, IntegrityError, MuMismatchError,
                                  PinMismatchError, PromptMismatchError)
 from speckv.v1 import common_pb2 as pb
@@ -43,6 +44,7 @@ _BY_TYPE: tuple[tuple[type, grpc.StatusCode], ...] = (
     (MuMismatchError, C.FAILED_PRECONDITION),
     (PromptMismatchError, C.INVALID_ARGUMENT),
     (IntegrityError, C.DATA_LOSS),
+    (RansDecodeError, C.DATA_LOSS),  # a corrupt rANS payload behind a valid crc32
     (CheckpointError, C.FAILED_PRECONDITION),
     (CalibrationError, C.FAILED_PRECONDITION),
     (BudgetExceeded, C.RESOURCE_EXHAUSTED),
@@ -57,7 +59,7 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return exc.code, str(exc)
     if isinstance(exc, grpc.aio.AioRpcError):  # from our own call to a peer sidecar
         return exc.code(), f"decoder: {exc.details()}"
-    if isinstance(exc, asyncio.CancelledError):
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):  # GeneratorExit: the caller went away
         return C.CANCELLED, "cancelled"
     for typ, code in _BY_TYPE:
         if isinstance(exc, typ):
@@ -76,6 +78,8 @@ def integrity_kind(exc: BaseException) -> str | None:
         return "transfer_digest"
     if isinstance(exc, IntegrityError):
         return "raw_digest"
+    if isinstance(exc, RansDecodeError):
+        return "rans"
     return None
 
 

@@ -35,6 +35,16 @@ S = dpb.TransferState
 LIVE = (S.TRANSFER_STATE_RECEIVING, S.TRANSFER_STATE_READY)
 
 
+MAX_REQUEST_ID = 256  # characters; ids are echoed in status messages (gRPC metadata: 16 KiB at most)
+
+
+def check_request_id(request_id: str) -> None:
+    """INVALID_ARGUMENT unless 1 to MAX_REQUEST_ID characters."""
+    if not 1 <= len(request_id) <= MAX_REQUEST_ID:
+        raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"request_id must be 1 to {MAX_REQUEST_ID} characters, not {len(request_id)}")
+
+
 class DecoderTransfer:
     """One request's transfer on the decoder."""
 
@@ -56,7 +66,7 @@ class DecoderTransfer:
         self.fallback = False
         self.peer = "?"
         self.touched = time.monotonic()
-        self.task: asyncio.Task[Any] | None = None  # the Transfer handler, for cancel
+        self.stopped = asyncio.Event()  # set when ended with an error: wakes the Transfer handler
         self._cond = asyncio.Condition()
 
     @property
@@ -83,6 +93,7 @@ class DecoderTransfer:
             if state != S.TRANSFER_STATE_READY and state != S.TRANSFER_STATE_FETCHED:
                 self.layers.clear()
                 self.holding.close()
+                self.stopped.set()
             self._cond.notify_all()
 
     async def take(self, layer: int, timeout: float) -> tuple[np.ndarray, np.ndarray | None]:
@@ -154,6 +165,7 @@ class TransferTable:
             self._arrived.notify_all()
 
     def get(self, request_id: str) -> DecoderTransfer:
+        check_request_id(request_id)
         t = self._by_id.get(request_id)
         if t is None:
             raise RpcError(grpc.StatusCode.NOT_FOUND, f"no transfer with request id {request_id!r}")
@@ -163,6 +175,7 @@ class TransferTable:
         """The transfer ``request_id``, waiting up to ``timeout`` s for it to arrive; a failed
         or cancelled one is returned only if no retry under the same id replaces it in time
         (so a decode engine's FetchKV rides over the encoder's retry)."""
+        check_request_id(request_id)
         ended = (S.TRANSFER_STATE_FAILED, S.TRANSFER_STATE_CANCELLED)
 
         def usable() -> bool:
@@ -187,8 +200,6 @@ class TransferTable:
                 logger.warning("transfer %s expired after %.0f s idle (lease)", rid, now - t.touched)
                 await t.end(S.TRANSFER_STATE_FAILED,
                             RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "lease expired before FetchKV"))
-                if t.task is not None:
-                    t.task.cancel()
             else:
                 del self._by_id[rid]
             n += 1

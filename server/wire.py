@@ -60,6 +60,16 @@ def parts(n: int, part_bytes: int) -> Iterator[tuple[int, int]]:
         yield off, min(part_bytes, n - off)
 
 
+# NOTE: proto float fields pass through Python floats, which quiet a signalling NaN
+# (0x7f800001 -> 0x7fc00001): NaN scales are refused rather than altered in transit
+NAN_SCALES = "fp8_scales must not be NaN (a NaN payload cannot cross a proto float field bit-exact)"
+
+
+def scale_bits(values) -> tuple[int, ...]:
+    """fp32 bit patterns of scales (compared as bits: -0.0 is not 0.0)."""
+    return tuple(np.asarray(list(values), np.float32).view(np.uint32).tolist())
+
+
 def layer_messages(index: int, layer: np.ndarray, dtype: int, shape: pb.KVShape, part_bytes: int,
                    scales: np.ndarray | None = None) -> Iterator[pb.KVLayer]:
     """The KVLayer parts of one layer ``(2, heads, tokens, dim)`` (no copy of the array
@@ -68,6 +78,8 @@ def layer_messages(index: int, layer: np.ndarray, dtype: int, shape: pb.KVShape,
     buf = memoryview(np.ascontiguousarray(layer, dt).reshape(-1)).cast("B")  # 1-D: a 0-token layer casts too
     n = buf.nbytes
     sp = [] if scales is None else [float(v) for v in np.asarray(scales, np.float32).ravel()]
+    if any(v != v for v in sp):
+        raise ValueError(NAN_SCALES)
     pieces = list(parts(n, part_bytes))
     for k, (off, ln) in enumerate(pieces):
         yield pb.KVLayer(layer=index, dtype=dtype, shape=shape, part_index=k, part_count=len(pieces),
@@ -84,7 +96,7 @@ class LayerAssembler:
     _buf: bytearray | None = None
     _part: int = 0
     _count: int = 0
-    _scales: tuple[float, ...] = ()
+    _scales: tuple[int, ...] = ()  # fp32 bit patterns of the layer's fp8_scales
     _filled: int = 0
 
     @property
@@ -114,7 +126,9 @@ class LayerAssembler:
                 raise bad(f"layer {m.layer}: first part has index {m.part_index} of {m.part_count}")
             self._buf, self._part, self._count = bytearray(self.layer_size), 0, m.part_count
             self._filled = 0
-            self._scales = tuple(m.fp8_scales)
+            self._scales = scale_bits(m.fp8_scales)
+            if any(v != v for v in m.fp8_scales):
+                raise bad(f"layer {m.layer}: {NAN_SCALES}")
         filled = self._fill(m)
         if filled < self.layer_size and self._part < self._count:
             return None
@@ -130,7 +144,7 @@ class LayerAssembler:
         if m.byte_offset != self._filled or m.byte_offset + len(m.data) > self.layer_size:
             raise bad(f"layer {m.layer}: part at offset {m.byte_offset} (+{len(m.data)}) does not "
                       f"continue the layer")
-        if tuple(m.fp8_scales) != self._scales:
+        if scale_bits(m.fp8_scales) != self._scales:
             raise bad(f"layer {m.layer}: fp8_scales differ between parts")
         assert self._buf is not None
         self._buf[m.byte_offset:m.byte_offset + len(m.data)] = m.data
@@ -146,7 +160,7 @@ class LayerAssembler:
         if name == "fp8":
             if len(self._scales) != 2:
                 raise bad(f"layer {self.next_layer}: FP8 layers need 2 fp8_scales, got {len(self._scales)}")
-            scales = np.array(self._scales, np.float32)
+            scales = np.array(self._scales, np.uint32).view(np.float32)
         elif self._scales:
             raise bad(f"layer {self.next_layer}: BF16 layers carry no fp8_scales")
         out = (self.next_layer, arr, scales)

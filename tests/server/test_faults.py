@@ -152,16 +152,20 @@ class FlipBits(grpc.aio.ServerInterceptor):
             return handler
         inner, nth, byte = handler.stream_stream, self.nth, self.byte
 
+        # NOTE: the sidecar parses requests itself (server/handlers.py), so an interceptor
+        # sees the serialized bytes as they came off the wire
         async def flipped(requests):
             n = 0
-            async for req in requests:
+            async for data in requests:
+                req = dpb.TransferRequest.FromString(data)
                 if req.WhichOneof("kind") == "chunk":
                     n += 1
                     if n == nth:
                         rec = bytearray(req.chunk.record)
                         rec[min(byte, len(rec) - 1)] ^= 0x04
                         req.chunk.record = bytes(rec)
-                yield req
+                        data = req.SerializeToString()
+                yield data
 
         async def wrapped(requests, context):
             async for resp in inner(flipped(requests), context):
