@@ -39,8 +39,8 @@ DEVICE_CODER = "cuda"  # tests/benchmarks/test_gpu_check.py runs this script's l
 
 def codecs(ck, epl: int = 1024, lpc: int = 2) -> tuple[Codec, Codec]:
     cfg = dict(elems_per_lane=epl, layers_per_chunk=lpc)
-    return (Codec(ck.tables, ck.calib.sigma_log2_q, ck.pin, config=CodecConfig(coder="cpu", **cfg)),
-            Codec(ck.tables, ck.calib.sigma_log2_q, ck.pin, config=CodecConfig(coder=DEVICE_CODER, **cfg)))
+    return (Codec.from_checkpoint(ck, CodecConfig(coder="cpu", **cfg)),
+            Codec.from_checkpoint(ck, CodecConfig(coder=DEVICE_CODER, **cfg)))
 
 
 def _equal(a, b) -> bool:

@@ -93,7 +93,8 @@ def load_text(path: str | None) -> tuple[str, str]:
 
 def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf16",
               target: str = "default", predictor: str | None = None, pin: str | None = None,
-              quiet: bool = False, coder: str = "auto") -> dict[str, Any]:
+              quiet: bool = False, coder: str = "auto", model: str = "auto",
+              timing_runs: int = 3) -> dict[str, Any]:
     from speckv.coder.codec import Codec, CodecConfig, Fp8KV, bf16_bits
     from speckv.coder.fp8 import kv_to_fp8
     from speckv.coder.session import Session
@@ -105,9 +106,10 @@ def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf
         sess = Session.open(target, predictor, pin)
         text, name = load_text(text_path)
         ids = sess.target.tokenize(text, tokens)
-        step(f"prefill of {len(ids)} tokens")
-        pre = sess.prefill(ids)
-        codec = Codec.from_predictor(sess.predictor, CodecConfig(coder=coder))
+        step(f"prefill of {len(ids)} tokens, target and predictor timed alternately x{timing_runs}")
+        fp8_copy = None if sess.predictor.checkpoint.rung.name == "fp8" else fp8_copy_forward(sess.target)
+        pre, target_s, predictor_s, fp8_s = timed_prefill(sess, ids, timing_runs, fp8_copy)
+        codec = Codec.from_predictor(sess.predictor, CodecConfig(coder=coder, model=model))
         if dtype == "fp8":
             q, scale = kv_to_fp8(pre.kv)
             kv, raw = Fp8KV(q.numpy(), scale.numpy()), q.numpy().tobytes()
@@ -129,8 +131,56 @@ def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf
             "raw_bytes": len(raw), "coded_bytes": coded, "bits_per_scalar": 8 * coded / max(n, 1),
             "ideal_bits_per_scalar": ideal["bits_per_scalar"], "ratio": len(raw) / coded,
             "lossless": lossless, "encode_mb_s": mb / te, "decode_mb_s": mb / td,
-            "predictor_s": pre.predictor_s, "target_s": pre.target_s, "pin": sess.pin, "peers": peer_rows,
+            "predictor_s": predictor_s, "target_s": target_s, "timing_runs": timing_runs,
+            "predictor_cost": predictor_s / max(target_s, 1e-12), "model": _model_name(codec.model_id),
+            "fp8_copy_cost": (fp8_s if fp8_s is not None else predictor_s) / max(target_s, 1e-12),
+            "rung": sess.predictor.checkpoint.rung.name, "pin": sess.pin, "peers": peer_rows,
             "coder": "numpy" if codec.kernels is None else type(codec.kernels).__name__}
+
+
+def timed_prefill(sess: Any, ids: np.ndarray, runs: int,
+                  fp8_copy: Callable[[np.ndarray], Any] | None = None) -> tuple[Any, float, float, float | None]:
+    """The prefill, and the median seconds of the target, the predictor and (if given)
+    the FP8 copy over ``runs`` alternating timings (alternating, so a busy machine slows
+    them alike); every run's mu must agree."""
+    pre = sess.prefill(ids)
+    target_s, predictor_s, fp8_s = [pre.target_s], [pre.predictor_s], []
+    for i in range(runs):
+        if fp8_copy is not None:
+            t0 = time.perf_counter()
+            fp8_copy(ids)
+            fp8_s.append(time.perf_counter() - t0)
+        if i == runs - 1:
+            break
+        again = sess.prefill(ids)
+        if not np.array_equal(bf16_bits_of(again.mu), bf16_bits_of(pre.mu)):
+            raise RuntimeError("the predictor's mu differs between two runs (not deterministic)")
+        target_s.append(again.target_s)
+        predictor_s.append(again.predictor_s)
+    med = float(np.median(fp8_s)) if fp8_s else None
+    return pre, float(np.median(target_s)), float(np.median(predictor_s)), med
+
+
+def fp8_copy_forward(target: Any) -> Callable[[np.ndarray], Any]:
+    """A prefill of the target's plain FP8 copy (rung fp8), to time it next to a rung."""
+    from speckv.coder.predict import build_model
+    from speckv.coder.predictor import fp8_state
+    from speckv.coder.target import extract_kv
+
+    model = build_model(type(target.config).from_dict(target.config.to_dict()), fp8_state(target.state))
+    return lambda ids: extract_kv(model, ids)
+
+
+def bf16_bits_of(t: Any) -> np.ndarray:
+    from speckv.coder.codec import bf16_bits
+
+    return bf16_bits(t)
+
+
+def _model_name(model_id: int) -> str:
+    from speckv.coder.residual import MODEL_NAMES
+
+    return {v: k for k, v in MODEL_NAMES.items()}[model_id]
 
 
 def _equal(back: Any, kv: Any) -> bool:
@@ -160,4 +210,6 @@ def print_report(r: dict[str, Any]) -> None:
             continue
         t.add_row(p["name"], fmt(bits / p["ratio"]), fmt(p["ratio"]), fmt(p["encode_mb_s"]), fmt(p["decode_mb_s"]))
     Console().print(t)
-    Console().print(f"predictor {r['predictor_s']:.2f} s, target prefill {r['target_s']:.2f} s, pin {r['pin'][:16]}")
+    Console().print(f"model {r['model']}; predictor ({r['rung']}) {r['predictor_s']:.2f} s = "
+                    f"{r['predictor_cost']:.2f} x the target prefill {r['target_s']:.2f} s "
+                    f"(medians of {r['timing_runs']}), pin {r['pin'][:16]}")

@@ -63,6 +63,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--tokens", type=_positive, default=2048)
     bench.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
     bench.add_argument("--json", action="store_true")
+    bench.add_argument("--model", choices=("auto", "seed", "tuned"), default="auto",
+                       help="residual model: seed (the published static mixture), tuned (affine mu "
+                            "correction, refit sigma, escape 1e-4), auto (the best the checkpoint has)")
+    bench.add_argument("--timing-runs", type=_positive, default=3,
+                       help="target and predictor prefills timed alternately; predictor_cost uses the medians")
     _add_model_args(bench)
 
     serve = sub.add_parser("serve", help="run an encoder or decoder sidecar (gRPC) until SIGTERM",
@@ -81,13 +86,16 @@ def _parser() -> argparse.ArgumentParser:
 
     pred = sub.add_parser("predictor", help="build or inspect a pinned predictor checkpoint")
     psub = pred.add_subparsers(dest="pcmd", required=True)
-    build = psub.add_parser("build", help="FP8 copy of a target + calibration -> checkpoint dir")
+    build = psub.add_parser("build", help="predictor (FP8 copy by default) + calibration -> checkpoint dir")
     build.add_argument("--target", default="default")
     build.add_argument("--calib", required=True, help="calibration text file")
     build.add_argument("--out", required=True, help="output directory")
     build.add_argument("--tokens", type=_positive, default=None, help="calibration tokens (default 4096)")
     build.add_argument("--derive-weights", action="store_true",
                        help="do not write the FP8 weights; derive them from the target at load time")
+    build.add_argument("--rung", default="fp8",
+                       help="predictor ladder rung: fp8 (FP8 copy, default), hybrid:K (the target's first K "
+                            "layers in BF16, then the FP8 copy) or none (per-channel calibration means)")
     info = psub.add_parser("info", help="verify a checkpoint and print its pin")
     info.add_argument("dir")
     info.add_argument("--pin", default=None)
@@ -149,7 +157,7 @@ def cmd_predictor(args: argparse.Namespace) -> int:
         step(f"calibrating on {tokens} tokens of {args.calib}")
         source = "embedded" if args.target == DEFAULT_TARGET else "path"
         pin = build_checkpoint(target, Path(args.calib), Path(args.out), tokens=tokens,
-                               derive_weights=args.derive_weights, source=source)
+                               derive_weights=args.derive_weights, source=source, rung=args.rung)
     print(pin)
     return 0
 
@@ -185,7 +193,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import print_report, run_bench
 
     rep = run_bench(args.text, args.tokens, args.dtype, args.target, args.predictor, args.pin, quiet=args.json,
-                    coder=args.coder)
+                    coder=args.coder, model=args.model, timing_runs=args.timing_runs)
     if args.json:
         print(json.dumps(rep))
     else:

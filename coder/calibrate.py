@@ -5,7 +5,9 @@ the FP8 copy, runs both models on the first ``tokens`` tokens of the text in
 fixed-length segments, and freezes: sigma^2 per (layer, kv, head, channel)
 (residual variance of KV_target - mu over finite scalars), the empirical BF16
 and e4m3 symbol histograms (the mixture's third component), and the mixture
-weights. It writes the checkpoint and returns its pin.
+weights. It writes the checkpoint and returns its pin. ``rung`` picks the
+predictor of the ladder (``ladder.py``): ``fp8`` (default), ``hybrid:k``, or
+``none`` (whose per-channel means are computed here and stored in the checkpoint).
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from .errors import CalibrationError
-from .predictor import (CALIB, CONFIG, FORMAT_NAME, FORMAT_VERSION, TABLES, WEIGHTS, Calibration,
+from .predictor import (CALIB, CONFIG, FORMAT_NAME, FORMAT_VERSION, TABLES, TUNED_TABLES, WEIGHTS, Calibration,
                         fp8_state, save_npz_stable, sha256_file, state_digest, write_manifest)
+from .residual import TUNED_MIXTURE, AffineFit
 from .tables import SIGMA_ONE, build_tables
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from .ladder import Rung
     from .target import Target
 
 logger = logging.getLogger(__name__)
@@ -46,20 +50,24 @@ class ResidualStats:
     count: np.ndarray  # same shape, int64
     hist_bf16: np.ndarray  # (65536,) int64
     hist_fp8: np.ndarray  # (256,) int64
+    affine: AffineFit  # the tuned model's per-channel mu correction
 
     @classmethod
     def empty(cls, layers: int, heads: int, dim: int) -> "ResidualStats":
         shape = (layers, 2, heads, dim)
         return cls(np.zeros(shape), np.zeros(shape, np.int64), np.zeros(65536, np.int64),
-                   np.zeros(256, np.int64))
+                   np.zeros(256, np.int64), AffineFit.empty(shape))
 
     def add(self, kv: "torch.Tensor", mu: "torch.Tensor") -> None:
         from .fp8 import kv_to_fp8
 
-        r = kv.double().numpy() - mu.double().numpy()  # (layers, 2, heads, tokens, dim)
+        x, m = kv.double().numpy(), mu.double().numpy()  # (layers, 2, heads, tokens, dim)
+        r = x - m
         ok = np.isfinite(r)
         self.sum_r2 += np.where(ok, r, 0.0).__pow__(2).sum(axis=3)
         self.count += ok.sum(axis=3)
+        self.affine.add(x, m)
+        del x, m, r, ok
         self.hist_bf16 += np.bincount(bf16_symbols(kv).ravel(), minlength=65536)
         q, _ = kv_to_fp8(kv)
         self.hist_fp8 += np.bincount(q.numpy().ravel(), minlength=256)
@@ -68,10 +76,26 @@ class ResidualStats:
         if (self.count == 0).any():
             raise CalibrationError("calibration left a channel without any finite residual")
         sigma2 = np.maximum(self.sum_r2 / self.count, SIGMA2_FLOOR)
-        # NOTE: the one float log of the coder, taken here once and stored (pinned)
-        log2q = np.round(np.log2(sigma2) * (SIGMA_ONE / 2.0)).astype(np.int32)
-        return Calibration(sigma2=sigma2, sigma_log2_q=log2q, hist_bf16=self.hist_bf16.copy(),
-                           hist_fp8=self.hist_fp8.copy(), mixture=MIXTURE, wide=WIDE)
+        a, b, tuned = self.affine.solve()
+        tuned2 = np.maximum(tuned, SIGMA2_FLOOR)
+        return Calibration(sigma2=sigma2, sigma_log2_q=log2_sigma_q(sigma2), hist_bf16=self.hist_bf16.copy(),
+                           hist_fp8=self.hist_fp8.copy(), mixture=MIXTURE, wide=WIDE, mu_scale=a, mu_shift=b,
+                           tuned_sigma2=tuned2, tuned_sigma_log2_q=log2_sigma_q(tuned2))
+
+
+def log2_sigma_q(sigma2: np.ndarray) -> np.ndarray:
+    """round(SIGMA_ONE * log2 sigma) as int32.
+
+    NOTE: the one float log of the coder, taken here once and stored (pinned)."""
+    return np.round(np.log2(sigma2) * (SIGMA_ONE / 2.0)).astype(np.int32)
+
+
+def coding_tables(calib: Calibration) -> dict[str, np.ndarray]:
+    """tables.npz: the seed model's tables, and the tuned model's under TUNED_TABLES."""
+    arrays = build_tables(calib.mixture, calib.wide)
+    if calib.tuned_sigma_log2_q is not None:
+        arrays |= {TUNED_TABLES + k: v for k, v in build_tables(TUNED_MIXTURE, calib.wide).items()}
+    return arrays
 
 
 def bf16_symbols(kv: "torch.Tensor") -> np.ndarray:
@@ -108,52 +132,67 @@ def read_text(path: str | Path, chars: int | None = None) -> str:
 
 def build_checkpoint(target: "Target", calib_text: Path, out: Path, *, tokens: int = DEFAULT_CALIB_TOKENS,
                      segment: int = DEFAULT_SEGMENT, derive_weights: bool = False,
-                     source: str = "path", progress: Callable[[int], None] | None = None) -> str:
+                     source: str = "path", progress: Callable[[int], None] | None = None,
+                     rung: str = "fp8") -> str:
     """Write a predictor checkpoint for ``target`` into ``out``; returns the pin."""
+    from .ladder import MEANS, calibrate_none, parse_rung
     from .predict import build_model
 
+    ladder = parse_rung(rung, target.config.num_hidden_layers)
     out.mkdir(parents=True, exist_ok=True)
-    state = fp8_state(target.state)
+    state = fp8_state(target.state, ladder) if ladder.has_model else None
     config = target.config.to_dict()
     for volatile in VOLATILE_CONFIG_KEYS:  # where the model was loaded from is not what it is
         config.pop(volatile, None)
     (out / CONFIG).write_bytes(json.dumps(config, sort_keys=True, indent=1).encode() + b"\n")
-    model = build_model(type(target.config).from_dict(config), state)
     from .target import extract_kv
 
     ids = target.tokenize(read_text(calib_text, chars=tokens * 16), tokens)
-    calib = calibrate(target, lambda s: extract_kv(model, s), segments(ids, tokens, segment), progress)
+    segs = segments(ids, tokens, segment)
+    if state is None:
+        calib = calibrate_none(target, segs, out, progress)
+    else:
+        model = build_model(type(target.config).from_dict(config), state)
+        calib = calibrate(target, lambda s: extract_kv(model, s), segs, progress)
     calib.save(out / CALIB)
-    save_npz_stable(out / TABLES, build_tables(calib.mixture, calib.wide))
+    save_npz_stable(out / TABLES, coding_tables(calib))
     files = {name: sha256_file(out / name) for name in (CALIB, CONFIG, TABLES)}
-    if not derive_weights:
+    if state is None:  # rung none: the means instead of weights
+        files[MEANS] = sha256_file(out / MEANS)
+    elif not derive_weights:
         from safetensors.torch import save_file
 
         save_file({k: v.contiguous() for k, v in state.items()}, str(out / WEIGHTS))
         files[WEIGHTS] = sha256_file(out / WEIGHTS)
-    elif (out / WEIGHTS).exists():
-        (out / WEIGHTS).unlink()
+    for stale in {WEIGHTS, MEANS} - set(files):  # left by an earlier build into the same dir
+        (out / stale).unlink(missing_ok=True)
     return write_manifest(out, _manifest(target, calib_text, state, files, tokens, segment,
-                                         derive_weights, source))
+                                         derive_weights, source, ladder))
 
 
-def _manifest(target: "Target", calib_text: Path, state: dict, files: dict, tokens: int,
-              segment: int, derive_weights: bool, source: str) -> dict:
+def _manifest(target: "Target", calib_text: Path, state: dict | None, files: dict, tokens: int,
+              segment: int, derive_weights: bool, source: str, ladder: "Rung") -> dict:
+    from .ladder import manifest_fields, weights_quant
     from .target import COMPUTE_THREADS
 
     cfg = target.config
+    weights = None if state is None else {
+        "file": None if derive_weights else WEIGHTS, "sha256": state_digest(state), "quant": weights_quant(ladder)}
+    if weights is not None and ladder.bf16_layers:
+        weights["bf16_layers"] = ladder.bf16_layers
     return {
-        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "kind": "fp8-copy",
+        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, **manifest_fields(ladder),
         "target": {"name": target.name, "source": source, "weights_sha256": target.weights_sha256},
         "arch": {"layers": cfg.num_hidden_layers, "kv_heads": cfg.num_key_value_heads,
                  "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
                  "model_type": cfg.model_type},
-        "weights": {"file": None if derive_weights else WEIGHTS, "sha256": state_digest(state),
-                    "quant": "e4m3, fp32 scale per output channel, round to nearest even"},
+        "weights": weights,
         "files": files,
         "calibration": {"text": Path(calib_text).name, "text_sha256": sha256_file(Path(calib_text)),
                         "tokens": tokens, "segment_tokens": segment},
         "mixture": {"weights": list(MIXTURE), "wide": WIDE},
+        "models": {"seed": {"id": 1, "mixture": list(MIXTURE)},
+                   "tuned": {"id": 2, "mixture": list(TUNED_MIXTURE), "mu": "bf16(a * mu + b) per channel"}},
         "compute_threads": COMPUTE_THREADS,
     }
 

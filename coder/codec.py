@@ -27,10 +27,11 @@ import numpy as np
 from . import container as ct
 from .errors import IntegrityError, MuMismatchError, PinMismatchError, PromptMismatchError
 from .integrity import DIGEST_BYTES, digest, prompt_digest, verified
-from .model import BF16, E4M3, FP32, MODEL_SEED_MIXTURE, Context, FloatFormat
+from .model import BF16, E4M3, FP32, Context, FloatFormat
 from .model import ContextTable, context, desymbolize, fp8_log2_sigma, symbolize
 from .rans import LANES, PROB_SCALE, RansBlocks, RansDecoder, concat_blocks, rans_encode, split_blocks
 from .rans_kernels import CODERS, select_kernels
+from .residual import MODEL_NAMES, MODEL_SEED, ResidualModel, models_of
 from .stored import stored_chunk, unstored_chunk
 from .tables import NOOP_TABLE, CodingTables
 
@@ -38,6 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from .predict import Predictor
+    from .predictor import Checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,7 @@ class CodecConfig:
     layers_per_chunk: int = 2
     threads: int = field(default_factory=lambda: min(2, os.cpu_count() or 1))  # numpy releases the GIL
     coder: str = "cpu"  # rANS backend: cpu (numpy) | cuda | auto | host (kernels' g++ build)
+    model: str = "auto"  # residual model to encode with: seed | tuned | auto (the best the checkpoint has)
 
     def __post_init__(self) -> None:
         if not 1 <= self.elems_per_lane <= MAX_ELEMS_PER_LANE:
@@ -62,6 +65,8 @@ class CodecConfig:
             raise ValueError(f"threads must be in [1, 64], not {self.threads}")
         if self.coder not in CODERS:
             raise ValueError(f"coder must be one of {CODERS}, not {self.coder!r}")
+        if self.model != "auto" and self.model not in MODEL_NAMES:
+            raise ValueError(f"model must be auto or one of {sorted(MODEL_NAMES)}, not {self.model!r}")
 
 
 @dataclass
@@ -95,6 +100,7 @@ class _Plan:
     mu: np.ndarray  # same shape, the predictor's bit patterns in fmt_mu
     log2_sigma: np.ndarray  # (layers, 2, heads, dim) int64 fixed point
     scales: np.ndarray | None  # (layers, 2) float32 for fp8
+    model: ResidualModel  # tables, sigma and mu correction of the stream's model id
     layer0: int = 0  # absolute index of the plan's first layer (arrays hold a layer range)
 
     def chunk_slice(self, h: ct.StreamHeader, i: int) -> slice:
@@ -110,25 +116,40 @@ class Codec:
     """Encoder and decoder of KV caches under one pinned predictor."""
 
     def __init__(self, tables: CodingTables, log2_sigma: np.ndarray, pin: str,
-                 predictor: "Predictor | None" = None, config: CodecConfig | None = None) -> None:
+                 predictor: "Predictor | None" = None, config: CodecConfig | None = None,
+                 models: dict[int, ResidualModel] | None = None) -> None:
+        """``tables`` and ``log2_sigma``: the seed model's; ``models``: every model id the
+        checkpoint supports (default: the seed's alone)."""
         self.tables = tables
         self.log2_sigma = log2_sigma.astype(np.int64)  # (layers, 2, kv_heads, head_dim)
+        self.models = models or {MODEL_SEED: ResidualModel(MODEL_SEED, tables, self.log2_sigma)}
         self.pin = pin
         self.predictor = predictor
         self.config = config or CodecConfig()
-        self._bf16_contexts: ContextTable | None = None  # built on first BF16 use
+        self.model_id = self._encode_model(self.config.model)
         self.kernels = select_kernels(self.config.coder)  # None: the numpy rANS loops
+
+    def _encode_model(self, name: str) -> int:
+        if name == "auto":
+            return max(self.models)
+        if MODEL_NAMES[name] not in self.models:
+            raise ValueError(f"this checkpoint has no {name!r} residual model (rebuild it)")
+        return MODEL_NAMES[name]
 
     @property
     def bf16_contexts(self) -> ContextTable:
-        if self._bf16_contexts is None:
-            self._bf16_contexts = _context_table(self.log2_sigma)
-        return self._bf16_contexts
+        """The BF16 context table of the model this codec encodes with."""
+        return _context_table(self.models[self.model_id].log2_sigma)
+
+    @classmethod
+    def from_checkpoint(cls, ck: "Checkpoint", config: CodecConfig | None = None,
+                        predictor: "Predictor | None" = None, pin: str | None = None) -> "Codec":
+        """A codec with every residual model of ``ck`` (``pin``: override, for tests)."""
+        return cls(ck.seed_tables, ck.calib.sigma_log2_q, pin or ck.pin, predictor, config, models_of(ck))
 
     @classmethod
     def from_predictor(cls, predictor: "Predictor", config: CodecConfig | None = None) -> "Codec":
-        ck = predictor.checkpoint
-        return cls(ck.tables, ck.calib.sigma_log2_q, ck.pin, predictor, config)
+        return cls.from_checkpoint(predictor.checkpoint, config, predictor)
 
     # -- encode -------------------------------------------------------------
     def encode(self, kv: "torch.Tensor | Fp8KV", ids: np.ndarray,
@@ -150,7 +171,7 @@ class Codec:
         lpc = layers_per_chunk or self.config.layers_per_chunk
         return ct.StreamHeader(
             dtype=ct.DTYPE_BF16 if bf16 else ct.DTYPE_FP8,
-            model=ct.MODEL_STORED if stored else MODEL_SEED_MIXTURE,
+            model=ct.MODEL_STORED if stored else self.model_id,
             pin=bytes.fromhex(self.pin), shape=shape, prompt_digest=prompt_digest(ids),
             elems_per_lane=self.config.elems_per_lane, layers_per_chunk=min(lpc, max(shape[0], 1)))
 
@@ -177,7 +198,7 @@ class Codec:
             return [stored_chunk(h, i, x[_rel(h, i, start)], None if scales is None else scales[_rel(h, i, start)])
                     for i in idx]
         kv = Fp8KV(x, scales) if fp8 else x
-        plan = self._plan(kv, None, mu, layers=slice(start, stop))
+        plan = self._plan(kv, None, mu, layers=slice(start, stop), model_id=h.model)
         return self._encode_chunks(plan, h, list(idx))
 
     def _encode_chunks(self, plan: _Plan, h: ct.StreamHeader, idx: Sequence[int]) -> list[ct.Chunk]:
@@ -208,8 +229,8 @@ class Codec:
         """(blocks, steps, LANES) start/freq of chunk i (padding lanes: no-op), raw bits."""
         sl = plan.chunk_slice(h, i)
         ctx, n = self._context(plan, sl), h.chunk_elements(i)
-        sym = symbolize(plan.fmt, self.tables, ctx, plan.x[sl].ravel())
-        g = self.tables.gauss
+        sym = symbolize(plan.fmt, plan.model.tables, ctx, plan.x[sl].ravel())
+        g = plan.model.tables.gauss
         size = h.chunk_blocks(i) * h.elems_per_lane * LANES
         idx = np.full(size, g.offset[NOOP_TABLE], np.int64)
         idx[:n] = g.offset[ctx.t] + sym.j
@@ -228,16 +249,18 @@ class Codec:
                         states=rb.states, word_counts=rb.word_counts, words=rb.words, bits=bits)
 
     def _plan(self, kv, ids, mu, fmt: FloatFormat | None = None, scales=None,
-              layers: slice | None = None) -> _Plan:
+              layers: slice | None = None, model_id: int | None = None) -> _Plan:
         """Symbols of ``layers`` (default all): ``kv`` and ``scales`` hold only those
-        layers, ``mu`` (computed from ``ids`` when None) the whole stream's."""
+        layers, ``mu`` (computed from ``ids`` when None) the whole stream's; under
+        ``model_id`` (default: the one this codec encodes with)."""
         if mu is None:
             if self.predictor is None:
                 raise ValueError("no mu given and no predictor to compute it")
             mu = self.predictor.mu(np.asarray(ids))
         mu = bf16_bits(mu)
+        model = self.models[self.model_id if model_id is None else model_id]
         layers = layers or slice(0, mu.shape[0])
-        mu, lg, layer0 = mu[layers], self.log2_sigma[layers], layers.start
+        mu, lg, layer0 = model.correct(mu[layers], layers), model.log2_sigma[layers], layers.start
         if isinstance(kv, Fp8KV) or fmt is E4M3:
             scales = np.ascontiguousarray(kv.scales if isinstance(kv, Fp8KV) else scales, np.float32)
             # NOTE: one IEEE fp32 division per scalar (correctly rounded on every backend);
@@ -246,9 +269,9 @@ class Codec:
                 y = _mu_float32(mu) / scales[:, :, None, None, None]
             log2_sigma = fp8_log2_sigma(lg, scales.view(np.uint32)[:, :, None, None])
             x = _fp8_codes(kv.codes) if isinstance(kv, Fp8KV) else None
-            return _Plan(E4M3, FP32, x, y.view(np.uint32), log2_sigma, scales, layer0)
+            return _Plan(E4M3, FP32, x, y.view(np.uint32), log2_sigma, scales, model, layer0)
         x = bf16_bits(kv) if kv is not None else None
-        return _Plan(BF16, BF16, x, mu, lg, None, layer0)
+        return _Plan(BF16, BF16, x, mu, lg, None, model, layer0)
 
     # -- decode -------------------------------------------------------------
     def decode(self, records: Iterable[bytes], ids: np.ndarray,
@@ -266,8 +289,9 @@ class Codec:
     def _check_header(self, h: ct.StreamHeader, ids: np.ndarray) -> None:
         if h.model != ct.MODEL_STORED and h.pin.hex() != self.pin:
             raise PinMismatchError(f"stream was coded with predictor {h.pin.hex()}, this decoder has {self.pin}")
-        if h.model not in (MODEL_SEED_MIXTURE, ct.MODEL_STORED):
-            raise IntegrityError(f"unknown probability model id {h.model}")
+        if h.model != ct.MODEL_STORED and h.model not in self.models:
+            raise IntegrityError(f"probability model id {h.model} is not one this checkpoint has "
+                                 f"({sorted(self.models)})")
         if h.prompt_digest != prompt_digest(ids):
             raise PromptMismatchError("prompt token ids differ from the encoder's")
         if h.elems_per_lane > MAX_ELEMS_PER_LANE:
@@ -289,7 +313,7 @@ class Codec:
             for c in chunks:
                 out[_abs_slice(h, c.index)] = unstored_chunk(h, c)
         else:
-            plan = self._plan(None, ids, mu, fmt, scales)
+            plan = self._plan(None, ids, mu, fmt, scales, model_id=h.model)
             self._check_mu(plan, h, chunks)
             for c, bits in zip(chunks, self._decode_batch(plan, h, chunks)):
                 out[_abs_slice(h, c.index)] = verified(c, bits.reshape((c.layer_count,) + h.shape[1:]), out.dtype)
@@ -314,7 +338,8 @@ class Codec:
         fmt = BF16 if h.dtype == ct.DTYPE_BF16 else E4M3
         scales = _scales(chunks) if fmt is E4M3 else None
         start = h.chunk_layers(chunks[0].index)[0]
-        plan = self._plan(None, None, mu, fmt, scales, layers=slice(start, sum(h.chunk_layers(chunks[-1].index))))
+        plan = self._plan(None, None, mu, fmt, scales, layers=slice(start, sum(h.chunk_layers(chunks[-1].index))),
+                          model_id=h.model)
         self._check_mu(plan, h, chunks)
         return np.concatenate([verified(c, bits.reshape((c.layer_count,) + h.shape[1:]), dt)
                                for c, bits in zip(chunks, self._decode_batch(plan, h, chunks))])
@@ -339,13 +364,14 @@ class Codec:
             if not c.n_blocks and c.bits:
                 raise IntegrityError(f"chunk {c.index}: raw bits without elements")
         ctxs = self._map(lambda c: self._context(plan, plan.chunk_slice(h, c.index)), live)
-        js = self._run_decoder(live, ctxs, el) if live else []
-        bits = self._map(lambda a: desymbolize(plan.fmt, self.tables, a[1], a[2][:len(a[1].t)], a[0].bits),
+        js = self._run_decoder(live, ctxs, el, plan.model.tables) if live else []
+        bits = self._map(lambda a: desymbolize(plan.fmt, plan.model.tables, a[1], a[2][:len(a[1].t)], a[0].bits),
                          list(zip(live, ctxs, js)))
         out = {c.index: b for c, b in zip(live, bits)}
         return [out.get(c.index, np.zeros(0, np.int64)) for c in chunks]
 
-    def _run_decoder(self, live: Sequence[ct.Chunk], ctxs: Sequence[Context], el: int) -> list[np.ndarray]:
+    def _run_decoder(self, live: Sequence[ct.Chunk], ctxs: Sequence[Context], el: int,
+                     coding: CodingTables) -> list[np.ndarray]:
         """The rANS loop: one Gaussian-table op per element; blocks split across threads
         (numpy releases the GIL inside each step's array operations)."""
         blocks = concat_blocks([RansBlocks(c.states, c.word_counts, c.words) for c in live])
@@ -357,37 +383,38 @@ class Codec:
             pos += c.n_blocks * el * LANES
         tables = tables.reshape(nb, el, LANES)  # element = block, step, lane
         if self.kernels is not None:
-            js = self.kernels.decode(blocks, el, tables, self.tables.gauss)
+            js = self.kernels.decode(blocks, el, tables, coding.gauss)
             return [p.ravel() for p in np.split(js, np.cumsum([c.n_blocks for c in live])[:-1])]
         groups = [g for g in np.array_split(np.arange(nb), self.config.threads) if len(g)]
-        parts = self._map(lambda a: self._decode_blocks(a[0], tables[a[1][0]:a[1][-1] + 1], el),
+        parts = self._map(lambda a: _decode_blocks(coding, a[0], tables[a[1][0]:a[1][-1] + 1], el),
                           list(zip(split_blocks(blocks, [len(g) for g in groups]), groups)))
         js = np.concatenate(parts)
         return [p.ravel() for p in np.split(js, np.cumsum([c.n_blocks for c in live])[:-1])]
 
     def _context(self, plan: _Plan, sl: slice) -> Context:
         if plan.fmt is BF16:
+            table = _context_table(plan.model.log2_sigma)
             ab = slice(sl.start + plan.layer0, sl.stop + plan.layer0)  # level_index holds all layers
-            lidx = self.bf16_contexts.level_index[ab][:, :, :, None, :]  # (n, 2, heads, 1, dim)
-            return self.bf16_contexts.lookup(plan.mu[sl], lidx)
+            lidx = table.level_index[ab][:, :, :, None, :]  # (n, 2, heads, 1, dim)
+            return table.lookup(plan.mu[sl], lidx)
         return _context(plan, sl)
 
 
-    def _decode_blocks(self, blocks: RansBlocks, tables: np.ndarray, el: int) -> np.ndarray:
-        """Symbol indices (blocks, el, LANES) of one group of blocks."""
-        g = self.tables.gauss
-        # NOTE: step-major copy, so each step reads a contiguous (blocks, LANES) slab
-        steps = np.ascontiguousarray(tables.transpose(1, 0, 2))
-        js = np.empty(steps.shape, np.int32)
-        dec = RansDecoder(blocks, el)
-        for s in range(el):
-            t = steps[s]
-            j = g.lookup[t * np.int32(PROB_SCALE) + dec.dec_get().view(np.int32)]
-            idx = g.offset[t] + j
-            dec.dec_advance(g.cum[idx], g.freq[idx])
-            js[s] = j
-        dec.finish()
-        return js.transpose(1, 0, 2)
+def _decode_blocks(coding: CodingTables, blocks: RansBlocks, tables: np.ndarray, el: int) -> np.ndarray:
+    """Symbol indices (blocks, el, LANES) of one group of blocks."""
+    g = coding.gauss
+    # NOTE: step-major copy, so each step reads a contiguous (blocks, LANES) slab
+    steps = np.ascontiguousarray(tables.transpose(1, 0, 2))
+    js = np.empty(steps.shape, np.int32)
+    dec = RansDecoder(blocks, el)
+    for s in range(el):
+        t = steps[s]
+        j = g.lookup[t * np.int32(PROB_SCALE) + dec.dec_get().view(np.int32)]
+        idx = g.offset[t] + j
+        dec.dec_advance(g.cum[idx], g.freq[idx])
+        js[s] = j
+    dec.finish()
+    return js.transpose(1, 0, 2)
 
 
 _TABLES: dict[bytes, ContextTable] = {}  # by sigma digest: codecs of one checkpoint share one

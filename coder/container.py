@@ -1,4 +1,4 @@
-"""Wire container for speckv compressed KV caches (format version 1).
+"""Wire container for speckv compressed KV caches (format version 2).
 
 The byte layout is specified field by field in ``coder/FORMAT.md``. This module
 only frames and validates; it knows nothing about rANS or the predictor.
@@ -43,7 +43,7 @@ Buffer = Union[bytes, bytearray, memoryview]
 DTYPE_BF16 = 1
 DTYPE_FP8 = 2
 LANES = 32
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: probability model 2 (tuned); 1: model 1 only
 MAGIC = b"SPKV"
 CHUNK_MAGIC = b"SPKC"
 

@@ -1,9 +1,12 @@
 """Running the predictor: prompt token ids -> mu, bit-identical on both sidecars.
 
-Lifecycle: ``Predictor.from_checkpoint(ckpt)`` builds the FP8 copy (reading
-``weights.safetensors``, or deriving the weights from the embedded target and
-checking their digest against the manifest); ``Predictor.mu(ids)`` returns the
-predicted KV ``(layers, 2, kv_heads, tokens, head_dim)`` in BF16.
+Lifecycle: ``Predictor.from_checkpoint(ckpt)`` builds the checkpoint's rung
+of the predictor ladder (``ladder.py``): the FP8 copy, or the hybrid whose
+first k layers are the target's BF16 ones (reading ``weights.safetensors``, or
+deriving the weights from the embedded target and checking their digest
+against the manifest), or, for rung none, the stored per-channel means;
+``Predictor.mu(ids)`` returns the predicted KV
+``(layers, 2, kv_heads, tokens, head_dim)`` in BF16.
 
 Determinism: the linears compute ``bf16(x_f32 @ (e4m3 * scale)^T)`` (the FP8
 weights dequantised exactly into FP32; FP8 matmul where available is a later
@@ -32,7 +35,11 @@ logger = logging.getLogger(__name__)
 
 
 def build_model(config: Any, state: dict[str, "torch.Tensor"]) -> Any:
-    """An emulated-BF16 causal LM whose linears use the FP8 weights in ``state``."""
+    """An emulated-BF16 causal LM whose linears use the FP8 weights in ``state``.
+
+    A linear with BF16 weights in ``state`` instead (the first layers of a
+    ``hybrid:k`` rung) runs exactly as ``target.load_target`` runs it.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -49,9 +56,13 @@ def build_model(config: Any, state: dict[str, "torch.Tensor"]) -> Any:
         raise CheckpointError(f"predictor weights do not fit the config: missing {missing[:4]}, "
                               f"unexpected {unexpected[:4]}")
 
-    def fp8_weight(name: str, _w: "torch.Tensor") -> "torch.Tensor":
-        q, s = state[name + FP8_SUFFIX], state[name + SCALE_SUFFIX]
-        return dequantize_e4m3(q, s[:, None])
+    def fp8_weight(name: str, w: "torch.Tensor") -> "torch.Tensor":
+        if name + FP8_SUFFIX in state:
+            q, s = state[name + FP8_SUFFIX], state[name + SCALE_SUFFIX]
+            return dequantize_e4m3(q, s[:, None])
+        if name + ".weight" not in state:
+            raise CheckpointError(f"predictor weights have neither FP8 nor BF16 weights for {name}")
+        return w.float()  # w was loaded from state: the target's BF16 weight, as the target runs it
 
     replace_linears(model, fp8_weight)
     model.eval()
@@ -65,7 +76,7 @@ def _linear_names() -> tuple[str, ...]:
 
 
 class Predictor:
-    """The FP8 copy of the target, as pinned by a checkpoint."""
+    """The checkpoint's predictor rung (FP8 copy, hybrid or channel means), as pinned."""
 
     def __init__(self, checkpoint: Checkpoint, model: Any) -> None:
         self.checkpoint = checkpoint
@@ -77,10 +88,17 @@ class Predictor:
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, target: "Target | None" = None) -> "Predictor":
-        """Build the FP8 copy; derived weights need the (embedded) target."""
+        """Build the checkpoint's rung; derived weights need the (embedded) target."""
         from transformers import AutoConfig
 
+        from .ladder import MEANS, load_means, mean_model
+
         config = AutoConfig.from_pretrained(ckpt.path / CONFIG, local_files_only=True)
+        rung = ckpt.rung
+        if not rung.has_model:
+            arch = ckpt.manifest["arch"]
+            shape = (arch["layers"], 2, arch["kv_heads"], arch["head_dim"])
+            return cls(ckpt, mean_model(config, load_means(ckpt.path / MEANS, shape)))
         if ckpt.derived_weights:
             state = _derive_state(ckpt, target)
         else:
@@ -122,6 +140,8 @@ class Predictor:
         """Predicted KV ``(layers, 2, kv_heads, tokens, head_dim)`` BF16."""
         from .target import extract_kv
 
+        if hasattr(self.model, "mean_kv"):  # rung none
+            return self.model.mean_kv(len(ids))
         return extract_kv(self.model, ids)
 
 
@@ -137,4 +157,4 @@ def _derive_state(ckpt: Checkpoint, target: "Target | None") -> dict[str, "torch
     if target.weights_sha256 != want["weights_sha256"]:
         raise PinMismatchError(f"target weights {target.weights_sha256} differ from the ones this "
                                f"predictor was derived from ({want['weights_sha256']})")
-    return fp8_state(target.state)
+    return fp8_state(target.state, ckpt.rung)

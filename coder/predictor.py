@@ -38,6 +38,7 @@ from .errors import CheckpointError, PinMismatchError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from .ladder import Rung
     from .tables import CodingTables
     from .target import Target
 
@@ -52,6 +53,9 @@ CONFIG = "config.json"
 TABLES = "tables.npz"
 FP8_SUFFIX = ".weight_fp8"  # e4m3 symbols of a linear weight, stored as uint8
 SCALE_SUFFIX = ".weight_scale"  # its fp32 per-output-channel scales
+
+
+SHIPPED_RUNG = "hybrid:4"  # the rung of the shipped default checkpoint (benchmarks/RESULTS.md says why)
 
 
 def default_checkpoint_dir() -> Path:
@@ -83,15 +87,20 @@ def state_digest(state: dict[str, "torch.Tensor"]) -> str:
     return h.hexdigest()
 
 
-def fp8_state(target_state: dict[str, "torch.Tensor"]) -> dict[str, "torch.Tensor"]:
-    """The predictor's weights: e4m3 decoder-layer linears, everything else as is."""
+def fp8_state(target_state: dict[str, "torch.Tensor"], rung: "Rung | None" = None) -> dict[str, "torch.Tensor"]:
+    """The predictor's weights: e4m3 decoder-layer linears, everything else as is.
+
+    Under a ``hybrid:k`` rung the linears of layers < k stay the target's BF16 ones.
+    """
     from .fp8 import weight_to_fp8
+    from .ladder import is_bf16_layer
     from .target import LINEAR_NAMES
 
     out: dict[str, torch.Tensor] = {}
     for name, t in target_state.items():
         stem = name[: -len(".weight")] if name.endswith(".weight") else None
-        if stem and ".layers." in stem and stem.rsplit(".", 1)[-1] in LINEAR_NAMES:
+        if (stem and ".layers." in stem and stem.rsplit(".", 1)[-1] in LINEAR_NAMES
+                and not (rung is not None and is_bf16_layer(stem, rung))):
             q, s = weight_to_fp8(t)
             out[stem + FP8_SUFFIX], out[stem + SCALE_SUFFIX] = q, s
         elif name != "lm_head.weight":  # the predictor never computes logits
@@ -125,11 +134,19 @@ class Calibration:
     hist_fp8: np.ndarray  # (256,) int64 counts of target e4m3 symbols
     mixture: tuple[float, float, float]  # weights of N(s), N(wide*s), empirical
     wide: float  # the wide Gaussian's sigma multiplier
+    # the tuned residual model (``residual.py``; None in checkpoints built before it)
+    mu_scale: np.ndarray | None = None  # (layers, 2, kv_heads, head_dim) float32 a of mu' = a mu + b
+    mu_shift: np.ndarray | None = None  # same shape, float32 b
+    tuned_sigma2: np.ndarray | None = None  # residual variance of x - mu', float64
+    tuned_sigma_log2_q: np.ndarray | None = None  # its fixed-point log2 sigma, int32
 
     def save(self, path: Path) -> None:
         arrays = {"sigma2": self.sigma2, "sigma_log2_q": self.sigma_log2_q,
                   "hist_bf16": self.hist_bf16, "hist_fp8": self.hist_fp8,
                   "mixture": np.asarray(self.mixture, np.float64), "wide": np.float64(self.wide)}
+        for name in TUNED_KEYS:
+            if getattr(self, name) is not None:
+                arrays[name] = getattr(self, name)
         save_npz_stable(path, arrays)
 
     @classmethod
@@ -139,9 +156,13 @@ class Calibration:
                 return cls(sigma2=z["sigma2"].astype(np.float64), sigma_log2_q=z["sigma_log2_q"].astype(np.int32),
                            hist_bf16=z["hist_bf16"],
                            hist_fp8=z["hist_fp8"], mixture=tuple(float(v) for v in z["mixture"]),
-                           wide=float(z["wide"]))
+                           wide=float(z["wide"]), **{k: z[k] for k in TUNED_KEYS if k in z.files})
         except (OSError, KeyError, ValueError) as e:
             raise CheckpointError(f"bad calibration file {path}: {e}") from e
+
+
+TUNED_KEYS = ("mu_scale", "mu_shift", "tuned_sigma2", "tuned_sigma_log2_q")
+TUNED_TABLES = "tuned_"  # prefix of the tuned model's arrays in tables.npz
 
 
 @dataclass
@@ -152,15 +173,29 @@ class Checkpoint:
     pin: str
     manifest: dict[str, Any]
     calib: Calibration
-    tables: "CodingTables"
+    tables: "CodingTables"  # the seed model's
+    tuned_tables: "CodingTables | None" = None  # the tuned model's (``residual.py``)
+
+    @property
+    def seed_tables(self) -> "CodingTables":
+        return self.tables
+
+    @property
+    def rung(self) -> "Rung":
+        """The predictor ladder rung this checkpoint pins (``ladder.py``)."""
+        from .ladder import manifest_rung
+
+        return manifest_rung(self.manifest)
 
     @property
     def derived_weights(self) -> bool:
-        return self.manifest["weights"]["file"] is None
+        """Whether the predictor's weights come from the target at load (rung none has none)."""
+        return self.manifest["weights"] is not None and self.manifest["weights"]["file"] is None
 
     def describe(self) -> dict[str, Any]:
         m = self.manifest
-        return {"pin": self.pin, "path": str(self.path), "kind": m["kind"], "target": m["target"],
+        return {"pin": self.pin, "path": str(self.path), "kind": m["kind"], "rung": self.rung.name,
+                "target": m["target"],
                 "arch": m["arch"], "weights": m["weights"], "calibration": m["calibration"],
                 "mixture": m["mixture"]}
 
@@ -191,7 +226,14 @@ def load_checkpoint(path: str | Path, pin: str | None = None) -> Checkpoint:
     if manifest.get("format") != FORMAT_NAME or manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{mpath}: unsupported format {manifest.get('format')!r} "
                               f"v{manifest.get('format_version')!r}")
-    required = {CALIB, TABLES, CONFIG} | ({WEIGHTS} if manifest.get("weights", {}).get("file") else set())
+    from .ladder import MEANS, NONE, manifest_rung
+
+    rung = manifest_rung(manifest)  # CheckpointError on an unknown rung
+    weights = manifest.get("weights")
+    if (weights is None) != (rung.kind == NONE) or not (weights is None or isinstance(weights, dict)):
+        raise CheckpointError(f"{mpath}: rung {rung.name} and the weights entry {weights!r:.80} disagree")
+    required = {CALIB, TABLES, CONFIG} | ({WEIGHTS} if (weights or {}).get("file") else set())
+    required |= {MEANS} if rung.kind == NONE else set()
     files = manifest.get("files", {})
     if not required <= set(files) or any("/" in n or "\\" in n or n.startswith(".") for n in files):
         raise PinMismatchError(f"{mpath}: the manifest must list exactly the checkpoint's files, "
@@ -206,8 +248,12 @@ def load_checkpoint(path: str | Path, pin: str | None = None) -> Checkpoint:
     from .tables import CodingTables
 
     try:
-        tables = CodingTables.load(path / TABLES)
+        with np.load(path / TABLES, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+        tables = CodingTables.from_arrays(arrays)
+        tuned = {k[len(TUNED_TABLES):]: v for k, v in arrays.items() if k.startswith(TUNED_TABLES)}
+        tuned_tables = CodingTables.from_arrays(tuned) if tuned else None
     except (OSError, KeyError, ValueError) as e:
         raise CheckpointError(f"bad coding tables in {path}: {e}") from e
     return Checkpoint(path=path, pin=actual, manifest=manifest, calib=Calibration.load(path / CALIB),
-                      tables=tables)
+                      tables=tables, tuned_tables=tuned_tables)

@@ -264,7 +264,11 @@ class DecoderService(dgrpc.DecoderServiceServicer):
         except BaseException as e:  # noqa: B902
             code, msg = to_status(e)
             if t is not None and t.fetching and code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
-                await t.end(S.TRANSFER_STATE_CANCELLED, e)  # layers already handed out are gone
+                # layers already handed out are gone. NOTE: recorded as an RpcError, never as this
+                # call's CancelledError: a live Transfer handler raises t.error when woken, and a
+                # CancelledError there passes for its own call's end (no status: the sender hangs)
+                await t.end(S.TRANSFER_STATE_CANCELLED,
+                            RpcError(grpc.StatusCode.CANCELLED, f"the FetchKV taking its layers ended: {msg}"))
             if isinstance(e, asyncio.CancelledError):
                 raise
             await context.abort(code, msg)

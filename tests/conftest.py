@@ -10,6 +10,7 @@ no model hub and no download are involved.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,9 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # CI puts shared/ beside the clone: <parent>/main and <parent>/shared.
 CORPUS_DIR = REPO_ROOT.parent / "shared" / "corpus"
+# the fuzzing harness (benchmarks/fuzzing, driven by benchmarks/fuzz.py) is imported by its tests
+if str(REPO_ROOT / "benchmarks") not in sys.path:
+    sys.path.append(str(REPO_ROOT / "benchmarks"))
 
 TINY_VOCAB = 300
 TINY_SENTENCES = [

@@ -356,13 +356,14 @@ def _golden_fp8() -> tuple[Fp8KV, np.ndarray, int]:
 # (name, input, (elems_per_lane, layers_per_chunk), sha256 of the stream, its length)
 # NOTE: these pin the byte format AND the probability model / tables. If a change
 # to either is intended, update them (and say so); otherwise a failure is a bug.
+# Updated for format version 2: probability model 2 (tuned) under the hybrid:4 default checkpoint.
 GOLDEN = [
     ("bf16_a", _golden_bf16_a, (4, 8),
-     "01920847a3824ed826123b5b437ff3e0fd2db17c9173e210b1e2f4533ca7fcaa", 20132),
+     "3e63c9c9fcec667cfe1fcac7af20851f24c02bd9cb66f47c695e4921614202c0", 22875),
     ("bf16_b", _golden_bf16_b, (5, 30),
-     "bd62b6c87b7c8e85ca9cc49a8a0607343ead148ddd98f3b0be91ccad922e78c1", 270499),
+     "eec50be0caf4f8f6008d3edc883162394cafb1044e31fb786b0313807d388f6f", 276420),
     ("fp8", _golden_fp8, (3, 16),
-     "f96a90e7beacb717efec67ee656465604c61cd4da1e8b2c81bc786074867b60c", 33706),
+     "049af92de1a36e964e6ece2ed9d92b66ed0a9bf80bf1654095ce6bcba8983ea0", 34476),
 ]
 
 

@@ -106,12 +106,12 @@ def test_header_properties():
 # ------------------------------------------------------------- golden bytes
 
 GOLDEN = bytes.fromhex(
-    # header: magic, version 1, header_len 110, dtype fp8, model 7, pin 00..1f
-    "53504b5601006e000207000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d"
+    # header: magic, version 2, header_len 110, dtype fp8, model 7, pin 00..1f
+    "53504b5602006e000207000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d"
     # shape (1, 2, 1, 1, 2), prompt_digest 20..3f
     "1e1f0100000002000000010000000100000002000000202122232425262728292a2b2c2d2e2f3031"
     # lanes 32, elems_per_lane 1, layers_per_chunk 1, n_chunks 1, crc | chunk: magic, len 223
-    "32333435363738393a3b3c3d3e3f200001000000010001000000459da7ec53504b43df0000000000"
+    "32333435363738393a3b3c3d3e3f200001000000010001000000d3b1efec53504b43df0000000000"
     # index 0, layer_start 0, layer_count 1, n_blocks 1, steps 1, mu 11.., raw 22..
     "00000000000000000000010000000100000001000000111111111111111111111111111111112222"
     # aux_len 2, aux abcd, states 0x10000 + lane

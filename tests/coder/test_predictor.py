@@ -25,7 +25,7 @@ from speckv.client.cli import main as cli_main
 from speckv.coder.calibrate import MIXTURE, WIDE, build_checkpoint, segments
 from speckv.coder.errors import CalibrationError, CheckpointError, PinMismatchError
 from speckv.coder.predict import Predictor
-from speckv.coder.predictor import (CALIB, CONFIG, MANIFEST, WEIGHTS, canonical_json,
+from speckv.coder.predictor import (CALIB, CONFIG, MANIFEST, SHIPPED_RUNG, WEIGHTS, canonical_json,
                                     default_checkpoint_dir, load_checkpoint, write_manifest)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -357,7 +357,8 @@ def test_default_predictor_mu_is_deterministic_across_processes(embedded_session
 def test_shipped_default_predictor_is_reproducible(embedded_target, corpus_file, tmp_path):
     """Rebuilding the shipped checkpoint from its recipe gives the same bytes."""
     text = corpus_file("wikitext2-valid.txt")
-    pin = build_checkpoint(embedded_target, text, tmp_path, derive_weights=True, source="embedded")
+    pin = build_checkpoint(embedded_target, text, tmp_path, derive_weights=True, source="embedded",
+                           rung=SHIPPED_RUNG)
     shipped = default_checkpoint_dir()
     assert pin == hashlib.sha256((shipped / MANIFEST).read_bytes()).hexdigest()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in shipped.iterdir())

@@ -191,8 +191,7 @@ def test_cuda_matches_numpy(gauss, mode):
 @pytest.mark.parametrize("name,build,cfg,sha,length", GOLDEN, ids=[g[0] for g in GOLDEN])
 def test_golden_streams_on_cuda(ckpt, name, build, cfg, sha, length):
     kv, mu, T = build()
-    codec = Codec(ckpt.tables, ckpt.calib.sigma_log2_q, ckpt.pin,
-                  config=CodecConfig(elems_per_lane=cfg[0], layers_per_chunk=cfg[1], coder="cuda"))
+    codec = Codec.from_checkpoint(ckpt, CodecConfig(elems_per_lane=cfg[0], layers_per_chunk=cfg[1], coder="cuda"))
     ids = np.arange(100, 100 + T, dtype=np.int64)
     stream = b"".join(codec.encode(kv, ids, bf16_tensor(mu)))
     assert (hashlib.sha256(stream).hexdigest(), len(stream)) == (sha, length)

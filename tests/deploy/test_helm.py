@@ -29,7 +29,7 @@ from helm_helpers import (CHART_DIR, EXAMPLES_DIR, FETCH, NAMESPACE, RELEASE, RE
 from speckv.server.config import FIELDS, ServerConfig
 from speckv.v1 import decoder_pb2, encoder_pb2
 
-PIN = "8a938cf528024bf972c43ec5cc7b0da8be1f977d27288efeb26105db0a76b962"  # the shipped checkpoint
+PIN = "3076ab9646a376d864cffee58e108096b5fb458e1cbdaaa5de3caf13af030861"  # the shipped checkpoint
 HEALTH_SERVICE = {
     "encoder": encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name,
     "decoder": decoder_pb2.DESCRIPTOR.services_by_name["DecoderService"].full_name,

@@ -1,0 +1,192 @@
+"""The predictor ladder: how much of a model the sidecars run to predict mu.
+
+Rungs (the checkpoint manifest's ``rung`` field, covered by the pin; a
+manifest without the field is ``fp8``, so the shipped default keeps its pin):
+
+- ``fp8``: the FP8 (e4m3, fp32 scale per output channel) copy of the target.
+- ``hybrid:k``: the target's own first ``k`` decoder layers in BF16 (computed
+  exactly as ``target.py`` runs the target: BF16 weights, FP32-accumulating
+  linears, the same deterministic settings), then layers ``k..`` of the FP8
+  copy, continuing from the BF16 hidden state after layer ``k``. Layers ``< k``
+  of mu therefore equal the target's KV bit for bit on the same machine.
+  The predictor weights hold those layers' BF16 linears instead of e4m3 ones,
+  so the manifest's weight digest covers them. ``hybrid:L`` (L = all layers) is
+  the target itself (0 residual, twice the prefill).
+- ``none``: no model: mu is a per-(layer, kv, head, channel) constant, the
+  calibration mean of the target's KV rounded to BF16, stored in ``means.npz``.
+
+Nominal cost, in BF16 prefills, counts an FP8 layer as half a BF16 layer (as
+on an FP8 tensor-core GPU): ``(k + (L - k) / 2) / L``; ``none`` costs 0.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from .errors import CheckpointError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from .predictor import Calibration
+    from .target import Target
+
+FP8, NONE, HYBRID = "fp8", "none", "hybrid"
+MEANS = "means.npz"  # rung none: the BF16 bit patterns of the per-channel means
+MEANS_KEY = "mean_bf16"
+KINDS = {FP8: "fp8-copy", HYBRID: "hybrid-bf16-fp8", NONE: "channel-mean"}
+_HYBRID_RE = re.compile(r"hybrid:([0-9]{1,4})")
+
+
+@dataclass(frozen=True)
+class Rung:
+    """A parsed rung: ``kind`` is fp8, hybrid or none; ``bf16_layers`` the k of hybrid:k."""
+
+    kind: str
+    bf16_layers: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"{HYBRID}:{self.bf16_layers}" if self.kind == HYBRID else self.kind
+
+    @property
+    def has_model(self) -> bool:
+        return self.kind != NONE
+
+    def nominal_cost(self, layers: int) -> float:
+        """Predictor cost in BF16 prefills, an FP8 layer counted as half a BF16 one."""
+        if self.kind == NONE:
+            return 0.0
+        return (self.bf16_layers + 0.5 * (layers - self.bf16_layers)) / layers
+
+
+def parse_rung(text: Any, layers: int) -> Rung:
+    """``fp8``, ``none`` or ``hybrid:k`` with 1 <= k <= layers; else CheckpointError."""
+    if text == FP8:
+        return Rung(FP8)
+    if text == NONE:
+        return Rung(NONE)
+    m = _HYBRID_RE.fullmatch(text) if isinstance(text, str) else None
+    if m is None:
+        raise CheckpointError(f"unknown predictor rung {text!r}: use fp8, hybrid:K or none")
+    k = int(m.group(1))
+    if not 1 <= k <= layers or str(k) != m.group(1):
+        raise CheckpointError(f"predictor rung {text!r}: K must be a plain integer in 1..{layers}")
+    return Rung(HYBRID, k)
+
+
+def manifest_rung(manifest: dict[str, Any]) -> Rung:
+    """The rung a manifest pins (no ``rung`` field: fp8, the format's first rung)."""
+    try:
+        layers = int(manifest["arch"]["layers"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"manifest has no usable arch.layers: {e}") from e
+    return parse_rung(manifest.get("rung", FP8), layers)
+
+
+def manifest_fields(rung: Rung) -> dict[str, Any]:
+    """What a rung adds to (or changes in) the manifest; fp8 adds nothing."""
+    out: dict[str, Any] = {"kind": KINDS[rung.kind]}
+    if rung.kind != FP8:
+        out["rung"] = rung.name
+    return out
+
+
+def weights_quant(rung: Rung) -> str:
+    fp8 = "e4m3, fp32 scale per output channel, round to nearest even"
+    if rung.kind == HYBRID:
+        return f"decoder layers < {rung.bf16_layers}: the target's BF16 weights; the others {fp8}"
+    return fp8
+
+
+def is_bf16_layer(name: str, rung: Rung) -> bool:
+    """Whether a ``model.layers.N.*`` parameter stays BF16 under ``rung``."""
+    if rung.kind != HYBRID or ".layers." not in name:
+        return False
+    index = name.split(".layers.", 1)[1].split(".", 1)[0]
+    return index.isdigit() and int(index) < rung.bf16_layers
+
+
+# ------------------------------------------------------------------ rung none
+
+
+def kv_means_bf16(kvs: list["torch.Tensor"]) -> np.ndarray:
+    """Per-(layer, kv, head, channel) mean of the finite KV scalars, as BF16 bit patterns."""
+    import torch
+
+    total, count = 0.0, 0
+    for kv in kvs:
+        x = kv.double().numpy()
+        ok = np.isfinite(x)
+        total = total + np.where(ok, x, 0.0).sum(axis=3)
+        count = count + ok.sum(axis=3)
+    mean = np.where(count > 0, total / np.maximum(count, 1), 0.0)
+    return torch.from_numpy(mean).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+def save_means(path: Path, bits: np.ndarray) -> None:
+    from .predictor import save_npz_stable
+
+    save_npz_stable(path, {MEANS_KEY: np.ascontiguousarray(bits, np.uint16)})
+
+
+def load_means(path: Path, shape: tuple[int, ...]) -> np.ndarray:
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            bits = z[MEANS_KEY]
+    except (OSError, KeyError, ValueError) as e:
+        raise CheckpointError(f"bad means file {path}: {e}") from e
+    if bits.dtype != np.uint16 or bits.shape != shape:
+        raise CheckpointError(f"{path}: means must be uint16 {shape}, not {bits.dtype} {bits.shape}")
+    return bits
+
+
+def mean_model(config: Any, bits: np.ndarray) -> Any:
+    """A weightless stand-in for the predictor model: ``mean_kv(tokens)`` broadcasts the means.
+
+    It is a torch Module holding the means as its one (frozen) parameter, so
+    ``Predictor.to`` / ``.device`` and ``model.config`` work as for the other rungs.
+    """
+    import torch
+
+    class MeanKV(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = config
+            mean = torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16)
+            self.mean = torch.nn.Parameter(mean, requires_grad=False)  # (layers, 2, heads, dim)
+
+        def mean_kv(self, tokens: int) -> "torch.Tensor":
+            L, two, H, D = self.mean.shape
+            m = self.mean.detach().cpu()[:, :, :, None, :]
+            return m.expand(L, two, H, tokens, D).contiguous()
+
+    return MeanKV().eval()
+
+
+class CachedKV:
+    """A target stand-in for ``calibrate``: its KV of each segment, computed once."""
+
+    def __init__(self, target: "Target", kvs: list["torch.Tensor"]) -> None:
+        self.config = target.config
+        self._kvs = iter(kvs)
+
+    def kv(self, _ids: np.ndarray) -> "torch.Tensor":
+        return next(self._kvs)
+
+
+def calibrate_none(target: "Target", segs: list[np.ndarray], out: Path,
+                   progress: Callable[[int], None] | None = None) -> "Calibration":
+    """Rung none: write the means file, then freeze the residual statistics around them."""
+    from .calibrate import calibrate
+
+    kvs = [target.kv(seg) for seg in segs]
+    bits = kv_means_bf16(kvs)
+    save_means(out / MEANS, bits)
+    model = mean_model(target.config, bits)
+    return calibrate(CachedKV(target, kvs), lambda s: model.mean_kv(len(s)), segs, progress)  # type: ignore[arg-type]

@@ -1,0 +1,70 @@
+"""benchmarks/results.py's exact per-element code length: it must add up to the real
+codec's coded size (less the container's fixed overhead) under every model variant."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from speckv.coder import container as ct
+from speckv.coder.codec import Codec, CodecConfig, Fp8KV
+from speckv.coder.fp8 import kv_to_fp8
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def results():
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("speckv_results", BENCH / "results.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_element_bits_add_up_to_the_coded_size(results, embedded_session, dtype):
+    sess = embedded_session
+    ck = sess.predictor.checkpoint
+    ids = sess.target.tokenize("To be, or not to be, that is the question: whether 'tis nobler in the mind")
+    kv, mu = sess.target.kv(ids), sess.predictor.mu(ids)
+    if dtype == "fp8":
+        q, s = kv_to_fp8(kv)
+        kv = Fp8KV(q.numpy(), s.numpy())
+    n = kv.codes.size if dtype == "fp8" else kv.numel()
+    for name, model in results.variant_models(ck).items():
+        codec = Codec(ck.tables, ck.calib.sigma_log2_q, ck.pin, config=CodecConfig(coder="cpu", threads=1),
+                      models={model.model_id: model})
+        k, v, total = results.stream_bits(codec, kv, ids, mu)
+        assert total == pytest.approx((k + v) / 2)
+        records = list(codec.encode(kv, ids, mu))
+        h, _ = ct.unpack_header(records[0])
+        overhead = sum(len(r) for r in records) - sum(len(ct.unpack_chunk(r, h)[0].bits) for r in records[1:])
+        chunks = [ct.unpack_chunk(r, h)[0] for r in records[1:]]
+        rans_bits = 8 * sum(2 * len(c.words) for c in chunks)
+        raw_bits = 8 * sum(len(c.bits) for c in chunks)
+        # rANS words + raw sections hold the exact code length, up to each block's final state
+        # flush and the byte padding of each raw section (4 sections per chunk)
+        coded = rans_bits + raw_bits
+        assert total * n <= coded + 1, name
+        assert coded - total * n <= 32 * 16 * sum(c.n_blocks for c in chunks) + 4 * 8 * len(chunks), name
+        assert overhead > 0
+
+
+def test_report_renders_every_row(results):
+    import argparse
+
+    from results_report import render
+
+    kvt = (1.0, 2.0, 1.5)
+    rows = [{"rung": r, "predictor_cost": 1.0, "fp8_copy_cost": 1.0, "nominal_cost": 0.5,
+             **{f"{t}/{d}/{m}": kvt for t in ("tinyshakespeare", "wikitext-held-out") for d in ("bf16", "fp8")
+                for m in results.VARIANTS},
+             **{f"tinyshakespeare/{d}/coded": 1.6 for d in ("bf16", "fp8")}} for r in ("fp8", "hybrid:4")]
+    md = render(rows, {"encode_mb_s": 30.0, "decode_mb_s": 25.0, "bits": 5.5},
+                argparse.Namespace(tokens=2048), results.IDEA_RUNGS, results.VARIANTS)
+    assert md.count("| fp8 |") == 1 + 8 and md.count("| hybrid:4 |") == 1 + 8
+    assert "encode 30.0 MB/s, decode 25.0 MB/s" in md and np.isfinite(kvt).all()
