@@ -139,7 +139,7 @@ def test_golden_bytes():
     assert pack_stream(h, [c]) == GOLDEN
     assert unpack_stream(GOLDEN) == (h, [c])
     # spot-check the layout against FORMAT.md independently of the packer
-    assert GOLDEN[:4] == b"SPKV" and struct.unpack_from("<HHBB", GOLDEN, 4) == (1, 110, 2, 7)
+    assert GOLDEN[:4] == b"SPKV" and struct.unpack_from("<HHBB", GOLDEN, 4) == (2, 110, 2, 7)
     assert struct.unpack_from("<5I", GOLDEN, 42) == (1, 2, 1, 1, 2)
     assert struct.unpack_from("<HIHI", GOLDEN, 94) == (32, 1, 1, 1)
     assert struct.unpack_from("<I", GOLDEN, 106)[0] == zlib.crc32(GOLDEN[:106])
@@ -221,7 +221,7 @@ def test_bad_magic_and_version():
     with pytest.raises(TruncatedError):
         unpack_header(b"SP")
     with pytest.raises(FormatError, match="version"):
-        unpack_header(fix_crcs(GOLDEN[:4] + b"\x02\x00" + GOLDEN[6:]))
+        unpack_header(fix_crcs(GOLDEN[:4] + b"\x01\x00" + GOLDEN[6:]))
     with pytest.raises(FormatError, match="magic"):
         unpack_chunk(b"SPKV" + GOLDEN[114:], golden_objects()[0])
 
