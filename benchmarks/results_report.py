@@ -64,6 +64,12 @@ def render(rows: list[dict[str, Any]], speed: dict[str, float], args: argparse.N
         "",
         *ladder_table(rows),
         "",
+        "Costs are wall-clock medians on a shared 2-core CPU, target, predictor and FP8 copy "
+        "timed alternately. The fp8 row times the same computation twice (its predictor is the "
+        "FP8 copy): the gap between its two cost columns is the timing noise of the run. On a "
+        "CPU the FP8 copy is emulated in FP32, so every rung with a model costs about one target "
+        "prefill; the nominal column is the cost on an FP8 tensor-core GPU.",
+        "",
         "## Coder speed",
         "",
         f"`speckv bench` on the shipped checkpoint, numpy coder, this machine: encode "
