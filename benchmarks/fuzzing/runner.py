@@ -175,8 +175,8 @@ def setup(names: list[str], seed: int) -> tuple[CoderEnv | None, ServerEnv | Non
     ck = load_checkpoint(default_checkpoint_dir())
     coder_env = server_env = None
     if any(t in CODER_TARGETS for t in names):
-        codec = Codec(ck.tables, ck.calib.sigma_log2_q, ck.pin,
-                      config=CodecConfig(elems_per_lane=16, layers_per_chunk=10, threads=1, coder="cpu"))
+        codec = Codec.from_checkpoint(  # every residual model; streams use the default (model 2)
+            ck, CodecConfig(elems_per_lane=16, layers_per_chunk=10, threads=1, coder="cpu"))
         coder_env = CoderEnv(codec, seed)
     if any(t in SERVER_TARGETS for t in names):
         from speckv.coder.predict import Predictor
