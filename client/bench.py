@@ -143,6 +143,8 @@ def timed_prefill(sess: Any, ids: np.ndarray, runs: int,
     """The prefill, and the median seconds of the target, the predictor and (if given)
     the FP8 copy over ``runs`` alternating timings (alternating, so a busy machine slows
     them alike); every run's mu must agree."""
+    from speckv.coder.codec import bf16_bits
+
     pre = sess.prefill(ids)
     target_s, predictor_s, fp8_s = [pre.target_s], [pre.predictor_s], []
     for i in range(runs):
@@ -153,7 +155,7 @@ def timed_prefill(sess: Any, ids: np.ndarray, runs: int,
         if i == runs - 1:
             break
         again = sess.prefill(ids)
-        if not np.array_equal(bf16_bits_of(again.mu), bf16_bits_of(pre.mu)):
+        if not np.array_equal(bf16_bits(again.mu), bf16_bits(pre.mu)):
             raise RuntimeError("the predictor's mu differs between two runs (not deterministic)")
         target_s.append(again.target_s)
         predictor_s.append(again.predictor_s)
@@ -169,12 +171,6 @@ def fp8_copy_forward(target: Any) -> Callable[[np.ndarray], Any]:
 
     model = build_model(type(target.config).from_dict(target.config.to_dict()), fp8_state(target.state))
     return lambda ids: extract_kv(model, ids)
-
-
-def bf16_bits_of(t: Any) -> np.ndarray:
-    from speckv.coder.codec import bf16_bits
-
-    return bf16_bits(t)
 
 
 def _model_name(model_id: int) -> str:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
@@ -28,8 +27,9 @@ from . import container as ct
 from .errors import IntegrityError, MuMismatchError, PinMismatchError, PromptMismatchError
 from .integrity import DIGEST_BYTES, digest, prompt_digest, verified
 from .model import BF16, E4M3, FP32, Context, FloatFormat
-from .model import ContextTable, context, desymbolize, fp8_log2_sigma, symbolize
-from .rans import LANES, PROB_SCALE, RansBlocks, RansDecoder, concat_blocks, rans_encode, split_blocks
+from .model import ContextTable, desymbolize, fp8_log2_sigma, symbolize
+from .plan import Plan, bf16_context_table, fp8_codes, mu_float32, plan_context
+from .rans import LANES, RansBlocks, concat_blocks, decode_symbols, rans_encode, split_blocks
 from .rans_kernels import CODERS, select_kernels
 from .residual import MODEL_NAMES, MODEL_SEED, ResidualModel, models_of
 from .stored import stored_chunk, unstored_chunk
@@ -90,28 +90,6 @@ def bf16_bits(t: "torch.Tensor | np.ndarray") -> np.ndarray:
     return t.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
-@dataclass
-class _Plan:
-    """One stream's symbols: formats, bits, mu, sigma per (layer, kv, head, dim)."""
-
-    fmt: FloatFormat  # of x
-    fmt_mu: FloatFormat  # of mu (FP32 mu / scale for FP8 KV)
-    x: np.ndarray | None  # (layers, 2, heads, tokens, dim) bit patterns (None when decoding)
-    mu: np.ndarray  # same shape, the predictor's bit patterns in fmt_mu
-    log2_sigma: np.ndarray  # (layers, 2, heads, dim) int64 fixed point
-    scales: np.ndarray | None  # (layers, 2) float32 for fp8
-    model: ResidualModel  # tables, sigma and mu correction of the stream's model id
-    layer0: int = 0  # absolute index of the plan's first layer (arrays hold a layer range)
-
-    def chunk_slice(self, h: ct.StreamHeader, i: int) -> slice:
-        """Chunk i's layers, relative to the plan's arrays."""
-        start, count = h.chunk_layers(i)
-        return slice(start - self.layer0, start - self.layer0 + count)
-
-    def aux(self, sl: slice) -> bytes:
-        return b"" if self.scales is None else self.scales[sl].astype("<f4").tobytes()
-
-
 class Codec:
     """Encoder and decoder of KV caches under one pinned predictor."""
 
@@ -127,6 +105,7 @@ class Codec:
         self.predictor = predictor
         self.config = config or CodecConfig()
         self.model_id = self._encode_model(self.config.model)
+        self._bf16_tables: dict[int, ContextTable] = {}  # by model id, built on first use
         self.kernels = select_kernels(self.config.coder)  # None: the numpy rANS loops
 
     def _encode_model(self, name: str) -> int:
@@ -139,7 +118,13 @@ class Codec:
     @property
     def bf16_contexts(self) -> ContextTable:
         """The BF16 context table of the model this codec encodes with."""
-        return _context_table(self.models[self.model_id].log2_sigma)
+        return self._bf16_table(self.models[self.model_id])
+
+    def _bf16_table(self, model: ResidualModel) -> ContextTable:
+        """The BF16 context table of ``model``'s sigma (shared per process, kept per codec)."""
+        if model.model_id not in self._bf16_tables:
+            self._bf16_tables[model.model_id] = bf16_context_table(model.log2_sigma)
+        return self._bf16_tables[model.model_id]
 
     @classmethod
     def from_checkpoint(cls, ck: "Checkpoint", config: CodecConfig | None = None,
@@ -161,7 +146,7 @@ class Codec:
         for chunk in self._encode_chunks(plan, header, range(header.n_chunks)):
             yield ct.pack_chunk(chunk)
 
-    def _header(self, plan: _Plan, ids: np.ndarray) -> ct.StreamHeader:
+    def _header(self, plan: Plan, ids: np.ndarray) -> ct.StreamHeader:
         return self.stream_header(plan.fmt is BF16, plan.mu.shape, ids)
 
     def stream_header(self, bf16: bool, shape: Sequence[int], ids: np.ndarray,
@@ -201,7 +186,7 @@ class Codec:
         plan = self._plan(kv, None, mu, layers=slice(start, stop), model_id=h.model)
         return self._encode_chunks(plan, h, list(idx))
 
-    def _encode_chunks(self, plan: _Plan, h: ct.StreamHeader, idx: Sequence[int]) -> list[ct.Chunk]:
+    def _encode_chunks(self, plan: Plan, h: ct.StreamHeader, idx: Sequence[int]) -> list[ct.Chunk]:
         """Chunks ``idx`` coded in one vectorised rANS pass (blocks never span chunks)."""
         if not idx:
             return []
@@ -225,7 +210,7 @@ class Codec:
         with ThreadPoolExecutor(self.config.threads) as pool:
             return list(pool.map(fn, items))
 
-    def _chunk_ops(self, plan: _Plan, h: ct.StreamHeader, i: int) -> tuple[np.ndarray, np.ndarray, bytes]:
+    def _chunk_ops(self, plan: Plan, h: ct.StreamHeader, i: int) -> tuple[np.ndarray, np.ndarray, bytes]:
         """(blocks, steps, LANES) start/freq of chunk i (padding lanes: no-op), raw bits."""
         sl = plan.chunk_slice(h, i)
         ctx, n = self._context(plan, sl), h.chunk_elements(i)
@@ -237,7 +222,7 @@ class Codec:
         grid = (h.chunk_blocks(i), h.elems_per_lane, LANES)  # element = block, step, lane
         return g.cum[idx].reshape(grid), g.freq[idx].reshape(grid), sym.bits
 
-    def _chunk_record(self, plan: _Plan, h: ct.StreamHeader, i: int, rb: RansBlocks,
+    def _chunk_record(self, plan: Plan, h: ct.StreamHeader, i: int, rb: RansBlocks,
                       bits: bytes) -> ct.Chunk:
         sl = plan.chunk_slice(h, i)
         aux = plan.aux(sl)
@@ -249,7 +234,7 @@ class Codec:
                         states=rb.states, word_counts=rb.word_counts, words=rb.words, bits=bits)
 
     def _plan(self, kv, ids, mu, fmt: FloatFormat | None = None, scales=None,
-              layers: slice | None = None, model_id: int | None = None) -> _Plan:
+              layers: slice | None = None, model_id: int | None = None) -> Plan:
         """Symbols of ``layers`` (default all): ``kv`` and ``scales`` hold only those
         layers, ``mu`` (computed from ``ids`` when None) the whole stream's; under
         ``model_id`` (default: the one this codec encodes with)."""
@@ -266,12 +251,12 @@ class Codec:
             # NOTE: one IEEE fp32 division per scalar (correctly rounded on every backend);
             # scales come from the stream: 0, inf or NaN give inf/NaN mu, which escape
             with np.errstate(all="ignore"):
-                y = _mu_float32(mu) / scales[:, :, None, None, None]
+                y = mu_float32(mu) / scales[:, :, None, None, None]
             log2_sigma = fp8_log2_sigma(lg, scales.view(np.uint32)[:, :, None, None])
-            x = _fp8_codes(kv.codes) if isinstance(kv, Fp8KV) else None
-            return _Plan(E4M3, FP32, x, y.view(np.uint32), log2_sigma, scales, model, layer0)
+            x = fp8_codes(kv.codes) if isinstance(kv, Fp8KV) else None
+            return Plan(E4M3, FP32, x, y.view(np.uint32), log2_sigma, scales, model, layer0)
         x = bf16_bits(kv) if kv is not None else None
-        return _Plan(BF16, BF16, x, mu, lg, None, model, layer0)
+        return Plan(BF16, BF16, x, mu, lg, None, model, layer0)
 
     # -- decode -------------------------------------------------------------
     def decode(self, records: Iterable[bytes], ids: np.ndarray,
@@ -347,13 +332,13 @@ class Codec:
     check_header = _check_header  # public name for streaming decoders
 
     @staticmethod
-    def _check_mu(plan: _Plan, h: ct.StreamHeader, chunks: Sequence[ct.Chunk]) -> None:
+    def _check_mu(plan: Plan, h: ct.StreamHeader, chunks: Sequence[ct.Chunk]) -> None:
         for c in chunks:
             if c.mu_fingerprint != digest(plan.mu[plan.chunk_slice(h, c.index)]):
                 raise MuMismatchError(f"chunk {c.index}: the decoder's mu differs from the encoder's "
                                       "(predictor, hardware or library build differ)")
 
-    def _decode_batch(self, plan: _Plan, h: ct.StreamHeader, chunks: Sequence[ct.Chunk]) -> list[np.ndarray]:
+    def _decode_batch(self, plan: Plan, h: ct.StreamHeader, chunks: Sequence[ct.Chunk]) -> list[np.ndarray]:
         """Bit patterns of each chunk's elements; all live chunks in one rANS pass."""
         el = h.elems_per_lane
         live = [c for c in chunks if c.n_blocks]
@@ -386,60 +371,18 @@ class Codec:
             js = self.kernels.decode(blocks, el, tables, coding.gauss)
             return [p.ravel() for p in np.split(js, np.cumsum([c.n_blocks for c in live])[:-1])]
         groups = [g for g in np.array_split(np.arange(nb), self.config.threads) if len(g)]
-        parts = self._map(lambda a: _decode_blocks(coding, a[0], tables[a[1][0]:a[1][-1] + 1], el),
+        parts = self._map(lambda a: decode_symbols(coding, a[0], tables[a[1][0]:a[1][-1] + 1], el),
                           list(zip(split_blocks(blocks, [len(g) for g in groups]), groups)))
         js = np.concatenate(parts)
         return [p.ravel() for p in np.split(js, np.cumsum([c.n_blocks for c in live])[:-1])]
 
-    def _context(self, plan: _Plan, sl: slice) -> Context:
+    def _context(self, plan: Plan, sl: slice) -> Context:
         if plan.fmt is BF16:
-            table = _context_table(plan.model.log2_sigma)
+            table = self._bf16_table(plan.model)
             ab = slice(sl.start + plan.layer0, sl.stop + plan.layer0)  # level_index holds all layers
             lidx = table.level_index[ab][:, :, :, None, :]  # (n, 2, heads, 1, dim)
             return table.lookup(plan.mu[sl], lidx)
-        return _context(plan, sl)
-
-
-def _decode_blocks(coding: CodingTables, blocks: RansBlocks, tables: np.ndarray, el: int) -> np.ndarray:
-    """Symbol indices (blocks, el, LANES) of one group of blocks."""
-    g = coding.gauss
-    # NOTE: step-major copy, so each step reads a contiguous (blocks, LANES) slab
-    steps = np.ascontiguousarray(tables.transpose(1, 0, 2))
-    js = np.empty(steps.shape, np.int32)
-    dec = RansDecoder(blocks, el)
-    for s in range(el):
-        t = steps[s]
-        j = g.lookup[t * np.int32(PROB_SCALE) + dec.dec_get().view(np.int32)]
-        idx = g.offset[t] + j
-        dec.dec_advance(g.cum[idx], g.freq[idx])
-        js[s] = j
-    dec.finish()
-    return js.transpose(1, 0, 2)
-
-
-_TABLES: dict[bytes, ContextTable] = {}  # by sigma digest: codecs of one checkpoint share one
-_TABLES_LOCK = threading.Lock()  # worker threads (and sidecars) may all ask at once
-
-
-def _context_table(log2_sigma: np.ndarray) -> ContextTable:
-    """The BF16 context table of these sigmas, built once per process (~1.5 s)."""
-    key = digest(np.ascontiguousarray(log2_sigma, np.int64), str(log2_sigma.shape).encode())
-    with _TABLES_LOCK:
-        if key not in _TABLES:
-            _TABLES[key] = ContextTable(BF16, BF16, log2_sigma)
-        return _TABLES[key]
-
-
-def _mu_float32(mu: "torch.Tensor") -> np.ndarray:
-    """The predictor's BF16 mu as exact float32 numpy."""
-    return (bf16_bits(mu).astype(np.uint32) << 16).view(np.float32)
-
-
-def _fp8_codes(codes: np.ndarray) -> np.ndarray:
-    codes = np.asarray(codes)
-    if codes.dtype != np.uint8:
-        raise TypeError(f"FP8 KV codes must be uint8 e4m3 patterns, not {codes.dtype}")
-    return np.ascontiguousarray(codes)
+        return plan_context(plan, sl)
 
 
 def _whole_record(rec, parsed):
@@ -448,13 +391,6 @@ def _whole_record(rec, parsed):
     if used != memoryview(rec).nbytes:
         raise ct.FormatError(f"{memoryview(rec).nbytes - used} trailing bytes after a {used}-byte record")
     return obj
-
-
-def _context(plan: _Plan, sl: slice) -> Context:
-    mu = plan.mu[sl]  # (n_layers, 2, heads, tokens, dim)
-    lg = plan.log2_sigma[sl]
-    lg = np.broadcast_to(lg[:, :, :, None, :] if lg.ndim == 4 else lg, mu.shape)
-    return context(plan.fmt, plan.fmt_mu, mu.ravel(), lg.ravel())
 
 
 def _rel(h: ct.StreamHeader, i: int, start: int) -> slice:

@@ -29,11 +29,14 @@ Byte layout (a CUDA kernel reproduces it bit for bit):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from .errors import SpeckvError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .tables import CodingTables
 
 PROB_BITS = 15  # frequencies are PROB_BITS-bit fixed point
 PROB_SCALE = 1 << PROB_BITS  # frequencies of an alphabet sum to this
@@ -322,3 +325,21 @@ def split_blocks(b: RansBlocks, spans: Sequence[int]) -> list[RansBlocks]:
         out.append(RansBlocks(states=b.states[b0:b0 + n], word_counts=wc, words=b.words[w0:w1]))
         b0, w0 = b0 + n, w1
     return out
+
+
+def decode_symbols(coding: "CodingTables", blocks: RansBlocks, tables: np.ndarray, el: int) -> np.ndarray:
+    """Symbol indices (blocks, el, LANES) of one group of blocks, each element's table
+    ``tables[block, step, lane]`` a row of ``coding.gauss`` (the numpy decode loop)."""
+    g = coding.gauss
+    # NOTE: step-major copy, so each step reads a contiguous (blocks, LANES) slab
+    steps = np.ascontiguousarray(tables.transpose(1, 0, 2))
+    js = np.empty(steps.shape, np.int32)
+    dec = RansDecoder(blocks, el)
+    for s in range(el):
+        t = steps[s]
+        j = g.lookup[t * np.int32(PROB_SCALE) + dec.dec_get().view(np.int32)]
+        idx = g.offset[t] + j
+        dec.dec_advance(g.cum[idx], g.freq[idx])
+        js[s] = j
+    dec.finish()
+    return js.transpose(1, 0, 2)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
 import grpc
 import numpy as np

@@ -6,8 +6,6 @@ script, not the CUDA code, which tests/coder/test_rans_kernels.py compiles with
 nvcc and whose logic it checks through the host build."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,14 +13,11 @@ import pytest
 from speckv.coder.predictor import default_checkpoint_dir, load_checkpoint
 from speckv.coder.rans_kernels import HostKernels
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 
 
 @pytest.fixture(scope="module")
-def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+def gpu_check(load_script):
+    mod = load_script("gpu_check", "gpu_check")
     mod.DEVICE_CODER = "host"
     return mod
 

@@ -4,21 +4,15 @@ client for a few seconds on short real prompts. Checks the report's bookkeeping
 back, both sidecars healthy), not its speed."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "load.py"
 
 
 @pytest.fixture(scope="module")
-def load():
-    spec = importlib.util.spec_from_file_location("speckv_load", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def load(load_script):
+    return load_script("load")
 
 
 def test_short_load_run_loses_and_corrupts_nothing(load, tmp_path):

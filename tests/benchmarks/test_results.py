@@ -2,9 +2,6 @@
 codec's coded size (less the container's fixed overhead) under every model variant."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,16 +10,11 @@ from speckv.coder import container as ct
 from speckv.coder.codec import Codec, CodecConfig, Fp8KV
 from speckv.coder.fp8 import kv_to_fp8
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
-def results():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("speckv_results", BENCH / "results.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def results(load_script):
+    return load_script("results")
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
