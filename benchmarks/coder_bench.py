@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from speckv.client.bench import print_report, run_bench
+from speckv.cli.bench import print_report, run_bench
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from speckv.coder.codec import Codec, CodecConfig, Fp8KV
-from speckv.coder.predictor import default_checkpoint_dir, load_checkpoint
+from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
 from speckv.coder.rans import LANES
 from speckv.coder.rans_kernels import CudaKernels, cuda_available
 
@@ -81,10 +81,10 @@ def adversarial(ck, rng) -> dict:
 
 def real_kv(ck, tokens: int) -> dict:
     try:
-        from speckv.coder.calibrate import read_text
-        from speckv.coder.predict import Predictor
-        from speckv.coder.target import load_target
-        from speckv.client.demo import DEMO_PROMPT
+        from speckv.predictor.calibrate import read_text
+        from speckv.predictor.predict import Predictor
+        from speckv.predictor.target import load_target
+        from speckv.cli.demo import DEMO_PROMPT
     except Exception as e:  # noqa: BLE001
         return {"skipped": f"torch/transformers not importable: {e}"}
     try:
@@ -99,7 +99,7 @@ def real_kv(ck, tokens: int) -> dict:
     ids = target.tokenize(text, tokens)
     kv, mu = target.kv(ids), pred.mu(ids)
     cpu, gpu = codecs(ck)
-    from speckv.coder.fp8 import kv_to_fp8
+    from speckv.predictor.fp8 import kv_to_fp8
 
     q, s = kv_to_fp8(kv)
     return {"tokens": int(len(ids)), "bf16": round_trip(cpu, gpu, kv, ids, mu),

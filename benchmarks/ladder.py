@@ -75,10 +75,10 @@ def measure_rung(rung: str, target: Any, calib_target: Any, ids: Any, kv: Any, t
     import numpy as np
     import torch
 
-    from speckv.coder.calibrate import build_checkpoint
+    from speckv.predictor.calibrate import build_checkpoint
     from speckv.coder.codec import Codec, CodecConfig, bf16_bits
-    from speckv.coder.predict import Predictor
-    from speckv.coder.predictor import load_checkpoint
+    from speckv.predictor.predict import Predictor
+    from speckv.predictor.checkpoint import load_checkpoint
 
     layers = target.config.num_hidden_layers
     name = f"hybrid:{layers}" if rung == "target" else rung
@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write the rows and settings here")
     args = ap.parse_args(argv)
 
-    from speckv.coder.calibrate import read_text
-    from speckv.coder.target import COMPUTE_THREADS, load_target
+    from speckv.predictor.calibrate import read_text
+    from speckv.predictor.target import COMPUTE_THREADS, load_target
 
     target = load_target()
     ids = target.tokenize(read_text(args.text, chars=args.tokens * 16), args.tokens)

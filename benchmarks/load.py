@@ -56,7 +56,7 @@ class Sidecar:
         self.role = role
         self.log = open(os.path.join(logdir, f"{role}.log"), "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "speckv.client.cli", "serve", role, "--listen", "127.0.0.1:0", "--metrics-port", "0"],
+            [sys.executable, "-m", "speckv.cli.main", "serve", role, "--listen", "127.0.0.1:0", "--metrics-port", "0"],
             stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
         self.port = self.metrics_port = None
         assert self.proc.stdout is not None
@@ -132,7 +132,7 @@ class Sidecar:
 def prompts(lengths: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
     """(ids, BF16 KV bit patterns) of real prompts of the given token counts."""
     from speckv.coder.codec import bf16_bits
-    from speckv.coder.target import load_target
+    from speckv.predictor.target import load_target
 
     target = load_target()
     text = CORPUS.read_text(encoding="utf-8")[:200_000] if CORPUS.is_file() else FALLBACK_TEXT

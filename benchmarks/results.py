@@ -119,10 +119,10 @@ def timings(target: Any, pred: Any, fp8_copy: Any, ids: np.ndarray, repeats: int
 
 
 def measure(rung: str, env: dict[str, Any], args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    from speckv.coder.calibrate import build_checkpoint
+    from speckv.predictor.calibrate import build_checkpoint
     from speckv.coder.codec import Codec, CodecConfig
-    from speckv.coder.predict import Predictor
-    from speckv.coder.predictor import load_checkpoint
+    from speckv.predictor.predict import Predictor
+    from speckv.predictor.checkpoint import load_checkpoint
 
     target = env["target"]
     pin = build_checkpoint(env["calib_target"], args.calib, root / rung.replace(":", "-"), derive_weights=True,
@@ -147,9 +147,9 @@ def measure(rung: str, env: dict[str, Any], args: argparse.Namespace, root: Path
 
 
 def texts(target: Any, tokens: int) -> dict[str, tuple[np.ndarray, dict[str, Any]]]:
-    from speckv.coder.calibrate import read_text
+    from speckv.predictor.calibrate import read_text
     from speckv.coder.codec import Fp8KV
-    from speckv.coder.fp8 import kv_to_fp8
+    from speckv.predictor.fp8 import kv_to_fp8
 
     shake = target.tokenize(read_text(CORPUS / "tinyshakespeare.txt", chars=tokens * 16), tokens)
     wiki = target.tokenize(read_text(CORPUS / "wikitext2-valid.txt", chars=HELD_OUT[1] * 16),
@@ -164,7 +164,7 @@ def texts(target: Any, tokens: int) -> dict[str, tuple[np.ndarray, dict[str, Any
 
 def coder_speed() -> dict[str, float]:
     """``speckv bench`` on the default checkpoint: encode/decode MB/s of the numpy coder."""
-    from speckv.client.bench import run_bench
+    from speckv.cli.bench import run_bench
 
     r = run_bench(quiet=True, coder="cpu", timing_runs=1)
     return {"encode_mb_s": r["encode_mb_s"], "decode_mb_s": r["decode_mb_s"], "bits": r["bits_per_scalar"]}
@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "RESULTS.md")
     args = ap.parse_args(argv)
 
-    from speckv.client.bench import fp8_copy_forward
-    from speckv.coder.target import load_target
+    from speckv.cli.bench import fp8_copy_forward
+    from speckv.predictor.target import load_target
 
     from results_report import render  # noqa: E402 -- next to this script
 

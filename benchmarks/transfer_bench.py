@@ -24,7 +24,6 @@ import re
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,7 +37,7 @@ DEFAULT_TEXT = Path(__file__).resolve().parents[1].parent / "shared" / "corpus" 
 
 
 def start(role: str) -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen([sys.executable, "-m", "speckv.client.cli", "serve", role, "--listen", "127.0.0.1:0",
+    proc = subprocess.Popen([sys.executable, "-m", "speckv.cli.main", "serve", role, "--listen", "127.0.0.1:0",
                              "--metrics-port", "-1"], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "SPECKV_MAX_INFLIGHT_BYTES": "1Gi"})
     assert proc.stdout is not None
@@ -89,8 +88,8 @@ def main() -> None:
     ap.add_argument("--text", default=str(DEFAULT_TEXT))
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    from speckv.coder.calibrate import read_text
-    from speckv.coder.target import load_target
+    from speckv.predictor.calibrate import read_text
+    from speckv.predictor.target import load_target
 
     target = load_target()
     ids = target.tokenize(read_text(args.text, chars=args.tokens * 32), args.tokens)

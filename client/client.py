@@ -27,14 +27,15 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator
 import grpc
 import numpy as np
 
-from speckv.coder.codec import Fp8KV, bf16_bits
-from speckv.coder.errors import SpeckvError
-from speckv.coder.integrity import KVDigest
+from speckv.digests import KVDigest
+from speckv.errors import RpcFailed
+from speckv.kv import Fp8KV, bf16_bits
 from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.v1 import decoder_pb2_grpc as dgrpc
 from speckv.v1 import encoder_pb2 as epb
 from speckv.v1 import encoder_pb2_grpc as egrpc
+from speckv.wire import NAN_SCALES, LayerAssembler, kv_shape, layer_messages, shape_of
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -44,14 +45,6 @@ logger = logging.getLogger(__name__)
 PART_BYTES = 2 << 20  # payload per message, well under gRPC's 4 MiB default
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 4 << 20), ("grpc.max_send_message_length", 4 << 20)]
 ENCODINGS = {"speckv": epb.ENCODING_SPECKV, "stored": epb.ENCODING_STORED}
-
-
-class RpcFailed(SpeckvError):
-    """A sidecar call failed; ``code`` is its grpc.StatusCode."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code, self.details = code, details
 
 
 def tls_credentials(ca: str, cert: str | None = None, key: str | None = None) -> grpc.ChannelCredentials:
@@ -115,8 +108,6 @@ def submit_requests(request_id: str, kv: Any, prompt_token_ids: Any, decoder_add
                     part_bytes: int = PART_BYTES) -> Iterator[epb.SubmitRequest]:
     """The SubmitRequest stream: header, then every layer in parts. The KV is checked
     here, before any call starts (ValueError / TypeError)."""
-    from speckv.server.wire import NAN_SCALES, kv_shape
-
     dtype, bits, scales = _as_kv(kv)
     if bits.ndim != 5 or bits.shape[1] != 2:
         raise ValueError(f"KV must be (layers, 2, kv_heads, tokens, head_dim), not {bits.shape}")
@@ -130,8 +121,6 @@ def submit_requests(request_id: str, kv: Any, prompt_token_ids: Any, decoder_add
 
 def _submit_stream(request_id, bits, scales, dtype, shape, prompt_token_ids, decoder_address, model_id,
                    encoding, expected_pin, part_bytes) -> Iterator[epb.SubmitRequest]:
-    from speckv.server.wire import layer_messages
-
     yield epb.SubmitRequest(header=epb.SubmitHeader(
         request_id=request_id, decoder_address=decoder_address, model_id=model_id, dtype=dtype,
         shape=shape, prompt_token_ids=[int(t) for t in np.asarray(prompt_token_ids).ravel()],
@@ -160,8 +149,6 @@ class _Collector:
         self.verified_only = verified_only  # ask the server to hold layers until verified
 
     def add(self, msg: dpb.FetchKVResponse) -> tuple[int, np.ndarray, np.ndarray | None] | None:
-        from speckv.server.wire import LayerAssembler, shape_of
-
         if self.done:
             raise RpcFailed(grpc.StatusCode.INTERNAL, "FetchKV sent data after FetchKVDone")
         if msg.WhichOneof("kind") == "done":

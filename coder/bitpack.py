@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import IntegrityError
+from speckv.errors import IntegrityError
 
 MAX_FIELD_BITS = 16
 WINDOW_BYTES = 4  # every field (<= 16 bits at any bit offset) fits a 32-bit window

@@ -19,27 +19,35 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 
 from . import container as ct
-from .errors import IntegrityError, MuMismatchError, PinMismatchError, PromptMismatchError
+from speckv.errors import IntegrityError, MuMismatchError, PinMismatchError, PromptMismatchError
+from speckv.kv import Fp8KV, bf16_bits
+
 from .integrity import DIGEST_BYTES, digest, prompt_digest, verified
 from .model import BF16, E4M3, FP32, Context, FloatFormat
 from .model import ContextTable, desymbolize, fp8_log2_sigma, symbolize
 from .plan import Plan, bf16_context_table, fp8_codes, mu_float32, plan_context
-from .rans import LANES, RansBlocks, concat_blocks, decode_symbols, rans_encode, split_blocks
+from .rans import LANES, RansBlocks, concat_blocks, rans_encode, split_blocks
 from .rans_kernels import CODERS, select_kernels
-from .residual import MODEL_NAMES, MODEL_SEED, ResidualModel, models_of
+from .residual import MODEL_NAMES, MODEL_SEED, CheckpointLike, ResidualModel, models_of
 from .stored import stored_chunk, unstored_chunk
-from .tables import NOOP_TABLE, CodingTables
+from .tables import NOOP_TABLE, CodingTables, decode_symbols
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from .predict import Predictor
-    from .predictor import Checkpoint
+
+class MuSource(Protocol):
+    """What the codec needs of a predictor (``speckv.predictor.predict.Predictor``):
+    mu for prompt token ids, in the canonical KV layout, as BF16."""
+
+    checkpoint: CheckpointLike
+
+    def mu(self, ids: np.ndarray) -> "torch.Tensor | np.ndarray": ...
 
 logger = logging.getLogger(__name__)
 
@@ -69,32 +77,11 @@ class CodecConfig:
             raise ValueError(f"model must be auto or one of {sorted(MODEL_NAMES)}, not {self.model!r}")
 
 
-@dataclass
-class Fp8KV:
-    """An FP8 KV cache: e4m3 codes and their per-(layer, kv) fp32 scales."""
-
-    codes: np.ndarray  # (layers, 2, kv_heads, tokens, head_dim) uint8
-    scales: np.ndarray  # (layers, 2) float32
-
-
-def bf16_bits(t: "torch.Tensor | np.ndarray") -> np.ndarray:
-    """A BF16 tensor's bit patterns as uint16 numpy (numpy uint16 passes through)."""
-    if isinstance(t, np.ndarray):
-        if t.dtype not in (np.uint16, np.int16):
-            raise TypeError(f"BF16 KV as numpy must hold uint16/int16 bit patterns, not {t.dtype}")
-        return np.ascontiguousarray(t).view(np.uint16)
-    import torch
-
-    if t.dtype != torch.bfloat16:
-        raise TypeError(f"KV and mu tensors must be torch.bfloat16, not {t.dtype}")
-    return t.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
-
-
 class Codec:
     """Encoder and decoder of KV caches under one pinned predictor."""
 
     def __init__(self, tables: CodingTables, log2_sigma: np.ndarray, pin: str,
-                 predictor: "Predictor | None" = None, config: CodecConfig | None = None,
+                 predictor: "MuSource | None" = None, config: CodecConfig | None = None,
                  models: dict[int, ResidualModel] | None = None) -> None:
         """``tables`` and ``log2_sigma``: the seed model's; ``models``: every model id the
         checkpoint supports (default: the seed's alone)."""
@@ -127,13 +114,13 @@ class Codec:
         return self._bf16_tables[model.model_id]
 
     @classmethod
-    def from_checkpoint(cls, ck: "Checkpoint", config: CodecConfig | None = None,
-                        predictor: "Predictor | None" = None, pin: str | None = None) -> "Codec":
+    def from_checkpoint(cls, ck: CheckpointLike, config: CodecConfig | None = None,
+                        predictor: "MuSource | None" = None, pin: str | None = None) -> "Codec":
         """A codec with every residual model of ``ck`` (``pin``: override, for tests)."""
         return cls(ck.seed_tables, ck.calib.sigma_log2_q, pin or ck.pin, predictor, config, models_of(ck))
 
     @classmethod
-    def from_predictor(cls, predictor: "Predictor", config: CodecConfig | None = None) -> "Codec":
+    def from_predictor(cls, predictor: MuSource, config: CodecConfig | None = None) -> "Codec":
         return cls.from_checkpoint(predictor.checkpoint, config, predictor)
 
     # -- encode -------------------------------------------------------------

@@ -30,7 +30,9 @@ from typing import Iterable, Union
 
 import numpy as np
 
-from .errors import SpeckvError
+from speckv.errors import ChecksumError, FormatError, TruncatedError
+
+from .rans import LANES as RANS_LANES
 
 __all__ = ["FormatError", "TruncatedError", "ChecksumError", "StreamHeader", "Chunk",
            "pack_header", "unpack_header", "pack_chunk", "unpack_chunk", "pack_stream",
@@ -42,7 +44,7 @@ Buffer = Union[bytes, bytearray, memoryview]
 
 DTYPE_BF16 = 1
 DTYPE_FP8 = 2
-LANES = 32
+LANES = RANS_LANES  # the rANS core's lanes per block (one warp)
 FORMAT_VERSION = 2  # 2: probability model 2 (tuned); 1: model 1 only
 MAGIC = b"SPKV"
 CHUNK_MAGIC = b"SPKC"
@@ -64,16 +66,6 @@ _BLOCK_BYTES = LANES * 4 + 4  # states plus word_count per block
 _U16_MAX, _U32_MAX = 0xFFFF, 0xFFFFFFFF
 
 
-class FormatError(SpeckvError, ValueError):
-    """The bytes (or the values to be written) do not form a valid stream."""
-
-
-class TruncatedError(FormatError):
-    """The input ends before the record it describes does."""
-
-
-class ChecksumError(FormatError):
-    """A record's CRC-32 does not match its contents."""
 
 
 def _uint(name: str, value: object, lo: int, hi: int) -> int:

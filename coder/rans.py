@@ -29,14 +29,11 @@ Byte layout (a CUDA kernel reproduces it bit for bit):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from .errors import SpeckvError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .tables import CodingTables
+from speckv.errors import RansDecodeError
 
 PROB_BITS = 15  # frequencies are PROB_BITS-bit fixed point
 PROB_SCALE = 1 << PROB_BITS  # frequencies of an alphabet sum to this
@@ -66,8 +63,6 @@ _U16 = np.uint16
 
 
 
-class RansDecodeError(SpeckvError, ValueError):
-    """A rANS stream is corrupt, truncated or inconsistent."""
 
 
 @dataclass(frozen=True)
@@ -197,12 +192,6 @@ class RansDecoder:
             self._renorm()
         self.step += 1
 
-    def dec_skip(self) -> None:
-        """A step whose ops are all no-ops (start=0, freq=PROB_SCALE): state unchanged."""
-        if self.step >= self.steps:
-            raise RansDecodeError(f"all {self.steps} steps already decoded")
-        self.step += 1
-
     def _renorm(self) -> None:
         """Lanes with x < RANS_L read one word: x = (x << WORD_BITS) | word."""
         x, tmp, need = self._x, self._tmp, self._need
@@ -265,49 +254,6 @@ def _check_blocks(blocks: RansBlocks) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return states, counts, words
 
 
-def _bench(n_blocks: int = 150, steps: int = 1024, repeat: int = 5) -> None:
-    """Print encode / decode-advance throughput in M ops/s."""
-    import time
-
-    rng = np.random.default_rng(0)
-    # Skewed 256-symbol table: freq ~ geometric, every freq >= 1.
-    p = 0.97 ** np.arange(256)
-    freqs = np.maximum(1, np.floor(p / p.sum() * PROB_SCALE)).astype(np.int64)
-    freqs[0] += PROB_SCALE - freqs.sum()
-    cum = np.concatenate([[0], np.cumsum(freqs)]).astype(_U32)
-    slot2sym = np.repeat(np.arange(256), freqs)
-    sym = rng.choice(256, size=(n_blocks, steps, LANES), p=freqs / PROB_SCALE)
-    start, freq = cum[sym], freqs.astype(_U32)[sym]
-    n_ops = sym.size
-    t_enc, t_dec = [], []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        out = rans_encode(start, freq)
-        t_enc.append(time.perf_counter() - t0)
-        d = RansDecoder(out, steps)
-        t0 = time.perf_counter()
-        for s in range(steps):  # decode with the known ops: times dec_* only
-            d.dec_advance(start[:, s, :], freq[:, s, :])
-        t_dec.append(time.perf_counter() - t0)
-        d.finish()
-    d = RansDecoder(out, steps)
-    t0 = time.perf_counter()
-    for _s in range(steps):  # full decode incl. the slot -> symbol lookup
-        k = slot2sym[d.dec_get()]
-        d.dec_advance(cum[k], freqs[k])
-    t_full = time.perf_counter() - t0
-    d.finish()
-    bits = out.words.size * WORD_BITS / n_ops
-    print(f"blocks={n_blocks} steps={steps} lanes={LANES}: {n_ops} ops, {bits:.2f} bits/op")
-    print(f"encode        {n_ops / min(t_enc) / 1e6:7.1f} M ops/s")
-    print(f"dec_advance   {n_ops / min(t_dec) / 1e6:7.1f} M ops/s")
-    print(f"decode+lookup {n_ops / t_full / 1e6:7.1f} M ops/s")
-
-
-if __name__ == "__main__":
-    _bench()
-
-
 def concat_blocks(parts: Sequence[RansBlocks]) -> RansBlocks:
     if len(parts) == 1:
         return parts[0]
@@ -325,21 +271,3 @@ def split_blocks(b: RansBlocks, spans: Sequence[int]) -> list[RansBlocks]:
         out.append(RansBlocks(states=b.states[b0:b0 + n], word_counts=wc, words=b.words[w0:w1]))
         b0, w0 = b0 + n, w1
     return out
-
-
-def decode_symbols(coding: "CodingTables", blocks: RansBlocks, tables: np.ndarray, el: int) -> np.ndarray:
-    """Symbol indices (blocks, el, LANES) of one group of blocks, each element's table
-    ``tables[block, step, lane]`` a row of ``coding.gauss`` (the numpy decode loop)."""
-    g = coding.gauss
-    # NOTE: step-major copy, so each step reads a contiguous (blocks, LANES) slab
-    steps = np.ascontiguousarray(tables.transpose(1, 0, 2))
-    js = np.empty(steps.shape, np.int32)
-    dec = RansDecoder(blocks, el)
-    for s in range(el):
-        t = steps[s]
-        j = g.lookup[t * np.int32(PROB_SCALE) + dec.dec_get().view(np.int32)]
-        idx = g.offset[t] + j
-        dec.dec_advance(g.cum[idx], g.freq[idx])
-        js[s] = j
-    dec.finish()
-    return js.transpose(1, 0, 2)

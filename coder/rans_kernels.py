@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from speckv.paths import cache_dir
+
 from .rans import LANES, PROB_SCALE, RansBlocks, RansDecodeError, _check_blocks
 
 logger = logging.getLogger(__name__)
@@ -140,8 +142,6 @@ class HostKernels:
 
 def build_host_library(build_dir: str | Path | None = None) -> Path:
     """Compile rans_host.cpp (g++ -O2) once per source digest; returns the .so path."""
-    from .target import cache_dir
-
     out_dir = Path(build_dir) if build_dir else cache_dir() / "kernels"
     out_dir.mkdir(parents=True, exist_ok=True)
     so = out_dir / f"spk_rans_host_{source_digest()}.so"

@@ -21,13 +21,33 @@ stream (encode: ``CodecConfig.model``; decode: the header's id).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .predictor import Checkpoint
-    from .tables import CodingTables
+from .tables import CodingTables
+
+
+class CalibrationLike(Protocol):
+    """The checkpoint's frozen residual statistics the coder reads
+    (``speckv.predictor.store.Calibration``)."""
+
+    sigma_log2_q: np.ndarray
+    mu_scale: np.ndarray | None
+    mu_shift: np.ndarray | None
+    tuned_sigma_log2_q: np.ndarray | None
+
+
+class CheckpointLike(Protocol):
+    """What the coder needs of a pinned predictor checkpoint
+    (``speckv.predictor.checkpoint.Checkpoint``): the pin, the calibration, the tables."""
+
+    pin: str
+    calib: CalibrationLike
+    tuned_tables: CodingTables | None
+
+    @property
+    def seed_tables(self) -> CodingTables: ...
 
 MODEL_SEED = 1
 MODEL_TUNED = 2
@@ -42,7 +62,7 @@ class ResidualModel:
     """Everything one model id needs to code a stream under a checkpoint."""
 
     model_id: int
-    tables: "CodingTables"
+    tables: CodingTables
     log2_sigma: np.ndarray  # (layers, 2, kv_heads, head_dim) int64 fixed point
     mu_scale: np.ndarray | None = None  # same shape, float32 a (None: mu as predicted)
     mu_shift: np.ndarray | None = None  # same shape, float32 b
@@ -145,10 +165,8 @@ class AffineFit:
         return np.maximum(s / n, 0.0)
 
 
-def models_of(ck: "Checkpoint") -> dict[int, ResidualModel]:
+def models_of(ck: CheckpointLike) -> dict[int, ResidualModel]:
     """The residual models a checkpoint supports (the seed's always)."""
-    from .tables import CodingTables
-
     calib = ck.calib
     out = {MODEL_SEED: ResidualModel(MODEL_SEED, ck.seed_tables, calib.sigma_log2_q.astype(np.int64))}
     if calib.tuned_sigma_log2_q is not None and ck.tuned_tables is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import container as ct
-from .errors import IntegrityError
+from speckv.errors import IntegrityError
 from .integrity import DIGEST_BYTES, digest, verified
 from .rans import LANES
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .rans import PROB_BITS, PROB_SCALE
+from .rans import PROB_BITS, PROB_SCALE, RansBlocks, RansDecoder
 
 SIGMA_FRAC_BITS = 3  # log2(sigma) is stored in 1/8-octave steps
 SIGMA_ONE = 1 << SIGMA_FRAC_BITS
@@ -154,3 +154,21 @@ class CodingTables:
     def load(cls, path: Path) -> "CodingTables":
         with np.load(path, allow_pickle=False) as z:
             return cls.from_arrays({k: z[k] for k in z.files})
+
+
+def decode_symbols(coding: CodingTables, blocks: RansBlocks, tables: np.ndarray, el: int) -> np.ndarray:
+    """Symbol indices (blocks, el, LANES) of one group of blocks, each element's table
+    ``tables[block, step, lane]`` a row of ``coding.gauss`` (the numpy decode loop)."""
+    g = coding.gauss
+    # NOTE: step-major copy, so each step reads a contiguous (blocks, LANES) slab
+    steps = np.ascontiguousarray(tables.transpose(1, 0, 2))
+    js = np.empty(steps.shape, np.int32)
+    dec = RansDecoder(blocks, el)
+    for s in range(el):
+        t = steps[s]
+        j = g.lookup[t * np.int32(PROB_SCALE) + dec.dec_get().view(np.int32)]
+        idx = g.offset[t] + j
+        dec.dec_advance(g.cum[idx], g.freq[idx])
+        js[s] = j
+    dec.finish()
+    return js.transpose(1, 0, 2)

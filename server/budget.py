@@ -14,13 +14,9 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
-
-class BudgetExceeded(Exception):
-    """A single reservation larger than the whole cap: it could never be granted."""
+from speckv.errors import BudgetExceeded, HoldingClosed
 
 
-class HoldingClosed(Exception):
-    """The transfer owning a holding ended (failed or cancelled) while it waited."""
 
 
 class ByteBudget:

@@ -27,14 +27,15 @@ from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.v1 import decoder_pb2_grpc as dgrpc
 
+from .aio import drain_batch, drain_requests, peer_host, prepend
 from .auth import authorize, parse_allow
 from .budget import ByteBudget
 from .config import ServerConfig
 from .metrics import Metrics
 from .runtime import Runtime
-from .status import RpcError, TransferDigestError, in_band, integrity_kind, outcome, to_status
+from speckv.status import RpcError, TransferDigestError, in_band, integrity_kind, outcome, to_status
 from .transfers import S, DecoderTransfer, TransferTable, check_request_id
-from .wire import RecordAssembler, dtype_of, kv_shape, layer_bytes, layer_messages, shape_of
+from speckv.wire import RecordAssembler, dtype_of, kv_shape, layer_bytes, layer_messages, shape_of
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
             # (INTERNAL) instead of this status
             with contextlib.suppress(Exception):
                 yield dpb.TransferResponse(result=dpb.TransferResult(status=in_band(e)))
-                await asyncio.wait_for(_drain_requests(it), DRAIN_S)
+                await asyncio.wait_for(drain_requests(it), DRAIN_S)
             await context.abort(code, msg)
         finally:
             self._gauges()
@@ -162,7 +163,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
                 labels = (labels[0], "stored")
                 self.metrics.header(*labels, ct.HEADER_LEN)
                 first = await _await_or_fail(anext(it, None), None, t)
-            it = _prepend(first, it)
+            it = prepend(first, it)
         t.encoding = labels[1]
         worker = asyncio.ensure_future(self._decode_loop(t, h, mu, queue, labels))
         asm = RecordAssembler(h.n_chunks, min(ct.MAX_CHUNK_BYTES, self.budget.limit))
@@ -220,7 +221,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
                            queue: asyncio.Queue, labels: tuple[str, str]) -> None:
         """Decode queued chunks; whatever has queued up is decoded in one vectorised pass."""
         lb = layer_bytes(h.shape, dtype_of_header(h))
-        while batch := await _drain(queue):
+        while batch := await drain_batch(queue):
             d0 = time.perf_counter()
             bits = await asyncio.to_thread(self.rt.codec.decode_run, h, [c for c, _ in batch], mu)
             t.decode_s += time.perf_counter() - d0
@@ -313,38 +314,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
         self.metrics.gauges(len(self.table), self.budget.used, self.budget.limit)
 
 
-MAX_BATCH = 64  # chunks decoded in one pass at most
 DRAIN_S = 2.0  # after a failure, how long the rest of the sender's messages are read and dropped
-
-
-async def _drain_requests(it: AsyncIterator) -> None:
-    async for _ in it:
-        pass
-
-
-async def _drain(queue: asyncio.Queue) -> list:
-    """The next item and everything queued behind it (up to MAX_BATCH); [] at the end
-    marker (None), which stays queued so later calls see it too."""
-    items = [await queue.get()]
-    while items[-1] is not None and len(items) < MAX_BATCH and not queue.empty():
-        items.append(queue.get_nowait())
-    if items[-1] is None:
-        items.pop()
-        queue.put_nowait(None)
-    return items
-
-
-def peer_host(peer: str) -> str:
-    """``ipv4:10.0.0.7:51234`` -> ``ipv4:10.0.0.7``: a peer's source port changes per connection."""
-    return peer.rsplit(":", 1)[0]
-
-
-async def _prepend(first, it: AsyncIterator) -> AsyncIterator:
-    """``first`` (unless None), then the rest of ``it``."""
-    if first is not None:
-        yield first
-    async for x in it:
-        yield x
 
 
 def dtype_of_header(h: ct.StreamHeader) -> int:

@@ -32,15 +32,16 @@ from speckv.v1 import decoder_pb2_grpc as dgrpc
 from speckv.v1 import encoder_pb2 as epb
 from speckv.v1 import encoder_pb2_grpc as egrpc
 
+from .aio import drain_batch, peer_host, watched
+from .tls import KEEPALIVE, channel_credentials
 from .auth import authorize, parse_allow
 from .budget import ByteBudget, Holding
 from .config import ServerConfig
 from .metrics import Metrics
 from .runtime import Runtime
-from .decoder import peer_host
-from .status import RpcError, from_in_band, outcome, to_status
+from speckv.status import RpcError, from_in_band, outcome, to_status
 from .transfers import check_request_id
-from .wire import LayerAssembler, bad, dtype_of, layer_bytes, parts, shape_of
+from speckv.wire import LayerAssembler, bad, dtype_of, layer_bytes, parts, shape_of
 
 logger = logging.getLogger(__name__)
 
@@ -165,11 +166,11 @@ class EncoderService(egrpc.EncoderServiceServicer):
             self.metrics.header(*job.labels, ct.HEADER_LEN)
             await self._receive(job, it, queue, watch)
             queue.put_nowait(None)
-            await _watched(sender, watch)
+            await watched(sender, watch)
             await _write(job, call, dpb.TransferRequest(trailer=dpb.TransferTrailer(
                 raw_digest=job.digest.digest(), raw_bytes=job.digest.raw_bytes)))
             await call.done_writing()
-            result = await _watched(acks, watch)
+            result = await watched(acks, watch)
             if (result.raw_bytes, result.wire_bytes, result.encoding) != (job.raw_bytes, job.wire_bytes,
                                                                            job.labels[1]):
                 raise RpcError(grpc.StatusCode.DATA_LOSS,
@@ -193,8 +194,6 @@ class EncoderService(egrpc.EncoderServiceServicer):
     def _open(self, job: _Job, context: grpc.aio.ServicerContext):
         addr = job.header.decoder_address
         if addr not in self._channels:
-            from .app import KEEPALIVE, channel_credentials
-
             options = [("grpc.max_receive_message_length", self.config.max_receive_bytes),
                        ("grpc.max_send_message_length", self.config.max_receive_bytes),
                        # a restarted decoder is reached again within ~0.1-1 s, not gRPC's 1-120 s backoff
@@ -211,11 +210,11 @@ class EncoderService(egrpc.EncoderServiceServicer):
         """Reassemble raw layers; queue each chunk once its layers are all in."""
         asm = LayerAssembler(job.header.dtype, job.h.shape)
         next_chunk = 0
-        while (req := await _watched(anext(it, None), watch)) is not None:
+        while (req := await watched(anext(it, None), watch)) is not None:
             if req.WhichOneof("kind") != "layer":
                 raise bad("only layer messages may follow the header")
             if asm.starting:
-                await _watched(job.holding.acquire(asm.layer_size), watch)  # backpressure on the engine
+                await watched(job.holding.acquire(asm.layer_size), watch)  # backpressure on the engine
             done = asm.add(req.layer)
             if done is None:
                 continue
@@ -231,8 +230,6 @@ class EncoderService(egrpc.EncoderServiceServicer):
 
     async def _send_loop(self, job: _Job, mu_task, call, queue: asyncio.Queue, check: asyncio.Future) -> None:
         """Code ready chunks (all that queued up, in one pass) and write their records."""
-        from .decoder import _drain
-
         mu = None
         if mu_task is not None:
             mu, job.predictor_s = await mu_task
@@ -241,7 +238,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
             if await check != digest(mu):
                 mu = await self._fall_back(job, call)
         lb = layer_bytes(job.h.shape, dtype_of(job.header.dtype)[1].itemsize)
-        while batch := await _drain(queue):
+        while batch := await drain_batch(queue):
             start = job.h.chunk_layers(batch[0])[0]
             stop = sum(job.h.chunk_layers(batch[-1]))
             got = [job.layers.pop(k) for k in range(start, stop)]
@@ -320,41 +317,3 @@ async def _read_result(call, check: asyncio.Future) -> dpb.TransferResult:
     if result is None:
         raise RpcError(grpc.StatusCode.INTERNAL, "decoder ended the transfer without a result")
     return result
-
-
-async def _watched(aw, watch: tuple[asyncio.Future, ...]):
-    """Await ``aw`` unless a watched task (acks, sender) fails first; then raise the most
-    telling error: the decoder's status from the ack reader rather than a failed write."""
-    task = asyncio.ensure_future(aw)
-    others = [w for w in watch if w is not task]
-    while not task.done():
-        if any(_failed(w) for w in others):
-            task.cancel()
-            await _raise_preferring(watch)
-        try:
-            await asyncio.wait([task, *[w for w in others if not w.done()]], return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # cancelled: leave no orphaned read, acquire or write behind
-            if task not in watch:
-                task.cancel()
-            raise
-    if task.cancelled() or task.exception() is None:
-        return task.result()
-    if task is watch[1]:
-        await _raise_preferring(watch)
-    raise task.exception()
-
-
-def _failed(f: asyncio.Future) -> bool:
-    return f.done() and not f.cancelled() and f.exception() is not None
-
-
-async def _raise_preferring(watch, fallback: BaseException | None = None):
-    acks = watch[0]
-    if not acks.done():
-        await asyncio.wait({acks}, timeout=2.0)  # the decoder's status usually follows a failed write
-    for w in watch:  # acks first
-        if _failed(w):
-            raise w.exception()
-    if fallback is not None:
-        raise fallback
-    raise RpcError(grpc.StatusCode.INTERNAL, "transfer task ended without a result")

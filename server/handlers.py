@@ -20,7 +20,7 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
 
-from .status import RpcError
+from speckv.status import RpcError
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from .config import ServerConfig
 from .runtime import Runtime
 
 if TYPE_CHECKING:  # pragma: no cover
-    from speckv.coder.predict import Predictor
+    from speckv.predictor.predict import Predictor
 
 
 class LocalPair:

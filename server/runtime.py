@@ -19,12 +19,12 @@ import grpc
 import numpy as np
 
 from speckv.coder.codec import Codec, CodecConfig, bf16_bits
-from speckv.coder.errors import PinMismatchError
+from speckv.errors import PinMismatchError
 
-from .status import RpcError
+from speckv.status import RpcError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from speckv.coder.predict import Predictor
+    from speckv.predictor.predict import Predictor
 
     from .config import ServerConfig
 
@@ -39,9 +39,9 @@ class Runtime:
 
     @classmethod
     def load(cls, config: "ServerConfig") -> "Runtime":
-        from speckv.coder.predict import Predictor
-        from speckv.coder.predictor import default_checkpoint_dir, load_checkpoint
-        from speckv.coder.target import load_target
+        from speckv.predictor.predict import Predictor
+        from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
+        from speckv.predictor.target import load_target
 
         ckpt = load_checkpoint(config.predictor or default_checkpoint_dir(), config.pin)
         target = load_target(config.target) if ckpt.derived_weights else None

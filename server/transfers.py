@@ -26,7 +26,7 @@ from speckv.v1 import decoder_pb2 as dpb
 from speckv.coder.integrity import KVDigest
 
 from .budget import Holding
-from .status import RpcError, in_band
+from speckv.status import RpcError, in_band
 
 logger = logging.getLogger(__name__)
 

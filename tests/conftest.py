@@ -10,10 +10,12 @@ no model hub and no download are involved.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import pytest
+from require import NUMERIC_ENV_SKIP, missing
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # CI puts shared/ beside the clone: <parent>/main and <parent>/shared.
@@ -38,7 +40,7 @@ TINY_TEXT = " ".join(TINY_SENTENCES * 8) + "\n"
 @pytest.fixture(scope="session")
 def corpus_dir() -> Path:
     if not CORPUS_DIR.is_dir():
-        pytest.skip(f"shared corpus not found at {CORPUS_DIR} (CI checks shared/ out beside the clone)")
+        missing("CORPUS", f"shared corpus not found at {CORPUS_DIR} (CI checks shared/ out beside the clone)")
     return CORPUS_DIR
 
 
@@ -49,7 +51,7 @@ def corpus_file(corpus_dir):
     def get(name: str) -> Path:
         path = corpus_dir / name
         if not path.is_file():
-            pytest.skip(f"corpus file {path} is missing")
+            missing("CORPUS", f"corpus file {path} is missing")
         return path
 
     return get
@@ -58,7 +60,7 @@ def corpus_file(corpus_dir):
 @pytest.fixture(scope="session")
 def embedded_target():
     """The embedded SmolLM2-135M target (``load_target()``), loaded once."""
-    from speckv.coder.target import load_target
+    from speckv.predictor.target import load_target
 
     return load_target()
 
@@ -69,12 +71,38 @@ def embedded_session(embedded_target):
     predictor), sharing the already loaded target so target-only tests do not
     depend on the predictor checkpoint. ``Session.open()`` itself runs in
     test_predictor's cross-process determinism test."""
-    from speckv.coder.predict import Predictor
-    from speckv.coder.predictor import default_checkpoint_dir, load_checkpoint
-    from speckv.coder.session import Session
+    from speckv.predictor.predict import Predictor
+    from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
+    from speckv.predictor.session import Session
 
     ckpt = load_checkpoint(default_checkpoint_dir())
     return Session(embedded_target, Predictor.from_checkpoint(ckpt, embedded_target))
+
+
+@pytest.fixture(scope="session")
+def shipped_numeric_env(embedded_target) -> None:
+    """Skips the test unless this machine computes the canary KV that the shipped
+    checkpoint's manifest records (``numeric_env``): tests that compare calibration
+    bytes or mu digests with committed ones hold only where the checkpoint was built.
+    What must hold everywhere (same process, two processes, two rebuilds on one
+    machine) is tested without this fixture."""
+    from speckv.predictor.checkpoint import MANIFEST, default_checkpoint_dir
+    from speckv.predictor.target import numeric_env
+
+    want = json.loads((default_checkpoint_dir() / MANIFEST).read_bytes()).get("numeric_env") or {}
+    here = numeric_env(embedded_target)
+    if want.get("canary_kv_sha256") != here["canary_kv_sha256"]:
+        pytest.skip(f"{NUMERIC_ENV_SKIP}: canary KV {here['canary_kv_sha256'][:12]} here "
+                    f"(torch {here['torch']}, {here['cpu_capability']}), "
+                    f"{str(want.get('canary_kv_sha256'))[:12]} where it was built "
+                    f"(torch {want.get('torch')}, {want.get('cpu_capability')})")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Say how many tests skipped because this CPU rounds differently from the builder's."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    n = sum(1 for r in skipped if NUMERIC_ENV_SKIP in str(getattr(r, "longrepr", "")))
+    terminalreporter.write_line(f"speckv: {n} test(s) skipped because the {NUMERIC_ENV_SKIP}")
 
 
 def _build_tiny_tokenizer():
@@ -113,7 +141,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_target(tiny_model_dir):
-    from speckv.coder.target import load_target
+    from speckv.predictor.target import load_target
 
     return load_target(tiny_model_dir)
 

@@ -19,6 +19,7 @@ from concurrent import futures
 from pathlib import Path
 
 import pytest
+from require import missing
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROTO_ROOT = REPO_ROOT / "proto"
@@ -49,7 +50,7 @@ def test_committed_stubs_are_up_to_date(tmp_path):
     gen = _load_generate()
     installed = gen.grpcio_tools_version()
     if installed != gen.GRPCIO_TOOLS_VERSION:
-        pytest.skip(f"grpcio-tools {installed} installed, stubs are generated with {gen.GRPCIO_TOOLS_VERSION}")
+        missing("BUF", f"grpcio-tools {installed} installed, stubs are generated with {gen.GRPCIO_TOOLS_VERSION}")
     subprocess.run([sys.executable, str(GENERATE), "--out", str(tmp_path)], check=True,
                    capture_output=True, text=True)
     fresh = tmp_path / "speckv" / "v1"
@@ -222,14 +223,14 @@ def test_everything_is_documented(tmp_path):
 
 def test_buf_lint():
     if not BUF.is_file():
-        pytest.skip(f"buf not installed at {BUF} (pip install buf-bin)")
+        missing("BUF", f"buf not installed at {BUF} (pip install buf-bin)")
     res = subprocess.run([str(BUF), "lint"], cwd=PROTO_ROOT, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, f"buf lint failed:\n{res.stdout}{res.stderr}"
 
 
 def test_buf_format():
     if not BUF.is_file():
-        pytest.skip(f"buf not installed at {BUF} (pip install buf-bin)")
+        missing("BUF", f"buf not installed at {BUF} (pip install buf-bin)")
     res = subprocess.run([str(BUF), "format", "--diff", "--exit-code"], cwd=PROTO_ROOT, capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 0, f"run `buf format -w` in proto/:\n{res.stdout}{res.stderr}"

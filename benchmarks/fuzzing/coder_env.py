@@ -10,7 +10,7 @@ import numpy as np
 
 from speckv.coder import container as ct
 from speckv.coder.codec import Codec, Fp8KV, stored_chunk
-from speckv.coder.fp8 import e4m3_values
+from speckv.predictor.fp8 import e4m3_values
 
 from .mutate import record_fields
 

@@ -13,7 +13,7 @@ import random
 from typing import Any, Callable
 
 from speckv.coder import container as ct
-from speckv.coder.errors import SpeckvError
+from speckv.errors import SpeckvError
 
 from .coder_env import CoderEnv, same_kv
 from .findings import Finding, guarded

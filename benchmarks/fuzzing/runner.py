@@ -170,7 +170,7 @@ def setup(names: list[str], seed: int) -> tuple[CoderEnv | None, ServerEnv | Non
     """The environments the targets ``names`` need (the shipped checkpoint; the
     embedded model for the sidecars)."""
     from speckv.coder.codec import Codec, CodecConfig
-    from speckv.coder.predictor import default_checkpoint_dir, load_checkpoint
+    from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
 
     ck = load_checkpoint(default_checkpoint_dir())
     coder_env = server_env = None
@@ -179,8 +179,8 @@ def setup(names: list[str], seed: int) -> tuple[CoderEnv | None, ServerEnv | Non
             ck, CodecConfig(elems_per_lane=16, layers_per_chunk=10, threads=1, coder="cpu"))
         coder_env = CoderEnv(codec, seed)
     if any(t in SERVER_TARGETS for t in names):
-        from speckv.coder.predict import Predictor
-        from speckv.coder.target import load_target
+        from speckv.predictor.predict import Predictor
+        from speckv.predictor.target import load_target
 
         target = load_target()
         server_env = ServerEnv(Predictor.from_checkpoint(ck, target), target, seed)

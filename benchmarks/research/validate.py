@@ -4,7 +4,7 @@ import time, numpy as np, torch
 torch.set_num_threads(1)
 from cost import *
 from speckv.coder.codec import Codec, CodecConfig, Fp8KV
-from speckv.coder.predictor import default_checkpoint_dir, load_checkpoint
+from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
 ck = load_checkpoint(default_checkpoint_dir())
 codec = Codec(ck.tables, ck.calib.sigma_log2_q, ck.pin, None, CodecConfig(coder="cpu", threads=1))
 Ls = np.load(f"{D}/log2_sigma.npy")

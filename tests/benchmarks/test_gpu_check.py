@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from speckv.coder.predictor import default_checkpoint_dir, load_checkpoint
+from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
 from speckv.coder.rans_kernels import HostKernels
 
 

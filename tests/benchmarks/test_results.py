@@ -8,7 +8,7 @@ import pytest
 
 from speckv.coder import container as ct
 from speckv.coder.codec import Codec, CodecConfig, Fp8KV
-from speckv.coder.fp8 import kv_to_fp8
+from speckv.predictor.fp8 import kv_to_fp8
 
 
 

@@ -12,7 +12,7 @@ import torch
 
 from speckv.client.client import AsyncDecoderClient, AsyncEncoderClient, RpcFailed, submit_requests
 from speckv.coder.codec import Fp8KV, bf16_bits
-from speckv.coder.fp8 import kv_to_fp8
+from speckv.predictor.fp8 import kv_to_fp8
 
 MODEL = "SmolLM2-135M-Instruct"
 

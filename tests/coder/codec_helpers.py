@@ -11,10 +11,10 @@ from hypothesis import settings
 
 from speckv.coder import container as ct
 from speckv.coder.codec import Codec, Fp8KV, bf16_bits
-from speckv.coder.errors import (
+from speckv.errors import (
     SpeckvError,
 )
-from speckv.coder.fp8 import e4m3_values
+from speckv.predictor.fp8 import e4m3_values
 
 LAYERS, HEADS, DIM = 30, 3, 64  # geometry of the shipped default predictor
 PER_TOKEN = LAYERS * 2 * HEADS * DIM  # 11520 scalars per token

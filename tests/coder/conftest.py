@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from speckv.coder.codec import Codec, CodecConfig
-from speckv.coder.predictor import default_checkpoint_dir, load_checkpoint
+from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from speckv.coder.bitpack import (
     unpack_fields,
     unpack_unary,
 )
-from speckv.coder.errors import IntegrityError, SpeckvError
+from speckv.errors import IntegrityError, SpeckvError
 
 PROPERTY = settings(max_examples=100, deadline=None, database=None)
 

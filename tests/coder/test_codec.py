@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from speckv.coder import container as ct
 from speckv.coder.codec import CodecConfig, Fp8KV, bf16_bits
-from speckv.coder.fp8 import kv_to_fp8
+from speckv.predictor.fp8 import kv_to_fp8
 
 
 from codec_helpers import (

@@ -11,7 +11,7 @@ import pytest
 from speckv.coder import container as ct
 from speckv.coder.codec import Codec, bf16_bits, digest, prompt_digest
 from speckv.coder.container import FormatError, TruncatedError
-from speckv.coder.errors import (
+from speckv.errors import (
     IntegrityError,
     MuMismatchError,
     PinMismatchError,

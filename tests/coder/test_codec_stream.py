@@ -11,7 +11,7 @@ import pytest
 
 from speckv.coder import container as ct
 from speckv.coder.codec import Fp8KV, bf16_bits
-from speckv.coder.errors import IntegrityError, MuMismatchError
+from speckv.errors import IntegrityError, MuMismatchError
 
 from codec_helpers import bf16_from_float, ids_for, shape, tile
 

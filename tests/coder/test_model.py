@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speckv.coder.errors import IntegrityError, SpeckvError
-from speckv.coder.fp8 import e4m3_values
+from speckv.errors import IntegrityError, SpeckvError
+from speckv.predictor.fp8 import e4m3_values
 from speckv.coder.model import (
     BF16,
     E4M3,
@@ -30,7 +30,7 @@ from speckv.coder.model import (
     fp8_log2_sigma,
     symbolize,
 )
-from speckv.coder.predictor import default_checkpoint_dir, load_checkpoint
+from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
 from speckv.coder.tables import (
     GRID_BELOW_SIGMA,
     LAMBDA_MAX,

@@ -13,6 +13,7 @@ import subprocess
 
 import numpy as np
 import pytest
+from require import missing
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -151,7 +152,7 @@ def test_backend_selection(caplog):
 def _ptxas(path):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
-        pytest.skip("nvcc not found (the CUDA toolkit is not installed on this machine)")
+        missing("NVCC", "nvcc not found (the CUDA toolkit is not installed on this machine)")
     proc = subprocess.run([nvcc, "-arch=sm_90", "-Xptxas", "-v", "-std=c++17", f"-I{source_dir()}", "-c",
                            "-o", "/dev/null", str(path)], capture_output=True, text=True, timeout=300)
     return proc.returncode, proc.stdout + proc.stderr

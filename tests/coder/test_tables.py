@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speckv.coder.predictor import default_checkpoint_dir
+from speckv.predictor.checkpoint import default_checkpoint_dir
 from speckv.coder.rans import PROB_SCALE
 from speckv.coder.tables import (
     N_GAUSS,

@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from require import missing
 
-REQUIRE_ENV = "SPECKV_REQUIRE_PROMTOOL"  # set in CI: a missing binary fails instead of skipping
 
 # Grafana's global variables the dashboard may use besides its own templating variables.
 GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range"}
@@ -45,11 +45,7 @@ def binary(name: str) -> str:
     (Debian's package). Missing: fail when $SPECKV_REQUIRE_PROMTOOL is set, else skip."""
     exe = shutil.which(name) or (f"/usr/bin/{name}" if os.access(f"/usr/bin/{name}", os.X_OK) else None)
     if exe is None:
-        msg = (f"{name} not found on PATH or in /usr/bin (install the Debian package 'prometheus'; "
-               f"set {REQUIRE_ENV}=1 to make this a failure)")
-        if os.environ.get(REQUIRE_ENV):
-            pytest.fail(msg)
-        pytest.skip(msg)
+        missing("PROMTOOL", f"{name} not found on PATH or in /usr/bin (install the Debian package 'prometheus')")
     return exe
 
 

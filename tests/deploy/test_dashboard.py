@@ -334,6 +334,14 @@ def test_every_expression_on_real_prometheus(dashboard, local_pair, embedded_ses
             for role in ("encoder", "decoder"):
                 assert 16.0 < bps[(role, "bf16", "stored")] < 16.5, bps  # 16 raw bits plus framing
                 assert 1.0 < bps[(role, "bf16", "speckv")] < 14.0, bps
+            # each transfer counted once: encoder and decoder both count every chunk, so the
+            # headline takes one role's figure (the larger), never their sum
+            saved_expr = _panel(dashboard, "Bandwidth saved")["targets"][0]["expr"]
+            saved = {r: float(prom.query(substitute(saved_expr, {**ALL, "role": r}), at)[0]["value"][1])
+                     for r in ("encoder", "decoder")}
+            saved_all = float(results[("Bandwidth saved", "A")][0]["value"][1])
+            assert saved["encoder"] > 0 and saved_all == pytest.approx(max(saved.values())), (saved_all, saved)
+            assert saved_all < 1.5 * min(saved.values()), (saved_all, saved)
             limit = _series(results[("In-flight bytes vs limit", "B")], "role")
             assert limit == {(r,): float(pair.sidecars[r][0].config.max_inflight_bytes)
                              for r in ("encoder", "decoder")}, limit

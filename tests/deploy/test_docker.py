@@ -93,9 +93,9 @@ def test_copied_files_build_a_complete_wheel(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     (wheel,) = out.glob("speckv-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for need in ("speckv/v1/decoder_pb2_grpc.py", "speckv/server/app.py", "speckv/client/cli.py",
-                 "speckv/coder/data/default_predictor/manifest.json",
-                 "speckv/coder/data/default_predictor/tables.npz"):
+    for need in ("speckv/v1/decoder_pb2_grpc.py", "speckv/server/app.py", "speckv/cli/main.py",
+                 "speckv/predictor/data/default_predictor/manifest.json",
+                 "speckv/predictor/data/default_predictor/tables.npz"):
         assert need in names, need
 
 

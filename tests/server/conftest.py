@@ -58,7 +58,7 @@ def prompts(embedded_session):
 @pytest.fixture(scope="session")
 def fp8_kv(prompts):
     """``fp8_kv(name) -> (ids, Fp8KV)`` of a prompt's KV."""
-    from speckv.coder.fp8 import kv_to_fp8
+    from speckv.predictor.fp8 import kv_to_fp8
 
     def get(name: str):
         ids, kv = prompts(name)

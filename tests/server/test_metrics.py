@@ -12,6 +12,7 @@ from collections import defaultdict
 
 import grpc
 import pytest
+from require import missing
 from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import MODEL, WAIT, Pair, rid, wait_until
 
@@ -123,9 +124,7 @@ def test_integrity_failures_start_at_zero(measured):
 def _promtool(text: str) -> tuple[int, list[str]]:
     promtool = shutil.which("promtool")
     if promtool is None:
-        if os.environ.get("SPECKV_REQUIRE_PROMTOOL"):
-            pytest.fail("promtool not on PATH but SPECKV_REQUIRE_PROMTOOL is set (.ci/run installs it)")
-        pytest.skip("promtool not on PATH (Debian package 'prometheus'; .ci/run installs it)")
+        missing("PROMTOOL", "promtool not on PATH (Debian package 'prometheus'; .ci/run installs it)")
     proc = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
     return proc.returncode, (proc.stdout + proc.stderr).splitlines()
 

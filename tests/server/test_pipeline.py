@@ -4,7 +4,6 @@ sends chunk 0 as soon as its layers are in; the decoder decodes and serves it
 while later chunks are in flight)."""
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 

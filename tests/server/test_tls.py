@@ -11,8 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
+from require import missing
 
-from speckv.client.cli import main
+from speckv.cli.main import main
 from speckv.client.client import DecoderClient, EncoderClient, RpcFailed, tls_credentials
 from speckv.coder.codec import bf16_bits
 from speckv.server.config import ServerConfig
@@ -39,7 +40,7 @@ def _ca_and_node(d, name):
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     if shutil.which("openssl") is None:
-        pytest.skip("openssl CLI not found")
+        missing("OPENSSL", "openssl CLI not found")
     d = tmp_path_factory.mktemp("pki")
     good = _ca_and_node(d, "node")
     # a second identity under the same CA: the decode engine

@@ -20,17 +20,20 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from .errors import CalibrationError
-from .predictor import (CALIB, CONFIG, FORMAT_NAME, FORMAT_VERSION, TABLES, TUNED_TABLES, WEIGHTS, Calibration,
-                        fp8_state, save_npz_stable, sha256_file, state_digest, write_manifest)
-from .residual import TUNED_MIXTURE, AffineFit
-from .tables import SIGMA_ONE, build_tables
+from speckv.coder.residual import TUNED_MIXTURE, AffineFit
+from speckv.coder.tables import SIGMA_ONE, build_tables
+from speckv.errors import CalibrationError
+
+from .checkpoint import fp8_state
+from .fp8 import kv_to_fp8
+from .ladder import MEANS, CachedKV, Rung, kv_means_bf16, manifest_fields, mean_model, parse_rung, save_means, weights_quant
+from .predict import build_model
+from .store import (CALIB, CONFIG, FORMAT_NAME, FORMAT_VERSION, TABLES, TUNED_TABLES, WEIGHTS, Calibration,
+                    save_npz_stable, sha256_file, state_digest, write_manifest)
+from .target import COMPUTE_THREADS, Target, extract_kv, numeric_env
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
-    from .ladder import Rung
-    from .target import Target
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +62,6 @@ class ResidualStats:
                    np.zeros(256, np.int64), AffineFit.empty(shape))
 
     def add(self, kv: "torch.Tensor", mu: "torch.Tensor") -> None:
-        from .fp8 import kv_to_fp8
-
         x, m = kv.double().numpy(), mu.double().numpy()  # (layers, 2, heads, tokens, dim)
         r = x - m
         ok = np.isfinite(r)
@@ -135,9 +136,6 @@ def build_checkpoint(target: "Target", calib_text: Path, out: Path, *, tokens: i
                      source: str = "path", progress: Callable[[int], None] | None = None,
                      rung: str = "fp8") -> str:
     """Write a predictor checkpoint for ``target`` into ``out``; returns the pin."""
-    from .ladder import MEANS, calibrate_none, parse_rung
-    from .predict import build_model
-
     ladder = parse_rung(rung, target.config.num_hidden_layers)
     out.mkdir(parents=True, exist_ok=True)
     state = fp8_state(target.state, ladder) if ladder.has_model else None
@@ -145,8 +143,6 @@ def build_checkpoint(target: "Target", calib_text: Path, out: Path, *, tokens: i
     for volatile in VOLATILE_CONFIG_KEYS:  # where the model was loaded from is not what it is
         config.pop(volatile, None)
     (out / CONFIG).write_bytes(json.dumps(config, sort_keys=True, indent=1).encode() + b"\n")
-    from .target import extract_kv
-
     ids = target.tokenize(read_text(calib_text, chars=tokens * 16), tokens)
     segs = segments(ids, tokens, segment)
     if state is None:
@@ -172,9 +168,6 @@ def build_checkpoint(target: "Target", calib_text: Path, out: Path, *, tokens: i
 
 def _manifest(target: "Target", calib_text: Path, state: dict | None, files: dict, tokens: int,
               segment: int, derive_weights: bool, source: str, ladder: "Rung") -> dict:
-    from .ladder import manifest_fields, weights_quant
-    from .target import COMPUTE_THREADS
-
     cfg = target.config
     weights = None if state is None else {
         "file": None if derive_weights else WEIGHTS, "sha256": state_digest(state), "quant": weights_quant(ladder)}
@@ -194,6 +187,15 @@ def _manifest(target: "Target", calib_text: Path, state: dict | None, files: dic
         "models": {"seed": {"id": 1, "mixture": list(MIXTURE)},
                    "tuned": {"id": 2, "mixture": list(TUNED_MIXTURE), "mu": "bf16(a * mu + b) per channel"}},
         "compute_threads": COMPUTE_THREADS,
+        "numeric_env": numeric_env(target),  # where the calibration bytes are reproducible
     }
 
 
+def calibrate_none(target: Target, segs: list[np.ndarray], out: Path,
+                   progress: Callable[[int], None] | None = None) -> Calibration:
+    """Rung none: write the means file, then freeze the residual statistics around them."""
+    kvs = [target.kv(seg) for seg in segs]
+    bits = kv_means_bf16(kvs)
+    save_means(out / MEANS, bits)
+    model = mean_model(target.config, bits)
+    return calibrate(CachedKV(target, kvs), lambda s: model.mean_kv(len(s)), segs, progress)  # type: ignore[arg-type]

@@ -24,16 +24,17 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import CheckpointError
+from speckv.errors import CheckpointError
+
+from .store import save_npz_stable
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from .predictor import Calibration
     from .target import Target
 
 FP8, NONE, HYBRID = "fp8", "none", "hybrid"
@@ -130,8 +131,6 @@ def kv_means_bf16(kvs: list["torch.Tensor"]) -> np.ndarray:
 
 
 def save_means(path: Path, bits: np.ndarray) -> None:
-    from .predictor import save_npz_stable
-
     save_npz_stable(path, {MEANS_KEY: np.ascontiguousarray(bits, np.uint16)})
 
 
@@ -178,15 +177,3 @@ class CachedKV:
 
     def kv(self, _ids: np.ndarray) -> "torch.Tensor":
         return next(self._kvs)
-
-
-def calibrate_none(target: "Target", segs: list[np.ndarray], out: Path,
-                   progress: Callable[[int], None] | None = None) -> "Calibration":
-    """Rung none: write the means file, then freeze the residual statistics around them."""
-    from .calibrate import calibrate
-
-    kvs = [target.kv(seg) for seg in segs]
-    bits = kv_means_bf16(kvs)
-    save_means(out / MEANS, bits)
-    model = mean_model(target.config, bits)
-    return calibrate(CachedKV(target, kvs), lambda s: model.mean_kv(len(s)), segs, progress)  # type: ignore[arg-type]

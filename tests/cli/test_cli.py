@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from speckv.client.cli import main
-from speckv.coder.session import Session
+from speckv.cli.main import main
+from speckv.predictor.session import Session
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENTROPY_KEYS = {"bits_per_scalar", "k_bits_per_scalar", "v_bits_per_scalar",
@@ -134,7 +134,7 @@ def test_nonexistent_predictor_dir_is_an_error(tmp_path, capsys):
 
 def test_cli_process_exit_code(tmp_path):
     """The installed entry point exits with status 2 and one line on stderr."""
-    proc = subprocess.run([sys.executable, "-m", "speckv.client.cli", "predictor", "info",
+    proc = subprocess.run([sys.executable, "-m", "speckv.cli.main", "predictor", "info",
                            str(tmp_path / "missing")], capture_output=True, text=True, timeout=120,
                           cwd=REPO_ROOT)
     assert proc.returncode == 2
@@ -147,10 +147,10 @@ def test_import_is_cheap():
     code = textwrap.dedent("""
         import sys
         import speckv, speckv.coder, speckv.client, speckv.server
-        import speckv.client.cli
-        import speckv.coder.errors, speckv.coder.fp8, speckv.coder.entropy
-        import speckv.coder.predictor, speckv.coder.predict, speckv.coder.calibrate
-        import speckv.coder.target, speckv.coder.session
+        import speckv.cli.main
+        import speckv.errors, speckv.predictor.fp8, speckv.predictor.entropy
+        import speckv.predictor.checkpoint, speckv.predictor.predict, speckv.predictor.calibrate
+        import speckv.predictor.target, speckv.predictor.session
         heavy = sorted(m for m in sys.modules
                        if m.split(".")[0] in ("torch", "transformers", "cupy"))
         print(",".join(heavy))

@@ -21,6 +21,7 @@ later loads read that directory.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import logging
 import os
@@ -31,8 +32,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
-from .errors import ModelLoadError
-from .predictor import state_digest
+from speckv.errors import ModelLoadError
+from speckv.paths import cache_dir
+
+from .store import state_digest
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -47,11 +50,6 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 # be split differently with other thread counts, which would change mu.
 COMPUTE_THREADS = 2
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def cache_dir() -> Path:
-    """Where converted models are cached (``$SPECKV_CACHE`` or ~/.cache/speckv)."""
-    return Path(os.environ.get("SPECKV_CACHE", Path.home() / ".cache" / "speckv"))
 
 
 def embedded_gguf_path() -> Path:
@@ -180,6 +178,24 @@ class Target:
 
     def kv(self, ids: np.ndarray) -> "torch.Tensor":
         return extract_kv(self.model, ids)
+
+
+# NOTE: the canary of the numeric-environment fingerprint. Its target KV changes
+# whenever the machine's GEMM kernels round differently (AVX2 vs AVX-512 vs AMX,
+# another torch or oneDNN build), and so would a checkpoint calibrated there.
+CANARY_PROMPT = ("The numeric environment of a predictor checkpoint: the same prompt, the same "
+                 "weights, and every bit of the key/value cache depends on how this machine rounds.")
+
+
+def numeric_env(target: Target) -> dict[str, str]:
+    """A fingerprint of the numeric environment: the sha256 of a canary prompt's target
+    KV bits, with the torch build and CPU kernel path that produced it (informative)."""
+    import torch
+
+    kv = target.kv(target.tokenize(CANARY_PROMPT))
+    digest = hashlib.sha256(kv.contiguous().view(torch.int16).numpy().tobytes()).hexdigest()
+    return {"canary_kv_sha256": digest, "torch": torch.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def _embedded_dir() -> Path:

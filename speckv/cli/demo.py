@@ -33,10 +33,10 @@ def run_demo(target: str | Path = "default", predictor: str | Path | None = None
     import numpy as np
 
     from speckv.coder.codec import bf16_bits
-    from speckv.coder.session import Session
+    from speckv.predictor.session import Session
     from speckv.server.local import LocalPair
 
-    from .client import DecoderClient, EncoderClient
+    from speckv.client.client import DecoderClient, EncoderClient
     from .progress import steps
 
     with steps(5, quiet=quiet) as step:
@@ -55,7 +55,7 @@ def run_demo(target: str | Path = "default", predictor: str | Path | None = None
             urls = {r: pair.metrics_url(r) for r in ("encoder", "decoder")}
             scraped = {r: scrape(urls[r]) for r in urls}
             step("ideal code length")
-            from speckv.coder.session import Prefill
+            from speckv.predictor.session import Prefill
 
             mu = sess.predictor.mu(ids)
             ideal = sess.entropy(Prefill(ids, kv, mu, prefill_s, res.predictor_seconds), "bf16")

@@ -21,11 +21,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speckv.client.cli import main as cli_main
-from speckv.coder.calibrate import MIXTURE, WIDE, build_checkpoint, segments
-from speckv.coder.errors import CalibrationError, CheckpointError, PinMismatchError
-from speckv.coder.predict import Predictor
-from speckv.coder.predictor import (CALIB, CONFIG, MANIFEST, SHIPPED_RUNG, WEIGHTS, canonical_json,
+from speckv.cli.main import main as cli_main
+from speckv.predictor.calibrate import MIXTURE, WIDE, build_checkpoint, segments
+from speckv.errors import CalibrationError, CheckpointError, PinMismatchError
+from speckv.predictor.predict import Predictor
+from speckv.predictor.checkpoint import (CALIB, CONFIG, MANIFEST, SHIPPED_RUNG, WEIGHTS, canonical_json,
                                     default_checkpoint_dir, load_checkpoint, write_manifest)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -284,7 +284,7 @@ def test_non_canonical_or_unknown_manifest(ckpt_copy):
 
 def test_calibration_statistics(tiny_ckpts, tiny_target, tiny_text):
     """sigma^2 and the histograms, recomputed independently from both models."""
-    from speckv.coder.fp8 import kv_to_fp8
+    from speckv.predictor.fp8 import kv_to_fp8
 
     path, _ = tiny_ckpts["weights"]
     ck = load_checkpoint(path)
@@ -339,7 +339,7 @@ def test_default_predictor_mu_is_deterministic_across_processes(embedded_session
     assert torch.equal(bits(a), bits(b))
     code = textwrap.dedent(f"""
         import hashlib, torch
-        from speckv.coder.session import Session
+        from speckv.predictor.session import Session
         sess = Session.open()  # embedded target, shipped predictor (weights derived from the target)
         mu = sess.predictor.mu(sess.target.tokenize({MU_PROMPT!r}))
         print(sess.pin)
@@ -354,7 +354,7 @@ def test_default_predictor_mu_is_deterministic_across_processes(embedded_session
 
 
 @pytest.mark.slow
-def test_shipped_default_predictor_is_reproducible(embedded_target, corpus_file, tmp_path):
+def test_shipped_default_predictor_is_reproducible(embedded_target, shipped_numeric_env, corpus_file, tmp_path):
     """Rebuilding the shipped checkpoint from its recipe gives the same bytes."""
     text = corpus_file("wikitext2-valid.txt")
     pin = build_checkpoint(embedded_target, text, tmp_path, derive_weights=True, source="embedded",
@@ -369,7 +369,7 @@ def test_shipped_default_predictor_is_reproducible(embedded_target, corpus_file,
 @pytest.mark.parametrize("drop", ["calib.npz", "tables.npz", "config.json"])
 def test_manifest_must_list_every_checkpoint_file(tmp_path, drop):
     """Re-signing a manifest that no longer covers a file must not pass verification."""
-    from speckv.coder.predictor import default_checkpoint_dir, load_checkpoint
+    from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
 
     d = tmp_path / "ck"
     shutil.copytree(default_checkpoint_dir(), d)
@@ -385,7 +385,7 @@ def test_predictor_device_selection(embedded_session):
     error, and mu is bit-identical after a round through ``to``."""
     import torch
 
-    from speckv.coder.errors import CheckpointError
+    from speckv.errors import CheckpointError
 
     pred = embedded_session.predictor
     ids = embedded_session.target.tokenize("Where does the predictor run?")

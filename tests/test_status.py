@@ -9,10 +9,10 @@ import grpc
 import pytest
 
 from speckv.coder import container as ct
-from speckv.coder.errors import (CalibrationError, CheckpointError, IntegrityError, MuMismatchError,
+from speckv.errors import (CalibrationError, CheckpointError, IntegrityError, MuMismatchError,
                                  PinMismatchError, PromptMismatchError)
 from speckv.server.budget import BudgetExceeded, HoldingClosed
-from speckv.server.status import RpcError, in_band, integrity_kind, outcome, to_status
+from speckv.status import RpcError, in_band, integrity_kind, outcome, to_status
 from speckv.v1 import common_pb2 as pb
 
 C = grpc.StatusCode

@@ -16,10 +16,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .fp8 import e4m3_values
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from .predictor import Calibration
+    from .checkpoint import Calibration
 
 
 def sm_ordinal(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -110,7 +112,6 @@ def ideal_bits(kv: "torch.Tensor", mu: "torch.Tensor", calib: "Calibration", dty
     (layers, 2) fp32 scales) under the calibrated mixture around ``mu`` (BF16)."""
     import torch
 
-    from .fp8 import e4m3_values
 
     if dtype == "bf16":
         values, bits, hist = bf16_values(), 16, calib.hist_bf16

@@ -7,8 +7,8 @@ import grpc
 import numpy as np
 import pytest
 
-from speckv.server.status import RpcError
-from speckv.server.wire import (LayerAssembler, RecordAssembler, dtype_of, kv_shape, layer_bytes, layer_messages,
+from speckv.status import RpcError
+from speckv.wire import (LayerAssembler, RecordAssembler, dtype_of, kv_shape, layer_bytes, layer_messages,
                                 parts, shape_of)
 from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb

@@ -1,6 +1,6 @@
 """Ideal code length against a pure-Python float64 reference.
 
-The reference shares no code with ``speckv.coder.entropy``: a symbol's rounding
+The reference shares no code with ``speckv.predictor.entropy``: a symbol's rounding
 bucket comes from its neighbours, found by stepping the bit pattern (BF16 via
 ``struct``, e4m3 by its definition), the Gaussian mass from ``math.erfc``, and
 the mixture with the add-one smoothed histogram is summed scalar by scalar.
@@ -18,15 +18,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speckv.coder.entropy import bf16_values, bucket_edges, ideal_bits, order0_bits, smoothed
-from speckv.coder.fp8 import e4m3_values
+from speckv.predictor.entropy import bf16_values, bucket_edges, ideal_bits, order0_bits, smoothed
+from speckv.predictor.fp8 import e4m3_values
 
 REL = 1e-9
 
 
 @dataclass
 class Calibration:
-    """The fields of ``speckv.coder.predictor.Calibration`` that ``ideal_bits`` reads."""
+    """The fields of ``speckv.predictor.checkpoint.Calibration`` that ``ideal_bits`` reads."""
 
     sigma2: np.ndarray
     hist_bf16: np.ndarray
@@ -215,7 +215,7 @@ def test_ideal_bits_exact_prediction_is_cheap_and_far_is_expensive():
 @given(z=st.floats(-30, 30), width=st.floats(1e-6, 5.0), s=st.floats(1e-3, 1e3))
 def test_gauss_mass_tails(z, width, s):
     """Both tails stay accurate (relative): no 1 - 1 cancellation far above mu."""
-    from speckv.coder.entropy import gauss_mass
+    from speckv.predictor.entropy import gauss_mass
 
     mu = 0.25
     lo, hi = mu + z * s, mu + (z + width) * s

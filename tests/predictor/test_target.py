@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from speckv.coder.errors import ModelLoadError
-from speckv.coder.predictor import default_checkpoint_dir, state_digest
-from speckv.coder.target import load_target
+from speckv.errors import ModelLoadError
+from speckv.predictor.checkpoint import default_checkpoint_dir, state_digest
+from speckv.predictor.target import load_target
 
 PROMPT = "The lighthouse keeper counted the ships passing in the fog."
 

@@ -116,8 +116,8 @@ def _print_table(title: str, rows: Sequence[tuple[str, Any]]) -> None:
 
 
 def cmd_entropy(args: argparse.Namespace) -> int:
-    from speckv.coder.calibrate import read_text
-    from speckv.coder.session import Session
+    from speckv.predictor.calibrate import read_text
+    from speckv.predictor.session import Session
 
     from .progress import steps
 
@@ -138,15 +138,15 @@ def cmd_entropy(args: argparse.Namespace) -> int:
 
 
 def cmd_predictor(args: argparse.Namespace) -> int:
-    from speckv.coder.predictor import load_checkpoint
+    from speckv.predictor.checkpoint import load_checkpoint
 
     if args.pcmd == "info":
         ck = load_checkpoint(args.dir, args.pin)
         desc = ck.describe()
         print(json.dumps(desc, indent=1) if args.json else f"pin {ck.pin}\n{json.dumps(desc, indent=1)}")
         return 0
-    from speckv.coder.calibrate import DEFAULT_CALIB_TOKENS, build_checkpoint
-    from speckv.coder.target import DEFAULT_TARGET, load_target
+    from speckv.predictor.calibrate import DEFAULT_CALIB_TOKENS, build_checkpoint
+    from speckv.predictor.target import DEFAULT_TARGET, load_target
 
     from .progress import steps
 
@@ -205,7 +205,7 @@ def cmd_health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from .client import _channel, tls_credentials
+    from speckv.client.client import _channel, tls_credentials
 
     creds = tls_credentials(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
     with _channel(args.address, creds) as channel:
@@ -226,7 +226,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from speckv.coder.errors import SpeckvError
+    from speckv.errors import SpeckvError
 
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,

@@ -13,33 +13,22 @@ import logging
 
 import grpc
 
-from speckv.coder import container as ct
-from speckv.coder.rans import RansDecodeError
-from speckv.coder.errors import (CalibrationError, CheckpointError, IntegrityError, MuMismatchError,
+from speckv.errors import (BudgetExceeded, CalibrationError, CheckpointError, ChecksumError, FormatError,
+                           HoldingClosed, IntegrityError, MuMismatchError, RansDecodeError, RpcError,
+                           TransferDigestError,
                                  PinMismatchError, PromptMismatchError)
 from speckv.v1 import common_pb2 as pb
 
-from .budget import BudgetExceeded, HoldingClosed
 
 logger = logging.getLogger(__name__)
 C = grpc.StatusCode
 
 
-class TransferDigestError(IntegrityError):
-    """The decoded KV as a whole does not match the encoder's whole-transfer digest."""
-
-
-class RpcError(Exception):
-    """A failure with its gRPC status code chosen by the raiser."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 _BY_TYPE: tuple[tuple[type, grpc.StatusCode], ...] = (
-    (ct.ChecksumError, C.DATA_LOSS),
-    (ct.FormatError, C.INVALID_ARGUMENT),
+    (ChecksumError, C.DATA_LOSS),
+    (FormatError, C.INVALID_ARGUMENT),
     (PinMismatchError, C.FAILED_PRECONDITION),
     (MuMismatchError, C.FAILED_PRECONDITION),
     (PromptMismatchError, C.INVALID_ARGUMENT),
@@ -70,7 +59,7 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 def integrity_kind(exc: BaseException) -> str | None:
     """The ``kind`` label of speckv_integrity_failures_total for ``exc``, if it is one."""
-    if isinstance(exc, ct.ChecksumError):
+    if isinstance(exc, ChecksumError):
         return "crc32"
     if isinstance(exc, MuMismatchError):
         return "mu_fingerprint"
@@ -106,9 +95,9 @@ def in_band(exc: BaseException | None) -> pb.Status:
         sc = pb.STATUS_CODE_MU_MISMATCH
     elif isinstance(exc, PromptMismatchError):
         sc = pb.STATUS_CODE_PROMPT_MISMATCH
-    elif isinstance(exc, ct.ChecksumError):
+    elif isinstance(exc, ChecksumError):
         sc = pb.STATUS_CODE_CHECKSUM_ERROR
-    elif isinstance(exc, ct.FormatError):
+    elif isinstance(exc, FormatError):
         sc = pb.STATUS_CODE_FORMAT_ERROR
     else:
         sc = _IN_BAND.get(code, pb.STATUS_CODE_INTERNAL)

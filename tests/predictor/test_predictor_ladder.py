@@ -1,4 +1,4 @@
-"""The predictor ladder (coder/ladder.py): rungs fp8, hybrid:k and none in the pinned
+"""The predictor ladder (speckv/predictor/ladder.py): rungs fp8, hybrid:k and none in the pinned
 checkpoint, their mu (determinism, hybrid layers equal to the target's KV, the stored
 means), manifest/pin round trips and typed errors for bad rungs.
 
@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from speckv.client.cli import main as cli_main
-from speckv.coder.calibrate import SIGMA2_FLOOR, build_checkpoint, segments
+from speckv.cli.main import main as cli_main
+from speckv.predictor.calibrate import SIGMA2_FLOOR, build_checkpoint, segments
 from speckv.coder.codec import Codec, bf16_bits
-from speckv.coder.errors import CheckpointError, PinMismatchError
-from speckv.coder.ladder import MEANS, Rung, parse_rung
-from speckv.coder.predict import Predictor
-from speckv.coder.predictor import (MANIFEST, SHIPPED_RUNG, WEIGHTS, canonical_json, default_checkpoint_dir,
+from speckv.errors import CheckpointError, PinMismatchError
+from speckv.predictor.ladder import MEANS, Rung, parse_rung
+from speckv.predictor.predict import Predictor
+from speckv.predictor.checkpoint import (MANIFEST, SHIPPED_RUNG, WEIGHTS, canonical_json, default_checkpoint_dir,
                                     load_checkpoint, write_manifest)
 
 TOKENS, SEGMENT = 64, 32

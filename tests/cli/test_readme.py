@@ -22,7 +22,7 @@ def readme_block(name: str) -> str:
 
 def test_readme_client_example(embedded_session, monkeypatch, capsys):
     from speckv.client.hf import kv_from_cache
-    from speckv.coder import target as target_mod
+    from speckv.predictor import target as target_mod
     from speckv.server.local import LocalPair
 
     code = readme_block("client")

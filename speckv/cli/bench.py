@@ -80,7 +80,7 @@ def _byte_split_peer(raw: bytes, zstd: Any) -> dict[str, Any]:
 
 def load_text(path: str | None) -> tuple[str, str]:
     """(text, its name): the given file, the default corpus if present, else the built-in text."""
-    from speckv.coder.calibrate import read_text
+    from speckv.predictor.calibrate import read_text
 
     from .demo import DEMO_PROMPT
 
@@ -96,8 +96,8 @@ def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf
               quiet: bool = False, coder: str = "auto", model: str = "auto",
               timing_runs: int = 3) -> dict[str, Any]:
     from speckv.coder.codec import Codec, CodecConfig, Fp8KV, bf16_bits
-    from speckv.coder.fp8 import kv_to_fp8
-    from speckv.coder.session import Session
+    from speckv.predictor.fp8 import kv_to_fp8
+    from speckv.predictor.session import Session
 
     from .progress import steps
 
@@ -165,9 +165,9 @@ def timed_prefill(sess: Any, ids: np.ndarray, runs: int,
 
 def fp8_copy_forward(target: Any) -> Callable[[np.ndarray], Any]:
     """A prefill of the target's plain FP8 copy (rung fp8), to time it next to a rung."""
-    from speckv.coder.predict import build_model
-    from speckv.coder.predictor import fp8_state
-    from speckv.coder.target import extract_kv
+    from speckv.predictor.predict import build_model
+    from speckv.predictor.checkpoint import fp8_state
+    from speckv.predictor.target import extract_kv
 
     model = build_model(type(target.config).from_dict(target.config.to_dict()), fp8_state(target.state))
     return lambda ids: extract_kv(model, ids)

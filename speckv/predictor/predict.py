@@ -23,8 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import CheckpointError, PinMismatchError
-from .predictor import CONFIG, FP8_SUFFIX, SCALE_SUFFIX, WEIGHTS, Checkpoint, fp8_state, state_digest
+from speckv.errors import CheckpointError, PinMismatchError
+from .fp8 import dequantize_e4m3
+from .ladder import MEANS, load_means, mean_model
+from .target import LINEAR_NAMES, extract_kv, load_target, replace_linears
+from .checkpoint import CONFIG, FP8_SUFFIX, SCALE_SUFFIX, WEIGHTS, Checkpoint, fp8_state, state_digest
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -43,8 +46,6 @@ def build_model(config: Any, state: dict[str, "torch.Tensor"]) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .fp8 import dequantize_e4m3
-    from .target import replace_linears
 
     config._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -70,7 +71,6 @@ def build_model(config: Any, state: dict[str, "torch.Tensor"]) -> Any:
 
 
 def _linear_names() -> tuple[str, ...]:
-    from .target import LINEAR_NAMES
 
     return LINEAR_NAMES
 
@@ -91,7 +91,6 @@ class Predictor:
         """Build the checkpoint's rung; derived weights need the (embedded) target."""
         from transformers import AutoConfig
 
-        from .ladder import MEANS, load_means, mean_model
 
         config = AutoConfig.from_pretrained(ckpt.path / CONFIG, local_files_only=True)
         rung = ckpt.rung
@@ -138,7 +137,6 @@ class Predictor:
 
     def mu(self, ids: np.ndarray) -> "torch.Tensor":
         """Predicted KV ``(layers, 2, kv_heads, tokens, head_dim)`` BF16."""
-        from .target import extract_kv
 
         if hasattr(self.model, "mean_kv"):  # rung none
             return self.model.mean_kv(len(ids))
@@ -146,7 +144,6 @@ class Predictor:
 
 
 def _derive_state(ckpt: Checkpoint, target: "Target | None") -> dict[str, "torch.Tensor"]:
-    from .target import load_target
 
     want = ckpt.manifest["target"]
     if target is None:

@@ -16,6 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .calibrate import bf16_symbols
+from .checkpoint import default_checkpoint_dir, load_checkpoint
+from .entropy import ideal_bits, order0_bits
+from .fp8 import kv_to_fp8
+from .predict import Predictor
+from .target import load_target
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -44,9 +51,6 @@ class Session:
     @classmethod
     def open(cls, target: str | Path = "default", predictor: str | Path | None = None,
              pin: str | None = None) -> "Session":
-        from .predict import Predictor
-        from .predictor import default_checkpoint_dir, load_checkpoint
-        from .target import load_target
 
         ckpt = load_checkpoint(predictor or default_checkpoint_dir(), pin)
         tgt = load_target(target)
@@ -70,9 +74,6 @@ class Session:
 
     def entropy(self, pre: Prefill, dtype: str = "bf16") -> dict[str, Any]:
         """The ideal-bits report of one prefill (keys as in ``speckv entropy --json``)."""
-        from .calibrate import bf16_symbols
-        from .entropy import ideal_bits, order0_bits
-        from .fp8 import kv_to_fp8
 
         calib = self.predictor.checkpoint.calib
         if dtype == "bf16":

@@ -1,0 +1,81 @@
+"""asyncio helpers of the sidecars' streaming handlers: batching a queue, draining a
+request stream, watching a group of tasks so the most telling error wins."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+import grpc
+
+from speckv.errors import RpcError
+
+MAX_BATCH = 64  # chunks decoded (or coded) in one pass at most
+
+
+async def drain_requests(it: AsyncIterator) -> None:
+    async for _ in it:
+        pass
+
+
+async def drain_batch(queue: asyncio.Queue) -> list:
+    """The next item and everything queued behind it (up to MAX_BATCH); [] at the end
+    marker (None), which stays queued so later calls see it too."""
+    items = [await queue.get()]
+    while items[-1] is not None and len(items) < MAX_BATCH and not queue.empty():
+        items.append(queue.get_nowait())
+    if items[-1] is None:
+        items.pop()
+        queue.put_nowait(None)
+    return items
+
+
+async def prepend(first, it: AsyncIterator) -> AsyncIterator:
+    """``first`` (unless None), then the rest of ``it``."""
+    if first is not None:
+        yield first
+    async for x in it:
+        yield x
+
+
+def peer_host(peer: str) -> str:
+    """``ipv4:10.0.0.7:51234`` -> ``ipv4:10.0.0.7``: a peer's source port changes per connection."""
+    return peer.rsplit(":", 1)[0]
+
+
+async def watched(aw, watch: tuple[asyncio.Future, ...]):
+    """Await ``aw`` unless a watched task (acks, sender) fails first; then raise the most
+    telling error: the decoder's status from the ack reader rather than a failed write."""
+    task = asyncio.ensure_future(aw)
+    others = [w for w in watch if w is not task]
+    while not task.done():
+        if any(_failed(w) for w in others):
+            task.cancel()
+            await _raise_preferring(watch)
+        try:
+            await asyncio.wait([task, *[w for w in others if not w.done()]], return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled: leave no orphaned read, acquire or write behind
+            if task not in watch:
+                task.cancel()
+            raise
+    if task.cancelled() or task.exception() is None:
+        return task.result()
+    if task is watch[1]:
+        await _raise_preferring(watch)
+    raise task.exception()
+
+
+def _failed(f: asyncio.Future) -> bool:
+    return f.done() and not f.cancelled() and f.exception() is not None
+
+
+async def _raise_preferring(watch, fallback: BaseException | None = None):
+    acks = watch[0]
+    if not acks.done():
+        await asyncio.wait({acks}, timeout=2.0)  # the decoder's status usually follows a failed write
+    for w in watch:  # acks first
+        if _failed(w):
+            raise w.exception()
+    if fallback is not None:
+        raise fallback
+    raise RpcError(grpc.StatusCode.INTERNAL, "transfer task ended without a result")
