@@ -11,7 +11,7 @@ EXTRAS := server$(comma)test$(if $(CUDA),$(comma)cuda)
 LOCK := docker/server.lock.txt
 PYTEST_ARGS ?=
 
-.PHONY: demo test install proto clean
+.PHONY: demo test lint install proto clean
 
 install: $(STAMP)
 
@@ -28,8 +28,13 @@ $(STAMP): pyproject.toml Makefile $(LOCK)
 demo: $(STAMP)
 	$(VENV)/bin/speckv demo
 
-test: $(STAMP)
+test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# ruff and mypy, configured in pyproject.toml (no arguments: they check the whole project)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 # regenerate the committed gRPC stubs (speckv.v1) and lint the .proto files
 proto: $(STAMP)

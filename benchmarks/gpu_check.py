@@ -26,9 +26,9 @@ import time
 import numpy as np
 
 from speckv.coder.codec import Codec, CodecConfig, Fp8KV
-from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
 from speckv.coder.rans import LANES
 from speckv.coder.rans_kernels import CudaKernels, cuda_available
+from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
 
 BF16_SPECIAL = np.array([0x0000, 0x8000, 0x0001, 0x807F, 0x7F7F, 0xFF7F, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1,
                          0x3F80, 0xBF80, 0x0080, 0x4049, 0x1234, 0xC2F7], np.uint16)
@@ -81,10 +81,10 @@ def adversarial(ck, rng) -> dict:
 
 def real_kv(ck, tokens: int) -> dict:
     try:
+        from speckv.cli.demo import DEMO_PROMPT
         from speckv.predictor.calibrate import read_text
         from speckv.predictor.predict import Predictor
         from speckv.predictor.target import load_target
-        from speckv.cli.demo import DEMO_PROMPT
     except Exception as e:  # noqa: BLE001
         return {"skipped": f"torch/transformers not importable: {e}"}
     try:
@@ -164,7 +164,7 @@ def throughput(ck, gb: float, inputs: int, repeats: int, steps: int = 1024, cp=N
     t_enc = timed(cp, enc, repeats)
     coded = [k.encode_device(s, f) for (_, _, s, f) in data]
     ok = True
-    for (t, j, _, _), (st, cn, w) in zip(data, coded):
+    for (t, j, _, _), (st, cn, w) in zip(data, coded, strict=True):
         ok &= bool((k.decode_device(st, cn, w, t, steps, g).astype(np.int32) == j).all())
     state["i"] = 0
 

@@ -75,10 +75,10 @@ def measure_rung(rung: str, target: Any, calib_target: Any, ids: Any, kv: Any, t
     import numpy as np
     import torch
 
-    from speckv.predictor.calibrate import build_checkpoint
     from speckv.coder.codec import Codec, CodecConfig, bf16_bits
-    from speckv.predictor.predict import Predictor
+    from speckv.predictor.calibrate import build_checkpoint
     from speckv.predictor.checkpoint import load_checkpoint
+    from speckv.predictor.predict import Predictor
 
     layers = target.config.num_hidden_layers
     name = f"hybrid:{layers}" if rung == "target" else rung

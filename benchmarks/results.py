@@ -119,10 +119,10 @@ def timings(target: Any, pred: Any, fp8_copy: Any, ids: np.ndarray, repeats: int
 
 
 def measure(rung: str, env: dict[str, Any], args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    from speckv.predictor.calibrate import build_checkpoint
     from speckv.coder.codec import Codec, CodecConfig
-    from speckv.predictor.predict import Predictor
+    from speckv.predictor.calibrate import build_checkpoint
     from speckv.predictor.checkpoint import load_checkpoint
+    from speckv.predictor.predict import Predictor
 
     target = env["target"]
     pin = build_checkpoint(env["calib_target"], args.calib, root / rung.replace(":", "-"), derive_weights=True,
@@ -147,8 +147,8 @@ def measure(rung: str, env: dict[str, Any], args: argparse.Namespace, root: Path
 
 
 def texts(target: Any, tokens: int) -> dict[str, tuple[np.ndarray, dict[str, Any]]]:
-    from speckv.predictor.calibrate import read_text
     from speckv.coder.codec import Fp8KV
+    from speckv.predictor.calibrate import read_text
     from speckv.predictor.fp8 import kv_to_fp8
 
     shake = target.tokenize(read_text(CORPUS / "tinyshakespeare.txt", chars=tokens * 16), tokens)
@@ -179,10 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "RESULTS.md")
     args = ap.parse_args(argv)
 
+    from results_report import render  # noqa: E402 -- next to this script
+
     from speckv.cli.bench import fp8_copy_forward
     from speckv.predictor.target import load_target
-
-    from results_report import render  # noqa: E402 -- next to this script
 
     target = load_target()
     env = {"target": target, "calib_target": _ladder().CachingTarget(target), "layers": target.config.num_hidden_layers,

@@ -121,7 +121,8 @@ def main() -> None:
         r = report[enc]
         print(" | ".join([enc, str(r["lossless"]), f"{r['wire_bytes'] / 1e6:.2f}", f"{r['ratio']:.3f}",
                           f"{r['total_s']:.3f}", f"{r['raw_MBps']:.1f}", f"{r['first_layer_s']:.3f}",
-                          f"{r['encoder_predictor_s']:.2f}", f"{r['encode_s']:.2f}", f"{r['link_10Gbps_s']:.4f}", f"{r['link_100Gbps_s']:.5f}"]))
+                          f"{r['encoder_predictor_s']:.2f}", f"{r['encode_s']:.2f}", f"{r['link_10Gbps_s']:.4f}",
+                          f"{r['link_100Gbps_s']:.5f}"]))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ Every failure raises :class:`RpcFailed` (a SpeckvError) carrying the gRPC code.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator
 
@@ -30,6 +32,7 @@ import numpy as np
 from speckv.digests import KVDigest
 from speckv.errors import RpcFailed
 from speckv.kv import Fp8KV, bf16_bits
+from speckv.status import error_details
 from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.v1 import decoder_pb2_grpc as dgrpc
@@ -66,7 +69,23 @@ def _channel(address: str, credentials: grpc.ChannelCredentials | None, aio: boo
 
 
 def _failed(e: grpc.RpcError) -> RpcFailed:
-    return RpcFailed(e.code(), e.details() or "")
+    """The typed error of a failed call, with its google.rpc ErrorInfo reason and RetryInfo delay."""
+    reason, retry_after = error_details(e)
+    return RpcFailed(e.code(), e.details() or "", reason, retry_after)
+
+
+def _retry_delay(e: grpc.RpcError, request_id: str, attempt: int, retries: int, backoff_s: float) -> float:
+    """Seconds to wait before retrying a submit that failed with ``e``; raises the typed
+    error when it is not retryable (only UNAVAILABLE is: the decoder keeps no state of a
+    transfer whose call ended, so a retry under the same id starts afresh) or retries ran out.
+    The wait is ``backoff_s`` doubling per attempt, or the server's RetryInfo if longer."""
+    err = _failed(e)
+    if err.code != grpc.StatusCode.UNAVAILABLE or attempt == retries:
+        raise err from None
+    delay = max(backoff_s * 2 ** attempt, err.retry_after or 0.0)
+    logger.warning("submit %s: %s (attempt %d of %d), retrying in %.1f s", request_id, err.details,
+                   attempt + 1, retries + 1, delay)
+    return delay
 
 
 @dataclass(frozen=True)
@@ -159,7 +178,7 @@ class _Collector:
             self.asm = LayerAssembler(part.dtype, shape_of(part.shape))
         try:
             got = self.asm.add(part)
-        except Exception as e:  # the server sent something malformed
+        except Exception as e:  # noqa: BLE001 -- whatever a server sent, the caller gets a typed error
             raise RpcFailed(grpc.StatusCode.INTERNAL, f"malformed FetchKV stream: {e}") from None
         if got is not None:
             self.digest.update_layer(got[1], got[2])
@@ -220,19 +239,13 @@ class EncoderClient:
         or the decoder unreachable, a connection reset, a restart) is retried under the
         same request id after ``backoff_s`` (doubling): the decoder keeps no state of a
         transfer whose call ended, so a retry starts afresh."""
-        import time
-
         for attempt in range(retries + 1):
             reqs = submit_requests(request_id, kv, prompt_token_ids, decoder_address, model_id, encoding,
                                    expected_pin)
             try:
                 return _result(self.stub.Submit(reqs, timeout=timeout or self.timeout))
             except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == retries:
-                    raise _failed(e) from None
-                logger.warning("submit %s: %s (attempt %d of %d), retrying in %.1f s", request_id,
-                               e.details(), attempt + 1, retries + 1, backoff_s * 2 ** attempt)
-                time.sleep(backoff_s * 2 ** attempt)
+                time.sleep(_retry_delay(e, request_id, attempt, retries, backoff_s))
         raise AssertionError("unreachable")
 
     def close(self) -> None:
@@ -320,12 +333,17 @@ class AsyncEncoderClient:
 
     async def submit(self, request_id: str, kv: Any, prompt_token_ids: Any, decoder_address: str,
                      model_id: str, *, encoding: str = "speckv", expected_pin: str | None = None,
-                     timeout: float | None = None) -> SubmitResult:
-        reqs = submit_requests(request_id, kv, prompt_token_ids, decoder_address, model_id, encoding, expected_pin)
-        try:
-            return _result(await self.stub.Submit(_aiter(reqs), timeout=timeout or self.timeout))
-        except grpc.RpcError as e:
-            raise _failed(e) from None
+                     timeout: float | None = None, retries: int = 0, backoff_s: float = 0.5) -> SubmitResult:
+        """As the blocking client's ``submit`` (the same retries)."""
+        for attempt in range(retries + 1):
+            reqs = submit_requests(request_id, kv, prompt_token_ids, decoder_address, model_id, encoding,
+                                   expected_pin)
+            try:
+                # NOTE: grpc.aio takes a plain iterator for a request stream
+                return _result(await self.stub.Submit(reqs, timeout=timeout or self.timeout))
+            except grpc.RpcError as e:
+                await asyncio.sleep(_retry_delay(e, request_id, attempt, retries, backoff_s))
+        raise AssertionError("unreachable")
 
     async def close(self) -> None:
         await self.channel.close()
@@ -385,8 +403,3 @@ class AsyncDecoderClient:
 
     async def close(self) -> None:
         await self.channel.close()
-
-
-async def _aiter(it: Iterator[Any]) -> AsyncIterator[Any]:
-    for x in it:
-        yield x

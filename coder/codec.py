@@ -23,13 +23,12 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 
-from . import container as ct
 from speckv.errors import IntegrityError, MuMismatchError, PinMismatchError, PromptMismatchError
 from speckv.kv import Fp8KV, bf16_bits
 
+from . import container as ct
 from .integrity import DIGEST_BYTES, digest, prompt_digest, verified
-from .model import BF16, E4M3, FP32, Context, FloatFormat
-from .model import ContextTable, desymbolize, fp8_log2_sigma, symbolize
+from .model import BF16, E4M3, FP32, Context, ContextTable, FloatFormat, desymbolize, fp8_log2_sigma, symbolize
 from .plan import Plan, bf16_context_table, fp8_codes, mu_float32, plan_context
 from .rans import LANES, RansBlocks, concat_blocks, rans_encode, split_blocks
 from .rans_kernels import CODERS, select_kernels
@@ -188,7 +187,7 @@ class Codec:
             blocks = concat_blocks(coded)  # ops come from verified tables: no range checks
         spans = [len(p[0]) for p in parts]
         return [self._chunk_record(plan, h, i, rb, p[2])
-                for i, rb, p in zip(idx, split_blocks(blocks, spans), parts)]
+                for i, rb, p in zip(idx, split_blocks(blocks, spans), parts, strict=True)]
 
     def _map(self, fn, items):
         items = list(items)
@@ -287,7 +286,7 @@ class Codec:
         else:
             plan = self._plan(None, ids, mu, fmt, scales, model_id=h.model)
             self._check_mu(plan, h, chunks)
-            for c, bits in zip(chunks, self._decode_batch(plan, h, chunks)):
+            for c, bits in zip(chunks, self._decode_batch(plan, h, chunks), strict=True):
                 out[_abs_slice(h, c.index)] = verified(c, bits.reshape((c.layer_count,) + h.shape[1:]), out.dtype)
         return out if fmt is BF16 else Fp8KV(out, scales)
 
@@ -314,7 +313,7 @@ class Codec:
                           model_id=h.model)
         self._check_mu(plan, h, chunks)
         return np.concatenate([verified(c, bits.reshape((c.layer_count,) + h.shape[1:]), dt)
-                               for c, bits in zip(chunks, self._decode_batch(plan, h, chunks))])
+                               for c, bits in zip(chunks, self._decode_batch(plan, h, chunks), strict=True)])
 
     check_header = _check_header  # public name for streaming decoders
 
@@ -338,8 +337,8 @@ class Codec:
         ctxs = self._map(lambda c: self._context(plan, plan.chunk_slice(h, c.index)), live)
         js = self._run_decoder(live, ctxs, el, plan.model.tables) if live else []
         bits = self._map(lambda a: desymbolize(plan.fmt, plan.model.tables, a[1], a[2][:len(a[1].t)], a[0].bits),
-                         list(zip(live, ctxs, js)))
-        out = {c.index: b for c, b in zip(live, bits)}
+                         list(zip(live, ctxs, js, strict=True)))
+        out = {c.index: b for c, b in zip(live, bits, strict=True)}
         return [out.get(c.index, np.zeros(0, np.int64)) for c in chunks]
 
     def _run_decoder(self, live: Sequence[ct.Chunk], ctxs: Sequence[Context], el: int,
@@ -350,7 +349,7 @@ class Codec:
         nb = len(blocks.word_counts)
         tables = np.full(nb * el * LANES, NOOP_TABLE, np.int32)
         pos = 0
-        for c, ctx in zip(live, ctxs):
+        for c, ctx in zip(live, ctxs, strict=True):
             tables[pos:pos + len(ctx.t)] = ctx.t
             pos += c.n_blocks * el * LANES
         tables = tables.reshape(nb, el, LANES)  # element = block, step, lane
@@ -359,7 +358,7 @@ class Codec:
             return [p.ravel() for p in np.split(js, np.cumsum([c.n_blocks for c in live])[:-1])]
         groups = [g for g in np.array_split(np.arange(nb), self.config.threads) if len(g)]
         parts = self._map(lambda a: decode_symbols(coding, a[0], tables[a[1][0]:a[1][-1] + 1], el),
-                          list(zip(split_blocks(blocks, [len(g) for g in groups]), groups)))
+                          list(zip(split_blocks(blocks, [len(g) for g in groups]), groups, strict=True)))
         js = np.concatenate(parts)
         return [p.ravel() for p in np.split(js, np.cumsum([c.n_blocks for c in live])[:-1])]
 

@@ -178,7 +178,7 @@ def _check_shape(shape: object) -> tuple[int, int, int, int, int]:
         raise FormatError(f"shape must have 5 dims, got {len(items)}")
     names = ("layers", "shape[1]", "kv_heads", "tokens", "head_dim")
     dims = tuple(_uint(n, v, 0 if n == "tokens" else 1, _U32_MAX)
-                 for n, v in zip(names, items))
+                 for n, v in zip(names, items, strict=True))
     if dims[1] != 2:
         raise FormatError(f"shape[1] must be 2 (K and V), got {dims[1]}")
     total = dims[0] * dims[1] * dims[2] * dims[3] * dims[4]

@@ -5,13 +5,12 @@ returned through ``verified``, which raises IntegrityError on any mismatch.
 
 from __future__ import annotations
 
-
 import numpy as np
 
-from . import container as ct
+from speckv.digests import DIGEST_BYTES, KVDigest, digest, prompt_digest  # noqa: F401
 from speckv.errors import IntegrityError
 
-from speckv.digests import DIGEST_BYTES, KVDigest, digest, prompt_digest  # noqa: F401
+from . import container as ct
 
 
 def verified(c: ct.Chunk, bits: np.ndarray, dtype: type | None = None) -> np.ndarray:

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .bitpack import pack_fields, pack_unary, split_sections, unpack_fields, unpack_unary
 from speckv.errors import IntegrityError
+
+from .bitpack import pack_fields, pack_unary, split_sections, unpack_fields, unpack_unary
 from .tables import GRID_BELOW_SIGMA, OFFSETS, SIGMA_FRAC_BITS, CodingTables, table_row
 
 MODEL_SEED_MIXTURE = 1  # container ``model`` id of this model

@@ -19,6 +19,7 @@ from .integrity import digest
 from .model import BF16, Context, ContextTable, FloatFormat, context
 from .residual import ResidualModel
 
+
 @dataclass
 class Plan:
     """One stream's symbols: formats, bits, mu, sigma per (layer, kv, head, dim)."""

@@ -252,7 +252,7 @@ def cuda_available() -> bool:
         import cupy as cp
 
         return cp.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # ImportError, or CUDA driver errors when there is no device
+    except Exception:  # noqa: BLE001 -- ImportError, or CUDA driver errors when there is no device
         return False
 
 

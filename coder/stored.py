@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import container as ct
 from speckv.errors import IntegrityError
+
+from . import container as ct
 from .integrity import DIGEST_BYTES, digest, verified
 from .rans import LANES
 

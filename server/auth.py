@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import grpc
 
+from speckv.errors import RpcError
+from speckv.status import abort
+
 RPCS = ("Transfer", "FetchKV", "GetTransferStatus", "CancelTransfer", "Submit")
 
 
@@ -47,5 +50,6 @@ async def authorize(context: grpc.aio.ServicerContext, rpc: str, allow: dict[str
         return
     who = identities(context)
     if not who & allowed:
-        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                            f"{rpc}: client {sorted(who) or '(no certificate)'} is not in the allow-list")
+        await abort(context, RpcError(grpc.StatusCode.PERMISSION_DENIED,
+                                      f"{rpc}: client {sorted(who) or '(no certificate)'} is not in the allow-list",
+                                      reason="NOT_ALLOWED"))

@@ -17,8 +17,6 @@ from typing import Callable
 from speckv.errors import BudgetExceeded, HoldingClosed
 
 
-
-
 class ByteBudget:
     """``limit`` bytes shared by all transfers of one sidecar (asyncio, one loop)."""
 

@@ -23,9 +23,12 @@ import numpy as np
 
 from speckv.coder import container as ct
 from speckv.coder.integrity import digest
+from speckv.errors import RpcError, TransferDigestError
+from speckv.status import abort, in_band, integrity_kind, outcome, to_status
 from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.v1 import decoder_pb2_grpc as dgrpc
+from speckv.wire import RecordAssembler, dtype_of, kv_shape, layer_bytes, layer_messages, shape_of
 
 from .aio import drain_batch, drain_requests, peer_host, prepend
 from .auth import authorize, parse_allow
@@ -33,9 +36,7 @@ from .budget import ByteBudget
 from .config import ServerConfig
 from .metrics import Metrics
 from .runtime import Runtime
-from speckv.status import RpcError, TransferDigestError, in_band, integrity_kind, outcome, to_status
-from .transfers import S, DecoderTransfer, TransferTable, check_request_id
-from speckv.wire import RecordAssembler, dtype_of, kv_shape, layer_bytes, layer_messages, shape_of
+from .transfers import DecoderTransfer, S, TransferTable, check_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
             self.metrics.finished("ok", *labels, scalars=t.raw_bytes // dtype_of(h.dtype)[1].itemsize,
                                   wire=t.wire_bytes)
             self.metrics.seconds("transfer", time.perf_counter() - t0)
-        except BaseException as e:  # noqa: B902 -- CancelledError too: the transfer must end
+        except BaseException as e:  # noqa: BLE001 -- CancelledError too: the transfer must end
             code, msg = to_status(e)
             kind = integrity_kind(e)
             if kind:
@@ -96,7 +97,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
             with contextlib.suppress(Exception):
                 yield dpb.TransferResponse(result=dpb.TransferResult(status=in_band(e)))
                 await asyncio.wait_for(drain_requests(it), DRAIN_S)
-            await context.abort(code, msg)
+            await abort(context, e)
         finally:
             self._gauges()
 
@@ -105,7 +106,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
         n = sum(1 for x in self.table.live() if peer_host(x.peer) == host)
         if n >= self.config.max_transfers_per_peer:
             raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"{n} transfers from {host} in progress (max_transfers_per_peer)")
+                           f"{n} transfers from {host} in progress (max_transfers_per_peer)", reason="PEER_LIMIT")
 
     def _fallback(self, t: DecoderTransfer, h: ct.StreamHeader, ids: np.ndarray,
                   fb: dpb.Fallback) -> ct.StreamHeader:
@@ -141,7 +142,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
         if h.model != ct.MODEL_STORED and hdr.predictor_pin != bytes.fromhex(self.rt.pin):
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
                            f"predictor pin mismatch: the encoder uses {hdr.predictor_pin.hex() or '(none)'}, "
-                           f"this decoder has {self.rt.pin}")
+                           f"this decoder has {self.rt.pin}", reason="PIN_MISMATCH")
         self.rt.codec.check_header(h, ids)
         return h, ids, (name, "stored" if h.model == ct.MODEL_STORED else "speckv")
 
@@ -248,7 +249,8 @@ class DecoderService(dgrpc.DecoderServiceServicer):
             t = await self.table.wait_for(request.request_id, wait)
             if t.fetching or t.state == S.TRANSFER_STATE_FETCHED:
                 raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"transfer {request.request_id!r} is already being fetched or was fetched")
+                               f"transfer {request.request_id!r} is already being fetched or was fetched",
+                               reason="ALREADY_FETCHED")
             t.fetching = True
             if request.verified_only:
                 if t.n_layers * t.layer_bytes > self.budget.limit:
@@ -262,7 +264,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
             yield dpb.FetchKVResponse(done=dpb.FetchKVDone(raw_digest=digest, raw_bytes=t.digest.raw_bytes))
             await t.end(S.TRANSFER_STATE_FETCHED)
             t.holding.close()
-        except BaseException as e:  # noqa: B902
+        except BaseException as e:  # noqa: BLE001
             code, msg = to_status(e)
             if t is not None and t.fetching and code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
                 # layers already handed out are gone. NOTE: recorded as an RpcError, never as this
@@ -272,7 +274,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
                             RpcError(grpc.StatusCode.CANCELLED, f"the FetchKV taking its layers ended: {msg}"))
             if isinstance(e, asyncio.CancelledError):
                 raise
-            await context.abort(code, msg)
+            await abort(context, e)
         finally:
             self._gauges()  # a fetched or cancelled transfer is no longer in flight
 
@@ -295,7 +297,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
         try:
             return dpb.GetTransferStatusResponse(status=self.table.get(request.request_id).status())
         except RpcError as e:
-            await context.abort(e.code, str(e))
+            await abort(context, e)
 
     async def CancelTransfer(self, request: dpb.CancelTransferRequest,
                              context: grpc.aio.ServicerContext) -> dpb.CancelTransferResponse:
@@ -303,7 +305,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
         try:
             t = self.table.get(request.request_id)
         except RpcError as e:
-            await context.abort(e.code, str(e))
+            await abort(context, e)
         if t.live:
             # NOTE: ending it wakes its Transfer handler, which reports CANCELLED to the sender
             await t.end(S.TRANSFER_STATE_CANCELLED, RpcError(grpc.StatusCode.CANCELLED, "cancelled by CancelTransfer"))

@@ -26,22 +26,23 @@ import numpy as np
 
 from speckv.coder import container as ct
 from speckv.coder.integrity import KVDigest, digest
+from speckv.errors import RpcError
+from speckv.status import abort, from_in_band, outcome, to_status
 from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.v1 import decoder_pb2_grpc as dgrpc
 from speckv.v1 import encoder_pb2 as epb
 from speckv.v1 import encoder_pb2_grpc as egrpc
+from speckv.wire import LayerAssembler, bad, dtype_of, layer_bytes, parts, shape_of
 
 from .aio import drain_batch, peer_host, watched
-from .tls import KEEPALIVE, channel_credentials
 from .auth import authorize, parse_allow
 from .budget import ByteBudget, Holding
 from .config import ServerConfig
 from .metrics import Metrics
 from .runtime import Runtime
-from speckv.status import RpcError, from_in_band, outcome, to_status
+from .tls import KEEPALIVE, channel_credentials
 from .transfers import check_request_id
-from speckv.wire import LayerAssembler, bad, dtype_of, layer_bytes, parts, shape_of
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +97,8 @@ class EncoderService(egrpc.EncoderServiceServicer):
         await authorize(context, "Submit", self.allow)
         host = peer_host(context.peer() or "?")
         if self._per_peer.get(host, 0) >= self.config.max_transfers_per_peer:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{self._per_peer[host]} submits from {host} in progress (max_transfers_per_peer)")
+            await abort(context, RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self._per_peer[host]} submits from "
+                                          f"{host} in progress (max_transfers_per_peer)", reason="PEER_LIMIT"))
         self._per_peer[host] = self._per_peer.get(host, 0) + 1
         t0 = time.perf_counter()
         it = request_iterator.__aiter__()
@@ -111,13 +112,13 @@ class EncoderService(egrpc.EncoderServiceServicer):
                                   wire=job.wire_bytes)
             self.metrics.seconds("transfer", time.perf_counter() - t0)
             return resp
-        except BaseException as e:  # noqa: B902 -- CancelledError too
+        except BaseException as e:  # noqa: BLE001 -- CancelledError too
             code, msg = to_status(e)
             self.metrics.finished(outcome(code))
             logger.info("submit %s failed: %s %s", job.header.request_id if job else "?", code.name, msg)
             if isinstance(e, asyncio.CancelledError):
                 raise
-            await context.abort(code, msg)
+            await abort(context, e)
         finally:
             if job is not None:
                 job.holding.close()
@@ -135,7 +136,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
         if hdr.expected_predictor_pin and hdr.expected_predictor_pin != bytes.fromhex(self.rt.pin):
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
                            f"predictor pin mismatch: caller expects {hdr.expected_predictor_pin.hex()}, "
-                           f"this encoder has {self.rt.pin}")
+                           f"this encoder has {self.rt.pin}", reason="PIN_MISMATCH")
         name, dt = dtype_of(hdr.dtype)
         shape = shape_of(hdr.shape)
         ids = np.asarray(hdr.prompt_token_ids, np.int64)
@@ -249,7 +250,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
             recs = await asyncio.to_thread(_encode, self.rt.codec, job.h, range(batch[0], batch[-1] + 1), x, mu, sc)
             job.encode_s += time.perf_counter() - e0
             del x
-            for i, rec in zip(batch, recs):
+            for i, rec in zip(batch, recs, strict=True):
                 await self._send(job, call, i, rec, lb * job.h.chunk_layers(i)[1])
 
     async def _fall_back(self, job: _Job, call) -> None:
@@ -313,7 +314,7 @@ async def _read_result(call, check: asyncio.Future) -> dpb.TransferResult:
         elif kind == "result":
             result = resp.result
             if result.status.code != pb.STATUS_CODE_OK:  # the decoder's verdict, in-band
-                raise RpcError(from_in_band(result.status), f"decoder: {result.status.message}")
+                raise from_in_band(result.status)
     if result is None:
         raise RpcError(grpc.StatusCode.INTERNAL, "decoder ended the transfer without a result")
     return result

@@ -20,7 +20,8 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
 
-from speckv.status import RpcError
+from speckv.errors import RpcError
+from speckv.status import abort
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def _unary(fn: Callable, cls: type) -> Callable:
         try:
             request = parse(cls, data, 0)
         except RpcError as e:
-            await context.abort(e.code, str(e))
+            await abort(context, e)
         return await fn(request, context)
     return handler
 
@@ -57,7 +58,7 @@ def _unary_stream(fn: Callable, cls: type) -> Callable:
         try:
             request = parse(cls, data, 0)
         except RpcError as e:
-            await context.abort(e.code, str(e))
+            await abort(context, e)
         async for response in fn(request, context):
             yield response
     return handler

@@ -19,9 +19,7 @@ import grpc
 import numpy as np
 
 from speckv.coder.codec import Codec, CodecConfig, bf16_bits
-from speckv.errors import PinMismatchError
-
-from speckv.status import RpcError
+from speckv.errors import PinMismatchError, RpcError
 
 if TYPE_CHECKING:  # pragma: no cover
     from speckv.predictor.predict import Predictor
@@ -39,8 +37,8 @@ class Runtime:
 
     @classmethod
     def load(cls, config: "ServerConfig") -> "Runtime":
-        from speckv.predictor.predict import Predictor
         from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
+        from speckv.predictor.predict import Predictor
         from speckv.predictor.target import load_target
 
         ckpt = load_checkpoint(config.predictor or default_checkpoint_dir(), config.pin)
@@ -74,7 +72,8 @@ class Runtime:
         """A request's model, shape and prompt against what this sidecar serves."""
         if model_id != self.model_id:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"model {model_id!r} is not served here (this sidecar serves {self.model_id!r})")
+                           f"model {model_id!r} is not served here (this sidecar serves {self.model_id!r})",
+                           reason="MODEL_MISMATCH")
         L, H, D = self.geometry
         if (shape[0], shape[2], shape[4]) != (L, H, D):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,

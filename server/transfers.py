@@ -21,12 +21,12 @@ import time
 import grpc
 import numpy as np
 
+from speckv.coder.integrity import KVDigest
+from speckv.errors import RpcError
+from speckv.status import in_band
 from speckv.v1 import decoder_pb2 as dpb
 
-from speckv.coder.integrity import KVDigest
-
 from .budget import Holding
-from speckv.status import RpcError, in_band
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,8 @@ class DecoderTransfer:
                 raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"transfer {self.request_id!r}: layer {layer} did not arrive in {timeout:.1f} s")
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"transfer {self.request_id!r} {S.Name(self.state)}: {in_band(self.error).message}")
+                           f"transfer {self.request_id!r} {S.Name(self.state)}: {in_band(self.error).message}",
+                           reason="TRANSFER_FAILED")
 
     async def wait_final(self, timeout: float) -> bytes:
         """Wait for the producer's verdict: the verified whole-transfer digest, or raise."""
@@ -119,7 +120,8 @@ class DecoderTransfer:
                 raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"transfer {self.request_id!r} was not verified within {timeout:.1f} s")
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"transfer {self.request_id!r} {S.Name(self.state)}: {in_band(self.error).message}")
+                           f"transfer {self.request_id!r} {S.Name(self.state)}: {in_band(self.error).message}",
+                           reason="TRANSFER_FAILED")
 
     def status(self) -> dpb.TransferStatus:
         return dpb.TransferStatus(

@@ -78,11 +78,12 @@ class HoldingClosed(SpeckvError):
 
 class RpcError(SpeckvError):
     """A failure whose gRPC status code the raiser chose (e.g. NOT_FOUND for an
-    unknown request id); ``code`` is a ``grpc.StatusCode``."""
+    unknown request id); ``code`` is a ``grpc.StatusCode``, ``reason`` the
+    google.rpc.ErrorInfo reason (default: the code's name)."""
 
-    def __init__(self, code: "grpc.StatusCode", message: str) -> None:
+    def __init__(self, code: "grpc.StatusCode", message: str, reason: str = "") -> None:
         super().__init__(message)
-        self.code = code
+        self.code, self.reason = code, reason
 
 
 class RpcFailed(SpeckvError):

@@ -20,7 +20,7 @@ import numpy as np
 
 from speckv.v1 import common_pb2 as pb
 
-from .status import RpcError
+from .errors import RpcError
 
 DTYPES = {pb.DTYPE_BF16: ("bf16", np.dtype("<u2")), pb.DTYPE_FP8_E4M3: ("fp8", np.dtype("u1"))}
 MAX_DIM = 1 << 24  # any one dimension; products are checked against the caller's limits

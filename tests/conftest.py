@@ -71,8 +71,8 @@ def embedded_session(embedded_target):
     predictor), sharing the already loaded target so target-only tests do not
     depend on the predictor checkpoint. ``Session.open()`` itself runs in
     test_predictor's cross-process determinism test."""
-    from speckv.predictor.predict import Predictor
     from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
+    from speckv.predictor.predict import Predictor
     from speckv.predictor.session import Session
 
     ckpt = load_checkpoint(default_checkpoint_dir())

@@ -19,10 +19,10 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = {"vocabulary": 0, "coder": 1, "predictor": 2, "server": 3, "cli": 4}

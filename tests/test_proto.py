@@ -13,6 +13,7 @@ from __future__ import annotations
 import filecmp
 import importlib
 import importlib.util
+import shutil
 import subprocess
 import sys
 from concurrent import futures
@@ -234,3 +235,33 @@ def test_buf_format():
     res = subprocess.run([str(BUF), "format", "--diff", "--exit-code"], cwd=PROTO_ROOT, capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 0, f"run `buf format -w` in proto/:\n{res.stdout}{res.stderr}"
+
+
+RELEASED = PROTO_ROOT / "v1-released.binpb"  # buf image of speckv.v1 as released (e54560b)
+
+
+def _breaking(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BUF), "breaking", "--against", str(RELEASED)], cwd=root, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_buf_breaking_against_the_released_v1():
+    """Changes to speckv.v1 are additive: `buf breaking` against the released image passes."""
+    if not BUF.is_file():
+        missing("BUF", f"buf not installed at {BUF} (pip install buf-bin)")
+    res = _breaking(PROTO_ROOT)
+    assert res.returncode == 0, f"buf breaking:\n{res.stdout}{res.stderr}"
+
+
+def test_buf_breaking_can_fail(tmp_path):
+    """A renumbered field, planted in a copy of the protos, is reported."""
+    if not BUF.is_file():
+        missing("BUF", f"buf not installed at {BUF} (pip install buf-bin)")
+    root = tmp_path / "proto"
+    shutil.copytree(PROTO_ROOT, root, ignore=shutil.ignore_patterns("gen", "*.binpb"))
+    common = root / "speckv" / "v1" / "common.proto"
+    text = common.read_text()
+    assert "  string message = 2;\n" in text
+    common.write_text(text.replace("  string message = 2;\n", "  string message = 20;\n", 1))
+    res = _breaking(root)
+    assert res.returncode != 0 and "message" in res.stdout + res.stderr, res.stdout + res.stderr

@@ -9,10 +9,18 @@ import grpc
 import pytest
 
 from speckv.coder import container as ct
-from speckv.errors import (CalibrationError, CheckpointError, IntegrityError, MuMismatchError,
-                                 PinMismatchError, PromptMismatchError)
-from speckv.server.budget import BudgetExceeded, HoldingClosed
-from speckv.status import RpcError, in_band, integrity_kind, outcome, to_status
+from speckv.errors import (
+    BudgetExceeded,
+    CalibrationError,
+    CheckpointError,
+    HoldingClosed,
+    IntegrityError,
+    MuMismatchError,
+    PinMismatchError,
+    PromptMismatchError,
+    RpcError,
+)
+from speckv.status import in_band, integrity_kind, outcome, to_status
 from speckv.v1 import common_pb2 as pb
 
 C = grpc.StatusCode
@@ -27,8 +35,8 @@ C = grpc.StatusCode
     (MuMismatchError("mu"), C.FAILED_PRECONDITION, pb.STATUS_CODE_MU_MISMATCH, "mu_fingerprint"),
     (PromptMismatchError("ids"), C.INVALID_ARGUMENT, pb.STATUS_CODE_PROMPT_MISMATCH, None),
     (IntegrityError("digest"), C.DATA_LOSS, pb.STATUS_CODE_INTEGRITY_ERROR, "raw_digest"),
-    (CheckpointError("ckpt"), C.FAILED_PRECONDITION, pb.STATUS_CODE_PIN_MISMATCH, None),
-    (CalibrationError("calib"), C.FAILED_PRECONDITION, pb.STATUS_CODE_PIN_MISMATCH, None),
+    (CheckpointError("ckpt"), C.FAILED_PRECONDITION, pb.STATUS_CODE_FAILED_PRECONDITION, None),
+    (CalibrationError("calib"), C.FAILED_PRECONDITION, pb.STATUS_CODE_FAILED_PRECONDITION, None),
     (BudgetExceeded("too big"), C.RESOURCE_EXHAUSTED, pb.STATUS_CODE_RESOURCE_EXHAUSTED, None),
     (HoldingClosed("ended"), C.CANCELLED, pb.STATUS_CODE_CANCELLED, None),
     (asyncio.TimeoutError(), C.DEADLINE_EXCEEDED, pb.STATUS_CODE_DEADLINE_EXCEEDED, None),
@@ -54,3 +62,95 @@ def test_ok_and_outcome_labels():
     assert in_band(None) == pb.Status(code=pb.STATUS_CODE_OK)
     assert outcome(C.OK) == "ok"
     assert outcome(C.FAILED_PRECONDITION) == "failed_precondition"
+
+
+# -- the one table: reasons, the in-band twin, google.rpc details -----------------------
+
+def test_every_row_has_a_distinct_reason_and_codes_agree():
+    from speckv.status import TABLE, verdict
+
+    seen = {}
+    for row in TABLE:
+        assert row.reason.isupper() and " " not in row.reason, row
+        seen.setdefault(row.reason, set()).add(row.code)
+        v = verdict(row.exc("x") if row.exc not in (asyncio.CancelledError, GeneratorExit) else row.exc())
+        assert (v.code, v.reason, v.in_band, v.integrity) == (row.code, row.reason, row.in_band, row.integrity)
+    assert all(len(codes) == 1 for codes in seen.values()), seen
+
+
+@pytest.mark.parametrize("exc,in_band_code,reason", [
+    # the misreport this table fixed: every FAILED_PRECONDITION was in-band PIN_MISMATCH
+    (RpcError(C.FAILED_PRECONDITION, "model 'x' is not served here", reason="MODEL_MISMATCH"),
+     pb.STATUS_CODE_MODEL_MISMATCH, "MODEL_MISMATCH"),
+    (RpcError(C.FAILED_PRECONDITION, "already fetched", reason="ALREADY_FETCHED"),
+     pb.STATUS_CODE_FAILED_PRECONDITION, "ALREADY_FETCHED"),
+    (RpcError(C.FAILED_PRECONDITION, "pin", reason="PIN_MISMATCH"), pb.STATUS_CODE_PIN_MISMATCH, "PIN_MISMATCH"),
+    (CheckpointError("bad tables"), pb.STATUS_CODE_FAILED_PRECONDITION, "CHECKPOINT_ERROR"),
+    (RpcError(C.NOT_FOUND, "no such id"), pb.STATUS_CODE_NOT_FOUND, "NOT_FOUND"),
+])
+def test_in_band_follows_the_reason(exc, in_band_code, reason):
+    from speckv.status import from_in_band
+
+    st = in_band(exc)
+    assert (st.code, st.reason) == (in_band_code, reason)
+    back = from_in_band(st)
+    assert (back.code, back.reason) == (to_status(exc)[0], reason)
+
+
+@pytest.mark.parametrize("exc,reason,retry", [
+    (RpcError(C.RESOURCE_EXHAUSTED, "cap", reason="PEER_LIMIT"), "PEER_LIMIT", 1.0),
+    (RpcError(C.UNAVAILABLE, "draining"), "UNAVAILABLE", 1.0),
+    (MuMismatchError("mu"), "MU_MISMATCH", None),
+    (ct.ChecksumError("crc"), "CHECKSUM_MISMATCH", None),
+])
+def test_details_reach_a_real_client(exc, reason, retry):
+    """A real grpc.aio server aborts with ``abort``; the sync client reads the
+    google.rpc.Status details back (grpcio-status's own parser agrees)."""
+    from grpc_status import rpc_status
+
+    from speckv.status import abort, error_details
+
+    async def fail(request, context):
+        await abort(context, exc)
+
+    async def run():
+        server = grpc.aio.server()
+        handler = grpc.unary_unary_rpc_method_handler(fail)
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.T", {"F": handler})])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            return port, server
+        except BaseException:
+            await server.stop(None)
+            raise
+
+    async def call(port):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await ch.unary_unary("/t.T/F")(b"", timeout=10)
+            return ei.value
+
+    async def main():
+        port, server = await run()
+        try:
+            return await call(port)
+        finally:
+            await server.stop(None)
+
+    err = asyncio.run(main())
+    assert err.code() == to_status(exc)[0]
+    assert error_details(err) == (reason, retry)
+    st = rpc_status.from_call(err)  # the standard parser: code and message agree with the trailer
+    assert st is not None and st.code == err.code().value[0] and st.message == err.details()
+
+
+def test_error_details_without_a_trailer():
+    from speckv.status import error_details
+
+    class NoTrailer:
+        def trailing_metadata(self):
+            return (("other", b"x"),)
+
+    assert error_details(NoTrailer()) == ("", None)
+    assert error_details(object()) == ("", None)

@@ -17,8 +17,7 @@ from speckv.errors import SpeckvError
 
 from .coder_env import CoderEnv, same_kv
 from .findings import Finding, guarded
-from .mutate import (HEADER_FIELDS, as_buffer, fields_of, flip_bit, mutate_record, mutate_record_list,
-                     random_record)
+from .mutate import HEADER_FIELDS, as_buffer, fields_of, flip_bit, mutate_record, mutate_record_list, random_record
 
 CONTAINER_LIMIT_S = 2.0  # one parse may take this long at most
 CODEC_LIMIT_S = 10.0  # one decode of a ~50 KB stream (legitimately ~10 ms)

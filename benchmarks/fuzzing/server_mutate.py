@@ -14,8 +14,18 @@ from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.v1 import encoder_pb2 as epb
 
-from .mutate import (HEADER_FIELDS, INTERESTING, SMALL_INTERESTING, fix_crcs, mutate_bytes, mutate_record,
-                     odd_string, rand_bytes, random_wire_message, restructure)
+from .mutate import (
+    HEADER_FIELDS,
+    INTERESTING,
+    SMALL_INTERESTING,
+    fix_crcs,
+    mutate_bytes,
+    mutate_record,
+    odd_string,
+    rand_bytes,
+    random_wire_message,
+    restructure,
+)
 from .server_env import MODEL
 
 ODD_ENUMS = (0, 1, 2, 3, 255, 2**31 - 1, -1)

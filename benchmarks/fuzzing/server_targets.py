@@ -27,9 +27,17 @@ from .findings import Finding
 from .mutate import flip_bit, mutate_record, mutate_record_list
 from .query_targets import t_decoder_fetch, t_decoder_query
 from .server_env import MODEL, REQUEST_TYPES, ServerEnv, TBase
-from .server_mutate import (mutate_layer, mutate_messages, mutate_submit_header, mutate_trailer,
-                            mutate_transfer_header, random_layer, random_transfer_message, raw_payload,
-                            tweak_transfer_message)
+from .server_mutate import (
+    mutate_layer,
+    mutate_messages,
+    mutate_submit_header,
+    mutate_trailer,
+    mutate_transfer_header,
+    random_layer,
+    random_transfer_message,
+    raw_payload,
+    tweak_transfer_message,
+)
 
 OK = grpc.StatusCode.OK
 

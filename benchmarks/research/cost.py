@@ -8,13 +8,21 @@ fixed-point L (1/8 octave log2 sigma, same units as log2_sigma) and any table fa
 from __future__ import annotations
 
 import math
+
 import numpy as np
-from scipy.special import erfc, ndtr
+from scipy.special import ndtr
+
 from speckv.coder import model as M
 from speckv.coder.model import BF16, E4M3, FP32, context
-from speckv.coder.tables import (CodingTables, N_GAUSS, PROB_SCALE, table_params, quantize_freqs,
-                                 SIGMA_ONE, TAIL_SIGMAS, build_tables)
 from speckv.coder.rans import PROB_BITS
+from speckv.coder.tables import (
+    SIGMA_ONE,
+    TAIL_SIGMAS,
+    CodingTables,
+    build_tables,
+    quantize_freqs,
+    table_params,
+)
 
 D = "/tmp/speckv_research"
 LMIN, LMAX = -150, 30  # range of L the BF16 context table covers (clip outside)

@@ -2,8 +2,12 @@
 delta(e) = sum of integer lookup tables (1/8 octave) indexed by integer features; tables fitted on
 wcal0 by exact-cost coordinate descent, evaluated on shake and wheld.
 Run: ../../.venv/bin/python ctxfit.py FAM"""
-import sys, time, json, numpy as np
+import json
+import sys
+
+import numpy as np
 from cost import D, load
+
 DM = 20
 FAM = sys.argv[1] if len(sys.argv) > 1 else "seed"
 Ls = np.load(f"{D}/log2_sigma.npy")  # (30,2,3,64)

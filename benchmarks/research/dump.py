@@ -3,11 +3,13 @@ Run: cd /work/main && .venv/bin/python benchmarks/research/dump.py
 """
 import time
 from pathlib import Path
+
 import numpy as np
-from speckv.predictor.session import Session
+
 from speckv.coder.codec import Codec, bf16_bits
-from speckv.predictor.calibrate import read_text, DEFAULT_CALIB_TOKENS
+from speckv.predictor.calibrate import DEFAULT_CALIB_TOKENS, read_text
 from speckv.predictor.fp8 import kv_to_fp8
+from speckv.predictor.session import Session
 
 OUT = Path("/tmp/speckv_research")
 OUT.mkdir(exist_ok=True)

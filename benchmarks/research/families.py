@@ -1,9 +1,9 @@
 """Candidate table families (idea A). All keep the seed's window radius (4 * 3 * sigma_b + 1)."""
 import functools
+
 import numpy as np
-from scipy import stats
-from scipy.special import ndtr
 from cost import family, mix_cdf, seed_tables
+from scipy import stats
 
 
 def t_cdf(nu):

@@ -1,10 +1,17 @@
 """FP8 (fx=E4M3, fm=FP32 mu/scale): baseline, A (esc 1e-4), E (affine mu), and BF16-fitted
 context tables (tables_seed_best.npz from ctxfit.py; features computed from the FP8-dequantised KV).
 Run: ../../.venv/bin/python fp8eval.py [tables.npz]"""
-import sys, time, numpy as np, torch
+import sys
+import time
+
+import numpy as np
+import torch
+
 torch.set_num_threads(1)
+import ctxfit
+import families
 from cost import *
-import families, ctxfit
+
 Ls = np.load(f"{D}/log2_sigma.npy")
 seed, famA = seed_tables(), families.get("seed_e1e-4")
 f32 = lambda a: (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
@@ -27,6 +34,7 @@ class FakeDS:  # features from the FP8-decoded values
             self.zmu = np.nan_to_num(np.abs(mf) / sig).astype(np.float32)
 
 from speckv.coder.model import E4M3_F32
+
 for ds in ("shake", "wheld"):
     kvd, mud = load(ds)
     q, y, L8, scale = fp8_inputs(ds, Ls)

@@ -1,10 +1,9 @@
 """Idea A: table family shape at fixed (checkpoint) L plus a global offset delta.
 Histogram of flat symbol indices (seed radius => same layout for all families) + raw bits.
 Run: ../../.venv/bin/python idea_a.py"""
-import time, json, numpy as np
-from cost import *
 import families
-from speckv.coder.model import BF16
+import numpy as np
+from cost import *
 
 Ls = np.load(f"{D}/log2_sigma.npy")[:, :, :, None, :]
 ev = Evaluator()

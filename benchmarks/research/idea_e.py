@@ -1,8 +1,10 @@
 """Idea E: per-channel affine mu' = bf16(a*mu + b) (least squares on wcal0), sigma re-fit on wcal0.
 Compares against sigma re-fit on wcal0 with the plain mu (same estimator). Exact BF16 bits.
 Run: ../../.venv/bin/python idea_e.py"""
-import numpy as np, torch
+import numpy as np
+import torch
 from cost import *
+
 torch.set_num_threads(1)
 ev = Evaluator(); tab = seed_tables()
 kv, mu = load("wcal0")

@@ -2,11 +2,17 @@
 least squares of the residual on all 384 K+V channels of mu of the same layer and token, fitted on
 wcal0+wcal1 (tokens >= 4); sigma re-fitted on the same. Exact BF16 and FP8 bits on shake / wheld.
 Run: ../../.venv/bin/python idea_e2.py"""
-import sys, numpy as np, torch
+import sys
+
+import numpy as np
+import torch
+
 torch.set_num_threads(1)
-from cost import *
-from speckv.coder import model as M
 import families
+from cost import *
+
+from speckv.coder import model as M
+
 seed, famA = seed_tables(), families.get("seed_e1e-4")
 f32 = lambda a: (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 bf16 = lambda v: torch.from_numpy(v.astype(np.float32)).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)

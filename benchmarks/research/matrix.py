@@ -1,8 +1,12 @@
 """Per-element exact BF16 cost for L = L0 + delta, delta in [-DM, DM] (1/8 octave), saved as
 a float32 memmap C_{fam}_{ds}.npy of shape (2DM+1, layers, 2, heads, tokens, dim).
 Run: ../../.venv/bin/python matrix.py FAM DS [DS...]   (FAM: seed | name of a family in families.py)"""
-import sys, time, numpy as np
+import sys
+import time
+
+import numpy as np
 from cost import *
+
 DM = 20
 fam = sys.argv[1]
 if fam == "seed":

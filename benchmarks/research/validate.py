@@ -1,10 +1,16 @@
 """Step 2 check: evaluator vs the real codec's coded size (shake, BF16 and FP8), baseline L.
 Run: cd /work/main/benchmarks/research && ../../.venv/bin/python validate.py"""
-import time, numpy as np, torch
+import time
+
+import numpy as np
+import torch
+
 torch.set_num_threads(1)
 from cost import *
+
 from speckv.coder.codec import Codec, CodecConfig, Fp8KV
 from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
+
 ck = load_checkpoint(default_checkpoint_dir())
 codec = Codec(ck.tables, ck.calib.sigma_log2_q, ck.pin, None, CodecConfig(coder="cpu", threads=1))
 Ls = np.load(f"{D}/log2_sigma.npy")

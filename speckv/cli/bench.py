@@ -165,8 +165,8 @@ def timed_prefill(sess: Any, ids: np.ndarray, runs: int,
 
 def fp8_copy_forward(target: Any) -> Callable[[np.ndarray], Any]:
     """A prefill of the target's plain FP8 copy (rung fp8), to time it next to a rung."""
-    from speckv.predictor.predict import build_model
     from speckv.predictor.checkpoint import fp8_state
+    from speckv.predictor.predict import build_model
     from speckv.predictor.target import extract_kv
 
     model = build_model(type(target.config).from_dict(target.config.to_dict()), fp8_state(target.state))
@@ -196,7 +196,9 @@ def print_report(r: dict[str, Any]) -> None:
                     f"lossless={r['lossless']}")
     for col in ("coder", "bits/scalar", "ratio", "encode MB/s", "decode MB/s"):
         t.add_column(col, justify="right")
-    fmt = lambda v: "-" if v is None else f"{v:.2f}"
+    def fmt(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
     bits = 8 * (2 if r["dtype"] == "bf16" else 1)
     t.add_row("speckv", fmt(r["bits_per_scalar"]), fmt(r["ratio"]), fmt(r["encode_mb_s"]), fmt(r["decode_mb_s"]))
     t.add_row("speckv ideal", fmt(r["ideal_bits_per_scalar"]), fmt(bits / r["ideal_bits_per_scalar"]), "-", "-")

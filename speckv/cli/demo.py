@@ -32,11 +32,11 @@ def run_demo(target: str | Path = "default", predictor: str | Path | None = None
     """Prefill, transfer through both sidecars, verify bit for bit; returns the summary."""
     import numpy as np
 
+    from speckv.client.client import DecoderClient, EncoderClient
     from speckv.coder.codec import bf16_bits
     from speckv.predictor.session import Session
     from speckv.server.local import LocalPair
 
-    from speckv.client.client import DecoderClient, EncoderClient
     from .progress import steps
 
     with steps(5, quiet=quiet) as step:
@@ -114,6 +114,7 @@ def _transfer(pair, kv, ids, sess, EncoderClient, DecoderClient):
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(fetch)
         with EncoderClient(pair.encoder_address, timeout=120) as enc:
-            res = enc.submit(request_id, kv, ids, pair.decoder_address, sess.predictor.checkpoint.manifest["target"]["name"])
+            model = sess.predictor.checkpoint.manifest["target"]["name"]
+            res = enc.submit(request_id, kv, ids, pair.decoder_address, model)
         back = fut.result(timeout=120)
     return res, back, times

@@ -221,8 +221,14 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "demo": cmd_demo, "serve": cmd_serve, "health": cmd_health, "entropy": cmd_entropy, "predictor": cmd_predictor, "bench": cmd_bench,
+    "demo": cmd_demo, "serve": cmd_serve, "health": cmd_health, "entropy": cmd_entropy,
+    "predictor": cmd_predictor, "bench": cmd_bench,
 }
+
+
+# what `pip install speckv` (the thin client) lacks and speckv[server] brings
+SERVER_EXTRA_MODULES = frozenset({"torch", "transformers", "safetensors", "gguf", "accelerate", "grpc_health",
+                                  "grpc_reflection", "prometheus_client", "rich"})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -233,6 +239,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         return COMMANDS[args.cmd](args)
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] not in SERVER_EXTRA_MODULES:
+            raise
+        print(f"speckv {args.cmd}: needs the server extra (no module {e.name!r}): pip install 'speckv[server]'",
+              file=sys.stderr)
+        return 2
     except (SpeckvError, FileNotFoundError, ValueError) as e:
         print(f"speckv: error: {e}", file=sys.stderr)
         return 2

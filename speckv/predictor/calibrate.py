@@ -26,10 +26,32 @@ from speckv.errors import CalibrationError
 
 from .checkpoint import fp8_state
 from .fp8 import kv_to_fp8
-from .ladder import MEANS, CachedKV, Rung, kv_means_bf16, manifest_fields, mean_model, parse_rung, save_means, weights_quant
+from .ladder import (
+    MEANS,
+    CachedKV,
+    Rung,
+    kv_means_bf16,
+    manifest_fields,
+    mean_model,
+    parse_rung,
+    save_means,
+    weights_quant,
+)
 from .predict import build_model
-from .store import (CALIB, CONFIG, FORMAT_NAME, FORMAT_VERSION, TABLES, TUNED_TABLES, WEIGHTS, Calibration,
-                    save_npz_stable, sha256_file, state_digest, write_manifest)
+from .store import (
+    CALIB,
+    CONFIG,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    TABLES,
+    TUNED_TABLES,
+    WEIGHTS,
+    Calibration,
+    save_npz_stable,
+    sha256_file,
+    state_digest,
+    write_manifest,
+)
 from .target import COMPUTE_THREADS, Target, extract_kv, numeric_env
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -34,9 +34,27 @@ from speckv.errors import CheckpointError, PinMismatchError
 
 from .fp8 import weight_to_fp8
 from .ladder import MEANS, NONE, Rung, is_bf16_layer, manifest_rung
-from .store import (CALIB, CONFIG, FORMAT_NAME, FORMAT_VERSION, FP8_SUFFIX, MANIFEST, SCALE_SUFFIX,  # noqa: F401
-                    SHIPPED_RUNG, TABLES, TUNED_KEYS, TUNED_TABLES, WEIGHTS, Calibration, canonical_json,
-                    default_checkpoint_dir, save_npz_stable, sha256_file, state_digest, write_manifest)
+from .store import (  # noqa: F401
+    CALIB,
+    CONFIG,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    FP8_SUFFIX,
+    MANIFEST,
+    SCALE_SUFFIX,
+    SHIPPED_RUNG,
+    TABLES,
+    TUNED_KEYS,
+    TUNED_TABLES,
+    WEIGHTS,
+    Calibration,
+    canonical_json,
+    default_checkpoint_dir,
+    save_npz_stable,
+    sha256_file,
+    state_digest,
+    write_manifest,
+)
 from .target import LINEAR_NAMES
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -97,10 +97,10 @@ def layer_bits(codes: "torch.Tensor", mu: "torch.Tensor", sigma: "torch.Tensor",
     codes, mu float64 same shape (in the symbols' units), sigma (2, heads, 1, dim)."""
     import torch
 
-    l, h = lo[codes], hi[codes]
+    low, high = lo[codes], hi[codes]
     finite_mu = torch.isfinite(mu)
     m = torch.where(finite_mu, mu, torch.zeros_like(mu))
-    g = mixture[0] * gauss_mass(l, h, m, sigma) + mixture[1] * gauss_mass(l, h, m, sigma * wide)
+    g = mixture[0] * gauss_mass(low, high, m, sigma) + mixture[1] * gauss_mass(low, high, m, sigma * wide)
     g = torch.where(finite_mu, g, torch.zeros_like(g))
     q = g + mixture[2] * p_emp[codes]
     return -torch.log2(q).sum(dim=(1, 2, 3))  # (2,)

@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from speckv.errors import CheckpointError, PinMismatchError
+
+from .checkpoint import CONFIG, FP8_SUFFIX, SCALE_SUFFIX, WEIGHTS, Checkpoint, fp8_state, state_digest
 from .fp8 import dequantize_e4m3
 from .ladder import MEANS, load_means, mean_model
 from .target import LINEAR_NAMES, extract_kv, load_target, replace_linears
-from .checkpoint import CONFIG, FP8_SUFFIX, SCALE_SUFFIX, WEIGHTS, Checkpoint, fp8_state, state_digest
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

@@ -29,8 +29,19 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from prom_helpers import (GRAFANA_BUILTINS, Prometheus, binary, by_labels, exposition_names, finite, metric_names,
-                          selectors, substitute, variables_in, wait_until)
+from prom_helpers import (
+    GRAFANA_BUILTINS,
+    Prometheus,
+    binary,
+    by_labels,
+    exposition_names,
+    finite,
+    metric_names,
+    selectors,
+    substitute,
+    variables_in,
+    wait_until,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "helm" / "speckv" / "dashboards" / "speckv.json"

@@ -93,6 +93,14 @@ def test_copied_files_build_a_complete_wheel(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     (wheel,) = out.glob("speckv-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
+    # `pip install speckv` is the thin client: torch, transformers and cupy only with an extra
+    (meta,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+    requires = [line.split(":", 1)[1].strip() for line in zipfile.ZipFile(wheel).read(meta).decode().splitlines()
+                if line.startswith("Requires-Dist:")]
+    base = {r.split(";")[0].split("[")[0].split("<")[0].split(">")[0].split("=")[0].strip()
+            for r in requires if "extra ==" not in r}
+    assert base == {"numpy", "grpcio", "grpcio-status", "protobuf"}, base
+    assert any(r.startswith("torch") and 'extra == "server"' in r for r in requires), requires
     for need in ("speckv/v1/decoder_pb2_grpc.py", "speckv/server/app.py", "speckv/cli/main.py",
                  "speckv/predictor/data/default_predictor/manifest.json",
                  "speckv/predictor/data/default_predictor/tables.npz"):

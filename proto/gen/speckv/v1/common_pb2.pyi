@@ -33,6 +33,7 @@ class StatusCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATUS_CODE_UNAVAILABLE: _ClassVar[StatusCode]
     STATUS_CODE_RESOURCE_EXHAUSTED: _ClassVar[StatusCode]
     STATUS_CODE_INTERNAL: _ClassVar[StatusCode]
+    STATUS_CODE_FAILED_PRECONDITION: _ClassVar[StatusCode]
 DTYPE_UNSPECIFIED: Dtype
 DTYPE_BF16: Dtype
 DTYPE_FP8_E4M3: Dtype
@@ -54,6 +55,7 @@ STATUS_CODE_DEADLINE_EXCEEDED: StatusCode
 STATUS_CODE_UNAVAILABLE: StatusCode
 STATUS_CODE_RESOURCE_EXHAUSTED: StatusCode
 STATUS_CODE_INTERNAL: StatusCode
+STATUS_CODE_FAILED_PRECONDITION: StatusCode
 
 class KVShape(_message.Message):
     __slots__ = ("layers", "kv", "kv_heads", "tokens", "head_dim")
@@ -92,9 +94,11 @@ class KVLayer(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Union[KVShape, _Mapping]] = ..., part_index: _Optional[int] = ..., part_count: _Optional[int] = ..., byte_offset: _Optional[int] = ..., layer_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., fp8_scales: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("code", "message")
+    __slots__ = ("code", "message", "reason")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     code: StatusCode
     message: str
-    def __init__(self, code: _Optional[_Union[StatusCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
+    reason: str
+    def __init__(self, code: _Optional[_Union[StatusCode, str]] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
