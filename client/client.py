@@ -61,7 +61,8 @@ def tls_credentials(ca: str, cert: str | None = None, key: str | None = None) ->
     return grpc.ssl_channel_credentials(read(ca), read(key), read(cert))
 
 
-def _channel(address: str, credentials: grpc.ChannelCredentials | None, aio: bool = False):
+def _channel(address: str, credentials: grpc.ChannelCredentials | None,
+             aio: bool = False) -> grpc.Channel | grpc.aio.Channel:
     mod = grpc.aio if aio else grpc
     if credentials is None:
         return mod.insecure_channel(address, options=CHANNEL_OPTIONS)
@@ -82,7 +83,7 @@ def _retry_delay(e: grpc.RpcError, request_id: str, attempt: int, retries: int, 
     err = _failed(e)
     if err.code != grpc.StatusCode.UNAVAILABLE or attempt == retries:
         raise err from None
-    delay = max(backoff_s * 2 ** attempt, err.retry_after or 0.0)
+    delay: float = max(backoff_s * 2 ** attempt, err.retry_after or 0.0)
     logger.warning("submit %s: %s (attempt %d of %d), retrying in %.1f s", request_id, err.details,
                    attempt + 1, retries + 1, delay)
     return delay
@@ -138,8 +139,9 @@ def submit_requests(request_id: str, kv: Any, prompt_token_ids: Any, decoder_add
                           decoder_address, model_id, encoding, expected_pin, part_bytes)
 
 
-def _submit_stream(request_id, bits, scales, dtype, shape, prompt_token_ids, decoder_address, model_id,
-                   encoding, expected_pin, part_bytes) -> Iterator[epb.SubmitRequest]:
+def _submit_stream(request_id: str, bits: np.ndarray, scales: np.ndarray | None, dtype: int, shape: pb.KVShape,
+                   prompt_token_ids: Any, decoder_address: str, model_id: str, encoding: str,
+                   expected_pin: str | None, part_bytes: int) -> Iterator[epb.SubmitRequest]:
     yield epb.SubmitRequest(header=epb.SubmitHeader(
         request_id=request_id, decoder_address=decoder_address, model_id=model_id, dtype=dtype,
         shape=shape, prompt_token_ids=[int(t) for t in np.asarray(prompt_token_ids).ravel()],
@@ -160,7 +162,7 @@ class _Collector:
     """Assembles FetchKV parts into layers and the whole cache."""
 
     def __init__(self, verified_only: bool = False) -> None:
-        self.asm = None
+        self.asm: LayerAssembler | None = None
         self.out: np.ndarray | None = None
         self.scales: np.ndarray | None = None
         self.digest = KVDigest()  # recomputed here: the check is end to end
@@ -199,6 +201,7 @@ class _Collector:
             self.scales = None if scales is None else np.empty((self.asm.shape[0], 2), np.float32)
         self.out[layer] = arr
         if scales is not None:
+            assert self.scales is not None  # an FP8 transfer: allocated with its first layer
             self.scales[layer] = scales
 
     def check_done(self) -> None:
@@ -209,6 +212,7 @@ class _Collector:
 
     def result(self, as_torch: bool) -> "np.ndarray | Fp8KV | torch.Tensor":
         self.check_done()
+        assert self.out is not None  # check_done: every layer was kept
         if self.scales is not None:
             return Fp8KV(self.out, self.scales)
         return to_torch(self.out) if as_torch else self.out

@@ -32,7 +32,7 @@ def pack_fields(values: np.ndarray, widths: np.ndarray) -> bytes:
     if total == 0:
         return b""
     # stream bit i = bit (end - 1 - i) of the field it falls in
-    shift = np.repeat((np.cumsum(w) - 1).astype(np.int32), w) - np.arange(total, dtype=np.int32)
+    shift: np.ndarray = np.repeat((np.cumsum(w) - 1).astype(np.int32), w) - np.arange(total, dtype=np.int32)
     return np.packbits(((np.repeat(v, w) >> shift) & 1).astype(np.uint8)).tobytes()
 
 

@@ -19,7 +19,7 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Protocol, Sequence, cast
 
 import numpy as np
 
@@ -87,7 +87,8 @@ class Codec:
         self.tables = tables
         self.log2_sigma = log2_sigma.astype(np.int64)  # (layers, 2, kv_heads, head_dim)
         self.models = models or {MODEL_SEED: ResidualModel(MODEL_SEED, tables, self.log2_sigma)}
-        self.pin = pin
+        self.pin = pin  # lower-case hex, as checkpoints and configs spell it
+        self.pin_bytes = bytes.fromhex(pin)  # as streams carry it
         self.predictor = predictor
         self.config = config or CodecConfig()
         self.model_id = self._encode_model(self.config.model)
@@ -143,7 +144,8 @@ class Codec:
         return ct.StreamHeader(
             dtype=ct.DTYPE_BF16 if bf16 else ct.DTYPE_FP8,
             model=ct.MODEL_STORED if stored else self.model_id,
-            pin=bytes.fromhex(self.pin), shape=shape, prompt_digest=prompt_digest(ids),
+            pin=self.pin_bytes, shape=cast("tuple[int, int, int, int, int]", shape),  # length checked there
+            prompt_digest=prompt_digest(ids),
             elems_per_lane=self.config.elems_per_lane, layers_per_chunk=min(lpc, max(shape[0], 1)))
 
     def encode_chunk(self, h: ct.StreamHeader, i: int, x: np.ndarray, mu: "torch.Tensor | np.ndarray | None",
@@ -168,7 +170,7 @@ class Codec:
         if h.model == ct.MODEL_STORED:
             return [stored_chunk(h, i, x[_rel(h, i, start)], None if scales is None else scales[_rel(h, i, start)])
                     for i in idx]
-        kv = Fp8KV(x, scales) if fp8 else x
+        kv = Fp8KV(x, scales) if fp8 and scales is not None else x  # fp8: scales checked above
         plan = self._plan(kv, None, mu, layers=slice(start, stop), model_id=h.model)
         return self._encode_chunks(plan, h, list(idx))
 
@@ -199,6 +201,7 @@ class Codec:
     def _chunk_ops(self, plan: Plan, h: ct.StreamHeader, i: int) -> tuple[np.ndarray, np.ndarray, bytes]:
         """(blocks, steps, LANES) start/freq of chunk i (padding lanes: no-op), raw bits."""
         sl = plan.chunk_slice(h, i)
+        assert plan.x is not None  # an encoding plan
         ctx, n = self._context(plan, sl), h.chunk_elements(i)
         sym = symbolize(plan.fmt, plan.model.tables, ctx, plan.x[sl].ravel())
         g = plan.model.tables.gauss
@@ -211,6 +214,7 @@ class Codec:
     def _chunk_record(self, plan: Plan, h: ct.StreamHeader, i: int, rb: RansBlocks,
                       bits: bytes) -> ct.Chunk:
         sl = plan.chunk_slice(h, i)
+        assert plan.x is not None  # an encoding plan
         aux = plan.aux(sl)
         start, count = h.chunk_layers(i)
         return ct.Chunk(index=i, layer_start=start, layer_count=count,
@@ -258,7 +262,7 @@ class Codec:
         return self.decode_chunks(header, chunks, ids, mu)
 
     def _check_header(self, h: ct.StreamHeader, ids: np.ndarray) -> None:
-        if h.model != ct.MODEL_STORED and h.pin.hex() != self.pin:
+        if h.model != ct.MODEL_STORED and h.pin != self.pin_bytes:
             raise PinMismatchError(f"stream was coded with predictor {h.pin.hex()}, this decoder has {self.pin}")
         if h.model != ct.MODEL_STORED and h.model not in self.models:
             raise IntegrityError(f"probability model id {h.model} is not one this checkpoint has "
@@ -288,7 +292,7 @@ class Codec:
             self._check_mu(plan, h, chunks)
             for c, bits in zip(chunks, self._decode_batch(plan, h, chunks), strict=True):
                 out[_abs_slice(h, c.index)] = verified(c, bits.reshape((c.layer_count,) + h.shape[1:]), out.dtype)
-        return out if fmt is BF16 else Fp8KV(out, scales)
+        return out if scales is None else Fp8KV(out, scales)  # scales: FP8 streams only
 
     def decode_chunk(self, h: ct.StreamHeader, c: ct.Chunk,
                      mu: "torch.Tensor | np.ndarray | None") -> np.ndarray:
@@ -347,7 +351,7 @@ class Codec:
         (numpy releases the GIL inside each step's array operations)."""
         blocks = concat_blocks([RansBlocks(c.states, c.word_counts, c.words) for c in live])
         nb = len(blocks.word_counts)
-        tables = np.full(nb * el * LANES, NOOP_TABLE, np.int32)
+        tables: np.ndarray = np.full(nb * el * LANES, NOOP_TABLE, np.int32)
         pos = 0
         for c, ctx in zip(live, ctxs, strict=True):
             tables[pos:pos + len(ctx.t)] = ctx.t

@@ -26,7 +26,7 @@ import operator
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Iterable, Union
+from typing import Iterable, SupportsIndex, Union, cast
 
 import numpy as np
 
@@ -72,7 +72,7 @@ def _uint(name: str, value: object, lo: int, hi: int) -> int:
     if isinstance(value, bool):
         raise FormatError(f"{name} must be an integer, got bool")
     try:
-        v = operator.index(value)  # type: ignore[arg-type]
+        v = operator.index(cast(SupportsIndex, value))  # a non-integer still raises TypeError
     except TypeError:
         raise FormatError(f"{name} must be an int, not {type(value).__name__}") from None
     if not lo <= v <= hi:
@@ -171,7 +171,7 @@ class StreamHeader:
 
 def _check_shape(shape: object) -> tuple[int, int, int, int, int]:
     try:
-        items = tuple(shape)  # type: ignore[arg-type]
+        items = tuple(cast("Iterable[object]", shape))  # a non-iterable still raises TypeError
     except TypeError:
         raise FormatError("shape must be a sequence of 5 integers") from None
     if len(items) != 5:
@@ -184,7 +184,7 @@ def _check_shape(shape: object) -> tuple[int, int, int, int, int]:
     total = dims[0] * dims[1] * dims[2] * dims[3] * dims[4]
     if total > MAX_ELEMENTS:
         raise FormatError(f"{total} elements exceed MAX_ELEMENTS={MAX_ELEMENTS}")
-    return dims  # type: ignore[return-value]
+    return cast("tuple[int, int, int, int, int]", dims)  # 5 dims: zip(strict=True) over 5 names
 
 
 def _uint_array(name: str, value: object, dtype: type, ndim: int) -> np.ndarray:

@@ -5,6 +5,8 @@ returned through ``verified``, which raises IntegrityError on any mismatch.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from speckv.digests import DIGEST_BYTES, KVDigest, digest, prompt_digest  # noqa: F401
@@ -12,8 +14,11 @@ from speckv.errors import IntegrityError
 
 from . import container as ct
 
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
-def verified(c: ct.Chunk, bits: np.ndarray, dtype: type | None = None) -> np.ndarray:
+
+def verified(c: ct.Chunk, bits: np.ndarray, dtype: DTypeLike | None = None) -> np.ndarray:
     """``bits`` (chunk c's decoded layers) as ``dtype``, checked against c's raw_digest."""
     if dtype is not None:
         bits = np.ascontiguousarray(bits, dtype)

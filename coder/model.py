@@ -168,6 +168,7 @@ def context(fx: FloatFormat, fm: FloatFormat, mu: np.ndarray, log2_sigma: np.nda
     nb_mu = np.minimum(k - (e_unb - fx.mant), 24)
     half = np.where(nb_mu >= 0, ((126 - nb_mu) << 23).astype(np.int32).view(np.float32), np.float32(0))
     c_mu, off = bin_index(fm, mu, k, offsets=True, shift=half)
+    assert off is not None  # offsets=True
     t = table_row(L - (k << SIGMA_FRAC_BITS), off)
     return Context(k=k, t=t, c_mu=c_mu, mu_ok=fm.finite(mu))
 

@@ -115,7 +115,8 @@ class HostKernels:
         b = self.encode(start, freq)
         return b.states, b.word_counts, b.words
 
-    def decode_device(self, states, counts, words, tables, steps: int, gauss: Any) -> np.ndarray:
+    def decode_device(self, states: np.ndarray, counts: np.ndarray, words: np.ndarray, tables: np.ndarray,
+                      steps: int, gauss: Any) -> np.ndarray:
         return self.decode(RansBlocks(states, counts, words), steps, tables, gauss).astype(np.uint16)
 
     def _device_tables(self, gauss: Any) -> dict[str, np.ndarray]:

@@ -71,6 +71,7 @@ class ResidualModel:
         """BF16 mu bit patterns ``(n, 2, heads, tokens, dim)`` of ``layers`` -> corrected ones."""
         if self.mu_scale is None:
             return mu
+        assert self.mu_shift is not None  # set together with mu_scale
         a = self.mu_scale[layers][:, :, :, None, :]
         b = self.mu_shift[layers][:, :, :, None, :]
         return affine_bf16(mu, a, b)

@@ -4,13 +4,15 @@ request stream, watching a group of tasks so the most telling error wins."""
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 import grpc
 
 from speckv.errors import RpcError
 
 MAX_BATCH = 64  # chunks decoded (or coded) in one pass at most
+
+T = TypeVar("T")
 
 
 async def drain_requests(it: AsyncIterator) -> None:
@@ -30,7 +32,7 @@ async def drain_batch(queue: asyncio.Queue) -> list:
     return items
 
 
-async def prepend(first, it: AsyncIterator) -> AsyncIterator:
+async def prepend(first: T | None, it: AsyncIterator[T]) -> AsyncIterator[T]:
     """``first`` (unless None), then the rest of ``it``."""
     if first is not None:
         yield first
@@ -43,7 +45,7 @@ def peer_host(peer: str) -> str:
     return peer.rsplit(":", 1)[0]
 
 
-async def watched(aw, watch: tuple[asyncio.Future, ...]):
+async def watched(aw: Awaitable[T], watch: tuple[asyncio.Future[Any], ...]) -> T:
     """Await ``aw`` unless a watched task (acks, sender) fails first; then raise the most
     telling error: the decoder's status from the ack reader rather than a failed write."""
     task = asyncio.ensure_future(aw)
@@ -62,7 +64,9 @@ async def watched(aw, watch: tuple[asyncio.Future, ...]):
         return task.result()
     if task is watch[1]:
         await _raise_preferring(watch)
-    raise task.exception()
+    exc = task.exception()
+    assert exc is not None  # checked above
+    raise exc
 
 
 def _failed(f: asyncio.Future) -> bool:

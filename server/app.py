@@ -44,9 +44,9 @@ SERVICE_NAMES = {
 class Sidecar:
     """One running (or ready to run) encoder or decoder sidecar."""
 
-    def __init__(self, config: ServerConfig, server: grpc.aio.Server, service, metrics: Metrics,
-                 health_servicer: health.aio.HealthServicer, health_server: grpc.aio.Server | None = None,
-                 health_port: int | None = None) -> None:
+    def __init__(self, config: ServerConfig, server: grpc.aio.Server, service: DecoderService | EncoderService,
+                 metrics: Metrics, health_servicer: health.aio.HealthServicer,
+                 health_server: grpc.aio.Server | None = None, health_port: int | None = None) -> None:
         self.config, self.server, self.service, self.metrics = config, server, service, metrics
         self.health = health_servicer
         self.health_server, self.health_port = health_server, health_port

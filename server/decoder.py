@@ -139,11 +139,9 @@ class DecoderService(dgrpc.DecoderServiceServicer):
             raise ct.FormatError("header_record has trailing bytes")
         if h.shape != shape or h.dtype != (ct.DTYPE_BF16 if name == "bf16" else ct.DTYPE_FP8):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "header_record disagrees with the header's dtype/shape")
-        if h.model != ct.MODEL_STORED and hdr.predictor_pin != bytes.fromhex(self.rt.pin):
-            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"predictor pin mismatch: the encoder uses {hdr.predictor_pin.hex() or '(none)'}, "
-                           f"this decoder has {self.rt.pin}", reason="PIN_MISMATCH")
-        self.rt.codec.check_header(h, ids)
+        if h.model != ct.MODEL_STORED and hdr.predictor_pin != h.pin:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "predictor_pin disagrees with the header record's pin")
+        self.rt.codec.check_header(h, ids)  # NOTE: the one pin check (PinMismatchError: PIN_MISMATCH)
         return h, ids, (name, "stored" if h.model == ct.MODEL_STORED else "speckv")
 
     async def _receive(self, t: DecoderTransfer, h: ct.StreamHeader, ids: np.ndarray, it: AsyncIterator,
@@ -286,6 +284,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
                 self.metrics.seconds("first_layer", time.perf_counter() - t0)
                 dtype = 1 if arr.dtype == np.uint16 else 2
                 hdr_shape = kv_shape((t.n_layers,) + arr.shape[:2] + arr.shape[2:])
+            assert dtype is not None  # set at layer 0
             for part in layer_messages(layer, arr, dtype, hdr_shape, self.config.message_bytes, scales):
                 yield dpb.FetchKVResponse(layer=part)
             t.holding.release(arr.nbytes)
@@ -355,5 +354,6 @@ async def _await_or_fail(aw, worker: asyncio.Future | None, t: DecoderTransfer):
     task.cancel()
     if stop in done:
         raise t.error or RpcError(grpc.StatusCode.CANCELLED, "transfer ended")
+    assert worker is not None  # neither the read nor the stop: the worker ended
     worker.result()  # raises the worker's error
     raise RpcError(grpc.StatusCode.INTERNAL, "decode task ended early")

@@ -19,7 +19,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, cast
 
 import grpc
 import numpy as np
@@ -133,7 +133,9 @@ class EncoderService(egrpc.EncoderServiceServicer):
         check_request_id(hdr.request_id)
         if not valid_address(hdr.decoder_address):
             raise bad(f"decoder_address must be HOST:PORT, not {hdr.decoder_address[:300]!r}")
-        if hdr.expected_predictor_pin and hdr.expected_predictor_pin != bytes.fromhex(self.rt.pin):
+        if len(hdr.fp8_scales):  # NOTE: deprecated field; the scales travel with each layer
+            raise bad("SubmitHeader.fp8_scales is deprecated and must be empty: set KVLayer.fp8_scales")
+        if hdr.expected_predictor_pin and hdr.expected_predictor_pin != self.rt.codec.pin_bytes:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
                            f"predictor pin mismatch: caller expects {hdr.expected_predictor_pin.hex()}, "
                            f"this encoder has {self.rt.pin}", reason="PIN_MISMATCH")
@@ -162,7 +164,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
         sender = asyncio.ensure_future(self._send_loop(job, mu, call, queue, check))
         watch = (acks, sender)
         try:
-            await _write(job, call, dpb.TransferRequest(header=_transfer_header(job, self.rt.pin)))
+            await _write(job, call, dpb.TransferRequest(header=_transfer_header(job)))
             job.wire_bytes = ct.HEADER_LEN
             self.metrics.header(*job.labels, ct.HEADER_LEN)
             await self._receive(job, it, queue, watch)
@@ -237,14 +239,16 @@ class EncoderService(egrpc.EncoderServiceServicer):
             self.metrics.seconds("predictor", job.predictor_s)
             # NOTE: no chunk leaves before the decoder's predictor agrees with ours
             if await check != digest(mu):
-                mu = await self._fall_back(job, call)
+                await self._fall_back(job, call)
+                mu = None  # a stored stream needs no mu
         lb = layer_bytes(job.h.shape, dtype_of(job.header.dtype)[1].itemsize)
         while batch := await drain_batch(queue):
             start = job.h.chunk_layers(batch[0])[0]
             stop = sum(job.h.chunk_layers(batch[-1]))
             got = [job.layers.pop(k) for k in range(start, stop)]
             x = np.stack([g[0] for g in got])  # (layers, 2, heads, tokens, dim)
-            sc = np.stack([g[1] for g in got]) if got[0][1] is not None else None
+            # one dtype per transfer: every layer carries FP8 scales, or none does
+            sc = np.stack(cast("list[np.ndarray]", [g[1] for g in got])) if got[0][1] is not None else None
             del got
             e0 = time.perf_counter()
             recs = await asyncio.to_thread(_encode, self.rt.codec, job.h, range(batch[0], batch[-1] + 1), x, mu, sc)
@@ -296,9 +300,9 @@ def _encode(codec, h: ct.StreamHeader, idx: range, x: np.ndarray, mu, scales) ->
     return [ct.pack_chunk(c) for c in codec.encode_chunks(h, idx, x, mu, scales)]
 
 
-def _transfer_header(job: _Job, pin: str) -> dpb.TransferHeader:
+def _transfer_header(job: _Job) -> dpb.TransferHeader:
     hdr = job.header
-    return dpb.TransferHeader(request_id=hdr.request_id, predictor_pin=bytes.fromhex(pin),
+    return dpb.TransferHeader(request_id=hdr.request_id, predictor_pin=job.h.pin,
                               model_id=hdr.model_id, dtype=hdr.dtype, shape=hdr.shape,
                               prompt_token_ids=hdr.prompt_token_ids, header_record=ct.pack_header(job.h))
 

@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Callable
 import grpc
 from google.protobuf import message_factory
 from google.protobuf.descriptor import ServiceDescriptor
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from speckv.errors import RpcError
 from speckv.status import abort
@@ -26,7 +26,7 @@ from speckv.status import abort
 logger = logging.getLogger(__name__)
 
 
-def parse(cls: type, data: bytes, index: int) -> Any:
+def parse(cls: type[Message], data: bytes, index: int) -> Any:
     """``cls.FromString(data)``, or RpcError(INVALID_ARGUMENT) naming the message."""
     try:
         return cls.FromString(data)
@@ -35,7 +35,7 @@ def parse(cls: type, data: bytes, index: int) -> Any:
                        f"request message {index} is not a valid {cls.DESCRIPTOR.full_name}: {e}") from None
 
 
-async def parsed(cls: type, raw: AsyncIterator[bytes]) -> AsyncIterator[Any]:
+async def parsed(cls: type[Message], raw: AsyncIterator[bytes]) -> AsyncIterator[Any]:
     """A request stream of raw messages, parsed one by one (RpcError on a bad one)."""
     index = 0
     async for data in raw:
@@ -43,7 +43,7 @@ async def parsed(cls: type, raw: AsyncIterator[bytes]) -> AsyncIterator[Any]:
         index += 1
 
 
-def _unary(fn: Callable, cls: type) -> Callable:
+def _unary(fn: Callable, cls: type[Message]) -> Callable:
     async def handler(data: bytes, context: grpc.aio.ServicerContext) -> Any:
         try:
             request = parse(cls, data, 0)
@@ -53,7 +53,7 @@ def _unary(fn: Callable, cls: type) -> Callable:
     return handler
 
 
-def _unary_stream(fn: Callable, cls: type) -> Callable:
+def _unary_stream(fn: Callable, cls: type[Message]) -> Callable:
     async def handler(data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
             request = parse(cls, data, 0)
@@ -64,7 +64,7 @@ def _unary_stream(fn: Callable, cls: type) -> Callable:
     return handler
 
 
-def _stream_unary(fn: Callable, cls: type) -> Callable:
+def _stream_unary(fn: Callable, cls: type[Message]) -> Callable:
     # NOTE: the servicer sees RpcError from its request iterator and reports it like
     # any other bad request (its own except path), so nothing else is wrapped here
     async def handler(raw: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
@@ -72,7 +72,7 @@ def _stream_unary(fn: Callable, cls: type) -> Callable:
     return handler
 
 
-def _stream_stream(fn: Callable, cls: type) -> Callable:
+def _stream_stream(fn: Callable, cls: type[Message]) -> Callable:
     async def handler(raw: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         async for response in fn(parsed(cls, raw), context):
             yield response

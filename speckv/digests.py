@@ -4,8 +4,14 @@ chunk's raw KV, of a whole transfer) and the sha256 of the prompt token ids."""
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
+
+if TYPE_CHECKING:
+    # numpy declares ndarray.__buffer__ for Python >= 3.12 only: on 3.10/3.11 an array is a
+    # buffer at run time but not to the type checker
+    from typing_extensions import Buffer
 
 DIGEST_BYTES = 16  # blake2b digest size of mu fingerprints and raw checksums
 
@@ -14,7 +20,7 @@ def digest(*parts: "bytes | np.ndarray") -> bytes:
     """blake2b-128 over byte strings or C-contiguous arrays (hashed in place, no copy)."""
     h = hashlib.blake2b(digest_size=DIGEST_BYTES)
     for p in parts:
-        h.update(np.ascontiguousarray(p) if isinstance(p, np.ndarray) else p)
+        h.update(cast("Buffer", np.ascontiguousarray(p)) if isinstance(p, np.ndarray) else p)
     return h.digest()
 
 
@@ -36,7 +42,7 @@ class KVDigest:
             self._h.update(np.asarray(scales, "<f4").tobytes())
         a = np.ascontiguousarray(layer)
         a = a.astype(a.dtype.newbyteorder("<"), copy=False)
-        self._h.update(a)
+        self._h.update(cast("Buffer", a))
         self.raw_bytes += a.nbytes
 
     def digest(self) -> bytes:

@@ -146,7 +146,7 @@ def in_band(exc: BaseException | None) -> pb.Status:
     if exc is None:
         return pb.Status(code=pb.STATUS_CODE_OK)
     v = verdict(exc)
-    return pb.Status(code=v.in_band, message=v.message, reason=v.reason)  # type: ignore[arg-type]
+    return pb.Status(code=v.in_band, message=v.message, reason=v.reason)
 
 
 def from_in_band(status: pb.Status, prefix: str = "decoder: ") -> RpcError:

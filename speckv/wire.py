@@ -13,7 +13,7 @@ Assemblers are used by both sides (sidecars and clients) and raise
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import grpc
 import numpy as np
@@ -22,7 +22,11 @@ from speckv.v1 import common_pb2 as pb
 
 from .errors import RpcError
 
-DTYPES = {pb.DTYPE_BF16: ("bf16", np.dtype("<u2")), pb.DTYPE_FP8_E4M3: ("fp8", np.dtype("u1"))}
+if TYPE_CHECKING:
+    from speckv.v1 import decoder_pb2 as dpb
+
+DTYPES: dict[int, tuple[str, np.dtype[Any]]] = {pb.DTYPE_BF16: ("bf16", np.dtype("<u2")),
+                                                 pb.DTYPE_FP8_E4M3: ("fp8", np.dtype("u1"))}
 MAX_DIM = 1 << 24  # any one dimension; products are checked against the caller's limits
 
 
@@ -30,7 +34,7 @@ def bad(message: str) -> RpcError:
     return RpcError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
-def dtype_of(d: int) -> tuple[str, np.dtype]:
+def dtype_of(d: int) -> tuple[str, np.dtype[Any]]:
     if d not in DTYPES:
         raise bad(f"dtype {d} is not one of DTYPE_BF16, DTYPE_FP8_E4M3")
     return DTYPES[d]
@@ -65,7 +69,7 @@ def parts(n: int, part_bytes: int) -> Iterator[tuple[int, int]]:
 NAN_SCALES = "fp8_scales must not be NaN (a NaN payload cannot cross a proto float field bit-exact)"
 
 
-def scale_bits(values) -> tuple[int, ...]:
+def scale_bits(values: Iterable[float]) -> tuple[int, ...]:
     """fp32 bit patterns of scales (compared as bits: -0.0 is not 0.0)."""
     return tuple(np.asarray(list(values), np.float32).view(np.uint32).tolist())
 
@@ -75,7 +79,7 @@ def layer_messages(index: int, layer: np.ndarray, dtype: int, shape: pb.KVShape,
     """The KVLayer parts of one layer ``(2, heads, tokens, dim)`` (no copy of the array
     beyond each part's bytes)."""
     _, dt = dtype_of(dtype)
-    buf = memoryview(np.ascontiguousarray(layer, dt).reshape(-1)).cast("B")  # 1-D: a 0-token layer casts too
+    buf = np.ascontiguousarray(layer, dt).reshape(-1).data.cast("B")  # 1-D: a 0-token layer casts too
     n = buf.nbytes
     sp = [] if scales is None else [float(v) for v in np.asarray(scales, np.float32).ravel()]
     if any(v != v for v in sp):
@@ -184,7 +188,7 @@ class RecordAssembler:
         """Bytes of the record being received (0 between records)."""
         return 0 if self._buf is None else len(self._buf)
 
-    def first_part_size(self, c) -> int | None:
+    def first_part_size(self, c: dpb.Chunk) -> int | None:
         """The record size a first part announces (to reserve memory before copying)."""
         if self._buf is not None:
             return None
@@ -193,9 +197,9 @@ class RecordAssembler:
         if c.byte_offset != 0 or not 0 < c.record_bytes <= self.max_record:
             raise bad(f"chunk {c.index}: first part at offset {c.byte_offset} of a "
                       f"{c.record_bytes}-byte record (limit {self.max_record})")
-        return c.record_bytes
+        return int(c.record_bytes)
 
-    def add(self, c) -> bytearray | None:
+    def add(self, c: dpb.Chunk) -> bytearray | None:
         """Take one part (after ``first_part_size``); returns the record when complete."""
         if self._buf is None:
             self._buf, self._filled = bytearray(c.record_bytes), 0

@@ -16,7 +16,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import numpy as np
 
@@ -135,7 +135,17 @@ def segments(ids: np.ndarray, tokens: int, seg: int) -> list[np.ndarray]:
     return [ids[i : min(i + seg, tokens)] for i in range(0, tokens, seg)]
 
 
-def calibrate(target: "Target", mu_fn: Callable[[np.ndarray], "torch.Tensor"],
+class KVSource(Protocol):
+    """What ``calibrate`` reads of a target: its config and each segment's KV
+    (a :class:`Target`, or the ladder's ``CachedKV``)."""
+
+    @property
+    def config(self) -> Any: ...
+
+    def kv(self, ids: np.ndarray, /) -> "torch.Tensor": ...
+
+
+def calibrate(target: KVSource, mu_fn: Callable[[np.ndarray], "torch.Tensor"],
               segs: list[np.ndarray], progress: Callable[[int], None] | None = None) -> Calibration:
     cfg = target.config
     heads = cfg.num_key_value_heads
@@ -191,7 +201,7 @@ def build_checkpoint(target: "Target", calib_text: Path, out: Path, *, tokens: i
 def _manifest(target: "Target", calib_text: Path, state: dict | None, files: dict, tokens: int,
               segment: int, derive_weights: bool, source: str, ladder: "Rung") -> dict:
     cfg = target.config
-    weights = None if state is None else {
+    weights: dict[str, Any] | None = None if state is None else {
         "file": None if derive_weights else WEIGHTS, "sha256": state_digest(state), "quant": weights_quant(ladder)}
     if weights is not None and ladder.bf16_layers:
         weights["bf16_layers"] = ladder.bf16_layers
@@ -220,4 +230,4 @@ def calibrate_none(target: Target, segs: list[np.ndarray], out: Path,
     bits = kv_means_bf16(kvs)
     save_means(out / MEANS, bits)
     model = mean_model(target.config, bits)
-    return calibrate(CachedKV(target, kvs), lambda s: model.mean_kv(len(s)), segs, progress)  # type: ignore[arg-type]
+    return calibrate(CachedKV(target, kvs), lambda s: model.mean_kv(len(s)), segs, progress)

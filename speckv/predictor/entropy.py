@@ -112,7 +112,6 @@ def ideal_bits(kv: "torch.Tensor", mu: "torch.Tensor", calib: "Calibration", dty
     (layers, 2) fp32 scales) under the calibrated mixture around ``mu`` (BF16)."""
     import torch
 
-
     if dtype == "bf16":
         values, bits, hist = bf16_values(), 16, calib.hist_bf16
         codes = kv.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
@@ -120,6 +119,7 @@ def ideal_bits(kv: "torch.Tensor", mu: "torch.Tensor", calib: "Calibration", dty
     else:
         values, bits, hist = e4m3_values(), 8, calib.hist_fp8
         codes = kv.to(torch.int64)
+        assert fp8_scale is not None  # e4m3 codes come with their scales
         scale = fp8_scale.to(torch.float64)
     lo_np, hi_np = bucket_edges(values, bits)
     lo, hi, p_emp = (torch.from_numpy(a) for a in (lo_np, hi_np, smoothed(hist)))

@@ -13,7 +13,7 @@ import zipfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping, cast
 
 import numpy as np
 
@@ -21,6 +21,7 @@ from speckv.errors import CheckpointError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+    from numpy.typing import ArrayLike
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def state_digest(state: dict[str, "torch.Tensor"]) -> str:
     return h.hexdigest()
 
 
-def save_npz_stable(path: Path, arrays: dict[str, np.ndarray]) -> None:
+def save_npz_stable(path: Path, arrays: Mapping[str, ArrayLike]) -> None:
     """An ``.npz`` whose bytes depend only on the arrays.
 
     NOTE: ``np.savez`` stamps each member with the current time, so the pinned
@@ -100,7 +101,7 @@ class Calibration:
     tuned_sigma_log2_q: np.ndarray | None = None  # its fixed-point log2 sigma, int32
 
     def save(self, path: Path) -> None:
-        arrays = {"sigma2": self.sigma2, "sigma_log2_q": self.sigma_log2_q,
+        arrays: dict[str, np.ndarray | np.generic] = {"sigma2": self.sigma2, "sigma_log2_q": self.sigma_log2_q,
                   "hist_bf16": self.hist_bf16, "hist_fp8": self.hist_fp8,
                   "mixture": np.asarray(self.mixture, np.float64), "wide": np.float64(self.wide)}
         for name in TUNED_KEYS:
@@ -114,7 +115,8 @@ class Calibration:
             with np.load(path, allow_pickle=False) as z:
                 return cls(sigma2=z["sigma2"].astype(np.float64), sigma_log2_q=z["sigma_log2_q"].astype(np.int32),
                            hist_bf16=z["hist_bf16"],
-                           hist_fp8=z["hist_fp8"], mixture=tuple(float(v) for v in z["mixture"]),
+                           hist_fp8=z["hist_fp8"],
+                           mixture=cast("tuple[float, float, float]", tuple(float(v) for v in z["mixture"])),
                            wide=float(z["wide"]), **{k: z[k] for k in TUNED_KEYS if k in z.files})
         except (OSError, KeyError, ValueError) as e:
             raise CheckpointError(f"bad calibration file {path}: {e}") from e

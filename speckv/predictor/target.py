@@ -102,6 +102,8 @@ def _fp32_linear_class() -> type:
     class Fp32AccumLinear(torch.nn.Module):
         """y = bf16(x_f32 @ W_f32^T): BF16 in and out, FP32 accumulation."""
 
+        weight_f32: "torch.Tensor"  # a non-persistent buffer
+
         def __init__(self, weight_f32: "torch.Tensor") -> None:
             super().__init__()
             self.register_buffer("weight_f32", weight_f32.contiguous(), persistent=False)
