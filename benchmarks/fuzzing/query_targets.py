@@ -10,7 +10,8 @@ from typing import Callable, Iterator
 
 import grpc
 
-from speckv.client.client import RpcFailed, _Collector
+from speckv.client.core import _Collector
+from speckv.errors import RpcFailed
 from speckv.v1 import decoder_pb2 as dpb
 
 from .coder_env import same_kv

@@ -205,7 +205,7 @@ def cmd_health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from speckv.client.client import _channel, tls_credentials
+    from speckv.client.core import _channel, tls_credentials
 
     creds = tls_credentials(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
     with _channel(args.address, creds) as channel:

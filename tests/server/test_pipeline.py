@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
-from speckv.client.client import CHANNEL_OPTIONS, DecoderClient, submit_requests
+from speckv.client.client import DecoderClient, submit_requests
+from speckv.client.core import CHANNEL_OPTIONS
 from speckv.coder.codec import bf16_bits
 from speckv.v1 import encoder_pb2_grpc
 

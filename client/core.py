@@ -1,0 +1,212 @@
+"""The client core, shared by the blocking and the asyncio shells (``client.py``):
+channels and credentials, typed errors with their google.rpc details, the one retry
+policy, the SubmitRequest stream, and the FetchKV collector that reassembles layers
+and verifies the whole-transfer digest end to end. No call is made here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator
+
+import grpc
+import numpy as np
+
+from speckv.digests import KVDigest
+from speckv.errors import RpcFailed
+from speckv.kv import Fp8KV, bf16_bits
+from speckv.status import error_details
+from speckv.v1 import common_pb2 as pb
+from speckv.v1 import decoder_pb2 as dpb
+from speckv.v1 import encoder_pb2 as epb
+from speckv.wire import NAN_SCALES, LayerAssembler, kv_shape, layer_messages, shape_of
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+logger = logging.getLogger(__name__)
+
+PART_BYTES = 2 << 20  # payload per message, well under gRPC's 4 MiB default
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 4 << 20), ("grpc.max_send_message_length", 4 << 20)]
+ENCODINGS = {"speckv": epb.ENCODING_SPECKV, "stored": epb.ENCODING_STORED}
+
+
+def tls_credentials(ca: str, cert: str | None = None, key: str | None = None) -> grpc.ChannelCredentials:
+    """Channel credentials from PEM files: verify the sidecar with ``ca``; present
+    ``cert``/``key`` where the sidecar requires client certificates (mTLS)."""
+    def read(path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+    return grpc.ssl_channel_credentials(read(ca), read(key), read(cert))
+
+
+def _channel(address: str, credentials: grpc.ChannelCredentials | None,
+             aio: bool = False) -> grpc.Channel | grpc.aio.Channel:
+    mod = grpc.aio if aio else grpc
+    if credentials is None:
+        return mod.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return mod.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+
+
+def _failed(e: grpc.RpcError) -> RpcFailed:
+    """The typed error of a failed call, with its google.rpc ErrorInfo reason and RetryInfo delay."""
+    reason, retry_after = error_details(e)
+    return RpcFailed(e.code(), e.details() or "", reason, retry_after)
+
+
+def _retry_delay(e: grpc.RpcError, request_id: str, attempt: int, retries: int, backoff_s: float) -> float:
+    """Seconds to wait before retrying a submit that failed with ``e``; raises the typed
+    error when it is not retryable (only UNAVAILABLE is: the decoder keeps no state of a
+    transfer whose call ended, so a retry under the same id starts afresh) or retries ran out.
+    The wait is ``backoff_s`` doubling per attempt, or the server's RetryInfo if longer."""
+    err = _failed(e)
+    if err.code != grpc.StatusCode.UNAVAILABLE or attempt == retries:
+        raise err from None
+    delay: float = max(backoff_s * 2 ** attempt, err.retry_after or 0.0)
+    logger.warning("submit %s: %s (attempt %d of %d), retrying in %.1f s", request_id, err.details,
+                   attempt + 1, retries + 1, delay)
+    return delay
+
+
+@dataclass(frozen=True)
+class SubmitResult:
+    raw_bytes: int
+    wire_bytes: int
+    chunks: int
+    predictor_seconds: float
+    encode_seconds: float
+    transfer_seconds: float
+    total_seconds: float
+    message_bytes: int
+    encoding: str = "speckv"
+    fallback: bool = False
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.wire_bytes if self.wire_bytes else float("inf")
+
+
+# -- request building (shared by the sync and async clients) ---------------------
+
+def _as_kv(kv: Any) -> tuple[int, np.ndarray, np.ndarray | None]:
+    """(dtype enum, bits array, scales) of a KV given as torch/numpy BF16 or Fp8KV."""
+    if isinstance(kv, Fp8KV):
+        codes = np.ascontiguousarray(kv.codes)
+        if codes.dtype != np.uint8:
+            raise TypeError(f"Fp8KV codes must be uint8, not {codes.dtype}")
+        scales = np.asarray(kv.scales, np.float32)
+        if scales.shape != (codes.shape[0], 2):
+            raise ValueError(f"Fp8KV scales must have shape ({codes.shape[0]}, 2), not {scales.shape}")
+        return pb.DTYPE_FP8_E4M3, codes, scales
+    bits = bf16_bits(kv)
+    return pb.DTYPE_BF16, bits, None
+
+
+def submit_requests(request_id: str, kv: Any, prompt_token_ids: Any, decoder_address: str,
+                    model_id: str, encoding: str = "speckv", expected_pin: str | None = None,
+                    part_bytes: int = PART_BYTES) -> Iterator[epb.SubmitRequest]:
+    """The SubmitRequest stream: header, then every layer in parts. The KV is checked
+    here, before any call starts (ValueError / TypeError)."""
+    dtype, bits, scales = _as_kv(kv)
+    if bits.ndim != 5 or bits.shape[1] != 2:
+        raise ValueError(f"KV must be (layers, 2, kv_heads, tokens, head_dim), not {bits.shape}")
+    if encoding not in ENCODINGS:
+        raise ValueError(f"encoding must be one of {sorted(ENCODINGS)}, not {encoding!r}")
+    if scales is not None and np.isnan(scales).any():
+        raise ValueError(NAN_SCALES)
+    return _submit_stream(request_id, bits, scales, dtype, kv_shape(bits.shape), prompt_token_ids,
+                          decoder_address, model_id, encoding, expected_pin, part_bytes)
+
+
+def _submit_stream(request_id: str, bits: np.ndarray, scales: np.ndarray | None, dtype: int, shape: pb.KVShape,
+                   prompt_token_ids: Any, decoder_address: str, model_id: str, encoding: str,
+                   expected_pin: str | None, part_bytes: int) -> Iterator[epb.SubmitRequest]:
+    yield epb.SubmitRequest(header=epb.SubmitHeader(
+        request_id=request_id, decoder_address=decoder_address, model_id=model_id, dtype=dtype,
+        shape=shape, prompt_token_ids=[int(t) for t in np.asarray(prompt_token_ids).ravel()],
+        expected_predictor_pin=bytes.fromhex(expected_pin) if expected_pin else b"",
+        encoding=ENCODINGS[encoding]))
+    for layer in range(bits.shape[0]):
+        sc = None if scales is None else scales[layer]
+        for part in layer_messages(layer, bits[layer], dtype, shape, part_bytes, sc):
+            yield epb.SubmitRequest(layer=part)
+
+
+def _result(r: epb.SubmitResponse) -> SubmitResult:
+    return SubmitResult(r.raw_bytes, r.wire_bytes, r.chunks, r.predictor_seconds, r.encode_seconds,
+                        r.transfer_seconds, r.total_seconds, r.message_bytes, r.encoding, r.fallback)
+
+
+class _Collector:
+    """Assembles FetchKV parts into layers and the whole cache."""
+
+    def __init__(self, verified_only: bool = False) -> None:
+        self.asm: LayerAssembler | None = None
+        self.out: np.ndarray | None = None
+        self.scales: np.ndarray | None = None
+        self.digest = KVDigest()  # recomputed here: the check is end to end
+        self.done = False
+        self.verified_only = verified_only  # ask the server to hold layers until verified
+
+    def add(self, msg: dpb.FetchKVResponse) -> tuple[int, np.ndarray, np.ndarray | None] | None:
+        if self.done:
+            raise RpcFailed(grpc.StatusCode.INTERNAL, "FetchKV sent data after FetchKVDone")
+        if msg.WhichOneof("kind") == "done":
+            self._finish(msg.done)
+            return None
+        part = msg.layer
+        if self.asm is None:
+            self.asm = LayerAssembler(part.dtype, shape_of(part.shape))
+        try:
+            got = self.asm.add(part)
+        except Exception as e:  # noqa: BLE001 -- whatever a server sent, the caller gets a typed error
+            raise RpcFailed(grpc.StatusCode.INTERNAL, f"malformed FetchKV stream: {e}") from None
+        if got is not None:
+            self.digest.update_layer(got[1], got[2])
+        return got
+
+    def _finish(self, done: dpb.FetchKVDone) -> None:
+        if self.asm is None or not self.asm.done:
+            raise RpcFailed(grpc.StatusCode.INTERNAL, "FetchKVDone before the last layer")
+        if (self.digest.digest(), self.digest.raw_bytes) != (bytes(done.raw_digest), done.raw_bytes):
+            raise RpcFailed(grpc.StatusCode.DATA_LOSS, "the fetched KV does not match the encoder's "
+                                                       "whole-transfer digest")
+        self.done = True
+
+    def keep(self, layer: int, arr: np.ndarray, scales: np.ndarray | None) -> None:
+        assert self.asm is not None
+        if self.out is None:
+            self.out = np.empty(self.asm.shape, arr.dtype)
+            self.scales = None if scales is None else np.empty((self.asm.shape[0], 2), np.float32)
+        self.out[layer] = arr
+        if scales is not None:
+            assert self.scales is not None  # an FP8 transfer: allocated with its first layer
+            self.scales[layer] = scales
+
+    def check_done(self) -> None:
+        if self.asm is None or not self.asm.done:
+            raise RpcFailed(grpc.StatusCode.DATA_LOSS, "FetchKV ended before the last layer")
+        if not self.done:
+            raise RpcFailed(grpc.StatusCode.DATA_LOSS, "FetchKV ended without the whole-transfer verification")
+
+    def result(self, as_torch: bool) -> "np.ndarray | Fp8KV | torch.Tensor":
+        self.check_done()
+        assert self.out is not None  # check_done: every layer was kept
+        if self.scales is not None:
+            return Fp8KV(self.out, self.scales)
+        return to_torch(self.out) if as_torch else self.out
+
+
+def to_torch(bits: np.ndarray) -> "torch.Tensor":
+    """uint16 BF16 bit patterns -> torch.bfloat16 (shares memory)."""
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
+
+
+def fetch_request(request_id: str, wait: float | None, verified_only: bool) -> dpb.FetchKVRequest:
+    return dpb.FetchKVRequest(request_id=request_id, wait_timeout_ms=int((wait or 0) * 1000),
+                              verified_only=verified_only)
