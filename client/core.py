@@ -20,15 +20,15 @@ from speckv.status import error_details
 from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.v1 import encoder_pb2 as epb
-from speckv.wire import NAN_SCALES, LayerAssembler, kv_shape, layer_messages, shape_of
+from speckv.wire import MAX_MESSAGE_BYTES, NAN_SCALES, PART_BYTES, LayerAssembler, kv_shape, layer_messages, shape_of
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 logger = logging.getLogger(__name__)
 
-PART_BYTES = 2 << 20  # payload per message, well under gRPC's 4 MiB default
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 4 << 20), ("grpc.max_send_message_length", 4 << 20)]
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 ENCODINGS = {"speckv": epb.ENCODING_SPECKV, "stored": epb.ENCODING_STORED}
 
 

@@ -12,8 +12,10 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
+from speckv.coder.rans_kernels import CODERS
+from speckv.wire import MAX_MESSAGE_BYTES, PART_BYTES
+
 ROLES = ("encoder", "decoder")
-MIB = 1 << 20
 
 
 def _opt_str(v: str) -> str | None:
@@ -44,8 +46,8 @@ class ServerConfig:
     max_inflight_bytes: int = 1 << 30  # KV bytes buffered by all transfers together
     max_transfers: int = 64  # concurrent transfers (each also holds its predictor mu)
     max_tokens: int = 131072  # prompt length limit per transfer
-    message_bytes: int = 2 * MIB  # largest payload per gRPC message (parts)
-    max_receive_bytes: int = 4 * MIB  # gRPC max receive message length
+    message_bytes: int = PART_BYTES  # largest payload per gRPC message (parts)
+    max_receive_bytes: int = MAX_MESSAGE_BYTES  # gRPC max receive message length
     grace_s: float = 10.0  # SIGTERM: time for in-flight transfers before they are cancelled
     fetch_wait_s: float = 30.0  # FetchKV's default wait for a transfer to arrive
     lease_s: float = 300.0  # an unfetched (or idle) decoded transfer expires after this
@@ -80,8 +82,8 @@ class ServerConfig:
         for name in ("max_transfers", "max_tokens", "layers_per_chunk", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.coder not in ("cpu", "cuda", "auto", "host"):
-            raise ValueError(f"coder must be cpu, cuda or auto, not {self.coder!r}")
+        if self.coder not in CODERS:
+            raise ValueError(f"coder must be one of {', '.join(CODERS)}, not {self.coder!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together")
         if self.tls_ca is not None and self.tls_cert is None:

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 DTYPES: dict[int, tuple[str, np.dtype[Any]]] = {pb.DTYPE_BF16: ("bf16", np.dtype("<u2")),
                                                  pb.DTYPE_FP8_E4M3: ("fp8", np.dtype("u1"))}
 MAX_DIM = 1 << 24  # any one dimension; products are checked against the caller's limits
+PART_BYTES = 2 << 20  # default payload per message (parts of layers and records)
+MAX_MESSAGE_BYTES = 4 << 20  # gRPC's default message limit, which every message stays under
 
 
 def bad(message: str) -> RpcError:

@@ -29,7 +29,8 @@ LMIN, LMAX = -150, 30  # range of L the BF16 context table covers (clip outside)
 
 
 def load(name):
-    kv = np.load(f"{D}/{name}_kv.npy"); mu = np.load(f"{D}/{name}_mu.npy")
+    kv = np.load(f"{D}/{name}_kv.npy")
+    mu = np.load(f"{D}/{name}_mu.npy")
     return kv, mu
 
 
@@ -46,11 +47,14 @@ class BF16Ctx:
         import os
         p = f"{D}/ctx_bf16_{LMIN}_{LMAX}.npz"
         if os.path.exists(p):
-            z = np.load(p); self.t, self.k, self.cmu, self.ok = z["t"], z["k"], z["cmu"], z["ok"]
+            z = np.load(p)
+            self.t, self.k, self.cmu, self.ok = z["t"], z["k"], z["cmu"], z["ok"]
         else:
             n = LMAX - LMIN + 1
-            t = np.empty((n, 65536), np.int16); k = np.empty((n, 65536), np.int16)
-            cmu = np.empty((n, 65536), np.int16); ok = np.empty((n, 65536), bool)
+            t = np.empty((n, 65536), np.int16)
+            k = np.empty((n, 65536), np.int16)
+            cmu = np.empty((n, 65536), np.int16)
+            ok = np.empty((n, 65536), bool)
             mu = np.arange(65536, dtype=np.uint16)
             for i, L in enumerate(range(LMIN, LMAX + 1)):
                 c = context(BF16, BF16, mu, np.full(65536, L))
@@ -66,7 +70,8 @@ def xtables(fx, kmin, kmax):
     nx = 1 << fx.bits
     x = np.arange(nx, dtype=np.uint16 if fx.bits == 16 else np.uint8)
     ks = np.arange(kmin, kmax + 1)
-    cx = np.empty((len(ks), nx), np.int32); raw = np.empty((len(ks), nx), np.int32)
+    cx = np.empty((len(ks), nx), np.int32)
+    raw = np.empty((len(ks), nx), np.int32)
     _, e_x, _ = M.split(fx, x)
     for i, kk in enumerate(ks):
         c, _ = M.bin_index(fx, x, np.full(nx, kk, np.int32))
@@ -107,7 +112,9 @@ class Evaluator:
         m = mu.ravel().astype(np.int64)
         b = self.bf
         idx = li * 65536 + m
-        t = b.t.ravel()[idx].astype(np.int64); k = b.k.ravel()[idx]; cmu = b.cmu.ravel()[idx].astype(np.int64)
+        t = b.t.ravel()[idx].astype(np.int64)
+        k = b.k.ravel()[idx]
+        cmu = b.cmu.ravel()[idx].astype(np.int64)
         ok = b.ok.ravel()[idx]
         e = cost_from_ctx(BF16, t, k, cmu, ok, x.ravel(), tabc, b.kmin, b.cx, b.raw)
         return e.reshape(x.shape) if per_elem else e.sum()
@@ -132,7 +139,8 @@ def fp8_bits(q, mu32, L, tab, tabc=None, per_elem=False):
 
 def fp8_inputs(name, log2_sigma):
     """(q, mu32 patterns, L per (layer,kv,head,1,dim)) of the FP8 path, as codec._plan builds them."""
-    q = np.load(f"{D}/{name}_q8.npy"); scale = np.load(f"{D}/{name}_scale.npy").astype(np.float32)
+    q = np.load(f"{D}/{name}_q8.npy")
+    scale = np.load(f"{D}/{name}_scale.npy").astype(np.float32)
     mu = np.load(f"{D}/{name}_mu.npy")
     with np.errstate(all="ignore"):
         y = ((mu.astype(np.uint32) << 16).view(np.float32)) / scale[:, :, None, None, None]
@@ -154,13 +162,14 @@ def family(cdf_fn, radius_fn=None, esc=0.02):
         p = np.empty(2 * R + 2)
         p[:-1] = np.diff(cdf)
         p[-1] = cdf[0] + (1 - cdf[-1]) + esc
-        rows.append(quantize_freqs(p)); lens.append(len(p))
+        rows.append(quantize_freqs(p))
+        lens.append(len(p))
     return CodingTables.from_arrays({"gauss_freq": np.concatenate(rows), "gauss_len": np.array(lens, np.int64)})
 
 
 def mix_cdf(ws, scales):
     def f(z):
-        return sum(w * ndtr(z / s) for w, s in zip(ws, scales))
+        return sum(w * ndtr(z / s) for w, s in zip(ws, scales, strict=True))
     return f
 
 

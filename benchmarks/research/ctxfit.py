@@ -20,7 +20,8 @@ class DS:
         self.name = name
         self.C = np.load(f"{D}/C_{FAM}_{name}.npy", mmap_mode="r").reshape(2 * DM + 1, N)
         kv, mu = load(name)
-        xf = (kv.astype(np.uint32) << 16).view(np.float32); mf = (mu.astype(np.uint32) << 16).view(np.float32)
+        xf = (kv.astype(np.uint32) << 16).view(np.float32)
+        mf = (mu.astype(np.uint32) << 16).view(np.float32)
         sig = np.exp2(Ls / 8.0)[:, :, :, None, :].astype(np.float32)
         with np.errstate(all="ignore"):
             z = np.abs(xf - mf) / sig
@@ -86,7 +87,8 @@ def features(ds):
     f["B2"] = LK * 65 + b2[:, :, None, :, None], 60 * 65
     # Bl2: layer l-2 (second additive table)
     prev2 = np.concatenate([np.zeros((2, 2048)), zt[:-2].mean(axis=1)], 0)
-    b3 = bucket(q8(prev2), 2, -64, 63) + 1; b3[:2] = 0
+    b3 = bucket(q8(prev2), 2, -64, 63) + 1
+    b3[:2] = 0
     f["Bl2"] = LK * 65 + b3[:, None, None, :, None], 60 * 65
     # C: causal running mean of z over the last W tokens of the same channel
     for W in (8, 64):
@@ -115,7 +117,7 @@ if __name__ == "__main__":
         cal = sets["wcal0"]
         tabs = {}
         dcal = np.zeros(N, np.int64)
-        for p in range(passes):
+        for _pass in range(passes):
             for fn in combo:
                 idx, G = feats["wcal0"][fn]
                 if fn in tabs:
@@ -130,7 +132,8 @@ if __name__ == "__main__":
                 dl = dl + np.broadcast_to(tabs[fn][idx], SH).ravel()
             row[n] = sets[n].total(dl)
         res["+".join(combo) or "base"] = row
-        print(f"{'+'.join(combo) or 'base':22s}", "  ".join(f"{k}: T {v[0]:.4f} K {v[1]:.4f} V {v[2]:.4f}" for k, v in row.items()), flush=True)
+        print(f"{'+'.join(combo) or 'base':22s}",
+              "  ".join(f"{k}: T {v[0]:.4f} K {v[1]:.4f} V {v[2]:.4f}" for k, v in row.items()), flush=True)
         json.dump(res, open(f"/work/main/benchmarks/research/ctxfit_{FAM}.json", "w"), indent=1)
         return tabs
 

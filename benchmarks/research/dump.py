@@ -25,7 +25,8 @@ wiki = read_text("/work/shared/corpus/wikitext2-valid.txt")
 wids = sess.target.tokenize(wiki)
 print("wikitext tokens", len(wids))
 # the checkpoint tokenised read_text(chars=tokens*16) -> check same prefix
-wids_c = sess.target.tokenize(read_text("/work/shared/corpus/wikitext2-valid.txt", chars=DEFAULT_CALIB_TOKENS * 16), DEFAULT_CALIB_TOKENS)
+wids_c = sess.target.tokenize(read_text("/work/shared/corpus/wikitext2-valid.txt", chars=DEFAULT_CALIB_TOKENS * 16),
+                              DEFAULT_CALIB_TOKENS)
 print("calib prefix equal:", np.array_equal(wids_c[:4000], wids[:4000]))
 sets = {"shake": sess.target.tokenize(shake, 2048), "wcal0": wids_c[0:2048], "wcal1": wids_c[2048:4096],
         "wheld": wids[6144:8192]}

@@ -11,7 +11,8 @@ def t_cdf(nu):
 
 
 def laplace_cdf(z):
-    return np.where(z < 0, 0.5 * np.exp(np.minimum(z, 0) * np.sqrt(2)), 1 - 0.5 * np.exp(-np.maximum(z, 0) * np.sqrt(2)))
+    return np.where(z < 0, 0.5 * np.exp(np.minimum(z, 0) * np.sqrt(2)),
+                    1 - 0.5 * np.exp(-np.maximum(z, 0) * np.sqrt(2)))
 
 
 def logistic_cdf(z):

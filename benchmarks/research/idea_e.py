@@ -3,12 +3,18 @@ Compares against sigma re-fit on wcal0 with the plain mu (same estimator). Exact
 Run: ../../.venv/bin/python idea_e.py"""
 import numpy as np
 import torch
-from cost import *
+from cost import Evaluator, load, seed_tables
 
 torch.set_num_threads(1)
-ev = Evaluator(); tab = seed_tables()
+ev = Evaluator()
+tab = seed_tables()
 kv, mu = load("wcal0")
-f32 = lambda a: (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def f32(a):
+    return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
 x, m = f32(kv), f32(mu)
 mx, mm = x.mean(3, keepdims=True), m.mean(3, keepdims=True)
 a = ((x - mx) * (m - mm)).mean(3, keepdims=True) / np.maximum(((m - mm) ** 2).mean(3, keepdims=True), 1e-30)

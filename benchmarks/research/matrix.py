@@ -5,14 +5,16 @@ import sys
 import time
 
 import numpy as np
-from cost import *
+from cost import D, Evaluator, load, seed_tables, sym_cost
 
 DM = 20
 fam = sys.argv[1]
 if fam == "seed":
     tab = seed_tables()
 else:
-    import families; tab = families.get(fam)
+    import families
+
+    tab = families.get(fam)
 tabc = sym_cost(tab)
 Ls = np.load(f"{D}/log2_sigma.npy")[:, :, :, None, :]
 ev = Evaluator()
@@ -22,5 +24,6 @@ for ds in sys.argv[2:]:
     t0 = time.time()
     for i, dl in enumerate(range(-DM, DM + 1)):
         C[i] = ev.bf16_bits(kv, mu, Ls + dl, tab, tabc, per_elem=True)
-    C.flush(); del C
+    C.flush()
+    del C
     print(ds, f"{time.time()-t0:.0f}s", flush=True)

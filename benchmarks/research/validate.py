@@ -4,23 +4,25 @@ import time
 
 import numpy as np
 import torch
-
-torch.set_num_threads(1)
-from cost import *
+from cost import D, Evaluator, fp8_bits, fp8_inputs, load
 
 from speckv.coder.codec import Codec, CodecConfig, Fp8KV
 from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
+
+torch.set_num_threads(1)
 
 ck = load_checkpoint(default_checkpoint_dir())
 codec = Codec(ck.tables, ck.calib.sigma_log2_q, ck.pin, None, CodecConfig(coder="cpu", threads=1))
 Ls = np.load(f"{D}/log2_sigma.npy")
 tab = ck.tables
-kv, mu = load("shake"); ids = np.load(f"{D}/shake_ids.npy")
+kv, mu = load("shake")
+ids = np.load(f"{D}/shake_ids.npy")
 ev = Evaluator()
 n = kv.size
 t0 = time.time()
 pe = ev.bf16_bits(kv, mu, Ls[:, :, :, None, :], tab, per_elem=True)
-print(f"eval {time.time()-t0:.1f}s  BF16 est {pe.sum()/n:.4f}  K {pe[:,0].mean():.4f} V {pe[:,1].mean():.4f}", flush=True)
+print(f"eval {time.time()-t0:.1f}s  BF16 est {pe.sum()/n:.4f}  K {pe[:,0].mean():.4f} V {pe[:,1].mean():.4f}",
+      flush=True)
 t0 = time.time()
 recs = list(codec.encode(kv, ids, torch.from_numpy(mu.view(np.int16)).view(torch.bfloat16)))
 cb = sum(len(r) for r in recs)

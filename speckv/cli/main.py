@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from speckv.coder.rans_kernels import CODERS
+
 logger = logging.getLogger(__name__)
 
 def _positive(text: str) -> int:
@@ -30,8 +32,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="'default' (embedded SmolLM2-135M-Instruct) or a local Hugging Face model directory")
     p.add_argument("--predictor", default=None, help="predictor checkpoint directory (default: the embedded one)")
     p.add_argument("--pin", default=None, help="expected sha256 pin of the predictor checkpoint")
-    p.add_argument("--coder", choices=("cpu", "cuda", "auto"), default="auto",
-                   help="rANS backend: numpy, CuPy CUDA kernels, or cuda when available (default)")
+    p.add_argument("--coder", choices=CODERS, default="auto",
+                   help="rANS backend: numpy (cpu), CuPy CUDA kernels (cuda), cuda when available (auto, "
+                        "default), or the kernels' g++ build (host)")
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:

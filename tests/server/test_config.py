@@ -7,7 +7,9 @@ from dataclasses import fields
 
 import pytest
 
-from speckv.server.config import FIELDS, MIB, ServerConfig, _bytes
+from speckv.server.config import FIELDS, ServerConfig, _bytes
+
+MIB = 1 << 20
 
 PIN = "ab" * 32
 
