@@ -180,6 +180,12 @@ def test_bf16_layer_with_fp8_scales(pair, reqs):
     _fails_after_open(pair, [reqs[0], bad] + reqs[2:], "BF16 layers carry no fp8_scales")
 
 
+def test_deprecated_header_fp8_scales_are_refused(pair, reqs):
+    """SubmitHeader.fp8_scales was documented but ignored; now setting it is an error."""
+    _header(reqs).fp8_scales.extend([1.0, 1.0])
+    _fails(pair, reqs[:1], INVALID, "fp8_scales is deprecated")
+
+
 def test_valid_stream_after_all_that(pair, prompts):
     """The encoder still works after the failures above (no leaked slot or budget)."""
     ids, kv = prompts("short")

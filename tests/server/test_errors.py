@@ -8,8 +8,19 @@ import time
 
 import grpc
 import pytest
-from server_helpers import (MODEL, WAIT, Gate, budgets_drain, raw_submit_future, raw_transfer, rid,
-                            status_or_none, stored_stream, submit_list, wait_until)
+from server_helpers import (
+    MODEL,
+    WAIT,
+    Gate,
+    budgets_drain,
+    raw_submit_future,
+    raw_transfer,
+    rid,
+    status_or_none,
+    stored_stream,
+    submit_list,
+    wait_until,
+)
 
 from speckv.client.client import RpcFailed
 from speckv.coder.codec import bf16_bits
@@ -151,6 +162,7 @@ def test_expected_pin_mismatch_is_failed_precondition(pair, prompts, embedded_se
     with pytest.raises(RpcFailed) as ei:
         pair.enc.submit(rid("pin"), kv, ids, pair.daddr, MODEL, expected_pin=other, timeout=WAIT)
     assert ei.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert ei.value.reason == "PIN_MISMATCH"  # google.rpc.ErrorInfo from the status details
     assert "pin" in ei.value.details and other in ei.value.details
     budgets_drain(pair)
 
@@ -161,14 +173,24 @@ def test_transfer_with_wrong_predictor_pin_is_failed_precondition(pair, prompts)
     r = rid("raw-pin")
     header, _ = stored_stream(codec, r, bf16_bits(kv), ids, pin=bytes(32))
     h = codec.stream_header(True, kv.shape, ids, 2, stored=False)  # speckv: the pin matters
-    from speckv.coder import container as ct
+    from dataclasses import replace
 
-    header.header.header_record = ct.pack_header(h)
+    from speckv.coder import container as ct
+    from speckv.status import error_details
+
+    header.header.header_record = ct.pack_header(replace(h, pin=bytes(32)))  # the same other pin twice
     with pytest.raises(grpc.RpcError) as ei:
         raw_transfer(pair.daddr, [header])
     assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "pin" in ei.value.details() and "0" * 64 in ei.value.details()
+    assert error_details(ei.value) == ("PIN_MISMATCH", None)
+    assert "predictor" in ei.value.details() and "0" * 64 in ei.value.details()
     assert status_or_none(pair.dec, r) is None  # rejected before it was registered
+    # the two copies of the pin (TransferHeader, header record) must agree
+    header.header.header_record = ct.pack_header(h)
+    with pytest.raises(grpc.RpcError) as ei:
+        raw_transfer(pair.daddr, [header])
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "disagrees with the header record's pin" in ei.value.details()
 
 
 def test_model_not_served_is_failed_precondition(pair, prompts):
@@ -176,6 +198,7 @@ def test_model_not_served_is_failed_precondition(pair, prompts):
     with pytest.raises(RpcFailed) as ei:
         pair.enc.submit(rid("model"), kv, ids, pair.daddr, "Llama-3-70B", timeout=WAIT)
     assert ei.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert ei.value.reason == "MODEL_MISMATCH"  # not PIN_MISMATCH (the old in-band misreport)
     assert "Llama-3-70B" in ei.value.details and MODEL in ei.value.details
 
 
