@@ -79,17 +79,22 @@ class Sidecar:
     async def stop(self, grace: float | None = None) -> None:
         """Drain: NOT_SERVING, refuse new calls, let in-flight ones finish within ``grace``."""
         grace = self.config.grace_s if grace is None else grace
-        await self.health.enter_graceful_shutdown()
-        logger.info("%s stopping: health NOT_SERVING, %.1f s grace", self.config.role, grace)
-        await self.server.stop(grace)
-        if self.health_server is not None:
-            await self.health_server.stop(0)
-        if self._reaper is not None:
-            self._reaper.cancel()
-        if isinstance(self.service, EncoderService):
-            await self.service.close()
-        self.metrics.stop_http()
-        self._stopped.set()
+        try:
+            await self.health.enter_graceful_shutdown()
+            logger.info("%s stopping: health NOT_SERVING, %.1f s grace", self.config.role, grace)
+            await self.server.stop(grace)
+            if self.health_server is not None:
+                await self.health_server.stop(0)
+            if self._reaper is not None:
+                self._reaper.cancel()
+            if isinstance(self.service, EncoderService):
+                await self.service.close()
+            self.metrics.stop_http()
+        except Exception:
+            logger.exception("%s: error while stopping", self.config.role)
+            raise
+        finally:
+            self._stopped.set()  # NOTE: serve() waits on it; a failed step must not hang the process
 
     async def wait_for_termination(self) -> None:
         await self._stopped.wait()
