@@ -189,7 +189,7 @@ def test_everything_is_documented(tmp_path):
     for f in fds.file:
         comments = {tuple(loc.path): loc.leading_comments.strip() for loc in f.source_code_info.location}
 
-        def need(path, what):
+        def need(path, what, comments=comments, f=f):
             if not comments.get(tuple(path)):
                 missing.append(f"{f.name}: {what}")
 

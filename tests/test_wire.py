@@ -7,11 +7,19 @@ import grpc
 import numpy as np
 import pytest
 
-from speckv.status import RpcError
-from speckv.wire import (LayerAssembler, RecordAssembler, dtype_of, kv_shape, layer_bytes, layer_messages,
-                                parts, shape_of)
+from speckv.errors import RpcError
 from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
+from speckv.wire import (
+    LayerAssembler,
+    RecordAssembler,
+    dtype_of,
+    kv_shape,
+    layer_bytes,
+    layer_messages,
+    parts,
+    shape_of,
+)
 
 SHAPE = (3, 2, 2, 5, 8)  # layers, kv, heads, tokens, dim: 160 elements per layer
 BF16, FP8 = pb.DTYPE_BF16, pb.DTYPE_FP8_E4M3
@@ -52,7 +60,7 @@ def test_shapes_and_dtypes():
     assert dtype_of(BF16) == ("bf16", np.dtype("<u2")) and dtype_of(FP8)[0] == "fp8"
     _invalid(lambda: dtype_of(pb.DTYPE_UNSPECIFIED), "dtype 0")
     for bad in [(3, 3, 2, 5, 8), (0, 2, 2, 5, 8), (3, 2, 0, 5, 8), (3, 2, 2, 5, 0), (3, 2, 2, 1 << 25, 8)]:
-        _invalid(lambda: shape_of(pb.KVShape(layers=bad[0], kv=bad[1], kv_heads=bad[2], tokens=bad[3],
+        _invalid(lambda bad=bad: shape_of(pb.KVShape(layers=bad[0], kv=bad[1], kv_heads=bad[2], tokens=bad[3],
                                              head_dim=bad[4])), "not a KV shape")
 
 
@@ -141,7 +149,7 @@ def test_layer_bytes_part_count_dtype_and_shape_checked():
     ]:
         m = _msgs(_kv(), part_bytes=100)[0]
         mutate(m)
-        _invalid(lambda: LayerAssembler(BF16, SHAPE).add(m), *words)
+        _invalid(lambda m=m: LayerAssembler(BF16, SHAPE).add(m), *words)
 
 
 def test_fp8_scales_checked():

@@ -6,13 +6,11 @@ script, not the CUDA code, which tests/coder/test_rans_kernels.py compiles with
 nvcc and whose logic it checks through the host build."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
-from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
 from speckv.coder.rans_kernels import HostKernels
-
+from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import json
 import pytest
 
 
-
 @pytest.fixture(scope="module")
 def load(load_script):
     return load_script("load")

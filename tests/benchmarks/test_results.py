@@ -2,14 +2,12 @@
 codec's coded size (less the container's fixed overhead) under every model variant."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
 from speckv.coder import container as ct
 from speckv.coder.codec import Codec, CodecConfig, Fp8KV
 from speckv.predictor.fp8 import kv_to_fp8
-
 
 
 @pytest.fixture(scope="module")

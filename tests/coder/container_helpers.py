@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, settings
 
 from speckv.coder import container as C
 from speckv.coder.container import (
-    Chunk, StreamHeader,
+    Chunk,
+    StreamHeader,
 )
 
 FAST = settings(max_examples=150, deadline=None, database=None,

@@ -35,7 +35,7 @@ def bytes_to_bits(buf: bytes) -> str:
 
 
 def ref_pack_fields(values, widths) -> bytes:
-    return bits_to_bytes("".join(format(v, f"0{w}b") if w else "" for v, w in zip(values, widths)))
+    return bits_to_bytes("".join(format(v, f"0{w}b") if w else "" for v, w in zip(values, widths, strict=True)))
 
 
 def ref_unpack_fields(buf: bytes, widths) -> list[int]:

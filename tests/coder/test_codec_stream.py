@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from codec_helpers import bf16_from_float, ids_for, shape, tile
 
 from speckv.coder import container as ct
 from speckv.coder.codec import Fp8KV, bf16_bits
 from speckv.errors import IntegrityError, MuMismatchError
-
-from codec_helpers import bf16_from_float, ids_for, shape, tile
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 

@@ -7,24 +7,32 @@ import zlib
 
 import numpy as np
 import pytest
+from container_helpers import (
+    fix_crcs,
+    make_chunk,
+    make_header,
+    make_stream,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from speckv.coder import container as C
 from speckv.coder.container import (
-    Chunk, ChecksumError, FormatError, StreamHeader, TruncatedError, pack_chunk,
-    pack_header, pack_stream, unpack_chunk, unpack_header, unpack_stream,
+    ChecksumError,
+    Chunk,
+    FormatError,
+    StreamHeader,
+    TruncatedError,
+    pack_chunk,
+    pack_header,
+    pack_stream,
+    unpack_chunk,
+    unpack_header,
+    unpack_stream,
 )
 
 FAST = settings(max_examples=150, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
-from container_helpers import (
-    make_header,
-    make_chunk,
-    make_stream,
-    fix_crcs,
-)
-
 
 # ---------------------------------------------------------------- round trips
 

@@ -9,19 +9,23 @@ import tracemalloc
 import zlib
 
 import pytest
+from container_helpers import (
+    fix_crcs,
+    make_header,
+)
 from hypothesis import HealthCheck, settings
 
 from speckv.coder.container import (
-    ChecksumError, FormatError, TruncatedError, pack_header, unpack_chunk, unpack_stream,
+    ChecksumError,
+    FormatError,
+    TruncatedError,
+    pack_header,
+    unpack_chunk,
+    unpack_stream,
 )
 
 FAST = settings(max_examples=150, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
-from container_helpers import (
-    make_header,
-    fix_crcs,
-)
-
 
 # -------------------------------------------- lying sizes (valid crc, no alloc)
 
@@ -63,7 +67,7 @@ def test_lying_sizes_fail_fast_without_allocating():
         _patched_chunk({"n_blocks": nb, "aux_len": 2**20}, tail),
     ]
     for rec in cases:
-        _fast_and_small(lambda: unpack_chunk(rec, big))
+        _fast_and_small(lambda rec=rec: unpack_chunk(rec, big))
     _fast_and_small(lambda: unpack_chunk(_patched_chunk({}, record_len=2**29), big),
                     TruncatedError)
     # word_counts claiming 2**32-1 words, in a crc'd record with room for bits_len
@@ -109,7 +113,7 @@ def test_bits_len_must_lie_inside_the_record():
     # the words leave fewer than 8 bytes before the crc are rejected before reading it
     for n_words in (1, 2, 3, 4, 5, 2**32 - 1):
         body = bytes(128) + struct.pack("<I", n_words) + bytes(2 * 2 + 4)
-        _fast_and_small(lambda: unpack_chunk(_patched_chunk({}, body), _SMALL),
+        _fast_and_small(lambda body=body: unpack_chunk(_patched_chunk({}, body), _SMALL),
                         match="no room for bits_len")
     # n_blocks = 0 (tokens == 0): bits_len follows aux directly
     empty = make_header((1, 2, 1, 0, 2), epl=1, lpc=1)

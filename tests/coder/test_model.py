@@ -17,8 +17,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speckv.errors import IntegrityError, SpeckvError
-from speckv.predictor.fp8 import e4m3_values
 from speckv.coder.model import (
     BF16,
     E4M3,
@@ -30,7 +28,6 @@ from speckv.coder.model import (
     fp8_log2_sigma,
     symbolize,
 )
-from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
 from speckv.coder.tables import (
     GRID_BELOW_SIGMA,
     LAMBDA_MAX,
@@ -43,6 +40,9 @@ from speckv.coder.tables import (
     CodingTables,
     table_row,
 )
+from speckv.errors import IntegrityError, SpeckvError
+from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
+from speckv.predictor.fp8 import e4m3_values
 
 # NaN / Inf / overflowing inputs are the point here: numpy's warnings are noise
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -106,7 +106,7 @@ def check_bins(fmt, xs: np.ndarray, ks: np.ndarray) -> None:
     c, off = bin_index(fmt, xs, ks, offsets=True)
     c2, none = bin_index(fmt, xs, ks)
     assert none is None and np.array_equal(c, c2)
-    for x, k, ci, oi in zip(xs.tolist(), ks.tolist(), c.tolist(), off.tolist()):
+    for x, k, ci, oi in zip(xs.tolist(), ks.tolist(), c.tolist(), off.tolist(), strict=True):
         assert (ci, oi) == ref_bin(fmt, x, k), (fmt.name, hex(x), k)
 
 

@@ -13,18 +13,16 @@ import subprocess
 
 import numpy as np
 import pytest
-from require import missing
+from codec_helpers import PROPERTY, bf16_tensor
 from hypothesis import given
 from hypothesis import strategies as st
+from require import missing
+from test_codec import GOLDEN
 
 from speckv.coder.codec import Codec, CodecConfig, Fp8KV
 from speckv.coder.rans import LANES, PROB_SCALE, RansBlocks, RansDecodeError, RansDecoder, rans_encode
-from speckv.coder.rans_kernels import (CODERS, CudaKernels, HostKernels, cuda_available, select_kernels,
-                                       source_dir)
+from speckv.coder.rans_kernels import CODERS, CudaKernels, HostKernels, cuda_available, select_kernels, source_dir
 from speckv.coder.tables import NOOP_TABLE
-
-from codec_helpers import PROPERTY, bf16_tensor
-from test_codec import GOLDEN
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +48,7 @@ def _random_ops(gauss, rng, nb, steps, mode="random"):
     else:
         t = rng.integers(0, n_tables, (nb, steps, LANES)).astype(np.int32)
     if mode == "rarest":  # always the least probable symbol of each table
-        j = np.array([np.argmin(gauss.freq[o:o + n]) for o, n in zip(gauss.offset, size)])[t]
+        j = np.array([np.argmin(gauss.freq[o:o + n]) for o, n in zip(gauss.offset, size, strict=True)])[t]
     else:
         j = (rng.random((nb, steps, LANES)) * size[t]).astype(np.int64)
     idx = gauss.offset[t] + j
@@ -168,7 +166,7 @@ def test_nvcc_compiles_for_sm90_without_spills(path, capsys):
     assert spills and all(s == ("0", "0") for s in spills), out
     regs = re.findall(r"Used (\d+) registers", out)
     with capsys.disabled():
-        print(f"\n{path.name}: " + ", ".join(f"{f} {r} regs" for f, r in zip(funcs, regs)) + ", 0 spills")
+        print(f"\n{path.name}: " + ", ".join(f"{f} {r} regs" for f, r in zip(funcs, regs, strict=True)) + ", 0 spills")
 
 
 # -- on a CUDA device (skipped cleanly without one) ------------------------------

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from speckv.coder import container as ct
-from speckv.predictor.calibrate import build_checkpoint
 from speckv.coder.codec import Codec, CodecConfig, Fp8KV, bf16_bits
+from speckv.coder.residual import MODEL_SEED, MODEL_TUNED, AffineFit, affine_bf16, f32_to_bf16
 from speckv.errors import IntegrityError
+from speckv.predictor.calibrate import build_checkpoint
+from speckv.predictor.checkpoint import load_checkpoint
 from speckv.predictor.fp8 import kv_to_fp8
 from speckv.predictor.predict import Predictor
-from speckv.predictor.checkpoint import load_checkpoint
-from speckv.coder.residual import MODEL_SEED, MODEL_TUNED, AffineFit, affine_bf16, f32_to_bf16
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Lossless means bit for bit."
 

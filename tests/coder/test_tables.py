@@ -3,13 +3,11 @@ rebuilt byte for byte from the manifest's mixture, tampered ones refused."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speckv.predictor.checkpoint import default_checkpoint_dir
 from speckv.coder.rans import PROB_SCALE
 from speckv.coder.tables import (
     N_GAUSS,
@@ -18,7 +16,7 @@ from speckv.coder.tables import (
     build_tables,
     quantize_freqs,
 )
-
+from speckv.predictor.checkpoint import default_checkpoint_dir
 
 
 @pytest.fixture(scope="module")

@@ -20,13 +20,11 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from pathlib import Path
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
-import pytest
 from require import missing
-
 
 # Grafana's global variables the dashboard may use besides its own templating variables.
 GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range"}

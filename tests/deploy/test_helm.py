@@ -20,16 +20,36 @@ import helm_python
 import kubernetes_validate
 import pytest
 import yaml
-
-from helm_helpers import (CHART_DIR, EXAMPLES_DIR, FETCH, NAMESPACE, RELEASE, REPO_ROOT,
-                          RESTRICTED_CONTAINER_SC, SERVE, VERIFY, all_containers, crd_validate,
-                          dashboard_json, env_map, k8s_validate, load_example, mounts, objects,
-                          of_kind, pod_specs, port_of, render, serve_containers, volumes)
+from helm_helpers import (
+    CHART_DIR,
+    EXAMPLES_DIR,
+    FETCH,
+    NAMESPACE,
+    RELEASE,
+    REPO_ROOT,
+    RESTRICTED_CONTAINER_SC,
+    SERVE,
+    VERIFY,
+    all_containers,
+    crd_validate,
+    dashboard_json,
+    env_map,
+    k8s_validate,
+    load_example,
+    mounts,
+    objects,
+    of_kind,
+    pod_specs,
+    port_of,
+    render,
+    serve_containers,
+    volumes,
+)
 
 from speckv.server.config import FIELDS, ServerConfig
 from speckv.v1 import decoder_pb2, encoder_pb2
 
-PIN = "3076ab9646a376d864cffee58e108096b5fb458e1cbdaaa5de3caf13af030861"  # the shipped checkpoint
+PIN = "b7f3441ed82fcaf5b071f08f821d89e538df402a5150d18d07741fe88bd531d1"  # the shipped checkpoint
 HEALTH_SERVICE = {
     "encoder": encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name,
     "decoder": decoder_pb2.DESCRIPTOR.services_by_name["DecoderService"].full_name,
@@ -389,7 +409,7 @@ def test_fetch_then_verify_init_containers(rendered, case):
     values, objs, _ = rendered[case]
     pred = values["predictor"]
     assert of_kind(objs, "Deployment")
-    for dep, spec in pod_specs(objs):
+    for _dep, spec in pod_specs(objs):
         names = [c["name"] for c in spec["initContainers"]]
         assert names[:2] == [FETCH, VERIFY]
         fetch, verify = spec["initContainers"][:2]

@@ -92,15 +92,15 @@ def ref_bits(codes, mus, calib: Calibration, fmt: str, scales=None) -> list[floa
     w0, w1, w2 = calib.mixture
     out = [0.0, 0.0]
     L, _, H, T, D = np.shape(codes)
-    for l in range(L):
+    for layer in range(L):
         for j in range(2):
-            s_unit = 1.0 if scales is None else float(scales[l][j])
+            s_unit = 1.0 if scales is None else float(scales[layer][j])
             for h in range(H):
                 for d in range(D):
-                    sigma = math.sqrt(float(calib.sigma2[l, j, h, d])) / s_unit
+                    sigma = math.sqrt(float(calib.sigma2[layer, j, h, d])) / s_unit
                     for t in range(T):
-                        c = int(codes[l][j][h][t][d])
-                        mu = float(mus[l][j][h][t][d]) / s_unit
+                        c = int(codes[layer][j][h][t][d])
+                        mu = float(mus[layer][j][h][t][d]) / s_unit
                         lo, hi = ref_bucket(c, fmt)
                         g = w0 * ref_gauss(lo, hi, mu, sigma) + w1 * ref_gauss(lo, hi, mu, sigma * calib.wide)
                         q = g + w2 * (int(hist[c]) + 1) / total_h
@@ -294,12 +294,12 @@ def test_bucket_edges_tile_the_real_line(fmt):
     assert np.isnan(lo[~finite]).all() and np.isnan(hi[~finite]).all()
     assert not np.isnan(lo[finite]).any() and not np.isnan(hi[finite]).any()
     order = np.flatnonzero(finite)[np.argsort(lo[finite], kind="stable")]
-    l, h, v = lo[order], hi[order], values[order]
-    assert l[0] == -np.inf and h[-1] == np.inf
-    assert np.array_equal(h[:-1], l[1:])  # no gaps, no overlaps
-    assert (l < h).all()
-    assert ((l <= v) & (v <= h)).all()
-    assert len(np.unique(l)) == len(l)  # every finite code (incl. -0 and +0) has its own bucket
+    lo_s, hi_s, v = lo[order], hi[order], values[order]
+    assert lo_s[0] == -np.inf and hi_s[-1] == np.inf
+    assert np.array_equal(hi_s[:-1], lo_s[1:])  # no gaps, no overlaps
+    assert (lo_s < hi_s).all()
+    assert ((lo_s <= v) & (v <= hi_s)).all()
+    assert len(np.unique(lo_s)) == len(lo_s)  # every finite code (incl. -0 and +0) has its own bucket
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])

@@ -16,8 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from speckv.predictor.fp8 import (E4M3_MAX, dequantize_e4m3, e4m3_values, kv_to_fp8, quantize_e4m3,
-                              weight_to_fp8)
+from speckv.predictor.fp8 import E4M3_MAX, dequantize_e4m3, e4m3_values, kv_to_fp8, quantize_e4m3, weight_to_fp8
 
 SETTINGS = settings(max_examples=60, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow])

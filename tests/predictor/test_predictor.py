@@ -22,11 +22,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from speckv.cli.main import main as cli_main
-from speckv.predictor.calibrate import MIXTURE, WIDE, build_checkpoint, segments
 from speckv.errors import CalibrationError, CheckpointError, PinMismatchError
+from speckv.predictor.calibrate import MIXTURE, WIDE, build_checkpoint, segments
+from speckv.predictor.checkpoint import (
+    CALIB,
+    CONFIG,
+    MANIFEST,
+    SHIPPED_RUNG,
+    WEIGHTS,
+    canonical_json,
+    default_checkpoint_dir,
+    load_checkpoint,
+    write_manifest,
+)
 from speckv.predictor.predict import Predictor
-from speckv.predictor.checkpoint import (CALIB, CONFIG, MANIFEST, SHIPPED_RUNG, WEIGHTS, canonical_json,
-                                    default_checkpoint_dir, load_checkpoint, write_manifest)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOKENS, SEGMENT = 64, 32

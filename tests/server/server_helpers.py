@@ -224,5 +224,5 @@ def budgets_drain(pair: Pair, timeout: float = 10.0) -> None:
     """Both sidecars' in-flight byte budgets return to 0 (a handler may release its last
     bytes just after the client has seen the call end, hence the polling)."""
     for side in (pair.decoder, pair.encoder):
-        wait_until(lambda: side.service.budget.used == 0, timeout,
+        wait_until(lambda side=side: side.service.budget.used == 0, timeout,
                    what=f"{side.config.role} budget.used == 0 (now {side.service.budget.used})")

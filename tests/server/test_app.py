@@ -13,8 +13,18 @@ import pytest
 from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from server_helpers import (MODEL, WAIT, Gate, Pair, assert_same_kv, raw_submit_future, rid, status_or_none,
-                            submit_list, wait_until)
+from server_helpers import (
+    MODEL,
+    WAIT,
+    Gate,
+    Pair,
+    assert_same_kv,
+    raw_submit_future,
+    rid,
+    status_or_none,
+    submit_list,
+    wait_until,
+)
 
 from speckv.client.client import DecoderClient, EncoderClient, RpcFailed
 
@@ -79,7 +89,7 @@ def test_graceful_stop_goes_not_serving_and_finishes_the_transfer_in_flight(side
     gate = None
     try:
         for w in watches.values():
-            wait_until(lambda: w.seen == [SERVING], what="health SERVING")
+            wait_until(lambda w=w: w.seen == [SERVING], what="health SERVING")
         with ThreadPoolExecutor(3) as pool:
             fetched = pool.submit(p.dec.fetch, r, WAIT, WAIT)
             gate = Gate(submit_list(r, kv, ids, p.daddr), after=9)
@@ -89,7 +99,7 @@ def test_graceful_stop_goes_not_serving_and_finishes_the_transfer_in_flight(side
             # both sidecars are told to stop while the transfer is in flight
             stops = [pool.submit(sidecars.stop, s, 5.0) for s in (p.encoder, p.decoder)]
             for role, w in watches.items():
-                wait_until(lambda: NOT_SERVING in w.seen, what=f"{role} health NOT_SERVING")
+                wait_until(lambda w=w: NOT_SERVING in w.seen, what=f"{role} health NOT_SERVING")
                 assert w.seen == [SERVING, NOT_SERVING]
                 w.close()  # a Watch is an RPC in flight too: let the servers drain
             with pytest.raises(RpcFailed) as ei:  # no new work while draining

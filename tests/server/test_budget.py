@@ -12,8 +12,17 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
-from server_helpers import (MODEL, WAIT, Pair, assert_same_kv, budgets_drain, raw_submit, raw_submit_future,
-                            rid, submit_list)
+from server_helpers import (
+    MODEL,
+    WAIT,
+    Pair,
+    assert_same_kv,
+    budgets_drain,
+    raw_submit,
+    raw_submit_future,
+    rid,
+    submit_list,
+)
 
 from speckv.client.client import RpcFailed
 from speckv.coder.codec import bf16_bits
@@ -98,7 +107,7 @@ def test_release_wakes_several_waiters_in_turn():
         done = [w for w in waiters if w.done()]
         pending = [w for w in waiters if not w.done()]
         assert len(done) == 2 and len(pending) == 1 and b.used == 10  # two of 5 fit in 10
-        for h, w in zip(hs, waiters):
+        for h, w in zip(hs, waiters, strict=True):
             if w in done:
                 h.close()
         await asyncio.wait_for(asyncio.gather(*pending), 5)
@@ -188,7 +197,7 @@ def test_slow_fetcher_backpressure_does_not_deadlock(small, prompts):
 
     def slow_fetch(dec, r):
         out = []
-        for layer, arr, scales in dec.fetch_layers(r, wait=WAIT, timeout=WAIT):
+        for layer, arr, _scales in dec.fetch_layers(r, wait=WAIT, timeout=WAIT):
             time.sleep(0.02)
             out.append((layer, arr))
         return out

@@ -9,12 +9,23 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-
 import grpc
+import numpy as np
 import pytest
-from server_helpers import (MODEL, WAIT, Gate, Pair, assert_same_kv, chunk_requests, raw_transfer, rid,
-                            status_or_none, stored_stream, trailer_request, wait_until)
+from server_helpers import (
+    MODEL,
+    WAIT,
+    Gate,
+    Pair,
+    assert_same_kv,
+    chunk_requests,
+    raw_transfer,
+    rid,
+    status_or_none,
+    stored_stream,
+    trailer_request,
+    wait_until,
+)
 
 from speckv.client.client import RpcFailed
 from speckv.coder import container as ct
@@ -58,7 +69,7 @@ def test_stored_stream_in_record_parts_is_acked_and_bit_exact(pair, stream):
     assert [a.index for a in acks] == list(range(15))
     wire = ct.HEADER_LEN + sum(len(rec) for rec in recs)
     running = ct.HEADER_LEN
-    for a, rec in zip(acks, recs):
+    for a, rec in zip(acks, recs, strict=True):
         running += len(rec)
         assert a.bytes_received == running
     result = resps[-1].result
@@ -264,7 +275,7 @@ def test_lease_expires_idle_transfers(sidecars, prompts, embedded_session):
         held = _Held(p.daddr, h2, recs2, sent=3)
         try:
             for h in (h1, h2):
-                st = wait_until(lambda: (s := p.dec.status(h.header.request_id)).state == S.TRANSFER_STATE_FAILED
+                st = wait_until(lambda h=h: (s := p.dec.status(h.header.request_id)).state == S.TRANSFER_STATE_FAILED
                                 and s, timeout=10, what="the lease to expire")
                 assert st.status.code == pb.STATUS_CODE_DEADLINE_EXCEEDED and "lease" in st.status.message
             held.thread.join(10)

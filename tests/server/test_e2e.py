@@ -91,7 +91,7 @@ def test_eight_concurrent_transfers(pair, prompts, fp8_kv):
                    for r, kv, ids in jobs]
         results = [f.result(timeout=WAIT) for f in submits]
         got = [f.result(timeout=WAIT) for f in fetches]
-    for (r, kv, _), res, g in zip(jobs, results, got):
+    for (r, kv, _), res, g in zip(jobs, results, got, strict=True):
         assert res.raw_bytes == kv_nbytes(kv), r
         assert_same_kv(g, kv)
         assert pair.dec.status(r).state == S.TRANSFER_STATE_FETCHED

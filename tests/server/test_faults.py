@@ -12,8 +12,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from server_helpers import (MODEL, WAIT, Gate, Pair, assert_same_kv, raw_submit_future, rid, status_or_none,
-                            submit_list, wait_until)
+from server_helpers import (
+    MODEL,
+    WAIT,
+    Gate,
+    Pair,
+    assert_same_kv,
+    raw_submit_future,
+    rid,
+    status_or_none,
+    submit_list,
+    wait_until,
+)
 
 from speckv.client.client import DecoderClient, EncoderClient, RpcFailed
 from speckv.v1 import decoder_pb2 as dpb

@@ -199,7 +199,7 @@ def test_cancel_transfer_ends_a_live_transfer_call(env):
     CancelTransfer; its stream is then released. The call must end within seconds
     (it ends at once, or after the decoder's 2 s drain), every time."""
     b = env.bases["stored-bf16"]
-    stuck = 0
+    stuck = None  # the trial whose call did not end
     for trial in range(25):
         rid = env.new_id("cancel")
         msgs = env.transfer_messages(b, rid, 1 << 20)
@@ -216,11 +216,11 @@ def test_cancel_transfer_ends_a_live_transfer_call(env):
         g.open()
         g.thread.join(5)
         if g.thread.is_alive():
-            stuck += 1
+            stuck = trial
             g.thread.join(10)  # it ends at its own 6 s deadline
             break
     env.check_clean()
-    assert stuck == 0, f"a cancelled Transfer call did not end (trial {trial})"
+    assert stuck is None, f"a cancelled Transfer call did not end (trial {stuck})"
 
 
 def test_fetch_ending_at_its_deadline_ends_the_live_transfer_call(env):

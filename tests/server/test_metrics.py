@@ -4,7 +4,6 @@ sides; outcomes, histograms and gauges add up; promtool accepts the text."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import urllib.request
@@ -12,8 +11,8 @@ from collections import defaultdict
 
 import grpc
 import pytest
-from require import missing
 from prometheus_client.parser import text_string_to_metric_families
+from require import missing
 from server_helpers import MODEL, WAIT, Pair, rid, wait_until
 
 from speckv.client.client import RpcFailed
@@ -56,7 +55,7 @@ def measured(sidecars, prompts, fp8_kv):
     assert ei.value.code == grpc.StatusCode.FAILED_PRECONDITION
     # FetchKV's handler may finish (gauges, budget) just after the engine saw its last layer
     for s in (p.decoder, p.encoder):
-        wait_until(lambda: value(samples(scrape(s)), "speckv_inflight_transfers", role=s.config.role,
+        wait_until(lambda s=s: value(samples(scrape(s)), "speckv_inflight_transfers", role=s.config.role,
                                  model=MODEL) == 0, timeout=5, what=f"{s.config.role} inflight_transfers 0")
     after = {role: scrape(s) for role, s in (("decoder", p.decoder), ("encoder", p.encoder))}
     yield p, before, after, dict(done)

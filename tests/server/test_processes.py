@@ -196,6 +196,18 @@ def _mid_transfer(daddr: str, r: str) -> dpb.TransferStatus:
 
 # -- the main path ---------------------------------------------------------------------
 
+def _both_unavailable(fut, fetch) -> None:
+    """The engine's Submit and the decode side's FetchKV both end UNAVAILABLE (retryable
+    elsewhere), the Submit naming the decoder: never OK, never a hang."""
+    with pytest.raises(grpc.RpcError) as e:
+        fut.result(timeout=WAIT)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE, (e.value.code(), e.value.details())
+    assert e.value.details().startswith("decoder: "), e.value.details()
+    with pytest.raises(RpcFailed) as fe:
+        fetch.result(WAIT)
+    assert fe.value.code == grpc.StatusCode.UNAVAILABLE, fe.value
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_two_processes_move_a_real_kv_bit_exact_and_coded(live, kvs, dtype):
     enc, dec = live
@@ -225,13 +237,7 @@ def test_decoder_sigkilled_mid_transfer_then_restarted_cold(live, processes, kvs
             assert dec.proc.wait(10) == -signal.SIGKILL
             gate.open()  # the engine goes on sending; the decoder is gone
             # the encoder reports the lost decoder as UNAVAILABLE (retryable), never OK, never a hang
-            with pytest.raises(grpc.RpcError) as e:
-                fut.result(timeout=WAIT)
-            assert e.value.code() == grpc.StatusCode.UNAVAILABLE, (e.value.code(), e.value.details())
-            assert e.value.details().startswith("decoder: "), e.value.details()
-            with pytest.raises(RpcFailed) as fe:
-                fetch.result(WAIT)
-            assert fe.value.code == grpc.StatusCode.UNAVAILABLE, fe.value
+            _both_unavailable(fut, fetch)
         finally:
             gate.open()
             ch.close()
@@ -298,13 +304,7 @@ def test_sigterm_refuses_new_calls_and_cancels_a_transfer_past_grace(live, kvs):
             assert GRACE_S <= exited <= GRACE_S + EXIT_MARGIN_S
             # the in-flight calls: cancelled once the grace was spent, not before, with a precise
             # status (UNAVAILABLE: retryable elsewhere), and no data handed out as if complete
-            with pytest.raises(grpc.RpcError) as e:
-                fut.result(timeout=WAIT)
-            assert e.value.code() == grpc.StatusCode.UNAVAILABLE, (e.value.code(), e.value.details())
-            assert e.value.details().startswith("decoder: "), e.value.details()
-            with pytest.raises(RpcFailed) as fe:
-                fetch.result(WAIT)
-            assert fe.value.code == grpc.StatusCode.UNAVAILABLE, fe.value
+            _both_unavailable(fut, fetch)
             for call in ("submit", "fetch"):
                 assert GRACE_S - 0.05 <= ended[call] - t0 <= GRACE_S + EXIT_MARGIN_S, (call, ended[call] - t0)
         finally:
