@@ -16,6 +16,7 @@ from speckv.coder.rans_kernels import CODERS
 from speckv.wire import MAX_MESSAGE_BYTES, PART_BYTES
 
 ROLES = ("encoder", "decoder")
+FALLBACK_MAX_TOKENS = 131072  # max_tokens left unset and a model config that names no context
 
 
 def _opt_str(v: str) -> str | None:
@@ -45,7 +46,7 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"
     max_inflight_bytes: int = 1 << 30  # KV bytes buffered by all transfers together
     max_transfers: int = 64  # concurrent transfers (each also holds its predictor mu)
-    max_tokens: int = 131072  # prompt length limit per transfer
+    max_tokens: int | None = None  # prompt length limit per transfer; None = the served model's context
     message_bytes: int = PART_BYTES  # largest payload per gRPC message (parts)
     max_receive_bytes: int = MAX_MESSAGE_BYTES  # gRPC max receive message length
     grace_s: float = 10.0  # SIGTERM: time for in-flight transfers before they are cancelled
@@ -79,9 +80,11 @@ class ServerConfig:
                              "for framing")
         if self.max_inflight_bytes < self.message_bytes:
             raise ValueError("max_inflight_bytes must hold at least one message")
-        for name in ("max_transfers", "max_tokens", "layers_per_chunk", "threads"):
+        for name in ("max_transfers", "layers_per_chunk", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
         if self.coder not in CODERS:
             raise ValueError(f"coder must be one of {', '.join(CODERS)}, not {self.coder!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -155,7 +158,8 @@ FIELDS = (
     _field("metrics_host", str, "Prometheus /metrics bind address"),
     _field("max_inflight_bytes", _bytes, "cap on buffered KV bytes (e.g. 1Gi)"),
     _field("max_transfers", int, "cap on concurrent transfers"),
-    _field("max_tokens", int, "prompt length limit per transfer"),
+    _field("max_tokens", int, "prompt length limit per transfer, at most the model's context "
+                              "(default: the context, its config's max_position_embeddings)"),
     _field("message_bytes", _bytes, "largest payload per gRPC message"),
     _field("max_receive_bytes", _bytes, "gRPC max receive message length"),
     _field("grace_s", float, "SIGTERM grace period, seconds"),

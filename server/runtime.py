@@ -10,16 +10,19 @@ both sidecars of a process (``create_server(config, runtime=...)``).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
 
 from speckv.coder.codec import Codec, CodecConfig, bf16_bits
 from speckv.errors import PinMismatchError, RpcError
+
+from .config import FALLBACK_MAX_TOKENS
 
 if TYPE_CHECKING:  # pragma: no cover
     from speckv.predictor.predict import Predictor
@@ -39,9 +42,13 @@ class Runtime:
     def load(cls, config: "ServerConfig") -> "Runtime":
         from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
         from speckv.predictor.predict import Predictor
+        from speckv.predictor.store import CONFIG
         from speckv.predictor.target import load_target
 
         ckpt = load_checkpoint(config.predictor or default_checkpoint_dir(), config.pin)
+        # NOTE: a max_tokens past the context is refused before the models load (config.json is pinned)
+        check_max_tokens(config, model_context(json.loads((ckpt.path / CONFIG).read_bytes())),
+                         config.model_id or ckpt.manifest["target"]["name"])
         target = load_target(config.target) if ckpt.derived_weights else None
         predictor = Predictor.from_checkpoint(ckpt, target).to(config.predictor_device)
         runtime = cls.from_predictor(predictor, config)
@@ -56,7 +63,9 @@ class Runtime:
             raise PinMismatchError(f"predictor pin mismatch: expected {config.pin}, loaded {predictor.pin}")
         codec = Codec.from_predictor(predictor, CodecConfig(layers_per_chunk=config.layers_per_chunk,
                                                             threads=config.threads, coder=config.coder))
-        return cls(codec, predictor, config.model_id or predictor.checkpoint.manifest["target"]["name"])
+        runtime = cls(codec, predictor, config.model_id or predictor.checkpoint.manifest["target"]["name"])
+        check_max_tokens(config, runtime.context, runtime.model_id)
+        return runtime
 
     @property
     def pin(self) -> str:
@@ -68,8 +77,20 @@ class Runtime:
         L, _, H, D = self.codec.log2_sigma.shape
         return int(L), int(H), int(D)
 
-    def check(self, model_id: str, shape: tuple[int, ...], ids: np.ndarray, max_tokens: int) -> None:
-        """A request's model, shape and prompt against what this sidecar serves."""
+    @property
+    def context(self) -> int | None:
+        """The served model's context in tokens (its config's max_position_embeddings)."""
+        return model_context(self.predictor.model.config)
+
+    def max_tokens(self, configured: int | None) -> int:
+        """The prompt length limit: ``configured`` (config.max_tokens), else the context."""
+        if configured is not None:
+            return configured
+        return self.context or FALLBACK_MAX_TOKENS
+
+    def check(self, model_id: str, shape: tuple[int, ...], ids: np.ndarray, max_tokens: int | None) -> None:
+        """A request's model, shape and prompt against what this sidecar serves
+        (``max_tokens``: config.max_tokens; None for the model's context)."""
         if model_id != self.model_id:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
                            f"model {model_id!r} is not served here (this sidecar serves {self.model_id!r})",
@@ -81,9 +102,14 @@ class Runtime:
         if shape[3] != len(ids):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"shape has {shape[3]} tokens but {len(ids)} prompt token ids were sent")
-        if not 1 <= len(ids) <= max_tokens:
+        context = self.context
+        if context is not None and len(ids) > context:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"{len(ids)} tokens exceed the context of {self.model_id} ({context} tokens)")
+        limit = self.max_tokens(max_tokens)
+        if not 1 <= len(ids) <= limit:
             raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"{len(ids)} tokens: this sidecar takes 1 to {max_tokens}")
+                           f"{len(ids)} tokens: this sidecar takes 1 to {limit}")
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"prompt token ids must lie in [0, {self.vocab_size})")
@@ -99,3 +125,18 @@ class Runtime:
             mu = bf16_bits(self.predictor.mu(ids))
             return mu, time.perf_counter() - t0
         return await asyncio.to_thread(run)
+
+
+def model_context(config: Any) -> int | None:
+    """``max_position_embeddings`` of a model config (object or dict); None when it names none."""
+    n = config.get("max_position_embeddings") if isinstance(config, dict) else \
+        getattr(config, "max_position_embeddings", None)
+    return int(n) if n else None
+
+
+def check_max_tokens(config: "ServerConfig", context: int | None, model: str) -> None:
+    """Refuse at startup (ValueError, as every bad setting) a max_tokens past the model's context."""
+    if config.max_tokens is not None and context is not None and config.max_tokens > context:
+        raise ValueError(f"max_tokens {config.max_tokens} (--max-tokens / SPECKV_MAX_TOKENS) exceeds the context "
+                         f"of {model}: {context} tokens (max_position_embeddings); leave it unset to take the "
+                         "context")

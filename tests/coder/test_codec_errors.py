@@ -3,31 +3,20 @@ streams: every bad input raises a ``SpeckvError`` and nothing else."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import re
+from dataclasses import replace
+from unittest import mock
 
 import numpy as np
 import pytest
-
-from speckv.coder import container as ct
-from speckv.coder.codec import Codec, bf16_bits, digest, prompt_digest
-from speckv.coder.container import FormatError, TruncatedError
-from speckv.errors import (
-    IntegrityError,
-    MuMismatchError,
-    PinMismatchError,
-    PromptMismatchError,
-)
-from speckv.coder.model import BF16, E4M3, FP32, context, fp8_log2_sigma
-from speckv.coder.rans import LANES, RansDecodeError, rans_encode
-from speckv.coder.tables import NOOP_TABLE
-
-
 from codec_helpers import (
-    _sample_bf16,
     ADVERSARIAL,
     ALL_CODES,
     LAYERS,
     SCALES,
+    _sample_bf16,
     assert_rejected,
     bf16_from_float,
     bf16_tensor,
@@ -40,6 +29,22 @@ from codec_helpers import (
     round_trip_fp8,
     shape,
     tile,
+)
+
+from speckv.coder import codec as codec_module
+from speckv.coder import container as ct
+from speckv.coder import model
+from speckv.coder.bitpack import pack_fields, pack_unary
+from speckv.coder.codec import Codec, bf16_bits, digest, prompt_digest
+from speckv.coder.container import FormatError, TruncatedError
+from speckv.coder.model import BF16, E4M3, FP32, context, fp8_log2_sigma, low_bits, magnitude
+from speckv.coder.rans import LANES, RansDecodeError, rans_encode
+from speckv.coder.tables import NOOP_TABLE
+from speckv.errors import (
+    IntegrityError,
+    MuMismatchError,
+    PinMismatchError,
+    PromptMismatchError,
 )
 
 # NaN / Inf / overflowing inputs are the point here: numpy's warnings are noise
@@ -233,12 +238,111 @@ def test_stream_dtype_swapped(small_stream, fp8_stream):
 
 
 # ----------------------------------------------- crafted malicious streams
+#
+# A crafted stream is framed as an encoder frames it (valid crc32s, the right mu
+# fingerprint) and its symbols are chosen by the test. Each chunk carries the raw
+# digest of exactly the KV that a decoder WITHOUT the symbol checks would return
+# (``_lenient``), so a crafted stream that is rejected is rejected by the symbol or
+# raw-section check the test names, never by the final checksum: with that check
+# switched off the same stream decodes (``test_the_named_check_alone_rejects``), and
+# crafted streams of symbols an encoder may emit decode bit for bit
+# (``test_crafted_legit_streams_decode``), which shows the digests are right.
+
+# the messages of the checks (coder/model.py desymbolize and helpers, coder/bitpack.py)
+NOT_ESCAPED = "an element with a non-finite mu was not escaped"
+NO_FINITE = "decoded a bin that holds no finite value of this format"
+ZERO_EXP = "zero-bin exponent distance out of range"
+SHORT = r"bit sections need more than the \d+ bytes present"
+UNARY_LONG = "unary section longer than any encoder writes"
+PADDING = "non-zero padding after bit fields"
+UNARY_COUNT = r"expected \d+ unary codes, found \d+"
+UNARY_TAIL = r"unary codes: \d+ bytes for \d+ bits"
+
+NAN_MU = [0x7FC0, 0xFFFF, 0x7F81, 0xFFC0]  # mu's bin is 0 / -1 on the top grid
+INF_MU = [0x7F80, 0xFF80]  # mu's bin is pinned at +-MAX_BIN: no finite value there
+FINITE_MU = [0x7F7F, 0xFF7F, 0x0000, 0x8000, 0x0001, 0x3F80]
+
+_NORMAL_BITS = model._normal_bits
+_DESYMBOLIZE = model.desymbolize
+_UNPACK_FIELDS = model.unpack_fields
+_UNPACK_UNARY = model.unpack_unary
 
 
-def _craft(codec: Codec, fmt, mu_bits: np.ndarray, ids: np.ndarray, choose, bits: bytes = b"",
-           scales: np.ndarray | None = None) -> list[bytes]:
-    """A well-framed stream (valid crcs, right mu fingerprint) whose rANS symbols
-    are ``choose(radius, rng)`` rather than the encoder's, with raw ``bits``."""
+def _normal_bits_unchecked(fx, k, c, mag, nb, low, normal):
+    return _NORMAL_BITS(fx, k, c, mag, nb, low, np.zeros_like(normal))  # ``normal`` only gates the check
+
+
+def _zero_bits_unchecked(fx, k, c, man, delta):
+    e = k + fx.bias - 1 - delta  # model._zero_bits without its range check
+    return ((c >> 31) & 1) << (fx.bits - 1) | (e << fx.mant) | man
+
+
+def _desymbolize_any_mu(fx, tab, ctx, j, raw):
+    # mu_ok only gates the non-finite-mu check in desymbolize
+    return _DESYMBOLIZE(fx, tab, replace(ctx, mu_ok=np.ones_like(ctx.mu_ok)), j, raw)
+
+
+def _unpack_fields_any_padding(buf, widths):
+    total = int(np.asarray(widths, np.int64).sum())
+    if total % 8 and buf:
+        buf = buf[:-1] + bytes([buf[-1] & ~((1 << (8 - total % 8)) - 1) & 0xFF])
+    return _UNPACK_FIELDS(buf, widths)
+
+
+def _unpack_unary_any_tail(buf, n):
+    return _UNPACK_UNARY(buf.rstrip(b"\0"), n)
+
+
+@contextlib.contextmanager
+def _switched_off(*checks: str):
+    """The real decoder with the named checks switched off (and nothing else changed)."""
+    patches = {NO_FINITE: (model, "_normal_bits", _normal_bits_unchecked),
+               ZERO_EXP: (model, "_zero_bits", _zero_bits_unchecked),
+               NOT_ESCAPED: (codec_module, "desymbolize", _desymbolize_any_mu),
+               PADDING: (model, "unpack_fields", _unpack_fields_any_padding),
+               UNARY_TAIL: (model, "unpack_unary", _unpack_unary_any_tail)}
+    with contextlib.ExitStack() as stack:
+        for check in checks:
+            stack.enter_context(mock.patch.object(*patches[check]))
+        yield
+
+
+def _lenient(fx, tab, ctx, j, raw) -> np.ndarray:
+    """What ``desymbolize`` returns with its symbol checks off (bins holding no finite
+    value, zero-bin exponents below 0, non-escaped elements of non-finite mu); the
+    raw-section checks stay on (IntegrityError where the sections do not parse)."""
+    with _switched_off(NO_FINITE, ZERO_EXP):
+        return _desymbolize_any_mu(fx, tab, ctx, j, raw)
+
+
+def _sections(fx, ctx, radius, j, rng, delta=None) -> list[bytes]:
+    """Raw bit sections that fit symbols ``j`` (``model.symbolize``'s layout LOW | ZMAN |
+    ESC | UNARY): random low bits (zero for FP8, where some would spell the e4m3 NaN),
+    zero-bin mantissas and escaped patterns; ``delta(limit, rng)``: the unary exponent
+    distances of the zero-bin elements (default 0; an encoder writes 0..limit)."""
+    esc = j == 2 * radius + 1
+    mag = magnitude(ctx.c_mu + (j - radius))
+    zero = (mag == 0) & ~esc
+    normal = ~(esc | zero)
+    width = np.where(normal, np.maximum(low_bits(fx, mag), 0), 0)
+    low = rng.integers(0, 1 << width) if fx is BF16 else np.zeros_like(width)
+    zi, ei = np.flatnonzero(zero), np.flatnonzero(esc)
+    limit = ctx.k[zi].astype(np.int64) + fx.bias - 1  # an exponent field of 0: a subnormal
+    d = np.zeros(len(zi), np.int64) if delta is None else np.asarray(delta(limit, rng), np.int64)
+    return [pack_fields(low, width),
+            pack_fields(rng.integers(0, 1 << fx.mant, len(zi)), np.full(len(zi), fx.mant)),
+            pack_fields(rng.integers(0, 1 << fx.bits, len(ei)), np.full(len(ei), fx.bits)),
+            pack_unary(d)]
+
+
+def _craft(codec: Codec, fmt, mu_bits: np.ndarray, ids: np.ndarray, choose, bits: bytes | None = None,
+           scales: np.ndarray | None = None, delta=None, tamper=None) -> tuple[list[bytes], np.ndarray | None]:
+    """(records, kv): a stream framed as an encoder frames it whose rANS symbols are
+    ``choose(radius, rng)``, and the KV a decoder without symbol checks returns for it
+    (None where its raw bits do not parse). Raw bits: ``bits`` verbatim when given, else
+    ``_sections`` that fit the symbols, passed through ``tamper(sections) -> bytes`` when
+    given. Each chunk's raw digest is that of the lenient decoder's KV of the untampered
+    bits (16 zero bytes where they do not parse: no decoder gets as far as the digest)."""
     T = mu_bits.shape[3]
     h = ct.StreamHeader(dtype=ct.DTYPE_BF16 if fmt is BF16 else ct.DTYPE_FP8, model=1,
                         pin=bytes.fromhex(codec.pin), shape=shape(T), prompt_digest=prompt_digest(ids),
@@ -248,30 +352,42 @@ def _craft(codec: Codec, fmt, mu_bits: np.ndarray, ids: np.ndarray, choose, bits
     if fmt is BF16:
         mu_c, fm = mu_bits, BF16
     else:
-        y = (mu_bits.astype(np.uint32) << 16).view(np.float32) / scales[:, :, None, None, None]
+        with np.errstate(all="ignore"):
+            y = (mu_bits.astype(np.uint32) << 16).view(np.float32) / scales[:, :, None, None, None]
         mu_c, fm = y.view(np.uint32), FP32
         lg = fp8_log2_sigma(lg, scales.view(np.uint32)[:, :, None, None])
-    g, rng = codec.tables.gauss, np.random.default_rng(0)
+    tab = codec.tables  # model 1's (the seed model: mu as predicted)
+    g, rng = tab.gauss, np.random.default_rng(0)
+    kv = np.zeros(h.shape, np.uint16 if fmt is BF16 else np.uint8)
+    parsed = True
     records = [ct.pack_header(h)]
     for i in range(h.n_chunks):
         start, count = h.chunk_layers(i)
         sl = slice(start, start + count)
         m = mu_c[sl]
         ctx = context(fmt, fm, m.ravel(), np.broadcast_to(lg[sl][:, :, :, None, :], m.shape).ravel())
-        radius = codec.tables.radius[ctx.t]
+        radius = tab.radius[ctx.t]
         j = np.asarray(choose(radius, rng), np.int64)
+        sections = _sections(fmt, ctx, radius, j, rng, delta) if bits is None else [bits]
+        raw = b"".join(sections)
+        aux = b"" if scales is None else scales[sl].astype("<f4").tobytes()
+        raw_digest = bytes(16)
+        try:
+            kv[sl] = np.ascontiguousarray(_lenient(fmt, tab, ctx, j, raw).reshape(m.shape), kv.dtype)
+            raw_digest = digest(aux, kv[sl])  # what codec.verified compares
+        except IntegrityError:
+            parsed = False
         n = h.chunk_elements(i)
         size = h.chunk_blocks(i) * h.elems_per_lane * LANES
         idx = np.full(size, g.offset[NOOP_TABLE], np.int64)
         idx[:n] = g.offset[ctx.t] + j
         grid = (h.chunk_blocks(i), h.elems_per_lane, LANES)
         rb = rans_encode(g.cum[idx].reshape(grid), g.freq[idx].reshape(grid))
-        aux = b"" if scales is None else scales[sl].astype("<f4").tobytes()
         records.append(ct.pack_chunk(ct.Chunk(
             index=i, layer_start=start, layer_count=count, steps=h.elems_per_lane if n else 0,
-            mu_fingerprint=digest(m.tobytes()), raw_digest=bytes(16), aux=aux, states=rb.states,
-            word_counts=rb.word_counts, words=rb.words, bits=bits)))
-    return records
+            mu_fingerprint=digest(m.tobytes()), raw_digest=raw_digest, aux=aux, states=rb.states,
+            word_counts=rb.word_counts, words=rb.words, bits=raw if tamper is None else tamper(sections))))
+    return records, kv if parsed else None
 
 
 CHOICES = {
@@ -283,31 +399,237 @@ CHOICES = {
 }
 
 
-@pytest.mark.parametrize("choice", list(CHOICES))
-@pytest.mark.parametrize("mu_value", [0x7F80, 0xFF80, 0x7FC0, 0xFFFF, 0x7F7F, 0xFF7F, 0x0000, 0x8000,
-                                      0x0001, 0x3F80])
-@pytest.mark.parametrize("bits", [b"", b"\xff" * 64, bytes(range(256)) * 40])
-def test_crafted_symbols_bf16(make_codec, choice, mu_value, bits):
-    """Symbols no encoder emits (non-escapes for non-finite mu, bins past the
-    largest finite value, raw sections of the wrong size) must be typed errors."""
-    codec = make_codec(8, 16)
-    T = 1
-    ids = ids_for(T)
-    mu = np.full(shape(T), mu_value, np.uint16)
-    records = _craft(codec, BF16, mu, ids, CHOICES[choice], bits)
-    assert_rejected(codec, records, ids, bf16_tensor(mu))
+def _one_escape(r, rng):
+    """mu's own bin everywhere but the first element, which escapes."""
+    j = r.copy()
+    j[0] = 2 * r[0] + 1
+    return j
 
 
-@pytest.mark.parametrize("choice", list(CHOICES))
-@pytest.mark.parametrize("mu_value", [1e6, -1e6, 0.0, 3.0e38, float("inf"), float("nan")])
-@pytest.mark.parametrize("scale", [1e-6, 1.0, 1e30])
-def test_crafted_symbols_fp8(make_codec, choice, mu_value, scale):
+def _bf16_case(make_codec, mu_value: int, choice, **kw):
     codec = make_codec(8, 16)
-    T = 1
-    ids = ids_for(T)
-    mu = bf16_from_float(np.full(shape(T), mu_value, np.float32))
+    ids = ids_for(1)
+    mu = np.full(shape(1), mu_value, np.uint16)
+    records, kv = _craft(codec, BF16, mu, ids, CHOICES.get(choice, choice), **kw)
+    return codec, records, kv, ids, bf16_tensor(mu)
+
+
+def _fp8_case(make_codec, mu_value: float, scale: float, choice, **kw):
+    codec = make_codec(8, 16)
+    ids = ids_for(1)
+    mu = bf16_from_float(np.full(shape(1), mu_value, np.float32))
     scales = np.full((LAYERS, 2), scale, np.float32)
-    for bits in (b"", b"\x55" * 3000):
-        records = _craft(codec, E4M3, mu, ids, CHOICES[choice], bits, scales)
-        assert_rejected(codec, records, ids, bf16_tensor(mu))
+    records, kv = _craft(codec, E4M3, mu, ids, CHOICES.get(choice, choice), scales=scales, **kw)
+    return codec, records, kv, ids, bf16_tensor(mu)
 
+
+def _rejected_by(case, message: str) -> None:
+    codec, records, _, ids, mu = case
+    with pytest.raises(IntegrityError, match=message):
+        codec.decode(records, ids, mu)
+
+
+def _decodes_to(case, kv: np.ndarray | None = None) -> None:
+    codec, records, lenient_kv, ids, mu = case
+    want = lenient_kv if kv is None else kv
+    assert want is not None
+    out = codec.decode(records, ids, mu)
+    assert np.array_equal(out if isinstance(out, np.ndarray) else out.codes, want)
+
+
+# ------------------------------------------------------ legit crafted streams
+
+LEGIT_BF16 = ([(m, "escape") for m in NAN_MU + INF_MU + FINITE_MU]
+              + [(m, "centre") for m in FINITE_MU]
+              + [(0x7F7F, "low_edge"), (0xFF7F, "high_edge")])
+
+
+@pytest.mark.parametrize("mu_value,choice", LEGIT_BF16)
+def test_crafted_legit_streams_decode(make_codec, mu_value, choice):
+    """Symbols an encoder may emit (escapes, mu's own bin, bins towards zero from the
+    largest finite value), raw sections that fit: the stream decodes to exactly what
+    the lenient decoder says, so ``_craft``'s digests, fingerprints and crcs are right."""
+    _decodes_to(_bf16_case(make_codec, mu_value, choice))
+
+
+@pytest.mark.parametrize("mu_value,scale,choice", [(0.0, 1.0, "centre"), (1.0, 1.0, "centre"),
+                                                   (-3.0, 0.01, "centre"), (1e6, 1e30, "centre"),
+                                                   (float("nan"), 1.0, "escape"), (1e6, 1.0, "escape"),
+                                                   (float("inf"), 1e-6, "escape")])
+def test_crafted_legit_streams_decode_fp8(make_codec, mu_value, scale, choice):
+    _decodes_to(_fp8_case(make_codec, mu_value, scale, choice))
+
+
+@pytest.mark.parametrize("mu_value,choice", [(0x7F7F, "centre"), (0x7F7F, "low_edge"), (0xFF7F, "centre"),
+                                             (0xFF7F, "high_edge")])
+def test_crafted_streams_without_raw_bits_can_be_legit(make_codec, mu_value, choice):
+    """Near the largest finite value every bin holds one value (no low bits): an empty
+    raw section is then what an encoder writes, and the stream decodes."""
+    case = _bf16_case(make_codec, mu_value, choice, bits=b"")
+    assert case[2] is not None
+    _decodes_to(case)
+
+
+# ------------------------------------------- symbols no encoder emits
+
+NON_ESCAPES = ["centre", "low_edge", "high_edge", "random"]
+
+
+@pytest.mark.parametrize("choice", NON_ESCAPES)
+@pytest.mark.parametrize("mu_value", NAN_MU)
+def test_non_escaped_element_of_nan_mu(make_codec, mu_value, choice):
+    _rejected_by(_bf16_case(make_codec, mu_value, choice), NOT_ESCAPED)
+
+
+@pytest.mark.parametrize("scale,choice", [(s, c) for s in (1.0, 1e30) for c in NON_ESCAPES] + [(1e-6, "centre")])
+def test_non_escaped_element_of_nan_mu_fp8(make_codec, scale, choice):
+    """(At scale 1e-6 the window's edges lie past e4m3's largest value, which the
+    bin check catches first: see test_bin_past_the_largest_finite_value_fp8.)"""
+    _rejected_by(_fp8_case(make_codec, float("nan"), scale, choice), NOT_ESCAPED)
+
+
+@pytest.mark.parametrize("mu_value,choice", [(m, c) for m in INF_MU for c in NON_ESCAPES]
+                         + [(0x7F7F, "high_edge"), (0x7F7F, "random"), (0xFF7F, "low_edge"),
+                            (0xFF7F, "random")])
+def test_bin_past_the_largest_finite_value(make_codec, mu_value, choice):
+    """+-Inf mu sits in bin +-MAX_BIN; bins beyond +-max finite hold no BF16 value."""
+    _rejected_by(_bf16_case(make_codec, mu_value, choice), NO_FINITE)
+
+
+@pytest.mark.parametrize("mu_value,scale,choice", [
+    (1e6, 1.0, "centre"), (-1e6, 1.0, "centre"), (3.0e38, 1e30, "centre"), (1.0, 1e-6, "centre"),
+    (float("inf"), 1.0, "centre"), (float("-inf"), 1e30, "centre"), (3.0e38, 1e-6, "centre"),
+    (float("nan"), 1e-6, "low_edge"), (float("nan"), 1e-6, "high_edge"), (float("nan"), 1e-6, "random")])
+def test_bin_past_the_largest_finite_value_fp8(make_codec, mu_value, scale, choice):
+    """mu / scale beyond e4m3's 448 (or overflowing to Inf): mu's own bin holds no e4m3
+    value; at scale 1e-6 sigma spans far more than e4m3's range, so for NaN mu (bin 0
+    on the coarsest grid) the window's edges lie past 448 too."""
+    _rejected_by(_fp8_case(make_codec, mu_value, scale, choice), NO_FINITE)
+
+
+def _one_too_far(limit, rng):
+    d = np.zeros(len(limit), np.int64)
+    d[0] = limit[0] + 1  # an exponent field of -1
+    return d
+
+
+def test_zero_bin_exponent_below_zero(make_codec):
+    _rejected_by(_bf16_case(make_codec, 0x0000, "centre", delta=_one_too_far), ZERO_EXP)
+
+
+def test_zero_bin_exponent_below_zero_fp8(make_codec):
+    """Scale 1e-6: a coarse grid, so the zero bin spans many binades and one extra
+    unary bit stays within what the unary-length bound allows."""
+    _rejected_by(_fp8_case(make_codec, 0.0, 1e-6, "centre", delta=_one_too_far), ZERO_EXP)
+
+
+# ---------------------------------------------------- raw sections of the wrong size
+
+def _set_padding_bit(sections):
+    low, zman, esc, unary = sections
+    return low + zman[:-1] + bytes([zman[-1] | 1]) + esc + unary
+
+
+TAMPER = {  # (mu, choice, tamper, the check that must reject it)
+    "cut_short": (0x3F80, "escape", lambda s: b"".join(s)[:-1], SHORT),
+    "empty": (0x3F80, "escape", lambda s: b"", SHORT),
+    "junk_after": (0x3F80, "escape", lambda s: b"".join(s) + b"\x01" * 8, UNARY_LONG),
+    "padding_bit": (0x0000, _one_escape, _set_padding_bit, PADDING),
+    "unary_code_missing": (0x0000, "centre", lambda s: b"".join(s[:3]) + pack_unary(np.zeros(6143)), UNARY_COUNT),
+    "zero_byte_after_unary": (0x0000, "centre", lambda s: b"".join(s) + b"\0", UNARY_TAIL),
+}
+
+
+@pytest.mark.parametrize("name", list(TAMPER))
+def test_raw_sections_of_the_wrong_size(make_codec, name):
+    mu_value, choice, tamper, check = TAMPER[name]
+    _rejected_by(_bf16_case(make_codec, mu_value, choice, tamper=tamper), check)
+
+
+@pytest.mark.parametrize("bits,check", [(b"", SHORT), (b"\xff" * 64, SHORT), (bytes(range(256)) * 40, SHORT)])
+@pytest.mark.parametrize("mu_value", [0x7FC0, 0x3F80, 0x0000])
+def test_arbitrary_raw_bytes_for_escapes(make_codec, mu_value, bits, check):
+    """Every element escaped needs 16 raw bits each; a few bytes are too few."""
+    _rejected_by(_bf16_case(make_codec, mu_value, "escape", bits=bits), check)
+
+
+@pytest.mark.parametrize("bits,check", [(b"\xff" * 64, SHORT), (bytes(range(256)) * 40, UNARY_COUNT),
+                                        ])
+def test_arbitrary_raw_bytes_for_zero_bins(make_codec, bits, check):
+    """mu = 0, every element in mu's own (zero) bin: 7 mantissa bits each, then unary codes."""
+    _rejected_by(_bf16_case(make_codec, 0x0000, "centre", bits=bits), check)
+
+
+# ------------------------------------------------------------ every combination
+
+SYMBOL_CHECKS = "|".join([NOT_ESCAPED, NO_FINITE, ZERO_EXP, SHORT, UNARY_LONG, PADDING, UNARY_COUNT, UNARY_TAIL])
+
+
+def _decoded_or_rejected(case) -> str:
+    """The stream decodes to exactly the KV its symbols and raw bits spell, or a symbol
+    or raw-section check rejects it (never the checksum: its digest is right)."""
+    codec, records, kv, ids, mu = case
+    try:
+        out = codec.decode(records, ids, mu)
+    except IntegrityError as e:
+        assert re.search(SYMBOL_CHECKS, str(e)), str(e)
+        return str(e)
+    assert kv is not None, "raw bits that do not parse were accepted"
+    assert np.array_equal(out if isinstance(out, np.ndarray) else out.codes, kv)
+    return "decoded"
+
+
+BITS = {"fitting": None, "empty": b"", "ff64": b"\xff" * 64, "ramp": bytes(range(256)) * 40}
+
+
+@pytest.mark.parametrize("bits", list(BITS))
+@pytest.mark.parametrize("mu_value", INF_MU + NAN_MU[:2] + FINITE_MU)
+@pytest.mark.parametrize("choice", list(CHOICES))
+def test_crafted_symbols_bf16(make_codec, choice, mu_value, bits):
+    """Symbols no encoder emits (non-escapes for non-finite mu, bins past the largest
+    finite value, raw sections of the wrong size) are typed errors of the symbol checks;
+    the rest decode to what they spell."""
+    _decoded_or_rejected(_bf16_case(make_codec, mu_value, choice, bits=BITS[bits]))
+
+
+@pytest.mark.parametrize("bits", ["fitting", "empty", "x55"])
+@pytest.mark.parametrize("scale", [1e-6, 1.0, 1e30])
+@pytest.mark.parametrize("mu_value", [1e6, -1e6, 0.0, 3.0e38, float("inf"), float("nan")])
+@pytest.mark.parametrize("choice", list(CHOICES))
+def test_crafted_symbols_fp8(make_codec, choice, mu_value, scale, bits):
+    raw = {"fitting": None, "empty": b"", "x55": b"\x55" * 3000}[bits]
+    _decoded_or_rejected(_fp8_case(make_codec, mu_value, scale, choice, bits=raw))
+
+
+# ------------------------------------------- the named check alone rejects
+
+ALONE = {  # a crafted stream, the check that rejects it, the later checks it also fails
+    "nan_mu_not_escaped": (lambda mc: _bf16_case(mc, 0x7FC0, "random"), NOT_ESCAPED, ()),
+    "nan_mu_not_escaped_fp8": (lambda mc: _fp8_case(mc, float("nan"), 1.0, "centre"), NOT_ESCAPED, ()),
+    "inf_mu_bin": (lambda mc: _bf16_case(mc, 0x7F80, "centre"), NO_FINITE, (NOT_ESCAPED,)),
+    "past_max_finite": (lambda mc: _bf16_case(mc, 0x7F7F, "high_edge"), NO_FINITE, ()),
+    "past_e4m3_max": (lambda mc: _fp8_case(mc, 1e6, 1.0, "centre"), NO_FINITE, ()),
+    "zero_bin_exponent": (lambda mc: _bf16_case(mc, 0x0000, "centre", delta=_one_too_far), ZERO_EXP, ()),
+    "zero_bin_exponent_fp8": (lambda mc: _fp8_case(mc, 0.0, 1e-6, "centre", delta=_one_too_far), ZERO_EXP, ()),
+    "padding_bit": (lambda mc: _bf16_case(mc, 0x0000, _one_escape, tamper=_set_padding_bit), PADDING, ()),
+    "zero_byte_after_unary": (lambda mc: _bf16_case(mc, 0x0000, "centre", tamper=TAMPER["zero_byte_after_unary"][2]),
+                              UNARY_TAIL, ()),
+}
+
+
+@pytest.mark.parametrize("name", list(ALONE))
+def test_the_named_check_alone_rejects(make_codec, name):
+    """With the named check switched off (every other check on) the same stream is
+    rejected only by the later checks it also fails, and with those off too it
+    decodes, to the KV its symbols and raw bits spell: nothing else, the final
+    checksum included, would have caught it."""
+    build, check, later = ALONE[name]
+    case = build(make_codec)
+    _rejected_by(case, check)
+    off = (check,)
+    for nxt in later:
+        with _switched_off(*off):
+            _rejected_by(case, nxt)
+        off += (nxt,)
+    with _switched_off(*off):
+        _decodes_to(case)

@@ -1,0 +1,158 @@
+"""``speckv bench`` end to end on a short text: its JSON report must agree with what
+the codec gives on the same tokens, and its rows must be consistent with each other.
+
+BF16 runs the installed ``speckv`` command in a subprocess (argument parsing,
+loading, JSON on stdout: everything a user runs). FP8 runs the same command
+in-process through ``main()`` on the session-wide embedded session, with its
+prefill shared with the reference below and the FP8-copy timing stubbed out
+(it only feeds ``fp8_copy_cost``, a timing, which no test checks): a second
+subprocess would load both models again, ~1 min on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from speckv.cli import bench
+from speckv.cli.main import main
+from speckv.coder.codec import Codec, CodecConfig, Fp8KV, bf16_bits
+from speckv.predictor.calibrate import read_text
+from speckv.predictor.fp8 import kv_to_fp8
+from speckv.predictor.session import Session
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TOKENS = 256
+SLICE_CHARS = 6000  # the first 6000 characters of tinyshakespeare.txt (> 256 tokens)
+PER_TOKEN = 30 * 2 * 3 * 64  # scalars per token of the embedded model's KV
+SYMBOL_BITS = {"bf16": 16, "fp8": 8}
+# speckv's wire bits/scalar on that slice, measured with
+#   .venv/bin/speckv bench --text <slice> --tokens 256 --timing-runs 1 --json [--dtype fp8]
+# (2022702 and 810244 coded bytes); held within 2%
+BENCH_BITS = {"bf16": 5.486930338541667, "fp8": 2.1979275173611112}
+PEERS = {"bf16": ["zstd-3", "zstd-19", "byte-split+zstd-3", "lz4", "order0-bound"],
+         "fp8": ["zstd-3", "zstd-19", "lz4", "order0-bound"]}
+
+
+@pytest.fixture(scope="module")
+def slice_file(corpus_file, tmp_path_factory) -> Path:
+    text = corpus_file("tinyshakespeare.txt").read_text(encoding="utf-8")[:SLICE_CHARS]
+    path = tmp_path_factory.mktemp("bench") / "slice.txt"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(embedded_session, slice_file):
+    """(prefill, {dtype: figures}) computed here with the codec and the session."""
+    ids = embedded_session.target.tokenize(read_text(slice_file), TOKENS)
+    assert len(ids) == TOKENS
+    pre = embedded_session.prefill(ids)
+    codec = Codec.from_predictor(embedded_session.predictor, CodecConfig())
+    q, s = kv_to_fp8(pre.kv)
+    figures = {}
+    for dtype, kv in (("bf16", pre.kv), ("fp8", Fp8KV(q.numpy(), s.numpy()))):
+        records = list(codec.encode(kv, ids, pre.mu))
+        out = codec.decode(records, ids, pre.mu)
+        assert np.array_equal(out, bf16_bits(kv)) if dtype == "bf16" else np.array_equal(out.codes, kv.codes)
+        coded = sum(len(r) for r in records)
+        ent = embedded_session.entropy(pre, dtype)
+        figures[dtype] = {"coded_bytes": coded, "bits_per_scalar": 8 * coded / pre.kv.numel(),
+                          "ideal": ent["bits_per_scalar"], "order0": ent["order0_bits_per_scalar"]}
+    return pre, figures
+
+
+@pytest.fixture(scope="module")
+def bf16_bench(slice_file):
+    """The BF16 command, started before the reference loads the models here (so the
+    two overlap), and a function waiting for its report."""
+    exe = Path(sys.executable).with_name("speckv")  # the installed entry point
+    cmd = [str(exe)] if exe.is_file() else [sys.executable, "-m", "speckv.cli.main"]
+    cmd += ["bench", "--text", str(slice_file), "--tokens", str(TOKENS), "--timing-runs", "1",
+            "--dtype", "bf16", "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+
+    def report() -> dict:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        assert "Traceback" not in err
+        return json.loads(out)
+
+    yield report
+    if proc.poll() is None:  # the test failed before waiting for it
+        proc.kill()
+        proc.communicate()
+
+
+def run_bench_in_process(slice_file: Path, dtype: str, session, pre, monkeypatch, capsys) -> dict:
+    def fake_open(cls, target="default", predictor=None, pin=None):
+        assert str(target) == "default" and predictor is None and pin is None
+        return session
+
+    def shared_prefill(self, ids):
+        assert self is session and np.array_equal(ids, pre.ids)
+        return pre
+
+    monkeypatch.setattr(Session, "open", classmethod(fake_open))
+    monkeypatch.setattr(Session, "prefill", shared_prefill)
+    monkeypatch.setattr(bench, "fp8_copy_forward", lambda target: lambda ids: None)
+    rc = main(["bench", "--text", str(slice_file), "--tokens", str(TOKENS), "--timing-runs", "1",
+               "--dtype", dtype, "--json"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    return json.loads(captured.out)
+
+
+def check_report(rep: dict, dtype: str, ref: dict, session, slice_file: Path) -> None:
+    n = TOKENS * PER_TOKEN
+    assert (rep["dtype"], rep["text"], rep["tokens"], rep["scalars"]) == (dtype, str(slice_file), TOKENS, n)
+    assert rep["raw_bytes"] == n * SYMBOL_BITS[dtype] // 8
+    assert (rep["pin"], rep["rung"], rep["model"]) == (session.pin, "hybrid:4", "tuned")
+    # the coder's round trip, verified bit for bit by the command itself
+    assert rep["lossless"] is True
+    # the speckv row: its own figures agree, and agree with the codec run here
+    bits = rep["bits_per_scalar"]
+    assert bits == 8 * rep["coded_bytes"] / n
+    assert bits == pytest.approx(ref["bits_per_scalar"], rel=0.02)
+    assert bits == pytest.approx(BENCH_BITS[dtype], rel=0.02)
+    assert rep["ratio"] == pytest.approx(rep["raw_bytes"] / rep["coded_bytes"], rel=1e-12)
+    assert rep["ratio"] == pytest.approx(SYMBOL_BITS[dtype] / bits, rel=1e-12)
+    assert rep["encode_mb_s"] > 0 and rep["decode_mb_s"] > 0
+    # the ideal row: the session's ideal code length of the same KV (another process
+    # may sum in another order: not bit for bit)
+    assert rep["ideal_bits_per_scalar"] == pytest.approx(ref["ideal"], rel=1e-6)
+    assert 0 < rep["ideal_bits_per_scalar"] < ref["order0"]
+    # the peers: every compressor ran (the test extra installs zstandard and lz4)
+    rows = {p["name"]: p for p in rep["peers"]}
+    assert list(rows) == PEERS[dtype]
+    for name, row in rows.items():
+        assert "error" not in row, row
+        if name == "order0-bound":
+            assert row["bits_per_scalar"] == pytest.approx(ref["order0"], rel=1e-6)
+            assert row["ratio"] == pytest.approx(SYMBOL_BITS[dtype] / row["bits_per_scalar"], rel=1e-12)
+            assert row["encode_mb_s"] is None and row["decode_mb_s"] is None
+        else:
+            assert row["encode_mb_s"] > 0 and row["decode_mb_s"] > 0
+        # a generic compressor gains something on KV, and far less than speckv
+        assert 1.0 < row["ratio"] < rep["ratio"], row
+
+
+def test_bench_bf16_subprocess(bf16_bench, slice_file, reference, embedded_session):
+    pre, ref = reference
+    rep = bf16_bench()
+    check_report(rep, "bf16", ref["bf16"], embedded_session, slice_file)
+    # 16-bit symbols: the ratio is 16 / bits
+    assert rep["ratio"] == pytest.approx(16 / rep["bits_per_scalar"], rel=1e-12)
+
+
+def test_bench_fp8(slice_file, reference, embedded_session, monkeypatch, capsys):
+    pre, ref = reference
+    rep = run_bench_in_process(slice_file, "fp8", embedded_session, pre, monkeypatch, capsys)
+    check_report(rep, "fp8", ref["fp8"], embedded_session, slice_file)
+    # the command's coded bytes are the codec's on the same KV and mu (same configuration)
+    assert rep["coded_bytes"] == ref["fp8"]["coded_bytes"]
