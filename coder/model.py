@@ -37,7 +37,6 @@ from speckv.errors import IntegrityError
 from .bitpack import pack_fields, pack_unary, split_sections, unpack_fields, unpack_unary
 from .tables import GRID_BELOW_SIGMA, OFFSETS, SIGMA_FRAC_BITS, CodingTables, table_row
 
-MODEL_SEED_MIXTURE = 1  # container ``model`` id of this model
 MAX_BIN = 4095  # bins beyond this are far outside any window (escape anyway)
 FLOG2 = np.array([max(n.bit_length() - 1, 0) for n in range(MAX_BIN + 1)], np.int32)  # floor(log2 n)
 # round(8 * log2(1 + m/8)) for the top 3 mantissa bits of an fp32 scale (1/8 octave)
