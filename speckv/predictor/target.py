@@ -184,19 +184,24 @@ class Target:
 
 # NOTE: the canary of the numeric-environment fingerprint. Its target KV changes
 # whenever the machine's GEMM kernels round differently (AVX2 vs AVX-512 vs AMX,
-# another torch or oneDNN build), and so would a checkpoint calibrated there.
+# another torch or oneDNN build), and so would a checkpoint calibrated there. It
+# runs at the calibration segment length: kernels are chosen by shape, and a short
+# prompt missed a difference (AVX2 vs AVX-512) that 2048 tokens show.
 CANARY_PROMPT = ("The numeric environment of a predictor checkpoint: the same prompt, the same "
                  "weights, and every bit of the key/value cache depends on how this machine rounds.")
+CANARY_TOKENS = 2048  # = calibrate.DEFAULT_SEGMENT
 
 
-def numeric_env(target: Target) -> dict[str, str]:
-    """A fingerprint of the numeric environment: the sha256 of a canary prompt's target
-    KV bits, with the torch build and CPU kernel path that produced it (informative)."""
+def numeric_env(target: Target) -> dict[str, Any]:
+    """A fingerprint of the numeric environment: the sha256 of the target KV bits of the
+    canary prompt, repeated to ``CANARY_TOKENS`` tokens, with the torch build and CPU
+    kernel path that produced it (informative)."""
     import torch
 
-    kv = target.kv(target.tokenize(CANARY_PROMPT))
+    ids = np.resize(target.tokenize(CANARY_PROMPT), CANARY_TOKENS)
+    kv = target.kv(ids)
     digest = hashlib.sha256(kv.contiguous().view(torch.int16).numpy().tobytes()).hexdigest()
-    return {"canary_kv_sha256": digest, "torch": torch.__version__,
+    return {"canary_kv_sha256": digest, "canary_tokens": CANARY_TOKENS, "torch": torch.__version__,
             "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 

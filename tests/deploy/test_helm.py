@@ -49,7 +49,7 @@ from helm_helpers import (
 from speckv.server.config import FIELDS, ServerConfig
 from speckv.v1 import decoder_pb2, encoder_pb2
 
-PIN = "b7f3441ed82fcaf5b071f08f821d89e538df402a5150d18d07741fe88bd531d1"  # the shipped checkpoint
+PIN = "c99abc452c89150d303f103aeaa0fa129824e7b0e3b5a0489bdb4ea9ce18badd"  # the shipped checkpoint
 HEALTH_SERVICE = {
     "encoder": encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name,
     "decoder": decoder_pb2.DESCRIPTOR.services_by_name["DecoderService"].full_name,
