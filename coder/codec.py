@@ -19,7 +19,7 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Iterator, Protocol, Sequence, cast
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence, cast
 
 import numpy as np
 
@@ -28,25 +28,18 @@ from speckv.kv import Fp8KV, bf16_bits
 
 from . import container as ct
 from .integrity import DIGEST_BYTES, digest, prompt_digest, verified
+from .interfaces import CheckpointLike, MuSource
 from .model import BF16, E4M3, FP32, Context, ContextTable, FloatFormat, desymbolize, fp8_log2_sigma, symbolize
 from .plan import Plan, bf16_context_table, fp8_codes, mu_float32, plan_context
 from .rans import LANES, RansBlocks, concat_blocks, rans_encode, split_blocks
 from .rans_kernels import CODERS, select_kernels
-from .residual import MODEL_NAMES, MODEL_SEED, CheckpointLike, ResidualModel, models_of
+from .residual import MODEL_NAMES, MODEL_SEED, ResidualModel, models_of
 from .stored import stored_chunk, unstored_chunk
 from .tables import NOOP_TABLE, CodingTables, decode_symbols
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-
-class MuSource(Protocol):
-    """What the codec needs of a predictor (``speckv.predictor.predict.Predictor``):
-    mu for prompt token ids, in the canonical KV layout, as BF16."""
-
-    checkpoint: CheckpointLike
-
-    def mu(self, ids: np.ndarray) -> "torch.Tensor | np.ndarray": ...
 
 logger = logging.getLogger(__name__)
 

@@ -21,33 +21,11 @@ stream (encode: ``CodecConfig.model``; decode: the header's id).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
+from .interfaces import CheckpointLike
 from .tables import CodingTables
-
-
-class CalibrationLike(Protocol):
-    """The checkpoint's frozen residual statistics the coder reads
-    (``speckv.predictor.store.Calibration``)."""
-
-    sigma_log2_q: np.ndarray
-    mu_scale: np.ndarray | None
-    mu_shift: np.ndarray | None
-    tuned_sigma_log2_q: np.ndarray | None
-
-
-class CheckpointLike(Protocol):
-    """What the coder needs of a pinned predictor checkpoint
-    (``speckv.predictor.checkpoint.Checkpoint``): the pin, the calibration, the tables."""
-
-    pin: str
-    calib: CalibrationLike
-    tuned_tables: CodingTables | None
-
-    @property
-    def seed_tables(self) -> CodingTables: ...
 
 MODEL_SEED = 1
 MODEL_TUNED = 2
