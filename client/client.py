@@ -13,7 +13,7 @@ Decode side::
 
 ``kv`` is the canonical ``(layers, 2, kv_heads, tokens, head_dim)`` cache: a
 torch.bfloat16 tensor or uint16 numpy bit patterns (BF16), or an
-:class:`~speckv.coder.codec.Fp8KV` (e4m3 codes + per-(layer, kv) scales).
+:class:`~speckv.kv.Fp8KV` (e4m3 codes + per-(layer, kv) scales).
 ``fetch`` returns uint16 numpy (``as_torch=True``: torch.bfloat16) or Fp8KV.
 Every failure raises :class:`RpcFailed` (a SpeckvError) carrying the gRPC code.
 """

@@ -1,11 +1,13 @@
-"""speckv.coder: everything that turns a KV cache into bits and back.
+"""speckv.coder: the integer coder that turns a KV cache into bits and back.
 
-Lifecycle: a target model (``target``) produces the exact KV of a prompt; a
-pinned predictor checkpoint (``predictor``) produces mu for the same prompt on
-both sidecars; calibration (``calibrate``) fixed sigma and the mixture once;
-``entropy`` measures the ideal code length; the coder (rANS + container) turns
-KV into chunks and back.
+Lifecycle: the predictor (``speckv.predictor``, above this package) gives mu
+for a prompt on both sidecars and a pinned checkpoint's tables and sigma; here
+the residual models (``residual``) and the probability model (``model``,
+``tables``) turn each scalar into rANS ops (``rans``, ``rans_kernels``), and the
+container (``container``, FORMAT.md) frames them into self-checking chunks
+(``codec`` ties it together). What the coder needs of the predictor is the
+protocols of ``interfaces``; it never imports ``speckv.predictor``.
 
 NOTE: this package must not import torch or transformers at import time; the
-modules that need them import them inside functions.
+modules that take torch tensors import it inside functions.
 """

@@ -66,8 +66,6 @@ _BLOCK_BYTES = LANES * 4 + 4  # states plus word_count per block
 _U16_MAX, _U32_MAX = 0xFFFF, 0xFFFFFFFF
 
 
-
-
 def _uint(name: str, value: object, lo: int, hi: int) -> int:
     if isinstance(value, bool):
         raise FormatError(f"{name} must be an integer, got bool")

@@ -62,9 +62,6 @@ _U32 = np.uint32
 _U16 = np.uint16
 
 
-
-
-
 @dataclass(frozen=True)
 class RansBlocks:
     """Encoder output: everything the decoder needs besides ``steps``."""

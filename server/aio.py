@@ -73,13 +73,11 @@ def _failed(f: asyncio.Future) -> bool:
     return f.done() and not f.cancelled() and f.exception() is not None
 
 
-async def _raise_preferring(watch, fallback: BaseException | None = None):
+async def _raise_preferring(watch):
     acks = watch[0]
     if not acks.done():
         await asyncio.wait({acks}, timeout=2.0)  # the decoder's status usually follows a failed write
     for w in watch:  # acks first
         if _failed(w):
             raise w.exception()
-    if fallback is not None:
-        raise fallback
     raise RpcError(grpc.StatusCode.INTERNAL, "transfer task ended without a result")

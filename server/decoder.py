@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 
 from speckv.coder import container as ct
-from speckv.coder.integrity import digest
+from speckv.digests import digest
 from speckv.errors import RpcError, TransferDigestError
 from speckv.status import abort, in_band, integrity_kind, outcome, to_status
 from speckv.v1 import common_pb2 as pb

@@ -25,7 +25,7 @@ import grpc
 import numpy as np
 
 from speckv.coder import container as ct
-from speckv.coder.integrity import KVDigest, digest
+from speckv.digests import KVDigest, digest
 from speckv.errors import RpcError
 from speckv.status import abort, from_in_band, outcome, to_status
 from speckv.v1 import common_pb2 as pb

@@ -21,7 +21,7 @@ import time
 import grpc
 import numpy as np
 
-from speckv.coder.integrity import KVDigest
+from speckv.digests import KVDigest
 from speckv.errors import RpcError
 from speckv.status import in_band
 from speckv.v1 import decoder_pb2 as dpb

@@ -96,6 +96,12 @@ _CODE_BY_IN_BAND = {v: k for k, v in _IN_BAND_BY_CODE.items()} | {
 }
 
 
+# the reason an in-band code names unambiguously (one reason, and not a generic code's twin)
+_REASON_BY_IN_BAND = {code: reason for reason, code in _IN_BAND_BY_REASON.items()} | {
+    row.in_band: row.reason for row in TABLE
+    if row.in_band not in _IN_BAND_BY_CODE.values() and sum(r.in_band == row.in_band for r in TABLE) == 1}
+
+
 @dataclass(frozen=True)
 class Verdict:
     """How one exception reaches a caller."""
@@ -108,20 +114,19 @@ class Verdict:
 
 
 def verdict(exc: BaseException) -> Verdict:
-    """The status that reports ``exc`` (INTERNAL, logged, for anything unforeseen)."""
+    """The status that reports ``exc`` (INTERNAL for anything unforeseen; ``abort`` logs it)."""
     if isinstance(exc, RpcError):
         reason = exc.reason or exc.code.name
         in_band = _IN_BAND_BY_REASON.get(reason, _IN_BAND_BY_CODE.get(exc.code, pb.STATUS_CODE_INTERNAL))
         return Verdict(exc.code, str(exc), reason, in_band)
     if isinstance(exc, grpc.aio.AioRpcError):  # from our own call to a peer sidecar
-        reason, _ = error_details(exc)
-        return Verdict(exc.code(), f"decoder: {exc.details()}", reason or exc.code().name,
-                       _IN_BAND_BY_CODE.get(exc.code(), pb.STATUS_CODE_INTERNAL))
+        reason = error_details(exc)[0] or exc.code().name
+        return Verdict(exc.code(), f"decoder: {exc.details()}", reason,
+                       _IN_BAND_BY_REASON.get(reason, _IN_BAND_BY_CODE.get(exc.code(), pb.STATUS_CODE_INTERNAL)))
     for row in TABLE:
         if isinstance(exc, row.exc):
             message = "cancelled" if row.code == C.CANCELLED and not str(exc) else str(exc) or row.exc.__name__
             return Verdict(row.code, message, row.reason, row.in_band, row.integrity)
-    logger.error("internal error", exc_info=exc)
     return Verdict(C.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", "INTERNAL", pb.STATUS_CODE_INTERNAL)
 
 
@@ -152,7 +157,9 @@ def in_band(exc: BaseException | None) -> pb.Status:
 def from_in_band(status: pb.Status, prefix: str = "decoder: ") -> RpcError:
     """The error an in-band verdict stands for (its code INTERNAL when unknown)."""
     code = _CODE_BY_IN_BAND.get(status.code, C.INTERNAL)
-    return RpcError(code, prefix + status.message, reason=status.reason or code.name)
+    # NOTE: a peer from before Status.reason sends none: its in-band code names the failure
+    reason = status.reason or _REASON_BY_IN_BAND.get(status.code, code.name)
+    return RpcError(code, prefix + status.message, reason=reason)
 
 
 def details(v: Verdict) -> tuple[tuple[str, bytes], ...]:
@@ -170,6 +177,8 @@ def details(v: Verdict) -> tuple[tuple[str, bytes], ...]:
 async def abort(context: grpc.aio.ServicerContext, exc: BaseException | Verdict) -> None:
     """End the call with ``exc``'s status, its ErrorInfo (and RetryInfo) attached."""
     v = exc if isinstance(exc, Verdict) else verdict(exc)
+    if v.code == C.INTERNAL and not isinstance(exc, Verdict):
+        logger.error("internal error", exc_info=exc)  # NOTE: once per failed call, here alone
     await context.abort(v.code, v.message, trailing_metadata=details(v))
 
 

@@ -91,7 +91,8 @@ def shipped_numeric_env(embedded_target) -> None:
 
     want = json.loads((default_checkpoint_dir() / MANIFEST).read_bytes()).get("numeric_env") or {}
     here = numeric_env(embedded_target)
-    if want.get("canary_kv_sha256") != here["canary_kv_sha256"]:
+    # NOTE: the whole record, torch build and kernel path included: they are manifest bytes too
+    if want != here:
         pytest.skip(f"{NUMERIC_ENV_SKIP}: canary KV {here['canary_kv_sha256'][:12]} here "
                     f"(torch {here['torch']}, {here['cpu_capability']}), "
                     f"{str(want.get('canary_kv_sha256'))[:12]} where it was built "

@@ -154,3 +154,36 @@ def test_error_details_without_a_trailer():
 
     assert error_details(NoTrailer()) == ("", None)
     assert error_details(object()) == ("", None)
+
+
+@pytest.mark.parametrize("code,reason", [
+    (pb.STATUS_CODE_PIN_MISMATCH, "PIN_MISMATCH"), (pb.STATUS_CODE_MU_MISMATCH, "MU_MISMATCH"),
+    (pb.STATUS_CODE_CHECKSUM_ERROR, "CHECKSUM_MISMATCH"),
+    (pb.STATUS_CODE_INTEGRITY_ERROR, "DATA_LOSS"),  # several reasons share it: the code's name, no guess
+    (pb.STATUS_CODE_CANCELLED, "CANCELLED"),
+])
+def test_a_peer_without_reasons_keeps_its_in_band_meaning(code, reason):
+    """A decoder from before Status.reason sends only the in-band code."""
+    from speckv.status import from_in_band
+
+    assert from_in_band(pb.Status(code=code, message="m")).reason == reason
+
+
+def test_an_internal_error_is_logged_once_per_call(caplog):
+    from speckv.status import abort, verdict
+
+    class Context:
+        aborted = None
+
+        async def abort(self, code, message, trailing_metadata=()):
+            self.aborted = (code, message)
+
+    exc = KeyError("oops")
+    with caplog.at_level("ERROR", logger="speckv.status"):
+        for _ in range(3):  # handlers ask for the code, the integrity kind and the in-band twin
+            verdict(exc), integrity_kind(exc), in_band(exc)
+        assert caplog.records == []
+        ctx = Context()
+        asyncio.run(abort(ctx, exc))
+    assert ctx.aborted == (C.INTERNAL, "internal error: KeyError: 'oops'")
+    assert [r.getMessage() for r in caplog.records] == ["internal error"]

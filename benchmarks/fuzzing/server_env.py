@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from speckv.client.client import DecoderClient, RpcFailed
 from speckv.coder.codec import Codec, CodecConfig, Fp8KV, bf16_bits
-from speckv.coder.integrity import KVDigest
+from speckv.digests import KVDigest
 from speckv.predictor.fp8 import kv_to_fp8
 from speckv.server.local import LocalPair
 from speckv.v1 import common_pb2 as pb

@@ -52,7 +52,7 @@ from .store import (
     state_digest,
     write_manifest,
 )
-from .target import COMPUTE_THREADS, Target, extract_kv, numeric_env
+from .target import CANARY_TOKENS, COMPUTE_THREADS, Target, extract_kv, numeric_env
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -63,7 +63,7 @@ MIXTURE = (0.95, 0.03, 0.02)  # N(mu, s^2), N(mu, (WIDE*s)^2), empirical symbols
 WIDE = 3.0
 SIGMA2_FLOOR = 1e-12  # keeps a channel whose residual is always 0 codable
 DEFAULT_CALIB_TOKENS = 4096
-DEFAULT_SEGMENT = 2048
+DEFAULT_SEGMENT = CANARY_TOKENS  # calibration segments run at the canary's shape (target.numeric_env)
 VOLATILE_CONFIG_KEYS = ("quantization_config", "_name_or_path", "transformers_version")
 
 

@@ -47,12 +47,11 @@ def build_model(config: Any, state: dict[str, "torch.Tensor"]) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-
     config._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     plain = {k: v for k, v in state.items() if not k.endswith((FP8_SUFFIX, SCALE_SUFFIX))}
     missing, unexpected = model.load_state_dict(plain, strict=False)
-    missing = [m for m in missing if not m.endswith(".weight") or m.rsplit(".", 2)[-2] not in _linear_names()]
+    missing = [m for m in missing if not m.endswith(".weight") or m.rsplit(".", 2)[-2] not in LINEAR_NAMES]
     missing = [m for m in missing if m != "lm_head.weight"]
     if missing or unexpected:
         raise CheckpointError(f"predictor weights do not fit the config: missing {missing[:4]}, "
@@ -71,11 +70,6 @@ def build_model(config: Any, state: dict[str, "torch.Tensor"]) -> Any:
     return model
 
 
-def _linear_names() -> tuple[str, ...]:
-
-    return LINEAR_NAMES
-
-
 class Predictor:
     """The checkpoint's predictor rung (FP8 copy, hybrid or channel means), as pinned."""
 
@@ -91,7 +85,6 @@ class Predictor:
     def from_checkpoint(cls, ckpt: Checkpoint, target: "Target | None" = None) -> "Predictor":
         """Build the checkpoint's rung; derived weights need the (embedded) target."""
         from transformers import AutoConfig
-
 
         config = AutoConfig.from_pretrained(ckpt.path / CONFIG, local_files_only=True)
         rung = ckpt.rung

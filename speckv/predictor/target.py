@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import numpy as np
 
 from speckv.errors import ModelLoadError
+from speckv.kv import bf16_bits
 from speckv.paths import cache_dir
 
 from .store import state_digest
@@ -189,7 +190,7 @@ class Target:
 # prompt missed a difference (AVX2 vs AVX-512) that 2048 tokens show.
 CANARY_PROMPT = ("The numeric environment of a predictor checkpoint: the same prompt, the same "
                  "weights, and every bit of the key/value cache depends on how this machine rounds.")
-CANARY_TOKENS = 2048  # = calibrate.DEFAULT_SEGMENT
+CANARY_TOKENS = 2048  # tokens of the canary forward; calibrate.DEFAULT_SEGMENT is this
 
 
 def numeric_env(target: Target) -> dict[str, Any]:
@@ -199,8 +200,7 @@ def numeric_env(target: Target) -> dict[str, Any]:
     import torch
 
     ids = np.resize(target.tokenize(CANARY_PROMPT), CANARY_TOKENS)
-    kv = target.kv(ids)
-    digest = hashlib.sha256(kv.contiguous().view(torch.int16).numpy().tobytes()).hexdigest()
+    digest = hashlib.sha256(bf16_bits(target.kv(ids)).tobytes()).hexdigest()
     return {"canary_kv_sha256": digest, "canary_tokens": CANARY_TOKENS, "torch": torch.__version__,
             "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 

@@ -203,7 +203,7 @@ def stored_stream(codec, request_id: str, bits: np.ndarray, ids: np.ndarray, pin
 
 def trailer_request(bits: np.ndarray, digest: bytes | None = None) -> dpb.TransferRequest:
     """The TransferTrailer of a BF16 KV (its whole-transfer digest, or the given one)."""
-    from speckv.coder.integrity import KVDigest
+    from speckv.digests import KVDigest
 
     d = KVDigest()
     for layer in bits:
