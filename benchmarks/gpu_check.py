@@ -28,7 +28,8 @@ import numpy as np
 from speckv.coder.codec import Codec, CodecConfig, Fp8KV
 from speckv.coder.rans import LANES
 from speckv.coder.rans_kernels import CudaKernels, cuda_available
-from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
+from speckv.predictor.checkpoint import load_checkpoint
+from speckv.predictor.store import default_checkpoint_dir
 
 BF16_SPECIAL = np.array([0x0000, 0x8000, 0x0001, 0x807F, 0x7F7F, 0xFF7F, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1,
                          0x3F80, 0xBF80, 0x0080, 0x4049, 0x1234, 0xC2F7], np.uint16)

@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Sequence, cast
 
 import numpy as np
 
+from speckv.digests import DIGEST_BYTES, digest, prompt_digest
 from speckv.errors import IntegrityError, MuMismatchError, PinMismatchError, PromptMismatchError
 from speckv.kv import Fp8KV, bf16_bits
 
 from . import container as ct
-from .integrity import DIGEST_BYTES, digest, prompt_digest, verified
+from .integrity import verified
 from .interfaces import CheckpointLike, MuSource
 from .model import BF16, E4M3, FP32, Context, ContextTable, FloatFormat, desymbolize, fp8_log2_sigma, symbolize
 from .plan import Plan, bf16_context_table, fp8_codes, mu_float32, plan_context

@@ -1,6 +1,6 @@
-"""Checksums of the stream's content: blake2b-128 fingerprints of mu and of the raw
-KV of each chunk, and the sha256 prompt digest. A decoded chunk is only ever
-returned through ``verified``, which raises IntegrityError on any mismatch.
+"""The check every decoded chunk passes: it is only ever returned through
+``verified``, which raises IntegrityError unless its raw bytes match the chunk's
+blake2b-128 ``raw_digest`` (the digests themselves are ``speckv.digests``).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from speckv.digests import DIGEST_BYTES, KVDigest, digest, prompt_digest  # noqa: F401
+from speckv.digests import digest
 from speckv.errors import IntegrityError
 
 from . import container as ct

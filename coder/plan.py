@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from speckv.digests import digest
+
 from . import container as ct
-from .integrity import digest
 from .model import BF16, Context, ContextTable, FloatFormat, context
 from .residual import ResidualModel
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from speckv.digests import DIGEST_BYTES, digest
 from speckv.errors import IntegrityError
 
 from . import container as ct
-from .integrity import DIGEST_BYTES, digest, verified
+from .integrity import verified
 from .rans import LANES
 
 

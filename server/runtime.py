@@ -40,9 +40,9 @@ class Runtime:
 
     @classmethod
     def load(cls, config: "ServerConfig") -> "Runtime":
-        from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
+        from speckv.predictor.checkpoint import load_checkpoint
         from speckv.predictor.predict import Predictor
-        from speckv.predictor.store import CONFIG
+        from speckv.predictor.store import CONFIG, default_checkpoint_dir
         from speckv.predictor.target import load_target
 
         ckpt = load_checkpoint(config.predictor or default_checkpoint_dir(), config.pin)

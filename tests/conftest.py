@@ -71,9 +71,10 @@ def embedded_session(embedded_target):
     predictor), sharing the already loaded target so target-only tests do not
     depend on the predictor checkpoint. ``Session.open()`` itself runs in
     test_predictor's cross-process determinism test."""
-    from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
+    from speckv.predictor.checkpoint import load_checkpoint
     from speckv.predictor.predict import Predictor
     from speckv.predictor.session import Session
+    from speckv.predictor.store import default_checkpoint_dir
 
     ckpt = load_checkpoint(default_checkpoint_dir())
     return Session(embedded_target, Predictor.from_checkpoint(ckpt, embedded_target))
@@ -86,7 +87,7 @@ def shipped_numeric_env(embedded_target) -> None:
     bytes or mu digests with committed ones hold only where the checkpoint was built.
     What must hold everywhere (same process, two processes, two rebuilds on one
     machine) is tested without this fixture."""
-    from speckv.predictor.checkpoint import MANIFEST, default_checkpoint_dir
+    from speckv.predictor.store import MANIFEST, default_checkpoint_dir
     from speckv.predictor.target import numeric_env
 
     want = json.loads((default_checkpoint_dir() / MANIFEST).read_bytes()).get("numeric_env") or {}

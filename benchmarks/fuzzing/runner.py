@@ -170,7 +170,8 @@ def setup(names: list[str], seed: int) -> tuple[CoderEnv | None, ServerEnv | Non
     """The environments the targets ``names`` need (the shipped checkpoint; the
     embedded model for the sidecars)."""
     from speckv.coder.codec import Codec, CodecConfig
-    from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
+    from speckv.predictor.checkpoint import load_checkpoint
+    from speckv.predictor.store import default_checkpoint_dir
 
     ck = load_checkpoint(default_checkpoint_dir())
     coder_env = server_env = None

@@ -7,7 +7,8 @@ import torch
 from cost import D, Evaluator, fp8_bits, fp8_inputs, load
 
 from speckv.coder.codec import Codec, CodecConfig, Fp8KV
-from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
+from speckv.predictor.checkpoint import load_checkpoint
+from speckv.predictor.store import default_checkpoint_dir
 
 torch.set_num_threads(1)
 

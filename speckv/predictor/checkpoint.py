@@ -34,7 +34,7 @@ from speckv.errors import CheckpointError, PinMismatchError
 
 from .fp8 import weight_to_fp8
 from .ladder import MEANS, NONE, Rung, is_bf16_layer, manifest_rung
-from .store import (  # noqa: F401
+from .store import (
     CALIB,
     CONFIG,
     FORMAT_NAME,
@@ -42,18 +42,12 @@ from .store import (  # noqa: F401
     FP8_SUFFIX,
     MANIFEST,
     SCALE_SUFFIX,
-    SHIPPED_RUNG,
     TABLES,
-    TUNED_KEYS,
     TUNED_TABLES,
     WEIGHTS,
     Calibration,
     canonical_json,
-    default_checkpoint_dir,
-    save_npz_stable,
     sha256_file,
-    state_digest,
-    write_manifest,
 )
 from .target import LINEAR_NAMES
 

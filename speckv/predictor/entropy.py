@@ -21,7 +21,7 @@ from .fp8 import e4m3_values
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from .checkpoint import Calibration
+    from .store import Calibration
 
 
 def sm_ordinal(codes: np.ndarray, bits: int) -> np.ndarray:

@@ -25,9 +25,10 @@ import numpy as np
 
 from speckv.errors import CheckpointError, PinMismatchError
 
-from .checkpoint import CONFIG, FP8_SUFFIX, SCALE_SUFFIX, WEIGHTS, Checkpoint, fp8_state, state_digest
+from .checkpoint import Checkpoint, fp8_state
 from .fp8 import dequantize_e4m3
 from .ladder import MEANS, load_means, mean_model
+from .store import CONFIG, FP8_SUFFIX, SCALE_SUFFIX, WEIGHTS, state_digest
 from .target import LINEAR_NAMES, extract_kv, load_target, replace_linears
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .calibrate import bf16_symbols
-from .checkpoint import default_checkpoint_dir, load_checkpoint
+from .checkpoint import load_checkpoint
 from .entropy import ideal_bits, order0_bits
 from .fp8 import kv_to_fp8
 from .predict import Predictor
+from .store import default_checkpoint_dir
 from .target import load_target
 
 if TYPE_CHECKING:  # pragma: no cover

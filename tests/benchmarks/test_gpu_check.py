@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from speckv.coder.rans_kernels import HostKernels
-from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
+from speckv.predictor.checkpoint import load_checkpoint
+from speckv.predictor.store import default_checkpoint_dir
 
 
 @pytest.fixture(scope="module")

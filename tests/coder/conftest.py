@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from speckv.coder.codec import Codec, CodecConfig
-from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
+from speckv.predictor.checkpoint import load_checkpoint
+from speckv.predictor.store import default_checkpoint_dir
 
 
 @pytest.fixture(scope="module")

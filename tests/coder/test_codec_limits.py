@@ -14,7 +14,8 @@ import torch
 from speckv.coder import container as ct
 from speckv.coder.codec import MAX_ELEMS_PER_LANE, Codec, CodecConfig, Fp8KV
 from speckv.errors import IntegrityError, SpeckvError
-from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
+from speckv.predictor.checkpoint import load_checkpoint
+from speckv.predictor.store import default_checkpoint_dir
 
 SHAPE = (30, 2, 3, 2, 64)
 

@@ -41,8 +41,9 @@ from speckv.coder.tables import (
     table_row,
 )
 from speckv.errors import IntegrityError, SpeckvError
-from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
+from speckv.predictor.checkpoint import load_checkpoint
 from speckv.predictor.fp8 import e4m3_values
+from speckv.predictor.store import default_checkpoint_dir
 
 # NaN / Inf / overflowing inputs are the point here: numpy's warnings are noise
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")

@@ -16,7 +16,7 @@ from speckv.coder.tables import (
     build_tables,
     quantize_freqs,
 )
-from speckv.predictor.checkpoint import default_checkpoint_dir
+from speckv.predictor.store import default_checkpoint_dir
 
 
 @pytest.fixture(scope="module")

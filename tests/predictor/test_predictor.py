@@ -24,7 +24,9 @@ from hypothesis import strategies as st
 from speckv.cli.main import main as cli_main
 from speckv.errors import CalibrationError, CheckpointError, PinMismatchError
 from speckv.predictor.calibrate import MIXTURE, WIDE, build_checkpoint, segments
-from speckv.predictor.checkpoint import (
+from speckv.predictor.checkpoint import load_checkpoint
+from speckv.predictor.predict import Predictor
+from speckv.predictor.store import (
     CALIB,
     CONFIG,
     MANIFEST,
@@ -32,10 +34,8 @@ from speckv.predictor.checkpoint import (
     WEIGHTS,
     canonical_json,
     default_checkpoint_dir,
-    load_checkpoint,
     write_manifest,
 )
-from speckv.predictor.predict import Predictor
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOKENS, SEGMENT = 64, 32
@@ -378,7 +378,8 @@ def test_shipped_default_predictor_is_reproducible(embedded_target, shipped_nume
 @pytest.mark.parametrize("drop", ["calib.npz", "tables.npz", "config.json"])
 def test_manifest_must_list_every_checkpoint_file(tmp_path, drop):
     """Re-signing a manifest that no longer covers a file must not pass verification."""
-    from speckv.predictor.checkpoint import default_checkpoint_dir, load_checkpoint
+    from speckv.predictor.checkpoint import load_checkpoint
+    from speckv.predictor.store import default_checkpoint_dir
 
     d = tmp_path / "ck"
     shutil.copytree(default_checkpoint_dir(), d)

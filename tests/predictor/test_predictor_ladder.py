@@ -21,17 +21,17 @@ from speckv.cli.main import main as cli_main
 from speckv.coder.codec import Codec, bf16_bits
 from speckv.errors import CheckpointError, PinMismatchError
 from speckv.predictor.calibrate import SIGMA2_FLOOR, build_checkpoint, segments
-from speckv.predictor.checkpoint import (
+from speckv.predictor.checkpoint import load_checkpoint
+from speckv.predictor.ladder import MEANS, Rung, parse_rung
+from speckv.predictor.predict import Predictor
+from speckv.predictor.store import (
     MANIFEST,
     SHIPPED_RUNG,
     WEIGHTS,
     canonical_json,
     default_checkpoint_dir,
-    load_checkpoint,
     write_manifest,
 )
-from speckv.predictor.ladder import MEANS, Rung, parse_rung
-from speckv.predictor.predict import Predictor
 
 TOKENS, SEGMENT = 64, 32
 PROMPT = "Every bit the coder spends is the mismatch."

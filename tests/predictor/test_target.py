@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from speckv.errors import ModelLoadError
-from speckv.predictor.checkpoint import default_checkpoint_dir, state_digest
+from speckv.predictor.store import default_checkpoint_dir, state_digest
 from speckv.predictor.target import load_target
 
 PROMPT = "The lighthouse keeper counted the ships passing in the fog."
