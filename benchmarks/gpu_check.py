@@ -40,7 +40,7 @@ DEVICE_CODER = "cuda"  # tests/benchmarks/test_gpu_check.py runs this script's l
 
 def codecs(ck, epl: int = 1024, lpc: int = 2) -> tuple[Codec, Codec]:
     cfg = dict(elems_per_lane=epl, layers_per_chunk=lpc)
-    return (Codec.from_checkpoint(ck, CodecConfig(coder="cpu", **cfg)),
+    return (Codec.from_checkpoint(ck, CodecConfig(coder="numpy", **cfg)),
             Codec.from_checkpoint(ck, CodecConfig(coder=DEVICE_CODER, **cfg)))
 
 

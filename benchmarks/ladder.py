@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calib", type=Path, default=CORPUS / "wikitext2-valid.txt")
     ap.add_argument("--calib-tokens", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of each model (median)")
-    ap.add_argument("--coder", choices=("cpu", "cuda", "auto"), default="cpu")
+    ap.add_argument("--coder", choices=("numpy", "native", "cuda", "auto"), default="auto")
     ap.add_argument("--json", type=Path, default=None, help="write the rows and settings here")
     args = ap.parse_args(argv)
 

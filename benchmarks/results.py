@@ -137,10 +137,11 @@ def measure(rung: str, env: dict[str, Any], args: argparse.Namespace, root: Path
         mu = pred.mu(ids)
         for dtype, kv in kvs.items():
             for name in variants:
-                codec = Codec(ck.tables, ck.calib.sigma_log2_q, pin, config=CodecConfig(coder="cpu"),
+                codec = Codec(ck.tables, ck.calib.sigma_log2_q, pin, config=CodecConfig(coder="numpy"),
                               models={2: variant_models(ck)[name]} if name != "seed" else None)
                 row[f"{text}/{dtype}/{name}"] = stream_bits(codec, kv, ids, mu)
-            row[f"{text}/{dtype}/coded"] = coded_bits(Codec.from_checkpoint(ck, CodecConfig(coder="cpu")), kv, ids, mu)
+            numpy_codec = Codec.from_checkpoint(ck, CodecConfig(coder="numpy"))
+            row[f"{text}/{dtype}/coded"] = coded_bits(numpy_codec, kv, ids, mu)
     print(f"{rung}: " + ", ".join(f"{k} {v[2] if isinstance(v, tuple) else v:.3f}" for k, v in row.items()
                                   if "/" in k), file=sys.stderr, flush=True)
     return row
@@ -166,7 +167,7 @@ def coder_speed() -> dict[str, float]:
     """``speckv bench`` on the default checkpoint: encode/decode MB/s of the numpy coder."""
     from speckv.cli.bench import run_bench
 
-    r = run_bench(quiet=True, coder="cpu", timing_runs=1)
+    r = run_bench(quiet=True, coder="numpy", timing_runs=1)
     return {"encode_mb_s": r["encode_mb_s"], "decode_mb_s": r["decode_mb_s"], "bits": r["bits_per_scalar"]}
 
 

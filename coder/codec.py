@@ -28,12 +28,12 @@ from speckv.errors import IntegrityError, MuMismatchError, PinMismatchError, Pro
 from speckv.kv import Fp8KV, bf16_bits
 
 from . import container as ct
+from .backends import CODERS, select_backend
 from .integrity import verified
 from .interfaces import CheckpointLike, MuSource
 from .model import BF16, E4M3, FP32, Context, ContextTable, FloatFormat, desymbolize, fp8_log2_sigma, symbolize
 from .plan import Plan, bf16_context_table, fp8_codes, mu_float32, plan_context
 from .rans import LANES, RansBlocks, concat_blocks, rans_encode, split_blocks
-from .rans_kernels import CODERS, select_kernels
 from .residual import MODEL_NAMES, MODEL_SEED, ResidualModel, models_of
 from .stored import stored_chunk, unstored_chunk
 from .tables import NOOP_TABLE, CodingTables, decode_symbols
@@ -54,7 +54,7 @@ class CodecConfig:
     elems_per_lane: int = 1024  # rANS ops per lane; 32 * this elements per block
     layers_per_chunk: int = 2
     threads: int = field(default_factory=lambda: min(2, os.cpu_count() or 1))  # numpy releases the GIL
-    coder: str = "cpu"  # rANS backend: cpu (numpy) | cuda | auto | host (kernels' g++ build)
+    coder: str = "auto"  # per-scalar pipeline: numpy (reference) | native (CPU extension) | cuda | auto
     model: str = "auto"  # residual model to encode with: seed | tuned | auto (the best the checkpoint has)
 
     def __post_init__(self) -> None:
@@ -87,7 +87,7 @@ class Codec:
         self.config = config or CodecConfig()
         self.model_id = self._encode_model(self.config.model)
         self._bf16_tables: dict[int, ContextTable] = {}  # by model id, built on first use
-        self.kernels = select_kernels(self.config.coder)  # None: the numpy rANS loops
+        self.backend = select_backend(self.config.coder, self.config.threads)  # None: the numpy reference
 
     def _encode_model(self, name: str) -> int:
         if name == "auto":
@@ -172,15 +172,18 @@ class Codec:
         """Chunks ``idx`` coded in one vectorised rANS pass (blocks never span chunks)."""
         if not idx:
             return []
+        if self.backend is not None:  # the same bytes (tests/coder/test_native.py)
+            counts = [h.chunk_layers(i)[1] for i in idx]
+            assert plan.x is not None  # an encoding plan
+            coded = self.backend.encode(plan.x, plan.mu, plan.log2_sigma, counts, h.elems_per_lane, plan.model.tables)
+            return self._map(lambda a: self._chunk_record(plan, h, a[0], a[1].blocks, a[1].bits),
+                             list(zip(idx, coded, strict=True)))
         parts = self._map(lambda i: self._chunk_ops(plan, h, i), idx)
         start = np.concatenate([p[0] for p in parts])
         freq = np.concatenate([p[1] for p in parts])
-        if self.kernels is not None:
-            blocks = self.kernels.encode(start, freq)  # the same bytes (tests/coder/test_rans_kernels.py)
-        else:
-            groups = np.array_split(np.arange(len(start)), self.config.threads)
-            coded = self._map(lambda g: rans_encode(start[g], freq[g], validate=False), groups)
-            blocks = concat_blocks(coded)  # ops come from verified tables: no range checks
+        groups = np.array_split(np.arange(len(start)), self.config.threads)
+        coded_np = self._map(lambda g: rans_encode(start[g], freq[g], validate=False), groups)
+        blocks = concat_blocks(coded_np)  # ops come from verified tables: no range checks
         spans = [len(p[0]) for p in parts]
         return [self._chunk_record(plan, h, i, rb, p[2])
                 for i, rb, p in zip(idx, split_blocks(blocks, spans), parts, strict=True)]
@@ -229,16 +232,25 @@ class Codec:
         mu = bf16_bits(mu)
         model = self.models[self.model_id if model_id is None else model_id]
         layers = layers or slice(0, mu.shape[0])
-        mu, lg, layer0 = model.correct(mu[layers], layers), model.log2_sigma[layers], layers.start
-        if isinstance(kv, Fp8KV) or fmt is E4M3:
+        lg, layer0 = model.log2_sigma[layers], layers.start
+        fp8 = isinstance(kv, Fp8KV) or fmt is E4M3
+        if fp8:
             scales = np.ascontiguousarray(kv.scales if isinstance(kv, Fp8KV) else scales, np.float32)
-            # NOTE: one IEEE fp32 division per scalar (correctly rounded on every backend);
-            # scales come from the stream: 0, inf or NaN give inf/NaN mu, which escape
-            with np.errstate(all="ignore"):
-                y = mu_float32(mu) / scales[:, :, None, None, None]
+        if self.backend is not None:  # mu correction and the FP8 division, natively
+            a = None if model.mu_scale is None else model.mu_scale[layers]
+            b = None if model.mu_shift is None else model.mu_shift[layers]
+            mu = self.backend.prepare_mu(mu[layers], a, b, scales if fp8 else None)
+        else:
+            mu = model.correct(mu[layers], layers)
+            if fp8:
+                # NOTE: one IEEE fp32 division per scalar (correctly rounded on every backend);
+                # scales come from the stream: 0, inf or NaN give inf/NaN mu, which escape
+                with np.errstate(all="ignore"):
+                    mu = (mu_float32(mu) / scales[:, :, None, None, None]).view(np.uint32)
+        if fp8:
             log2_sigma = fp8_log2_sigma(lg, scales.view(np.uint32)[:, :, None, None])
             x = fp8_codes(kv.codes) if isinstance(kv, Fp8KV) else None
-            return Plan(E4M3, FP32, x, y.view(np.uint32), log2_sigma, scales, model, layer0)
+            return Plan(E4M3, FP32, x, mu, log2_sigma, scales, model, layer0)
         x = bf16_bits(kv) if kv is not None else None
         return Plan(BF16, BF16, x, mu, lg, None, model, layer0)
 
@@ -332,12 +344,23 @@ class Codec:
         for c in chunks:
             if not c.n_blocks and c.bits:
                 raise IntegrityError(f"chunk {c.index}: raw bits without elements")
+        if self.backend is not None and live:
+            return self._decode_backend(plan, h, chunks)
         ctxs = self._map(lambda c: self._context(plan, plan.chunk_slice(h, c.index)), live)
         js = self._run_decoder(live, ctxs, el, plan.model.tables) if live else []
         bits = self._map(lambda a: desymbolize(plan.fmt, plan.model.tables, a[1], a[2][:len(a[1].t)], a[0].bits),
                          list(zip(live, ctxs, js, strict=True)))
         out = {c.index: b for c, b in zip(live, bits, strict=True)}
         return [out.get(c.index, np.zeros(0, np.int64)) for c in chunks]
+
+    def _decode_backend(self, plan: Plan, h: ct.StreamHeader, chunks: Sequence[ct.Chunk]) -> list[np.ndarray]:
+        """The backend decodes consecutive chunks (all live) into one array; per-chunk views."""
+        sl = slice(plan.chunk_slice(h, chunks[0].index).start, plan.chunk_slice(h, chunks[-1].index).stop)
+        out = np.empty(plan.mu[sl].shape, np.uint16 if plan.fmt is BF16 else np.uint8)
+        streams = [(RansBlocks(c.states, c.word_counts, c.words), c.bits) for c in chunks]
+        self.backend.decode(plan.mu[sl], plan.log2_sigma[sl], [c.layer_count for c in chunks], h.elems_per_lane,
+                            streams, plan.model.tables, out)
+        return [out[plan.chunk_slice(h, c.index).start - sl.start:][:c.layer_count] for c in chunks]
 
     def _run_decoder(self, live: Sequence[ct.Chunk], ctxs: Sequence[Context], el: int,
                      coding: CodingTables) -> list[np.ndarray]:
@@ -351,9 +374,6 @@ class Codec:
             tables[pos:pos + len(ctx.t)] = ctx.t
             pos += c.n_blocks * el * LANES
         tables = tables.reshape(nb, el, LANES)  # element = block, step, lane
-        if self.kernels is not None:
-            js = self.kernels.decode(blocks, el, tables, coding.gauss)
-            return [p.ravel() for p in np.split(js, np.cumsum([c.n_blocks for c in live])[:-1])]
         groups = [g for g in np.array_split(np.arange(nb), self.config.threads) if len(g)]
         parts = self._map(lambda a: decode_symbols(coding, a[0], tables[a[1][0]:a[1][-1] + 1], el),
                           list(zip(split_blocks(blocks, [len(g) for g in groups]), groups, strict=True)))

@@ -177,7 +177,7 @@ def setup(names: list[str], seed: int) -> tuple[CoderEnv | None, ServerEnv | Non
     coder_env = server_env = None
     if any(t in CODER_TARGETS for t in names):
         codec = Codec.from_checkpoint(  # every residual model; streams use the default (model 2)
-            ck, CodecConfig(elems_per_lane=16, layers_per_chunk=10, threads=1, coder="cpu"))
+            ck, CodecConfig(elems_per_lane=16, layers_per_chunk=10, threads=1, coder="numpy"))
         coder_env = CoderEnv(codec, seed)
     if any(t in SERVER_TARGETS for t in names):
         from speckv.predictor.predict import Predictor

@@ -148,7 +148,7 @@ class ServerEnv:
         self.fp8 = Fp8KV(codes.cpu().numpy().astype(np.uint8), scales.cpu().numpy().astype(np.float32))
         self.pin = predictor.pin
         codec = Codec.from_predictor(predictor, CodecConfig(elems_per_lane=16, layers_per_chunk=10, threads=1,
-                                                            coder="cpu"))
+                                                            coder="numpy"))
         self.bases = transfer_bases(codec, self.pin, self.ids, bf16_bits(predictor.mu(self.ids)),
                                     {"bf16": (self.kv_bf16, None), "fp8": (self.fp8.codes, self.fp8.scales)})
         self.donors = [r for b in self.bases.values() for r in b.records]

@@ -13,7 +13,7 @@ from speckv.predictor.store import default_checkpoint_dir
 torch.set_num_threads(1)
 
 ck = load_checkpoint(default_checkpoint_dir())
-codec = Codec(ck.tables, ck.calib.sigma_log2_q, ck.pin, None, CodecConfig(coder="cpu", threads=1))
+codec = Codec(ck.tables, ck.calib.sigma_log2_q, ck.pin, None, CodecConfig(coder="numpy", threads=1))
 Ls = np.load(f"{D}/log2_sigma.npy")
 tab = ck.tables
 kv, mu = load("shake")

@@ -13,7 +13,10 @@
 // NOTE: NVRTC (CuPy RawModule) ships no C standard headers
 typedef unsigned int uint32_t;
 typedef unsigned short uint16_t;
+typedef unsigned char uint8_t;
 typedef int int32_t;
+typedef unsigned long long uint64_t;
+typedef long long int64_t;
 #else
 #include <stdint.h>
 #endif
@@ -22,13 +25,7 @@ typedef int int32_t;
 #include <cstdint>
 #endif
 
-#define SPK_PROB_BITS 15u                      // frequencies are 15-bit fixed point
-#define SPK_PROB_SCALE (1u << SPK_PROB_BITS)    // an alphabet's frequencies sum to this
-#define SPK_PROB_MASK (SPK_PROB_SCALE - 1u)     // state & mask = decoder slot
-#define SPK_LANES 32u                           // lanes per block: one warp
-#define SPK_WORD_BITS 16u                       // renormalisation words are uint16
-#define SPK_RANS_L (1u << 16)                   // state lower bound between ops
-#define SPK_X_MAX_SHIFT 17u                     // x_max = 2**17 * freq (see rans.py NOTE)
+#include "spk_consts.h"
 
 // -- encoder -----------------------------------------------------------------
 // enc_put: code one op (start, freq) into *x. Returns 1 when the lane first
@@ -56,6 +53,15 @@ SPK_HD uint32_t dec_find(const uint16_t* cum, uint32_t n, uint32_t slot) {
         if (cum[mid] <= slot) lo = mid; else hi = mid;
     }
     return lo;
+}
+
+// dec_find_bucketed: the same symbol, starting from the bucket index of the slot's
+// top bits (the first symbol whose range reaches into that bucket), then stepping up:
+// near the mode a symbol spans more than a bucket, so this is 0-1 steps per op.
+SPK_HD uint32_t dec_find_bucketed(const uint16_t* cum, uint32_t n, const uint16_t* bucket, uint32_t slot) {
+    uint32_t j = bucket[slot >> SPK_BUCKET_SHIFT];
+    while (j + 1u < n && cum[j + 1u] <= slot) ++j;
+    return j;
 }
 
 // dec_advance: consume the op (start, freq) that owns slot = dec_get(*x).

@@ -95,6 +95,7 @@ def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf
               target: str = "default", predictor: str | None = None, pin: str | None = None,
               quiet: bool = False, coder: str = "auto", model: str = "auto",
               timing_runs: int = 3) -> dict[str, Any]:
+    from speckv.coder.backends import backend_name
     from speckv.coder.codec import Codec, CodecConfig, Fp8KV, bf16_bits
     from speckv.predictor.fp8 import kv_to_fp8
     from speckv.predictor.session import Session
@@ -137,7 +138,7 @@ def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf
             "predictor_cost": predictor_s / max(target_s, 1e-12), "model": _model_name(codec.model_id),
             "fp8_copy_cost": (fp8_s if fp8_s is not None else predictor_s) / max(target_s, 1e-12),
             "rung": sess.predictor.checkpoint.rung.name, "pin": sess.pin, "peers": peer_rows,
-            "coder": "numpy" if codec.kernels is None else type(codec.kernels).__name__}
+            "coder": backend_name(codec.backend), "threads": codec.config.threads}
 
 
 def timed_prefill(sess: Any, ids: np.ndarray, runs: int,

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from speckv.coder.rans_kernels import CODERS
+from speckv.coder.backends import CODERS
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +33,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--predictor", default=None, help="predictor checkpoint directory (default: the embedded one)")
     p.add_argument("--pin", default=None, help="expected sha256 pin of the predictor checkpoint")
     p.add_argument("--coder", choices=CODERS, default="auto",
-                   help="rANS backend: numpy (cpu), CuPy CUDA kernels (cuda), cuda when available (auto, "
-                        "default), or the kernels' g++ build (host)")
+                   help="per-scalar coder: numpy (the reference), native (the CPU extension), cuda (CuPy "
+                        "kernels), or auto: cuda when present, else native, else numpy (default: %(default)s)")
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:

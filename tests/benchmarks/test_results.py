@@ -26,7 +26,7 @@ def test_element_bits_add_up_to_the_coded_size(results, embedded_session, dtype)
         kv = Fp8KV(q.numpy(), s.numpy())
     n = kv.codes.size if dtype == "fp8" else kv.numel()
     for name, model in results.variant_models(ck).items():
-        codec = Codec(ck.tables, ck.calib.sigma_log2_q, ck.pin, config=CodecConfig(coder="cpu", threads=1),
+        codec = Codec(ck.tables, ck.calib.sigma_log2_q, ck.pin, config=CodecConfig(coder="numpy", threads=1),
                       models={model.model_id: model})
         k, v, total = results.stream_bits(codec, kv, ids, mu)
         assert total == pytest.approx((k + v) / 2)

@@ -1,9 +1,17 @@
-"""Fixtures shared by the codec tests: the shipped checkpoint and cached codecs."""
+"""Fixtures shared by the codec tests: the shipped checkpoint and cached codecs.
+
+Every test that builds its codecs with ``make_codec`` runs once per CPU coder
+(``coder``: the numpy reference, then the native extension), so the golden
+streams, round trips, property tests and corrupt-stream rejections all hold for
+both; a missing extension skips the native half (fails in CI:
+SPECKV_REQUIRE_NATIVE)."""
 
 from __future__ import annotations
 
 import pytest
+from require import missing
 
+from speckv.coder import native
 from speckv.coder.codec import Codec, CodecConfig
 from speckv.predictor.checkpoint import load_checkpoint
 from speckv.predictor.store import default_checkpoint_dir
@@ -14,14 +22,23 @@ def ckpt():
     return load_checkpoint(default_checkpoint_dir())
 
 
+@pytest.fixture(scope="module", params=["numpy", "native"])
+def coder(request):
+    """The CPU coder this module's codecs use by default."""
+    if request.param == "native" and not native.available():
+        missing("NATIVE", f"the native coder is not built ({native.IMPORT_ERROR})")
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def make_codec(ckpt):
-    """``make_codec(elems_per_lane, layers_per_chunk, threads=2, pin=None, coder="cpu")``, one
+def make_codec(ckpt, coder):
+    """``make_codec(elems_per_lane, layers_per_chunk, threads=2, pin=None, coder=<coder>)``, one
     Codec per configuration (a Codec keeps no per-stream state)."""
     cache: dict[tuple, Codec] = {}
+    default = coder
 
     def make(epl: int = 1024, lpc: int = 2, threads: int = 2, pin: str | None = None,
-             coder: str = "cpu") -> Codec:
+             coder: str = default) -> Codec:
         key = (epl, lpc, threads, pin, coder)
         if key not in cache:
             cfg = CodecConfig(elems_per_lane=epl, layers_per_chunk=lpc, threads=threads, coder=coder)

@@ -1,0 +1,75 @@
+"""Which coder runs the per-scalar pipeline: ``--coder numpy|native|cuda|auto``.
+
+- ``numpy``: the reference (coder/model.py, coder/rans.py) and every test's oracle.
+- ``native``: the CPU extension built at install (``coder/native.py``).
+- ``cuda``: the fused CuPy kernels on a CUDA device (``coder/cuda.py``).
+- ``auto``: cuda where a device and CuPy are present, else native, else numpy.
+
+All write the same bytes. A backend that is asked for but missing falls back with
+one log line (``native`` -> numpy, ``cuda`` -> native); with
+``SPECKV_REQUIRE_NATIVE=1`` (set by CI) a missing extension is an error instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from . import native
+
+logger = logging.getLogger(__name__)
+
+CODERS = ("auto", "native", "numpy", "cuda")
+_warned: set[str] = set()
+
+
+def cuda_available() -> bool:
+    """A CUDA device and CuPy (``speckv[cuda]``) are both present."""
+    try:
+        import cupy as cp
+
+        return bool(cp.cuda.runtime.getDeviceCount() > 0)
+    except Exception:  # noqa: BLE001 -- ImportError, or CUDA driver errors when there is no device
+        return False
+
+
+def native_missing_message() -> str:
+    return (f"speckv: the native coder was not built with this installation ({native.IMPORT_ERROR}); "
+            "using the numpy coder (reinstall with a C++17 compiler present: pip install .)")
+
+
+def _native_or_numpy(threads: int) -> Any:
+    if native.available():
+        return native.NativeCoder(threads)
+    if os.environ.get("SPECKV_REQUIRE_NATIVE") == "1":
+        raise native.NativeUnavailable(native_missing_message() + " [SPECKV_REQUIRE_NATIVE=1]")
+    _warn_once("native", native_missing_message())
+    return None
+
+
+def select_backend(coder: str, threads: int) -> Any:
+    """The backend object for ``coder`` (None = numpy): NativeCoder or CudaCoder."""
+    if coder not in CODERS:
+        raise ValueError(f"coder must be one of {CODERS}, not {coder!r}")
+    if coder == "numpy":
+        return None
+    if coder in ("cuda", "auto") and cuda_available():
+        from .cuda import CudaCoder
+
+        return CudaCoder.load()
+    if coder == "cuda":
+        _warn_once("cuda", "speckv: --coder cuda: no CUDA device or CuPy (pip install 'speckv[cuda]'); "
+                   "using the CPU coder")
+    return _native_or_numpy(threads)
+
+
+def backend_name(backend: Any) -> str:
+    """What ``speckv bench --json`` reports as ``coder``."""
+    return "numpy" if backend is None else str(backend.name)
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(msg)

@@ -1,0 +1,262 @@
+// Per-element logic of speckv's probability model (coder/model.py, coder/residual.py,
+// coder/tables.py), as __host__ __device__ functions shared by the CPU extension
+// (spk_native.cpp) and the CUDA kernels (spk_fused.cu): both run this very code.
+//
+// Every scalar x is coded relative to its prediction mu on a power-of-two grid
+// w = 2^k (FORMAT.md "Probability model 1"): one rANS op for the bin distance
+// d = c_x - c_mu under Gaussian table t, and raw bits (LOW, ZMAN, ESC, UNARY) for
+// the rest. Integer arithmetic on bit patterns, except a handful of IEEE float32
+// operations that are exact or correctly rounded on every backend.
+// NOTE: those float operations must be neither fused (FMA) nor flushed to zero:
+// the host build uses -ffp-contract=off without -ffast-math, the device code the
+// explicit round-to-nearest intrinsics below.
+#pragma once
+#include "rans_lane.cuh"
+
+#ifdef __CUDA_ARCH__
+#define SPK_FMUL(a, b) __fmul_rn((a), (b))
+#define SPK_FADD(a, b) __fadd_rn((a), (b))
+#define SPK_FSUB(a, b) __fsub_rn((a), (b))
+#define SPK_FDIV(a, b) __fdiv_rn((a), (b))
+#define SPK_ISNAN(a) isnan(a)
+SPK_HD float spk_f32(uint32_t u) { return __uint_as_float(u); }
+SPK_HD uint32_t spk_u32(float f) { return __float_as_uint(f); }
+SPK_HD int32_t spk_clz32(uint32_t v) { return __clz(v); }
+SPK_HD int32_t spk_clz64(uint64_t v) { return __clzll(v); }
+#else
+#include <cmath>
+#include <cstring>
+#define SPK_FMUL(a, b) ((a) * (b))
+#define SPK_FADD(a, b) ((a) + (b))
+#define SPK_FSUB(a, b) ((a) - (b))
+#define SPK_FDIV(a, b) ((a) / (b))
+#define SPK_ISNAN(a) std::isnan(a)
+SPK_HD float spk_f32(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+SPK_HD uint32_t spk_u32(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+SPK_HD int32_t spk_clz32(uint32_t v) { return __builtin_clz(v); }
+SPK_HD int32_t spk_clz64(uint64_t v) { return __builtin_clzll(v); }
+#endif
+
+SPK_HD int32_t spk_min(int32_t a, int32_t b) { return a < b ? a : b; }
+SPK_HD int32_t spk_max(int32_t a, int32_t b) { return a > b ? a : b; }
+
+// A sign-magnitude float format coded by the model (model.FloatFormat).
+template <int BITS, int MANT, int BIAS, int MAX_FIELD, bool E4M3FN>
+struct SpkFormat {
+    static constexpr int bits = BITS, mant = MANT, bias = BIAS, max_field = MAX_FIELD;
+    static constexpr bool fp8 = E4M3FN;
+    static constexpr uint32_t exp_mask = (1u << (BITS - 1 - MANT)) - 1u;
+    static constexpr uint32_t mant_mask = (1u << MANT) - 1u;
+    static constexpr int k_min = 1 - BIAS;                  // zero bin = zeros + subnormals
+    static constexpr int k_max = MAX_FIELD - BIAS - MANT;   // coarser bins skip top values
+};
+typedef SpkFormat<16, 7, 127, 254, false> SpkBF16;
+typedef SpkFormat<8, 3, 7, 15, true> SpkE4M3;
+typedef SpkFormat<32, 23, 127, 254, false> SpkFP32;  // mu of the FP8 path: predictor / scale
+
+template <class F>
+SPK_HD bool spk_finite(uint32_t x) {
+    if (F::fp8) return (x & 0x7Fu) != 0x7Fu;  // e4m3fn: only NaN is non-finite
+    return ((x >> F::mant) & F::exp_mask) != F::exp_mask;
+}
+
+// Exact float32 value of a bit pattern (model.as_float32).
+template <class F>
+SPK_HD float spk_as_float(uint32_t x) {
+    if (F::bits == 32) return spk_f32(x);
+    if (F::bits == 16) return spk_f32(x << 16);
+    // e4m3fn: normal (8 + m) 2^(e - 10) = exponent e - 7; subnormal m 2^-9 (exact)
+    const uint32_t e = (x >> 3) & 0xFu, m = x & 7u, s = (x & 0x80u) << 24;
+    if ((x & 0x7Fu) == 0x7Fu) return spk_f32(0x7FC00000u | s);
+    if (e) return spk_f32(s | ((e + 120u) << 23) | (m << 20));
+    return spk_f32(s | spk_u32(SPK_FMUL((float)m, 0.001953125f)));  // m * 2^-9
+}
+
+// floor(log2 n) (0 for n = 0): model.FLOG2
+SPK_HD int32_t spk_flog2(uint32_t n) { return 31 - spk_clz32(n | 1u); }
+
+// floor(8 log2 n) for 1 <= n <= 255, exactly: the largest j with 2^j <= n^8 (model.LOG2Q8)
+SPK_HD int32_t spk_log2q8(uint32_t n) {
+    uint64_t p = (uint64_t)n * n;
+    p *= p;
+    p *= p;
+    return 63 - spk_clz64(p);
+}
+
+// Table row for log2 sigma_b = lam / 8 and mu's offset in its bin (tables.table_row).
+SPK_HD int32_t spk_table_row(int32_t lam, int32_t off) {
+    lam = spk_max(SPK_LAMBDA_MIN, spk_min(lam, SPK_LAMBDA_MAX));
+    if (lam < SPK_LAMBDA_OFFSET) return (lam - SPK_LAMBDA_MIN) * SPK_OFFSETS + off;
+    return (SPK_LAMBDA_OFFSET - SPK_LAMBDA_MIN) * SPK_OFFSETS + lam - SPK_LAMBDA_OFFSET;
+}
+
+// |value| in grid units, clamped to [0, MAX_BIN] (NaN -> 0): model.bin_index before floor.
+// NOTE: scaling by 2^-k is exact (or a correctly rounded underflow): 2^-k is built from
+// its bits, k in [-126, 120].
+template <class F>
+SPK_HD float spk_grid_value(uint32_t x, int32_t k) {
+    const float scale = spk_f32((uint32_t)(127 - k) << 23);
+    float v = SPK_FMUL(spk_f32(spk_u32(spk_as_float<F>(x)) & 0x7FFFFFFFu), scale);
+    if (SPK_ISNAN(v)) return 0.0f;
+    return v < (float)SPK_MAX_BIN ? v : (float)SPK_MAX_BIN;
+}
+
+// Signed bin of x on the grid 2^k: c = floor(|x| / w) for +x, -1 - c for -x.
+// NOTE: grid values lie in [0, MAX_BIN], where truncation is floor (and exact).
+template <class F>
+SPK_HD int32_t spk_bin(uint32_t x, int32_t k) {
+    const int32_t mag = (int32_t)spk_grid_value<F>(x, k);
+    return (x >> (F::bits - 1)) ? ~mag : mag;
+}
+
+// Everything both sides derive from mu and sigma (model.context).
+struct SpkContext {
+    int32_t k;       // grid exponent
+    int32_t t;       // Gaussian table row
+    int32_t c_mu;    // mu's bin
+    uint32_t mu_ok;  // mu is finite
+};
+
+// Context of one element: mu's bit pattern in format FM, fixed-point log2 sigma L
+// (1/8 octave, in x's units), x in format FX.
+template <class FX, class FM>
+SPK_HD SpkContext spk_context(uint32_t mu, int32_t L) {
+    const int32_t e_mu = (int32_t)((mu >> FM::mant) & FM::exp_mask);
+    const uint32_t man = mu & FM::mant_mask;
+    const int32_t e_unb = spk_max(spk_max(e_mu, 1) - FM::bias, 1 - FX::bias);  // mu's binade
+    // near the binade top (in x's ULPs): take the next binade's grid
+    const uint32_t top = (1u << FX::mant) - (man >> (FM::mant - FX::mant));
+    const int32_t near = spk_log2q8(top) + (e_unb - FX::mant) * SPK_SIGMA_ONE < L + SPK_NEAR_TOP_Q8;
+    const int32_t k_mu = e_unb - FX::mant + near;
+    const int32_t k_s = (L >> SPK_SIGMA_FRAC_BITS) - SPK_GRID_BELOW_SIGMA;  // NOTE: >> floors negatives
+    const int32_t k = spk_max(FX::k_min, spk_min(spk_max(k_s, k_mu), FX::k_max));
+    // NOTE: a value's rounding bucket is centred on it, so a bin holding 2^nb values spans
+    // [c - 2^-(nb+1), c + 1 - 2^-(nb+1)): place mu on that shifted grid (one fp32 add)
+    const int32_t nb_mu = spk_min(k - (e_unb - FX::mant), 24);
+    const float half = nb_mu >= 0 ? spk_f32((uint32_t)(126 - nb_mu) << 23) : 0.0f;
+    float v = SPK_FADD(spk_grid_value<FM>(mu, k), half);
+    v = v < (float)SPK_MAX_BIN ? v : (float)SPK_MAX_BIN;
+    const float mag = (float)(int32_t)v;  // floor: v in [0, MAX_BIN]
+    const int32_t frac = (int32_t)SPK_FMUL(SPK_FSUB(v, mag), (float)SPK_OFFSETS);
+    const bool neg = (mu >> (FM::bits - 1)) != 0;
+    SpkContext c;
+    c.k = k;
+    c.c_mu = neg ? ~(int32_t)mag : (int32_t)mag;
+    c.t = spk_table_row(L - k * SPK_SIGMA_ONE, neg ? SPK_OFFSETS - 1 - frac : frac);
+    c.mu_ok = spk_finite<FM>(mu);
+    return c;
+}
+
+// |bin| in the symmetric tiling (c for c >= 0, -1 - c for c < 0)
+SPK_HD int32_t spk_magnitude(int32_t c) { return c ^ (c >> 31); }
+
+// Raw low significand bits of a value in bin mag >= 1 (negative: the value spans bins)
+template <class FX>
+SPK_HD int32_t spk_low_bits(int32_t mag) { return FX::mant - spk_flog2((uint32_t)spk_min(mag, SPK_MAX_BIN)); }
+
+// What the encoder emits for one element (model.symbolize).
+struct SpkSymbol {
+    uint32_t j;      // symbol index in table t (2R + 1 = ESC)
+    uint32_t kind;   // SPK_KIND_*
+    uint32_t width;  // bits of its raw field: LOW width, ZMAN mant, ESC bits
+    uint32_t field;  // the raw field's value
+    uint32_t delta;  // ZERO only: unary exponent distance below w
+};
+
+template <class FX>
+SPK_HD SpkSymbol spk_symbolize(uint32_t x, const SpkContext& ctx, int32_t radius) {
+    const int32_t c = spk_bin<FX>(x, ctx.k);
+    const int32_t d = c - ctx.c_mu;
+    const int32_t mag = spk_magnitude(c);
+    SpkSymbol s;
+    s.delta = 0;
+    if (!spk_finite<FX>(x) || !ctx.mu_ok || d > radius || d < -radius || mag >= SPK_MAX_BIN) {
+        s.j = 2u * (uint32_t)radius + 1u;
+        s.kind = SPK_KIND_ESC;
+        s.width = FX::bits;
+        s.field = x;
+    } else if (mag == 0) {
+        s.j = (uint32_t)(d + radius);
+        s.kind = SPK_KIND_ZERO;
+        s.width = FX::mant;
+        s.field = x & FX::mant_mask;
+        s.delta = (uint32_t)(ctx.k + FX::bias - 1 - (int32_t)((x >> FX::mant) & FX::exp_mask));
+    } else {
+        // NOTE: normal values are normal floats, so their low nb <= mant bits are the
+        // pattern's own low bits (the implicit leading 1 is never among them)
+        s.j = (uint32_t)(d + radius);
+        s.kind = SPK_KIND_NORMAL;
+        s.width = (uint32_t)spk_max(spk_low_bits<FX>(mag), 0);
+        s.field = x & ((1u << s.width) - 1u);
+    }
+    return s;
+}
+
+// Decoder side, step 1: an element's kind and bin from its decoded symbol index.
+struct SpkClass {
+    int32_t c;       // the bin
+    uint32_t kind;   // SPK_KIND_*
+    uint32_t width;  // raw field width
+};
+
+template <class FX>
+SPK_HD SpkClass spk_classify(uint32_t j, const SpkContext& ctx, int32_t radius) {
+    SpkClass r;
+    r.c = ctx.c_mu + ((int32_t)j - radius);
+    if (j == 2u * (uint32_t)radius + 1u) {
+        r.kind = SPK_KIND_ESC;
+        r.width = FX::bits;
+    } else if (spk_magnitude(r.c) == 0) {
+        r.kind = SPK_KIND_ZERO;
+        r.width = FX::mant;
+    } else {
+        r.kind = SPK_KIND_NORMAL;
+        r.width = (uint32_t)spk_max(spk_low_bits<FX>(spk_magnitude(r.c)), 0);
+    }
+    return r;
+}
+
+// Decoder side, step 2: the bit pattern of a NORMAL element from its bin and LOW
+// bits; *bad when the bin holds no finite value of the format (a corrupt stream).
+template <class FX>
+SPK_HD uint32_t spk_normal_value(int32_t k, int32_t c, uint32_t low, uint32_t* bad) {
+    const int32_t mag = spk_magnitude(c);
+    const int32_t nb = spk_low_bits<FX>(mag);
+    const int32_t e = k + (FX::mant - nb) + FX::bias;  // exponent field of the bin's binade
+    const int32_t down = spk_min(spk_max(-nb, 0), 30);
+    const uint32_t sig = nb >= 0 ? ((uint32_t)mag << nb) | low : (uint32_t)mag >> down;
+    uint32_t b = (e < 1) | (e > FX::max_field) | (mag >= SPK_MAX_BIN);
+    b |= ((uint32_t)mag & ((1u << down) - 1u)) != 0u;  // a bin strictly inside a wider value's bucket
+    if (FX::fp8) b |= (e == FX::max_field) & ((sig & 7u) == 7u);  // e4m3fn's NaN
+    *bad |= b;
+    return ((uint32_t)(c < 0) << (FX::bits - 1)) | ((uint32_t)e << FX::mant) | (sig & FX::mant_mask);
+}
+
+// ... of a ZERO element from its mantissa and unary exponent distance.
+template <class FX>
+SPK_HD uint32_t spk_zero_value(int32_t k, int32_t c, uint32_t man, uint32_t delta, uint32_t* bad) {
+    const int32_t dl = delta > (1u << 20) ? (1 << 20) : (int32_t)delta;  // no overflow below
+    const int32_t e = k + FX::bias - 1 - dl;
+    *bad |= e < 0;
+    return ((uint32_t)(c < 0) << (FX::bits - 1)) | ((uint32_t)(e < 0 ? 0 : e) << FX::mant) | man;
+}
+
+// -- mu correction (residual.affine_bf16, the FP8 division of Codec._plan) ------------
+// float32 -> BF16, round to nearest even; NaN -> the quiet NaN 0x7FC0 (residual.f32_to_bf16)
+SPK_HD uint32_t spk_f32_to_bf16(float y) {
+    const uint32_t u = spk_u32(y);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;
+    return ((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) & 0xFFFFu;
+}
+
+// mu' = bf16(a * mu + b): one fp32 multiply, then one fp32 add (never fused); an
+// identity channel (a == 1 and b == 0) keeps mu bit for bit.
+SPK_HD uint32_t spk_affine_bf16(uint32_t mu, float a, float b) {
+    if (a == 1.0f && b == 0.0f) return mu;
+    return spk_f32_to_bf16(SPK_FADD(SPK_FMUL(spk_f32(mu << 16), a), b));
+}
+
+// FP8 path: mu / scale in IEEE fp32 (one correctly rounded division), as bits
+SPK_HD uint32_t spk_fp8_mu(uint32_t mu_bf16, float scale) {
+    return spk_u32(SPK_FDIV(spk_f32(mu_bf16 << 16), scale));
+}

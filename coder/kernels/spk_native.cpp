@@ -1,0 +1,238 @@
+// speckv's native CPU coder: the CPython extension speckv.coder._native.
+//
+// The whole per-scalar pipeline of a batch of consecutive chunks - mu correction,
+// context, symbolisation, bit sections and the 32-lane rANS - in the per-element
+// code of spk_model.cuh / rans_lane.cuh that the CUDA kernels (spk_fused.cu) run
+// too. Threads work over rANS blocks with the GIL released. The streams are the
+// numpy reference's (coder/codec.py) byte for byte; coder/native.py wraps this.
+//
+// Encode, per batch:  A. per block (threads): contexts, symbols, the block's own
+//                        bit sections, then its 32 lanes' rANS steps (last first)
+//                     B. per chunk (threads): words and sections concatenated
+// Decode, per batch:  A. per block (threads): rANS steps, each element's bin and kind
+//                     B. per chunk: section sizes checked, unary codes read
+//                     C. per block (threads): bit patterns from bins and raw fields
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "spk_block.h"
+
+namespace {
+
+// -- buffers from Python (buffer protocol; dtypes checked by coder/native.py) --------
+struct Buf {
+    Py_buffer v{};
+    bool held = false;
+    ~Buf() { if (held) PyBuffer_Release(&v); }
+    template <class T> T* as() const { return static_cast<T*>(v.buf); }
+    int64_t count(size_t item) const { return (int64_t)v.len / (int64_t)item; }
+};
+
+bool get_buf(PyObject* o, Buf& b, int64_t want_bytes, const char* name, bool writable = false) {
+    if (PyObject_GetBuffer(o, &b.v, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) != 0) return false;
+    b.held = true;
+    if (want_bytes >= 0 && b.v.len != want_bytes) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes, expected %lld", name, b.v.len, (long long)want_bytes);
+        return false;
+    }
+    return true;
+}
+
+void parallel_for(int64_t n, int threads, const std::function<void(int64_t)>& fn) {
+    if (threads <= 1 || n <= 1) {
+        for (int64_t i = 0; i < n; ++i) fn(i);
+        return;
+    }
+    std::atomic<int64_t> next{0};
+    auto work = [&]() { for (int64_t i; (i = next.fetch_add(1)) < n;) fn(i); };
+    std::vector<std::thread> pool;
+    for (int t = 1; t < std::min<int64_t>(threads, n); ++t) pool.emplace_back(work);
+    work();
+    for (auto& th : pool) th.join();
+}
+
+bool parse_tables(PyObject* cum, PyObject* freq, PyObject* off, PyObject* size, PyObject* radius,
+                  Buf* bufs, spk::Tables& t) {
+    if (!get_buf(cum, bufs[0], -1, "cum") || !get_buf(freq, bufs[1], bufs[0].v.len, "freq") ||
+        !get_buf(off, bufs[2], -1, "offset") || !get_buf(size, bufs[3], bufs[2].v.len, "size") ||
+        !get_buf(radius, bufs[4], bufs[2].v.len, "radius"))
+        return false;
+    t = spk::Tables{bufs[0].as<uint16_t>(), bufs[1].as<uint16_t>(), bufs[2].as<int32_t>(), bufs[3].as<int32_t>(),
+                    bufs[4].as<int32_t>(), (int32_t)bufs[2].count(4), bufs[0].count(2)};
+    if (t.n_tables != SPK_N_GAUSS + 1) {
+        PyErr_Format(PyExc_ValueError, "expected %d tables, got %d", SPK_N_GAUSS + 1, t.n_tables);
+        return false;
+    }
+    return true;
+}
+
+bool parse_geometry(PyObject* layer_counts, long long heads, long long tokens, long long dim, long long epl,
+                    spk::Geometry& g) {
+    if (heads < 1 || tokens < 0 || dim < 1 || epl < 1 || epl > 65536) {
+        PyErr_SetString(PyExc_ValueError, "bad geometry");
+        return false;
+    }
+    PyObject* seq = PySequence_Fast(layer_counts, "layer counts must be a sequence");
+    if (!seq) return false;
+    std::vector<int64_t> counts;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+        long long c = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (c < 1) {
+            Py_DECREF(seq);
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "layer counts must be >= 1");
+            return false;
+        }
+        counts.push_back(c);
+    }
+    Py_DECREF(seq);
+    g.init(heads, tokens, dim, (int32_t)epl, counts);
+    return true;
+}
+
+PyObject* bytes_of(const void* p, size_t n) { return PyBytes_FromStringAndSize((const char*)p, (Py_ssize_t)n); }
+
+// prepare_mu(fp8, mu, a|None, b|None, scales|None, layers, heads, tokens, dim, out, threads)
+PyObject* py_prepare_mu(PyObject*, PyObject* args) {
+    int fp8, threads;
+    long long layers, heads, tokens, dim;
+    PyObject *mu_o, *a_o, *b_o, *s_o, *out_o;
+    if (!PyArg_ParseTuple(args, "pOOOOLLLLOi", &fp8, &mu_o, &a_o, &b_o, &s_o, &layers, &heads, &tokens, &dim, &out_o,
+                          &threads))
+        return nullptr;
+    Buf mu, a, b, s, out;
+    const int64_t rows = layers * 2 * heads, n = rows * tokens * dim;
+    if (layers < 0 || heads < 1 || tokens < 0 || dim < 1) return PyErr_Format(PyExc_ValueError, "mu: bad shape");
+    if (!get_buf(mu_o, mu, 2 * n, "mu")) return nullptr;
+    const bool affine = a_o != Py_None;
+    if (affine && (!get_buf(a_o, a, rows * dim * 4, "a") || !get_buf(b_o, b, rows * dim * 4, "b"))) return nullptr;
+    if (fp8 && !get_buf(s_o, s, rows / heads * 4, "scales")) return nullptr;
+    if (!get_buf(out_o, out, n * (fp8 ? 4 : 2), "out", true)) return nullptr;
+    spk::MuJob job{mu.as<uint16_t>(), affine ? a.as<float>() : nullptr, affine ? b.as<float>() : nullptr,
+                   fp8 ? s.as<float>() : nullptr, heads, tokens, dim, out.v.buf};
+    Py_BEGIN_ALLOW_THREADS
+    parallel_for(rows, threads, [&](int64_t r) { spk::prepare_mu_row(job, r); });
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+// encode(fp8, x, mu, L, heads, tokens, dim, epl, layer_counts, cum, freq, off, size, radius, threads)
+//   -> [(states, word_counts, words, bits) per chunk] as bytes
+PyObject* py_encode(PyObject*, PyObject* args) {
+    int fp8, threads;
+    long long heads, tokens, dim, epl;
+    PyObject *x_o, *mu_o, *l_o, *lc_o, *cum_o, *freq_o, *off_o, *size_o, *rad_o;
+    if (!PyArg_ParseTuple(args, "pOOOLLLLOOOOOOi", &fp8, &x_o, &mu_o, &l_o, &heads, &tokens, &dim, &epl, &lc_o,
+                          &cum_o, &freq_o, &off_o, &size_o, &rad_o, &threads))
+        return nullptr;
+    spk::Geometry g;
+    Buf tb[5], x, mu, L;
+    spk::Tables t;
+    if (!parse_geometry(lc_o, heads, tokens, dim, epl, g) || !parse_tables(cum_o, freq_o, off_o, size_o, rad_o, tb, t))
+        return nullptr;
+    if (!get_buf(x_o, x, g.n_elements * (fp8 ? 1 : 2), "x") || !get_buf(mu_o, mu, g.n_elements * (fp8 ? 4 : 2), "mu") ||
+        !get_buf(l_o, L, g.n_rows * dim * 4, "L"))
+        return nullptr;
+    spk::EncodeJob job{g, t, x.v.buf, mu.v.buf, L.as<int32_t>(), fp8 != 0};
+    std::vector<spk::EncodedBlock> blocks(g.n_blocks);
+    std::vector<spk::EncodedChunk> chunks(g.chunk_layers.size());
+    Py_BEGIN_ALLOW_THREADS
+    parallel_for(g.n_blocks, threads, [&](int64_t b) { spk::encode_block(job, b, blocks[b]); });
+    parallel_for((int64_t)chunks.size(), threads, [&](int64_t c) { spk::assemble_chunk(g, c, blocks, chunks[c]); });
+    Py_END_ALLOW_THREADS
+    PyObject* out = PyList_New((Py_ssize_t)chunks.size());
+    if (!out) return nullptr;
+    for (size_t c = 0; c < chunks.size(); ++c) {
+        const spk::EncodedChunk& e = chunks[c];
+        PyObject* item = Py_BuildValue("(NNNN)", bytes_of(e.states.data(), 4 * e.states.size()),
+                                       bytes_of(e.counts.data(), 4 * e.counts.size()),
+                                       bytes_of(e.words.data(), 2 * e.words.size()),
+                                       bytes_of(e.bits.data(), e.bits.size()));
+        if (!item) { Py_DECREF(out); return nullptr; }
+        PyList_SET_ITEM(out, (Py_ssize_t)c, item);
+    }
+    return out;
+}
+
+// decode(fp8, mu, L, heads, tokens, dim, epl, layer_counts, [(states, counts, words, bits)], cum, freq, off,
+//        size, radius, out, threads) -> None, or (status, chunk, block, fig1, fig2) on a corrupt stream
+PyObject* py_decode(PyObject*, PyObject* args) {
+    int fp8, threads;
+    long long heads, tokens, dim, epl;
+    PyObject *mu_o, *l_o, *lc_o, *streams_o, *cum_o, *freq_o, *off_o, *size_o, *rad_o, *out_o;
+    if (!PyArg_ParseTuple(args, "pOOLLLLOOOOOOOOi", &fp8, &mu_o, &l_o, &heads, &tokens, &dim, &epl, &lc_o, &streams_o,
+                          &cum_o, &freq_o, &off_o, &size_o, &rad_o, &out_o, &threads))
+        return nullptr;
+    spk::Geometry g;
+    Buf tb[5], mu, L, out;
+    spk::Tables t;
+    if (!parse_geometry(lc_o, heads, tokens, dim, epl, g) || !parse_tables(cum_o, freq_o, off_o, size_o, rad_o, tb, t))
+        return nullptr;
+    if (!get_buf(mu_o, mu, g.n_elements * (fp8 ? 4 : 2), "mu") || !get_buf(l_o, L, g.n_rows * dim * 4, "L") ||
+        !get_buf(out_o, out, g.n_elements * (fp8 ? 1 : 2), "out", true))
+        return nullptr;
+    const size_t nc = g.chunk_layers.size();
+    if (!PyList_Check(streams_o) || (size_t)PyList_GET_SIZE(streams_o) != nc)
+        return PyErr_Format(PyExc_ValueError, "need a list of %zu chunk streams", nc);
+    std::vector<Buf> sb(4 * nc);
+    std::vector<spk::ChunkStream> streams(nc);
+    for (size_t c = 0; c < nc; ++c) {
+        PyObject* it = PyList_GET_ITEM(streams_o, (Py_ssize_t)c);
+        if (!PyTuple_Check(it) || PyTuple_GET_SIZE(it) != 4) return PyErr_Format(PyExc_ValueError, "bad chunk stream");
+        const int64_t nb = g.chunk_blocks[c];
+        if (!get_buf(PyTuple_GET_ITEM(it, 0), sb[4 * c], nb * SPK_LANES * 4, "states") ||
+            !get_buf(PyTuple_GET_ITEM(it, 1), sb[4 * c + 1], nb * 4, "word_counts") ||
+            !get_buf(PyTuple_GET_ITEM(it, 2), sb[4 * c + 2], -1, "words") ||
+            !get_buf(PyTuple_GET_ITEM(it, 3), sb[4 * c + 3], -1, "bits"))
+            return nullptr;
+        streams[c] = spk::ChunkStream{sb[4 * c].as<uint32_t>(), sb[4 * c + 1].as<uint32_t>(),
+                                      sb[4 * c + 2].as<uint16_t>(), sb[4 * c + 2].count(2),
+                                      sb[4 * c + 3].as<uint8_t>(), sb[4 * c + 3].count(1)};
+    }
+    const std::vector<uint16_t> buckets = spk::build_buckets(t);
+    t.bucket = buckets.data();
+    spk::DecodeJob job{g, t, mu.v.buf, L.as<int32_t>(), out.v.buf, fp8 != 0, streams};
+    spk::Decoder dec(job);
+    int64_t where[4] = {-1, -1, 0, 0};  // chunk, block, figures for the message
+    int status = SPK_OK;
+    Py_BEGIN_ALLOW_THREADS
+    status = dec.run(threads, where, parallel_for);
+    Py_END_ALLOW_THREADS
+    if (status == SPK_OK) Py_RETURN_NONE;
+    return Py_BuildValue("(iLLLL)", status, (long long)where[0], (long long)where[1], (long long)where[2],
+                         (long long)where[3]);
+}
+
+PyMethodDef methods[] = {
+    {"prepare_mu", py_prepare_mu, METH_VARARGS, "mu correction (model 2) and the FP8 division, threaded"},
+    {"encode", py_encode, METH_VARARGS, "code a batch of consecutive chunks"},
+    {"decode", py_decode, METH_VARARGS, "decode a batch of consecutive chunks into a buffer"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "speckv's native CPU coder (coder/kernels)", -1, methods,
+                      nullptr, nullptr, nullptr, nullptr};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject* m = PyModule_Create(&module);
+    if (!m) return nullptr;
+    const struct { const char* name; long value; } consts[] = {
+        {"PROB_BITS", SPK_PROB_BITS}, {"LANES", SPK_LANES}, {"WORD_BITS", SPK_WORD_BITS}, {"RANS_L", SPK_RANS_L},
+        {"X_MAX_SHIFT", SPK_X_MAX_SHIFT}, {"SIGMA_FRAC_BITS", SPK_SIGMA_FRAC_BITS},
+        {"GRID_BELOW_SIGMA", SPK_GRID_BELOW_SIGMA}, {"LAMBDA_MIN", SPK_LAMBDA_MIN}, {"LAMBDA_MAX", SPK_LAMBDA_MAX},
+        {"OFFSET_BITS", SPK_OFFSET_BITS}, {"LAMBDA_OFFSET", SPK_LAMBDA_OFFSET}, {"N_GAUSS", SPK_N_GAUSS},
+        {"NOOP_TABLE", SPK_NOOP_TABLE}, {"MAX_BIN", SPK_MAX_BIN}, {"NEAR_TOP_Q8", SPK_NEAR_TOP_Q8},
+    };
+    for (const auto& c : consts)
+        if (PyModule_AddIntConstant(m, c.name, c.value) != 0) return nullptr;
+    return m;
+}

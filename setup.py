@@ -1,0 +1,36 @@
+"""Builds the native coder, ``speckv.coder._native`` (coder/kernels/spk_native.cpp);
+all other metadata lives in pyproject.toml.
+
+NOTE: the build is optional so that a machine without a C++17 compiler still
+installs speckv (the CLI then says so in one line and codes with numpy), unless
+SPECKV_REQUIRE_NATIVE=1 is set, as CI and the Docker images do: then a failed
+build fails the install.
+"""
+
+import os
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+# NOTE: no -ffast-math and no FMA contraction: the model's few float32 operations
+# must round exactly as numpy's do (coder/kernels/spk_model.cuh)
+FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fvisibility=hidden", "-pthread"]
+
+
+class OptionalBuildExt(build_ext):
+    def build_extension(self, ext: Extension) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # noqa: BLE001 -- any compiler failure: install without it
+            if os.environ.get("SPECKV_REQUIRE_NATIVE") == "1":
+                raise
+            print(f"WARNING: speckv's native coder was not built ({exc}); the numpy coder will be used")
+
+
+setup(
+    ext_modules=[Extension("speckv.coder._native", sources=["coder/kernels/spk_native.cpp"],
+                           include_dirs=["coder/kernels"], depends=[f"coder/kernels/{n}" for n in (
+                               "spk_block.h", "spk_model.cuh", "rans_lane.cuh", "spk_consts.h")],
+                           extra_compile_args=FLAGS, extra_link_args=["-pthread"], language="c++")],
+    cmdclass={"build_ext": OptionalBuildExt},
+)
