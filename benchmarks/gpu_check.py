@@ -1,230 +1,273 @@
-"""GPU check of the CuPy rANS kernels, for a CUDA machine (one call, < 10 minutes).
+"""GPU check of the fused CUDA coder (coder/cuda.py), for a lent CUDA machine (< 5 minutes,
+no model load): the shipped checkpoint's tables and sigma, seeded synthetic KV and mu.
 
-1. Round trips with byte-equal streams: numpy (CPU) vs CUDA encode of the same
-   input must give identical streams, and each decodes bit-exactly on the other
-   backend: adversarial BF16 and FP8 tensors (NaN, Inf, subnormals, signed zeros,
-   extremes, random mu) and, when torch + the embedded model are installed, a
-   real KV of the embedded model.
-2. Throughput of the rANS kernels on device-resident data (CUDA events, warm-up,
-   median of repeats, >= --gb GB of raw BF16 KV rotated among --inputs inputs),
-   next to the device's measured copy bandwidth. Ops are drawn from the real
-   coding tables; every decode is checked against the symbols that were coded.
-   NOTE: this times the rANS kernels; the probability model's symbolisation runs
-   in numpy on the host in this version.
+1. Digests: sha256 of the streams of every case (BF16 and FP8 KV, the seed and tuned
+   residual models, two geometries) against benchmarks/gpu_check_digests.json, which
+   the native CPU coder wrote (``--write-digests``).
+2. Identity: device streams == native streams, each decodes bit-exactly on the other.
+3. Throughput of the fused path with KV already in device memory, in GB/s of raw KV
+   each way (encode: KV -> streams on the host; decode: streams -> KV in device memory),
+   at streaming granularity (2 layers x 2048 tokens), batched (30 layers), and several
+   requests per launch (stacked along the layer axis), next to the device's D2D copy.
 
-Usage: python benchmarks/gpu_check.py [--gb 1.0] [--inputs 4] [--repeats 5] [--json]
+``--backend native`` runs the same logic on the CPU (tests/benchmarks/test_gpu_check.py).
+Usage: python benchmarks/gpu_check.py [--backend cuda|native] [--repeats 5] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import statistics
 import sys
 import time
+from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
-from speckv.coder.codec import Codec, CodecConfig, Fp8KV
-from speckv.coder.rans import LANES
-from speckv.coder.rans_kernels import CudaKernels, cuda_available
+from speckv.coder.model import E4M3_F32, fp8_log2_sigma
+from speckv.coder.native import EncodedChunk, NativeCoder
+from speckv.coder.residual import ResidualModel, models_of
 from speckv.predictor.checkpoint import load_checkpoint
 from speckv.predictor.store import default_checkpoint_dir
 
-BF16_SPECIAL = np.array([0x0000, 0x8000, 0x0001, 0x807F, 0x7F7F, 0xFF7F, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1,
-                         0x3F80, 0xBF80, 0x0080, 0x4049, 0x1234, 0xC2F7], np.uint16)
+DIGESTS = Path(__file__).with_name("gpu_check_digests.json")
+HEADS, DIM = 3, 64  # the shipped checkpoint's KV geometry (checked in load_models)
+# (name, layers, tokens, elems_per_lane, layers_per_chunk): small enough for the CPU test
+CASES = (("lanes64", 30, 64, 64, 2), ("partial", 30, 37, 1024, 7))
+SPECIAL_BF16 = np.array([0x0000, 0x8000, 0x0001, 0x807F, 0x7F7F, 0xFF7F, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1],
+                        np.uint16)
 
 
-DEVICE_CODER = "cuda"  # tests/benchmarks/test_gpu_check.py runs this script's logic with "host"
+# -- deterministic inputs (numpy, fixed seeds: any machine makes the same bytes) ------------------
+def bf16(f: np.ndarray) -> np.ndarray:
+    u = np.ascontiguousarray(f, np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
-def codecs(ck, epl: int = 1024, lpc: int = 2) -> tuple[Codec, Codec]:
-    cfg = dict(elems_per_lane=epl, layers_per_chunk=lpc)
-    return (Codec.from_checkpoint(ck, CodecConfig(coder="numpy", **cfg)),
-            Codec.from_checkpoint(ck, CodecConfig(coder=DEVICE_CODER, **cfg)))
+def e4m3(f: np.ndarray) -> np.ndarray:
+    """Nearest e4m3fn code of each finite float32 (saturating at 448)."""
+    pos = E4M3_F32[:127]  # codes 0..126: ascending non-negative values (0x7F is NaN)
+    a = np.minimum(np.abs(f), pos[-1])
+    i = np.clip(np.searchsorted(pos, a), 1, 126)
+    i -= (a - pos[i - 1]) <= (pos[i] - a)
+    return (i | (np.signbit(f) << 7)).astype(np.uint8)
 
 
-def _equal(a, b) -> bool:
-    if isinstance(a, Fp8KV):
-        return np.array_equal(a.codes, b.codes) and np.array_equal(a.scales.view(np.uint32), b.scales.view(np.uint32))
-    return np.array_equal(a, b)
+def synth(seed: int, layers: int, tokens: int, fp8: bool) -> dict[str, np.ndarray]:
+    """KV near mu (Gaussian residuals per channel) with special values mixed in."""
+    rng = np.random.default_rng(seed)
+    shape = (layers, 2, HEADS, tokens, DIM)
+    scale = np.exp(rng.normal(0, 1.5, (layers, 2, HEADS, 1, DIM))).astype(np.float32)
+    mu_f = (rng.standard_normal(shape, np.float32) * scale).astype(np.float32)
+    x_f = mu_f + (rng.standard_normal(shape, np.float32) * 0.1 * scale).astype(np.float32)
+    mu = bf16(mu_f)
+    mu.reshape(-1)[::1009] = rng.choice(SPECIAL_BF16, mu.reshape(-1)[::1009].size)
+    if not fp8:
+        x = bf16(x_f)
+        x.reshape(-1)[::997] = rng.choice(SPECIAL_BF16, x.reshape(-1)[::997].size)
+        return {"x": x, "mu": mu}
+    scales = (np.abs(x_f).max(axis=(2, 3, 4)) / 448).astype(np.float32)
+    scales[0, 0] = 0.0  # degenerate: mu / scale is inf or NaN, every element escapes
+    x = e4m3(x_f / np.maximum(scales, 1e-30)[:, :, None, None, None])
+    x.reshape(-1)[::991] = 0x7F  # NaN codes
+    return {"x": x, "mu": mu, "scales": scales}
 
 
-def round_trip(cpu: Codec, gpu: Codec, kv, ids, mu) -> dict:
-    t0 = time.perf_counter()
-    rc, rg = list(cpu.encode(kv, ids, mu)), list(gpu.encode(kv, ids, mu))
-    same = rc == rg
-    ok_gc = _equal(gpu.decode(rc, ids, mu), kv)  # CPU stream on the GPU
-    ok_cg = _equal(cpu.decode(rg, ids, mu), kv)  # GPU stream on the CPU
-    return {"streams_equal": same, "cpu_to_gpu": ok_gc, "gpu_to_cpu": ok_cg,
-            "bytes": sum(map(len, rc)), "s": round(time.perf_counter() - t0, 2)}
+def load_models() -> dict[str, ResidualModel]:
+    ms = models_of(load_checkpoint(default_checkpoint_dir()))
+    names = {1: "seed", 2: "tuned"}
+    assert all(m.log2_sigma.shape[2:] == (HEADS, DIM) for m in ms.values())
+    return {names[k]: m for k, m in sorted(ms.items())}
 
 
-def adversarial(ck, rng) -> dict:
-    L, _, H, D = ck.calib.sigma_log2_q.shape
-    T = 64
-    shape = (L, 2, H, T, D)
+def levels(model: ResidualModel, layers: int, scales: np.ndarray | None) -> np.ndarray:
+    """L per channel for ``layers`` layers (tiled: stacked requests repeat the model's)."""
+    lg = np.resize(model.log2_sigma, (layers,) + model.log2_sigma.shape[1:])
+    if scales is not None:
+        lg = fp8_log2_sigma(lg, scales.view(np.uint32)[:, :, None, None])
+    return np.ascontiguousarray(lg, np.int32)
+
+
+def affine(model: ResidualModel, layers: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    if model.mu_scale is None or model.mu_shift is None:
+        return None, None
+    shape = (layers,) + model.mu_scale.shape[1:]
+    return np.resize(model.mu_scale, shape), np.resize(model.mu_shift, shape)
+
+
+# -- backends: the device one takes arrays in its memory; native stands in on a CPU ---------------
+class Device:
+    def __init__(self, backend: str) -> None:
+        self.name = backend
+        if backend == "cuda":
+            import cupy as cp
+
+            from speckv.coder.cuda import CudaCoder
+
+            self.xp, self.coder = cp, CudaCoder.load()
+        else:
+            self.xp, self.coder = np, NativeCoder(threads=os.cpu_count() or 1)
+
+    def put(self, a: np.ndarray | None) -> Any:
+        return None if a is None else self.xp.asarray(a)
+
+    def prepare_mu(self, mu: Any, a: Any, b: Any, scales: Any) -> Any:
+        fn = self.coder.prepare_mu_device if self.name == "cuda" else self.coder.prepare_mu
+        return fn(mu, a, b, scales)
+
+    def encode(self, *args: Any) -> list[EncodedChunk]:
+        return (self.coder.encode_device if self.name == "cuda" else self.coder.encode)(*args)
+
+    def decode(self, *args: Any) -> None:
+        (self.coder.decode_device if self.name == "cuda" else self.coder.decode)(*args)
+
+    def get(self, a: Any) -> np.ndarray:
+        return a.get() if self.name == "cuda" else a
+
+    def sync(self) -> None:
+        if self.name == "cuda":
+            self.xp.cuda.Device().synchronize()
+
+
+def stream_digest(parts: list[EncodedChunk]) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        for a in (p.blocks.states, p.blocks.word_counts, p.blocks.words):
+            h.update(np.ascontiguousarray(a).tobytes())
+        h.update(p.bits)
+    return h.hexdigest()
+
+
+def _streams(parts: list[EncodedChunk]) -> list:
+    return [(p.blocks, p.bits) for p in parts]
+
+
+def run_case(dev: Device, ref: NativeCoder, model: ResidualModel, data: dict, epl: int, lpc: int) -> dict:
+    """One case on the device and on the native coder: digest, identity both ways."""
+    x, layers = data["x"], data["x"].shape[0]
+    counts = [min(lpc, layers - i) for i in range(0, layers, lpc)]
+    a, b = affine(model, layers)
+    scales = data.get("scales")
+    L = levels(model, layers, scales)
+    mu_d = dev.prepare_mu(dev.put(data["mu"]), a, b, scales)
+    mu_h = ref.prepare_mu(data["mu"], a, b, scales)
+    parts = dev.encode(dev.put(x), mu_d, L, counts, epl, model.tables)
+    nat = ref.encode(x, mu_h, L, counts, epl, model.tables)
+    back = np.empty_like(x)
+    ref.decode(mu_h, L, counts, epl, _streams(parts), model.tables, back)  # device stream on the CPU
+    out = dev.xp.empty(x.shape, x.dtype)
+    dev.decode(mu_d, L, counts, epl, _streams(nat), model.tables, out)  # CPU stream on the device
+    return {"digest": stream_digest(parts), "streams_equal": stream_digest(nat) == stream_digest(parts),
+            "mu_equal": bool(np.array_equal(dev.get(mu_d), mu_h)), "gpu_to_cpu": bool(np.array_equal(back, x)),
+            "cpu_to_gpu": bool(np.array_equal(dev.get(out), x)), "bytes": sum(len(p.bits) + 2 * p.blocks.words.size
+                                                                            for p in parts)}
+
+
+def check_all(dev: Device, models: dict[str, ResidualModel]) -> dict[str, dict]:
+    ref = NativeCoder(threads=os.cpu_count() or 1)
     out = {}
-    cpu, gpu = codecs(ck, epl=64, lpc=3)
-    x = rng.choice(BF16_SPECIAL, shape).astype(np.uint16)
-    x.reshape(-1)[::5] = rng.integers(0, 1 << 16, x.size // 5 + (x.size % 5 > 0), dtype=np.uint16)
-    mu = rng.integers(0, 1 << 16, shape, dtype=np.uint16)
-    mu.reshape(-1)[::3] = x.reshape(-1)[::3]
-    ids = np.arange(T, dtype=np.int64)
-    out["bf16_adversarial"] = round_trip(cpu, gpu, x, ids, mu)
-    codes = rng.integers(0, 256, shape, dtype=np.uint8)
-    codes.reshape(-1)[:256] = np.arange(256, dtype=np.uint8)
-    scales = rng.uniform(1e-3, 4, (L, 2)).astype(np.float32)
-    scales[0, 0] = 0.0  # degenerate scale: mu becomes inf/NaN, escapes
-    out["fp8_adversarial"] = round_trip(cpu, gpu, Fp8KV(codes, scales), ids, mu)
+    for ci, (name, layers, tokens, epl, lpc) in enumerate(CASES):
+        for fp8 in (False, True):
+            data = synth(100 * ci + fp8, layers, tokens, fp8)
+            for mname, model in models.items():
+                out[f"{'fp8' if fp8 else 'bf16'}/{mname}/{name}"] = run_case(dev, ref, model, data, epl, lpc)
     return out
 
 
-def real_kv(ck, tokens: int) -> dict:
-    try:
-        from speckv.cli.demo import DEMO_PROMPT
-        from speckv.predictor.calibrate import read_text
-        from speckv.predictor.predict import Predictor
-        from speckv.predictor.target import load_target
-    except Exception as e:  # noqa: BLE001
-        return {"skipped": f"torch/transformers not importable: {e}"}
-    try:
-        target = load_target()
-    except Exception as e:  # noqa: BLE001
-        return {"skipped": f"embedded model unavailable: {e}"}
-    pred = Predictor.from_checkpoint(ck, target)
-    try:
-        text = read_text("../shared/corpus/tinyshakespeare.txt", chars=tokens * 32)
-    except OSError:
-        text = (DEMO_PROMPT + "\n") * 16
-    ids = target.tokenize(text, tokens)
-    kv, mu = target.kv(ids), pred.mu(ids)
-    cpu, gpu = codecs(ck)
-    from speckv.predictor.fp8 import kv_to_fp8
-
-    q, s = kv_to_fp8(kv)
-    return {"tokens": int(len(ids)), "bf16": round_trip(cpu, gpu, kv, ids, mu),
-            "fp8": round_trip(cpu, gpu, Fp8KV(q.numpy(), s.numpy()), ids, mu)}
-
-
-def timed(cp, fn, repeats: int) -> float:
-    """Median seconds of fn() over repeats, CUDA events (perf_counter when ``cp`` is
-    numpy, for the CPU test of this script), after one warm-up call."""
+# -- throughput ------------------------------------------------------------------------------------
+def timed(dev: Device, fn: Callable[[], Any], repeats: int) -> float:
+    """Median wall seconds of fn() (synchronised), after one warm-up call."""
     fn()
     times = []
     for _ in range(repeats):
-        if cp is np:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-            continue
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record()
+        dev.sync()
+        t0 = time.perf_counter()
         fn()
-        b.record()
-        b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
+        dev.sync()
+        times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def copy_bandwidth(cp, nbytes: int, repeats: int) -> float:
-    src = cp.ones(nbytes // 4, cp.uint32)
-    dst = cp.empty_like(src)
-    t = timed(cp, lambda: dst.__setitem__(slice(None), src), repeats)
-    return nbytes / t / 1e9  # bytes copied per second (each read once and written once)
+def throughput(dev: Device, model: ResidualModel, layers: int, tokens: int, requests: int, repeats: int,
+               epl: int = 1024, lpc: int = 2) -> dict:
+    """BF16 KV of ``requests`` stacked requests in device memory, coded in one call each way."""
+    data = synth(7, layers * requests, tokens, False)
+    n = data["x"].shape[0]
+    counts = [min(lpc, n - i) for i in range(0, n, lpc)]
+    a, b = affine(model, n)
+    L = levels(model, n, None)
+    x, mu = dev.put(data["x"]), dev.prepare_mu(dev.put(data["mu"]), a, b, None)
+    parts = dev.encode(x, mu, L, counts, epl, model.tables)
+    out = dev.xp.empty(data["x"].shape, data["x"].dtype)
+    t_enc = timed(dev, lambda: dev.encode(x, mu, L, counts, epl, model.tables), repeats)
+    t_dec = timed(dev, lambda: dev.decode(mu, L, counts, epl, _streams(parts), model.tables, out), repeats)
+    raw = data["x"].nbytes
+    wire = sum(len(p.bits) + 2 * p.blocks.words.size + 4 * p.blocks.states.size for p in parts)
+    return {"layers": layers, "tokens": tokens, "requests": requests, "raw_mb": raw / 1e6,
+            "encode_gb_s": raw / t_enc / 1e9, "decode_gb_s": raw / t_dec / 1e9, "bits_per_scalar": 8 * wire / (raw / 2),
+            "decode_correct": bool(np.array_equal(dev.get(out), data["x"]))}
 
 
-def throughput(ck, gb: float, inputs: int, repeats: int, steps: int = 1024, cp=None, k=None) -> dict:
-    """``cp``/``k``: the array module and kernels (CuPy + CudaKernels unless given)."""
-    if cp is None:
-        import cupy as cp
-    k = k or CudaKernels.load()
-    g = ck.tables.gauss
-    t_dev = k._device_tables(g)
-    size = t_dev["size"]
-    n_tables = int(size.size)
-    ops_per_input = int(gb * 1e9 / 2 / inputs)  # 2 raw bytes (one BF16 scalar) per op
-    nb = max(1, ops_per_input // (steps * LANES))
-    ops = nb * steps * LANES
-    rs = cp.random.RandomState(7)
-    data = []
-    for _ in range(inputs):
-        t = rs.randint(0, n_tables - 1, (nb, steps, LANES)).astype(cp.int32)  # real tables
-        j = cp.floor(rs.random_sample((nb, steps, LANES)) * size[t]).astype(cp.int32)
-        idx = t_dev["offset"][t] + j
-        start = t_dev["cum"][idx].astype(cp.uint32)
-        freq = t_dev["freq"][idx].astype(cp.uint32)
-        data.append((t, j, start, freq))
-    state = {"i": 0}
+def copy_bandwidth(dev: Device, nbytes: int, repeats: int) -> float:
+    src = dev.xp.ones(nbytes // 4, dev.xp.uint32)
+    dst = dev.xp.empty_like(src)
+    return nbytes / timed(dev, lambda: dst.__setitem__(slice(None), src), repeats) / 1e9
 
-    def enc():
-        _, _, s, f = data[state["i"] % inputs]
-        state["i"] += 1
-        return k.encode_device(s, f)
 
-    t_enc = timed(cp, enc, repeats)
-    coded = [k.encode_device(s, f) for (_, _, s, f) in data]
-    ok = True
-    for (t, j, _, _), (st, cn, w) in zip(data, coded, strict=True):
-        ok &= bool((k.decode_device(st, cn, w, t, steps, g).astype(np.int32) == j).all())
-    state["i"] = 0
-
-    def dec():
-        i = state["i"] % inputs
-        state["i"] += 1
-        st, cn, w = coded[i]
-        return k.decode_device(st, cn, w, data[i][0], steps, g)
-
-    t_dec = timed(cp, dec, repeats)
-    raw = 2 * ops
-    wire = statistics.mean(int(w.size) * 2 + int(st.size) * 4 + int(cn.size) * 4 for st, cn, w in coded)
-    return {"ops_per_input": ops, "raw_gb_per_input": raw / 1e9, "inputs": inputs, "decode_correct": ok,
-            "encode_gb_s": raw / t_enc / 1e9, "decode_gb_s": raw / t_dec / 1e9,
-            "bits_per_op": 8 * wire / ops}
+def run(backend: str, repeats: int, speed: bool) -> dict:
+    dev, models = Device(backend), load_models()
+    rep: dict[str, Any] = {"backend": backend, "cases": check_all(dev, models)}
+    want = json.loads(DIGESTS.read_text()) if DIGESTS.exists() else {}
+    rep["digests_match"] = bool(want) and all(want.get(k) == v["digest"] for k, v in rep["cases"].items())
+    if speed:
+        tuned = models["tuned"]
+        rep["copy_gb_s"] = copy_bandwidth(dev, 1 << 28 if backend == "cuda" else 1 << 24, repeats)
+        rep["throughput"] = {name: throughput(dev, tuned, layers, tokens, req, repeats) for name, layers, tokens, req in
+                             (("streaming", 2, 2048, 1), ("batched", 30, 2048, 1), ("requests4", 30, 2048, 4))}
+    checks = [v[k] for v in rep["cases"].values() for k in ("streams_equal", "mu_equal", "gpu_to_cpu", "cpu_to_gpu")]
+    checks += [t["decode_correct"] for t in rep.get("throughput", {}).values()]
+    rep["ok"] = all(checks) and rep["digests_match"]
+    return rep
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gb", type=float, default=1.0, help="raw GB of KV rotated through per timing")
-    ap.add_argument("--inputs", type=int, default=4)
+    ap.add_argument("--backend", choices=("cuda", "native"), default="cuda")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--real-tokens", type=int, default=256)
+    ap.add_argument("--no-speed", action="store_true", help="skip the throughput figures")
+    ap.add_argument("--write-digests", action="store_true", help="record the native coder's digests")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    if not cuda_available():
-        print("gpu_check: no CUDA device or CuPy (pip install 'speckv[cuda]')", file=sys.stderr)
-        return 2
-    import cupy as cp
+    if args.write_digests:
+        cases = check_all(Device("native"), load_models())
+        DIGESTS.write_text(json.dumps({k: v["digest"] for k, v in cases.items()}, indent=1, sort_keys=True) + "\n")
+        return 0
+    if args.backend == "cuda":
+        from speckv.coder.backends import cuda_available
 
-    props = cp.cuda.runtime.getDeviceProperties(0)
-    ck = load_checkpoint(default_checkpoint_dir())
-    rep = {"device": props["name"].decode(), "cupy": cp.__version__,
-           "cuda_runtime": cp.cuda.runtime.runtimeGetVersion()}
-    rep["round_trips"] = adversarial(ck, np.random.default_rng(0))
-    rep["real_kv"] = real_kv(ck, args.real_tokens)
-    rep["copy_gb_s"] = copy_bandwidth(cp, 1 << 30, args.repeats)
-    rep["throughput"] = throughput(ck, args.gb, args.inputs, args.repeats)
-    tp = rep["throughput"]
-    ok = all(v.get("streams_equal") and v.get("cpu_to_gpu") and v.get("gpu_to_cpu")
-             for v in rep["round_trips"].values()) and tp["decode_correct"]
-    rep["ok"] = ok
+        if not cuda_available():
+            print("gpu_check: no CUDA device or CuPy (pip install 'speckv[cuda]')", file=sys.stderr)
+            return 2
+    rep = run(args.backend, args.repeats, not args.no_speed)
     if args.json:
         print(json.dumps(rep))
-    else:
-        print(f"device {rep['device']}, CuPy {rep['cupy']}, CUDA runtime {rep['cuda_runtime']}")
-        for name, r in {**rep["round_trips"], **{f"real_{k}": v for k, v in rep["real_kv"].items()
-                                                 if isinstance(v, dict)}}.items():
-            print(f"{name:18s} streams equal {r['streams_equal']}, CPU->GPU {r['cpu_to_gpu']}, "
-                  f"GPU->CPU {r['gpu_to_cpu']} ({r['bytes']} B)")
-        if "skipped" in rep["real_kv"]:
-            print(f"real KV: skipped ({rep['real_kv']['skipped']})")
-        print("| figure | GB/s | vs copy |\n|---|---|---|")
-        print(f"| device copy (D2D) | {rep['copy_gb_s']:.1f} | 1.00 |")
-        for key, name in (("encode_gb_s", "rANS encode"), ("decode_gb_s", "rANS decode")):
-            print(f"| {name} | {tp[key]:.1f} | {tp[key] / rep['copy_gb_s']:.3f} |")
-        print(f"{tp['inputs']} inputs x {tp['raw_gb_per_input']:.2f} GB raw, {tp['bits_per_op']:.2f} bits/op, "
-              f"decode correct {tp['decode_correct']}; overall ok {ok}")
-    return 0 if ok else 1
+        return 0 if rep["ok"] else 1
+    for name, r in rep["cases"].items():
+        print(f"{name:22s} digest {r['digest'][:12]} streams equal {r['streams_equal']}, mu {r['mu_equal']}, "
+              f"GPU->CPU {r['gpu_to_cpu']}, CPU->GPU {r['cpu_to_gpu']} ({r['bytes']} B)")
+    print(f"digests match {DIGESTS.name}: {rep['digests_match']}")
+    if "throughput" in rep:
+        print(f"| figure | encode GB/s | decode GB/s | bits/scalar |\n|---|---|---|---|\n"
+              f"| D2D copy | {rep['copy_gb_s']:.1f} | {rep['copy_gb_s']:.1f} | |")
+        for name, t in rep["throughput"].items():
+            print(f"| {name} ({t['raw_mb']:.1f} MB) | {t['encode_gb_s']:.2f} | {t['decode_gb_s']:.2f} | "
+                  f"{t['bits_per_scalar']:.2f} |")
+    print(f"overall ok {rep['ok']}")
+    return 0 if rep["ok"] else 1
 
 
 if __name__ == "__main__":

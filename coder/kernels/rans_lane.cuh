@@ -55,12 +55,14 @@ SPK_HD uint32_t dec_find(const uint16_t* cum, uint32_t n, uint32_t slot) {
     return lo;
 }
 
-// dec_find_bucketed: the same symbol, starting from the bucket index of the slot's
-// top bits (the first symbol whose range reaches into that bucket), then stepping up:
-// near the mode a symbol spans more than a bucket, so this is 0-1 steps per op.
-SPK_HD uint32_t dec_find_bucketed(const uint16_t* cum, uint32_t n, const uint16_t* bucket, uint32_t slot) {
+// dec_find_bucketed: the same symbol, from the first symbol reaching into the slot's
+// bucket (its top bits), then stepping up; cum here ends with a PROB_SCALE sentinel.
+// NOTE: near the mode a symbol spans more than a bucket, so one branch-free step
+// nearly always ends it; the loop is for the tails.
+SPK_HD uint32_t dec_find_bucketed(const uint16_t* cum, const uint16_t* bucket, uint32_t slot) {
     uint32_t j = bucket[slot >> SPK_BUCKET_SHIFT];
-    while (j + 1u < n && cum[j + 1u] <= slot) ++j;
+    j += cum[j + 1u] <= slot;
+    while (cum[j + 1u] <= slot) ++j;
     return j;
 }
 

@@ -19,22 +19,30 @@ struct Tables {  // the Gaussian rows of one residual model, flat (rans_kernels.
     const int32_t* radius;  // window radius R of each row (ESC = 2R + 1)
     int32_t n_tables;
     int64_t n_symbols;
-    const uint16_t* bucket = nullptr;  // decoder: (n_tables, SPK_BUCKETS) first symbol per slot bucket
+    const uint16_t* bucket = nullptr;   // decoder: (n_tables, SPK_BUCKETS) first symbol per slot bucket
+    const uint16_t* cum_pad = nullptr;  // decoder: cum with a PROB_SCALE sentinel per row (DecodeTables)
 };
 
-// bucket[t][q] = the symbol of table t that holds slot q << SPK_BUCKET_SHIFT
-inline std::vector<uint16_t> build_buckets(const Tables& t) {
-    std::vector<uint16_t> out((size_t)t.n_tables * SPK_BUCKETS);
-    for (int32_t r = 0; r < t.n_tables; ++r) {
-        const uint16_t* cum = t.cum + t.off[r];
-        uint32_t j = 0;
-        for (uint32_t q = 0; q < SPK_BUCKETS; ++q) {
-            while (j + 1u < (uint32_t)t.size[r] && cum[j + 1u] <= (q << SPK_BUCKET_SHIFT)) ++j;
-            out[(size_t)r * SPK_BUCKETS + q] = (uint16_t)j;
+// The decoder's lookup tables: each row's cum again with a sentinel PROB_SCALE after
+// its last symbol (row r starts at off[r] + r), and bucket[t][q] = the symbol of table t
+// that holds slot q << SPK_BUCKET_SHIFT.
+struct DecodeTables {
+    std::vector<uint16_t> cum_pad, bucket;
+
+    explicit DecodeTables(const Tables& t) : bucket((size_t)t.n_tables * SPK_BUCKETS) {
+        cum_pad.reserve((size_t)(t.n_symbols + t.n_tables));
+        for (int32_t r = 0; r < t.n_tables; ++r) {
+            const uint16_t* cum = t.cum + t.off[r];
+            cum_pad.insert(cum_pad.end(), cum, cum + t.size[r]);
+            cum_pad.push_back((uint16_t)SPK_PROB_SCALE);
+            uint32_t j = 0;
+            for (uint32_t q = 0; q < SPK_BUCKETS; ++q) {
+                while (j + 1u < (uint32_t)t.size[r] && cum[j + 1u] <= (q << SPK_BUCKET_SHIFT)) ++j;
+                bucket[(size_t)r * SPK_BUCKETS + q] = (uint16_t)j;
+            }
         }
     }
-    return out;
-}
+};
 
 // A batch of consecutive chunks: (layers, 2, heads, tokens, dim) elements, C order.
 struct Geometry {
@@ -62,13 +70,17 @@ struct Geometry {
 
 // Element index -> channel (layer, kv, head, dim) of the per-channel arrays, stepped in order.
 struct Cursor {
-    int64_t dim, tokens, d, tok, row;
+    int64_t dim, tokens, d, tok, ch;  // ch = row * dim + d
     Cursor(const Geometry& g, int64_t e) : dim(g.dim), tokens(g.tokens) {
-        d = e % g.dim, tok = (e / g.dim) % g.tokens, row = e / (g.dim * g.tokens);
+        d = e % g.dim, tok = (e / g.dim) % g.tokens, ch = e / (g.dim * g.tokens) * g.dim + d;
     }
-    int64_t channel() const { return row * dim + d; }
+    int64_t channel() const { return ch; }
     void next() {
-        if (++d == dim) { d = 0; if (++tok == tokens) { tok = 0; ++row; } }
+        ++ch;
+        if (++d == dim) {
+            d = 0, ch -= dim;
+            if (++tok == tokens) tok = 0, ch += dim;
+        }
     }
 };
 
@@ -129,10 +141,9 @@ struct BitWriter {
 
 // w <= 16 bits at bit position pos of a buffer padded with >= 8 readable bytes
 inline uint32_t read_bits(const uint8_t* buf, uint64_t pos, uint32_t w) {
-    if (!w) return 0;
     const uint8_t* p = buf + (pos >> 3);
     const uint32_t v = (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
-    return (v << (pos & 7)) >> (32 - w);
+    return (uint32_t)((uint64_t)(v << (pos & 7)) >> (32 - w));  // NOTE: u64: w = 0 shifts by 32
 }
 
 template <class F> inline uint32_t load(const void* a, int64_t i) {
@@ -160,33 +171,42 @@ struct EncodedBlock {
 template <class FX, class FM>
 void encode_block_t(const EncodeJob& J, int64_t b, EncodedBlock& o) {
     const int64_t e0 = J.g.block_e0[b], n = J.g.block_n[b], steps = J.g.epl;
-    thread_local std::vector<uint32_t> ops;  // (start | freq << 16) per element, block order
-    ops.assign((size_t)(steps * SPK_LANES), SPK_PROB_SCALE << 16);  // padding: the no-op
+    // NOTE: per-thread scratch, kept across calls (fresh pages would fault every call), and
+    // __restrict locals: the u32 op stores could otherwise alias every i32 table
+    thread_local std::vector<uint32_t> ops_buf;    // (start | freq << 16) per element, block order
+    thread_local std::vector<uint16_t> words_buf;  // at most one word per op
+    ops_buf.assign((size_t)(steps * SPK_LANES), SPK_PROB_SCALE << 16);  // padding: the no-op
+    words_buf.resize((size_t)(steps * SPK_LANES) + 1);
+    uint32_t* __restrict ops = ops_buf.data();
+    uint16_t* __restrict words = words_buf.data();
+    const int32_t* __restrict toff = J.t.off;
+    const int32_t* __restrict trad = J.t.radius;
+    const int32_t* __restrict lev = J.L;
+    const uint16_t* __restrict cum = J.t.cum;
+    const uint16_t* __restrict freq = J.t.freq;
     Cursor cur(J.g, e0);
     for (int64_t e = 0; e < n; ++e, cur.next()) {
-        const SpkContext ctx = spk_context<FX, FM>(load<FM>(J.mu, e0 + e), J.L[cur.channel()]);
-        const int32_t radius = J.t.radius[ctx.t];
-        const SpkSymbol s = spk_symbolize<FX>(load<FX>(J.x, e0 + e), ctx, radius);
-        const int64_t idx = J.t.off[ctx.t] + s.j;
-        ops[e] = J.t.cum[idx] | (uint32_t)J.t.freq[idx] << 16;
+        const SpkContext ctx = spk_context<FX, FM>(load<FM>(J.mu, e0 + e), lev[cur.channel()]);
+        const SpkSymbol s = spk_symbolize<FX>(load<FX>(J.x, e0 + e), ctx, trad[ctx.t]);
+        const int64_t idx = toff[ctx.t] + s.j;
+        ops[e] = cum[idx] | (uint32_t)freq[idx] << 16;
         o.sec[s.kind].put(s.field, (int)s.width);
         if (s.kind == SPK_KIND_ZERO) o.sec[3].put_unary(s.delta);
     }
     for (auto& s : o.sec) s.finish();
-    o.words.resize((size_t)(steps * SPK_LANES) + 1);
     uint32_t* x = o.states;
     for (uint32_t l = 0; l < SPK_LANES; ++l) x[l] = SPK_RANS_L;
     size_t count = 0;
     for (int64_t s = steps - 1; s >= 0; --s) {  // NOTE: LIFO, the last op first
-        const uint32_t* op = &ops[(size_t)(s * SPK_LANES)];
+        const uint32_t* op = ops + s * SPK_LANES;
         for (uint32_t l = 0; l < SPK_LANES; ++l) {  // lanes in ascending order = ballot order
             uint16_t w;
             const uint32_t emit = enc_put(&x[l], op[l] & 0xFFFFu, op[l] >> 16, &w);
-            o.words[count] = w;
+            words[count] = w;
             count += emit;
         }
     }
-    o.words.resize(count);
+    o.words.assign(words, words + count);
 }
 
 inline void encode_block(const EncodeJob& J, int64_t b, EncodedBlock& o) {
@@ -250,7 +270,7 @@ struct BlockTally {  // what a decoded block puts in each section
 
 // rANS steps of one block: each element's packed info; status SPK_ERR_WORDS_* or FINAL_STATE
 template <class FX, class FM>
-int decode_block_rans(const DecodeJob& J, int64_t b, uint32_t* info, BlockTally& tally) {
+int decode_block_rans(const DecodeJob& J, int64_t b, uint32_t* __restrict info, BlockTally& tally) {
     const Geometry& g = J.g;
     const int64_t c = g.block_chunk[b], e0 = g.block_e0[b], n = g.block_n[b], steps = g.epl;
     const ChunkStream& cs = J.streams[(size_t)c];
@@ -258,33 +278,63 @@ int decode_block_rans(const DecodeJob& J, int64_t b, uint32_t* info, BlockTally&
     int64_t lo = 0;
     for (int64_t i = 0; i < lb; ++i) lo += cs.counts[i];
     int64_t end = lo + cs.counts[lb];
+    // NOTE: locals and __restrict: info's u32 stores could otherwise alias every i32 table
+    const int32_t* __restrict toff = J.t.off;
+    const int32_t* __restrict trad = J.t.radius;
+    const int32_t* __restrict lev = J.L;
+    const uint16_t* __restrict cum = J.t.cum;
+    const uint16_t* __restrict freq = J.t.freq;
+    const uint16_t* __restrict cum_pad = J.t.cum_pad;
+    const uint16_t* __restrict bucket = J.t.bucket;
+    const uint16_t* __restrict words = cs.words;
+    const void* mu = J.mu;
+    const int64_t last_word = cs.n_words - 1;
+    uint64_t low_bits = 0, n_zero = 0, n_esc = 0, unary_bound = 0;
+    uint32_t mu_bad = 0;
     uint32_t x[SPK_LANES];
     std::memcpy(x, cs.states + lb * SPK_LANES, sizeof x);
     Cursor cur(g, e0);
-    for (int64_t s = 0, e = 0; s < steps; ++s) {
-        uint32_t ballot = 0;
-        for (uint32_t l = 0; l < SPK_LANES; ++l, ++e) {
-            if (e < n) {
-                const SpkContext ctx = spk_context<FX, FM>(load<FM>(J.mu, e0 + e), J.L[cur.channel()]);
-                cur.next();
-                const int32_t radius = J.t.radius[ctx.t], off = J.t.off[ctx.t];
-                const uint32_t j = dec_find_bucketed(J.t.cum + off, (uint32_t)J.t.size[ctx.t],
-                                                     J.t.bucket + (size_t)ctx.t * SPK_BUCKETS, dec_get(x[l]));
-                dec_advance(&x[l], J.t.cum[off + j], J.t.freq[off + j]);
-                const SpkClass k = spk_classify<FX>(j, ctx, radius);
-                info[e] = pack_info(k.c, ctx.k, k.kind, !ctx.mu_ok);
-                tally.mu_bad |= !ctx.mu_ok & (k.kind != SPK_KIND_ESC);
-                if (k.kind == SPK_KIND_NORMAL) tally.low_bits += k.width;
-                else if (k.kind == SPK_KIND_ZERO) ++tally.n_zero, tally.unary_bound += (uint64_t)(ctx.k + FX::bias);
-                else ++tally.n_esc;
-            }  // padding lanes: the no-op leaves the state as it is
-            ballot |= dec_needs(x[l]) << l;
+    SpkContext ctx[SPK_LANES];
+    uint32_t j[SPK_LANES];
+    int status = SPK_OK;
+    for (int64_t s = 0, e0s = 0; s < steps; ++s, e0s += SPK_LANES) {
+        // NOTE: in stages over the 32 lanes (contexts, then table walks, then kinds): each
+        // stage's lanes are independent, so their loads overlap instead of chaining
+        const uint32_t live = (uint32_t)std::min<int64_t>(SPK_LANES, std::max<int64_t>(n - e0s, 0));
+        for (uint32_t l = 0; l < live; ++l, cur.next())
+            ctx[l] = spk_context<FX, FM>(load<FM>(mu, e0 + e0s + l), lev[cur.channel()]);
+        for (uint32_t l = 0; l < live; ++l) {
+            const int32_t t = ctx[l].t, off = toff[t];
+            j[l] = dec_find_bucketed(cum_pad + off + t, bucket + (size_t)t * SPK_BUCKETS, dec_get(x[l]));
+            dec_advance(&x[l], cum[off + j[l]], freq[off + j[l]]);
+        }  // padding lanes (l >= live): the no-op leaves the state as it is
+        for (uint32_t l = 0; l < live; ++l) {
+            const SpkClass k = spk_classify<FX>(j[l], ctx[l], trad[ctx[l].t]);
+            info[e0s + l] = pack_info(k.c, ctx[l].k, k.kind, !ctx[l].mu_ok);
+            // NOTE: branch-free tallies: an element's kind is data, not a predictable branch
+            const uint32_t normal = k.kind == SPK_KIND_NORMAL, zero = k.kind == SPK_KIND_ZERO;
+            mu_bad |= !ctx[l].mu_ok & (k.kind != SPK_KIND_ESC);
+            low_bits += normal * k.width;
+            n_zero += zero, n_esc += k.kind == SPK_KIND_ESC;
+            unary_bound += zero * (uint64_t)(ctx[l].k + FX::bias);
         }
+        uint32_t ballot = 0;
+        for (uint32_t l = 0; l < SPK_LANES; ++l) ballot |= dec_needs(x[l]) << l;
+        if (!ballot) continue;
         end -= popcount32(ballot);  // NOTE: read backward: this step's words sit at the end
-        if (end < lo) return SPK_ERR_WORDS_UNDERRUN;
-        for (uint32_t l = 0, r = 0; l < SPK_LANES; ++l)
-            if (ballot >> l & 1u) x[l] = dec_put_word(x[l], cs.words[end + r++]);
+        if (end < lo) { status = SPK_ERR_WORDS_UNDERRUN; break; }
+        // lane of rank r reads word end + r; branch-free (a lane that reads nothing reads a
+        // word it then ignores, clamped inside the buffer)
+        for (uint32_t l = 0, r = 0; l < SPK_LANES; ++l) {
+            const uint32_t need = ballot >> l & 1u;
+            const uint16_t w = words[std::min<int64_t>(end + r, last_word)];
+            x[l] = need ? dec_put_word(x[l], w) : x[l];
+            r += need;
+        }
     }
+    tally.low_bits = low_bits, tally.n_zero = n_zero, tally.n_esc = n_esc;
+    tally.unary_bound = unary_bound, tally.mu_bad = mu_bad;
+    if (status) return status;
     if (end != lo) return SPK_ERR_WORDS_LEFT;
     for (uint32_t l = 0; l < SPK_LANES; ++l)
         if (x[l] != SPK_RANS_L) return SPK_ERR_FINAL_STATE;
@@ -315,21 +365,22 @@ void decode_block_values(const DecodeJob& J, int64_t b, const uint32_t* info, co
     const int64_t lb = b - g.chunk_b0[g.block_chunk[b]], e0 = g.block_e0[b], n = g.block_n[b];
     uint64_t low = cs.low[lb], zman = cs.zman[lb], esc = cs.esc[lb], z = cs.zero0[lb];
     const uint8_t* buf = cs.padded.data();
+    const uint64_t last_z = cs.deltas.empty() ? 0 : cs.deltas.size() - 1;
     for (int64_t e = 0; e < n; ++e) {
         const uint32_t in = info[e], kind = in >> 22 & 3u;
         const int32_t c = (int32_t)(in & 0x3FFFu) - 8192, k = (int32_t)(in >> 14 & 0xFFu) - 128;
-        uint32_t v;
-        if (kind == SPK_KIND_NORMAL) {
-            const uint32_t w = (uint32_t)spk_max(spk_low_bits<FX>(spk_magnitude(c)), 0);
-            v = spk_normal_value<FX>(k, c, read_bits(buf, low, w), &f.normal_bad);
-            low += w;
-        } else if (kind == SPK_KIND_ZERO) {
-            v = spk_zero_value<FX>(k, c, read_bits(buf, zman, FX::mant), cs.deltas[z++], &f.zero_bad);
-            zman += FX::mant;
-        } else {
-            v = read_bits(buf, esc, FX::bits);
-            esc += FX::bits;
-        }
+        // NOTE: branch-free: every section is read at its cursor with width 0 unless the
+        // element is of its kind (an element's kind is data, not a predictable branch)
+        const uint32_t is_n = kind == SPK_KIND_NORMAL, is_z = kind == SPK_KIND_ZERO, is_e = kind == SPK_KIND_ESC;
+        const uint32_t w = is_n * (uint32_t)spk_max(spk_low_bits<FX>(spk_magnitude(c)), 0);
+        uint32_t bad_n = 0, bad_z = 0;
+        const uint32_t vn = spk_normal_value<FX>(k, c, read_bits(buf, low, w), &bad_n);
+        const uint32_t vz = spk_zero_value<FX>(k, c, read_bits(buf, zman, is_z * FX::mant),
+                                               cs.deltas[std::min<uint64_t>(z, last_z)], &bad_z);
+        const uint32_t ve = read_bits(buf, esc, is_e * FX::bits);
+        low += w, zman += is_z * FX::mant, esc += is_e * FX::bits, z += is_z;
+        f.normal_bad |= is_n & bad_n, f.zero_bad |= is_z & bad_z;
+        const uint32_t v = is_n ? vn : is_z ? vz : ve;
         if (FX::bits == 8) static_cast<uint8_t*>(J.out)[e0 + e] = (uint8_t)v;
         else static_cast<uint16_t*>(J.out)[e0 + e] = (uint16_t)v;
     }
@@ -351,11 +402,15 @@ struct Decoder {
     template <class FX, class FM>
     int run_t(int threads, int64_t* where, ParallelFor pfor) {
         const Geometry& g = J.g;
-        std::vector<uint32_t> info((size_t)g.n_elements);
+        // NOTE: one scratch per calling thread, kept: fresh pages would cost their faults every call
+        // (and a pointer to it for the workers: a thread_local named in a lambda is the worker's own)
+        thread_local std::vector<uint32_t> scratch;
+        if (scratch.size() < (size_t)g.n_elements) scratch.resize((size_t)g.n_elements);
+        uint32_t* const info = scratch.data();
         std::vector<BlockTally> tally((size_t)g.n_blocks);
         std::vector<int> status((size_t)g.n_blocks, SPK_OK);
         pfor(g.n_blocks, threads, [&](int64_t b) {
-            status[b] = decode_block_rans<FX, FM>(J, b, info.data() + g.block_e0[b], tally[b]);
+            status[b] = decode_block_rans<FX, FM>(J, b, info + g.block_e0[b], tally[b]);
         });
         for (size_t b = 0; b < status.size(); ++b)
             if (status[b]) {
@@ -368,7 +423,7 @@ struct Decoder {
         std::vector<BlockFlags> flags((size_t)g.n_blocks);
         pfor(g.n_blocks, threads, [&](int64_t b) {
             const ChunkSections& cs = secs[g.block_chunk[b]];
-            if (!cs.early) decode_block_values<FX>(J, b, info.data() + g.block_e0[b], cs, flags[b]);
+            if (!cs.early) decode_block_values<FX>(J, b, info + g.block_e0[b], cs, flags[b]);
         });
         for (int64_t c = 0; c < nc; ++c) {
             BlockFlags f;
@@ -434,7 +489,7 @@ inline void chunk_sections(const DecodeJob& J, int64_t c, const std::vector<Bloc
             if (o.deltas.size() < nz) o.deltas.push_back((uint32_t)std::min<uint64_t>(pos - prev - 1, 1u << 30));
             prev = pos, ++o.ones, o.unary_bits = pos + 1;
         }
-    o.deltas.resize(nz, 0);
+    o.deltas.resize(std::max<uint64_t>(nz, 1), 0);  // NOTE: >= 1 entry: the value pass reads one always
     o.n_zero = nz, o.unary_bytes = s_un;
     o.padded.assign(cs.bits, cs.bits + len);
     o.padded.resize(len + 8, 0);

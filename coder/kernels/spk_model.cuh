@@ -76,11 +76,36 @@ SPK_HD float spk_as_float(uint32_t x) {
 SPK_HD int32_t spk_flog2(uint32_t n) { return 31 - spk_clz32(n | 1u); }
 
 // floor(8 log2 n) for 1 <= n <= 255, exactly: the largest j with 2^j <= n^8 (model.LOG2Q8)
-SPK_HD int32_t spk_log2q8(uint32_t n) {
+SPK_HD int32_t spk_log2q8_exact(uint32_t n) {
     uint64_t p = (uint64_t)n * n;
     p *= p;
     p *= p;
     return 63 - spk_clz64(p);
+}
+
+#ifndef __CUDA_ARCH__
+struct SpkLog2Q8Table {  // the host reads the same integers from a table built at compile time
+    uint8_t v[256];
+    constexpr SpkLog2Q8Table() : v() {
+        for (uint32_t n = 1; n < 256; ++n) {
+            uint64_t p = (uint64_t)n * n;
+            p *= p;
+            p *= p;
+            uint8_t b = 63;
+            while (!(p >> b)) --b;
+            v[n] = b;
+        }
+    }
+};
+static constexpr SpkLog2Q8Table spk_log2q8_table{};
+#endif
+
+SPK_HD int32_t spk_log2q8(uint32_t n) {
+#ifdef __CUDA_ARCH__
+    return spk_log2q8_exact(n);
+#else
+    return spk_log2q8_table.v[n & 0xFFu];
+#endif
 }
 
 // Table row for log2 sigma_b = lam / 8 and mu's offset in its bin (tables.table_row).
@@ -117,10 +142,42 @@ struct SpkContext {
     uint32_t mu_ok;  // mu is finite
 };
 
+// Context of BF16 mu for BF16 x in integers only: mu's grid value is sig 2^-nb with
+// nb = k - (e_unb - 7), so mu + half a bin is (2 sig + 1) 2^-(nb + 1), exactly as the
+// float path computes it (at most 9 significant bits); beyond nb = 24 the float path's
+// sum rounds, but its bin and offset are 0 either way. Identical to spk_context for
+// every (mu, L): tests/coder/test_native.py checks all 65536 patterns at every level.
+SPK_HD SpkContext spk_context_bf16(uint32_t mu, int32_t L) {
+    const int32_t e_mu = (int32_t)((mu >> 7) & 0xFFu), man = (int32_t)(mu & 0x7Fu);
+    const int32_t e_unb = spk_max(e_mu, 1) - 127;
+    const int32_t near = spk_log2q8(128u - (uint32_t)man) + (e_unb - 7) * SPK_SIGMA_ONE < L + SPK_NEAR_TOP_Q8;
+    const int32_t k_s = (L >> SPK_SIGMA_FRAC_BITS) - SPK_GRID_BELOW_SIGMA;  // NOTE: >> floors negatives
+    const int32_t k = spk_max(SpkBF16::k_min, spk_min(spk_max(k_s, e_unb - 7 + near), SpkBF16::k_max));
+    const int32_t nb = k - (e_unb - 7);
+    int32_t mag = 0, frac = 0;
+    if (e_mu == 0xFF) {
+        mag = man ? 0 : SPK_MAX_BIN;  // NaN: bin 0; inf: the last bin
+    } else if (nb < 0) {
+        mag = (man | (e_mu ? 128 : 0)) << -nb;  // top binade on a clamped grid: half = 0
+    } else if (nb < 25) {
+        const uint32_t v = 2u * (uint32_t)(man | (e_mu ? 128 : 0)) + 1u;  // (mu + half) 2^(nb + 1)
+        mag = (int32_t)(v >> (nb + 1));
+        frac = (int32_t)(((v & ((1u << (nb + 1)) - 1u)) << SPK_OFFSET_BITS) >> (nb + 1));
+    }
+    const bool neg = (mu >> 15) != 0;
+    SpkContext c;
+    c.k = k;
+    c.c_mu = neg ? ~mag : mag;
+    c.t = spk_table_row(L - k * SPK_SIGMA_ONE, neg ? SPK_OFFSETS - 1 - frac : frac);
+    c.mu_ok = e_mu != 0xFF;
+    return c;
+}
+
 // Context of one element: mu's bit pattern in format FM, fixed-point log2 sigma L
-// (1/8 octave, in x's units), x in format FX.
+// (1/8 octave, in x's units), x in format FX. (The reference arithmetic; BF16 runs
+// spk_context_bf16, its integer equivalent.)
 template <class FX, class FM>
-SPK_HD SpkContext spk_context(uint32_t mu, int32_t L) {
+SPK_HD SpkContext spk_context_float(uint32_t mu, int32_t L) {
     const int32_t e_mu = (int32_t)((mu >> FM::mant) & FM::exp_mask);
     const uint32_t man = mu & FM::mant_mask;
     const int32_t e_unb = spk_max(spk_max(e_mu, 1) - FM::bias, 1 - FX::bias);  // mu's binade
@@ -145,6 +202,12 @@ SPK_HD SpkContext spk_context(uint32_t mu, int32_t L) {
     c.t = spk_table_row(L - k * SPK_SIGMA_ONE, neg ? SPK_OFFSETS - 1 - frac : frac);
     c.mu_ok = spk_finite<FM>(mu);
     return c;
+}
+
+template <class FX, class FM>
+SPK_HD SpkContext spk_context(uint32_t mu, int32_t L) {
+    if (FM::bits == 16 && FX::bits == 16) return spk_context_bf16(mu, L);
+    return spk_context_float<FX, FM>(mu, L);
 }
 
 // |bin| in the symmetric tiling (c for c >= 0, -1 - c for c < 0)

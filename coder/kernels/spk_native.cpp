@@ -196,8 +196,8 @@ PyObject* py_decode(PyObject*, PyObject* args) {
                                       sb[4 * c + 2].as<uint16_t>(), sb[4 * c + 2].count(2),
                                       sb[4 * c + 3].as<uint8_t>(), sb[4 * c + 3].count(1)};
     }
-    const std::vector<uint16_t> buckets = spk::build_buckets(t);
-    t.bucket = buckets.data();
+    const spk::DecodeTables dt(t);
+    t.bucket = dt.bucket.data(), t.cum_pad = dt.cum_pad.data();
     spk::DecodeJob job{g, t, mu.v.buf, L.as<int32_t>(), out.v.buf, fp8 != 0, streams};
     spk::Decoder dec(job);
     int64_t where[4] = {-1, -1, 0, 0};  // chunk, block, figures for the message
@@ -210,7 +210,29 @@ PyObject* py_decode(PyObject*, PyObject* args) {
                          (long long)where[3]);
 }
 
+// contexts(fp8, mu, L, out, float_path): packed context of each (mu, L) pair, as
+// model.ContextTable packs it (tests compare the native model with numpy's)
+PyObject* py_contexts(PyObject*, PyObject* args) {
+    int fp8, float_path;
+    PyObject *mu_o, *l_o, *out_o;
+    if (!PyArg_ParseTuple(args, "pOOOp", &fp8, &mu_o, &l_o, &out_o, &float_path)) return nullptr;
+    Buf mu, L, out;
+    if (!get_buf(mu_o, mu, -1, "mu")) return nullptr;
+    const int64_t n = mu.count(fp8 ? 4 : 2);
+    if (!get_buf(l_o, L, 4 * n, "L") || !get_buf(out_o, out, 4 * n, "out", true)) return nullptr;
+    for (int64_t i = 0; i < n; ++i) {
+        const int32_t l = L.as<int32_t>()[i];
+        const SpkContext c = fp8 ? spk_context<SpkE4M3, SpkFP32>(mu.as<uint32_t>()[i], l)
+                             : float_path ? spk_context_float<SpkBF16, SpkBF16>(mu.as<uint16_t>()[i], l)
+                                          : spk_context<SpkBF16, SpkBF16>(mu.as<uint16_t>()[i], l);
+        out.as<uint32_t>()[i] = (uint32_t)c.t | (uint32_t)(c.k + 128) << 10 | (uint32_t)(c.c_mu + 4096) << 18 |
+                                c.mu_ok << 31;
+    }
+    Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
+    {"contexts", py_contexts, METH_VARARGS, "packed contexts of (mu, L) pairs (tests)"},
     {"prepare_mu", py_prepare_mu, METH_VARARGS, "mu correction (model 2) and the FP8 division, threaded"},
     {"encode", py_encode, METH_VARARGS, "code a batch of consecutive chunks"},
     {"decode", py_decode, METH_VARARGS, "decode a batch of consecutive chunks into a buffer"},

@@ -94,7 +94,7 @@ def load_text(path: str | None) -> tuple[str, str]:
 def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf16",
               target: str = "default", predictor: str | None = None, pin: str | None = None,
               quiet: bool = False, coder: str = "auto", model: str = "auto",
-              timing_runs: int = 3) -> dict[str, Any]:
+              timing_runs: int = 3, threads: int | None = None) -> dict[str, Any]:
     from speckv.coder.backends import backend_name
     from speckv.coder.codec import Codec, CodecConfig, Fp8KV, bf16_bits
     from speckv.predictor.fp8 import kv_to_fp8
@@ -110,7 +110,8 @@ def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf
         step(f"prefill of {len(ids)} tokens, target and predictor timed alternately x{timing_runs}")
         fp8_copy = None if sess.predictor.checkpoint.rung.name == "fp8" else fp8_copy_forward(sess.target)
         pre, target_s, predictor_s, fp8_s = timed_prefill(sess, ids, timing_runs, fp8_copy)
-        codec = Codec.from_predictor(sess.predictor, CodecConfig(coder=coder, model=model))
+        cfg = CodecConfig(coder=coder, model=model, **({"threads": threads} if threads else {}))
+        codec = Codec.from_predictor(sess.predictor, cfg)
         if dtype == "fp8":
             q, scale = kv_to_fp8(pre.kv)
             kv, raw = Fp8KV(q.numpy(), scale.numpy()), q.numpy().tobytes()
@@ -122,6 +123,7 @@ def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf
         step("speckv decode + verify")
         td, back = best_time(lambda: codec.decode(records, ids, pre.mu))
         lossless = _equal(back, kv)
+        digest_s = digest_time(raw, bf16_bits(pre.mu).tobytes())
         step("ideal code length and peers")
         ideal = sess.entropy(pre, dtype)
         peer_rows = peers(raw, 2 if dtype == "bf16" else 1, ideal["order0_bits_per_scalar"])
@@ -138,7 +140,27 @@ def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf
             "predictor_cost": predictor_s / max(target_s, 1e-12), "model": _model_name(codec.model_id),
             "fp8_copy_cost": (fp8_s if fp8_s is not None else predictor_s) / max(target_s, 1e-12),
             "rung": sess.predictor.checkpoint.rung.name, "pin": sess.pin, "peers": peer_rows,
-            "coder": backend_name(codec.backend), "threads": codec.config.threads}
+            "coder": backend_name(codec.backend), "threads": codec.config.threads,
+            # where the time goes: the format's two blake2b digests (raw KV, mu) that every encode
+            # and every decode computes, on one thread, against the whole encode / decode
+            "digest_s": digest_s, "encode_s": te, "decode_s": td,
+            "vs_zstd3": _vs(mb / te, mb / td, peer_rows)}
+
+
+def digest_time(raw: bytes, mu: bytes) -> float:
+    """Seconds to blake2b-128 the raw KV and mu once (one thread): a floor of both sides."""
+    import hashlib
+
+    t0 = time.perf_counter()
+    for b in (raw, mu):
+        hashlib.blake2b(b, digest_size=16).digest()
+    return time.perf_counter() - t0
+
+
+def _vs(enc: float, dec: float, peer_rows: list[dict[str, Any]]) -> dict[str, float] | None:
+    """speckv's throughputs as fractions of zstd-3's, measured in the same run."""
+    z = next((p for p in peer_rows if p["name"] == "zstd-3" and "error" not in p), None)
+    return None if z is None else {"encode": enc / z["encode_mb_s"], "decode": dec / z["decode_mb_s"]}
 
 
 def timed_prefill(sess: Any, ids: np.ndarray, runs: int,
@@ -203,7 +225,8 @@ def print_report(r: dict[str, Any]) -> None:
         return "-" if v is None else f"{v:.2f}"
 
     bits = 8 * (2 if r["dtype"] == "bf16" else 1)
-    t.add_row("speckv", fmt(r["bits_per_scalar"]), fmt(r["ratio"]), fmt(r["encode_mb_s"]), fmt(r["decode_mb_s"]))
+    t.add_row(f"speckv ({r['coder']}, {r['threads']} threads)", fmt(r["bits_per_scalar"]), fmt(r["ratio"]),
+              fmt(r["encode_mb_s"]), fmt(r["decode_mb_s"]))
     t.add_row("seed-model ideal", fmt(r["ideal_bits_per_scalar"]), fmt(bits / r["ideal_bits_per_scalar"]), "-", "-")
     for p in r["peers"]:
         if "error" in p:
@@ -211,6 +234,10 @@ def print_report(r: dict[str, Any]) -> None:
             continue
         t.add_row(p["name"], fmt(bits / p["ratio"]), fmt(p["ratio"]), fmt(p["encode_mb_s"]), fmt(p["decode_mb_s"]))
     Console().print(t)
+    if r.get("vs_zstd3"):
+        Console().print(f"speckv at {r['vs_zstd3']['encode']:.2f}x / {r['vs_zstd3']['decode']:.2f}x zstd-3's encode / "
+                        f"decode speed; of its {r['encode_s']:.3f} s encode and {r['decode_s']:.3f} s decode, the "
+                        f"format's blake2b digests take {r['digest_s']:.3f} s on one thread")
     Console().print(f"model {r['model']}; predictor ({r['rung']}) {r['predictor_s']:.2f} s = "
                     f"{r['predictor_cost']:.2f} x the target prefill {r['target_s']:.2f} s "
                     f"(medians of {r['timing_runs']}), pin {r['pin'][:16]}")

@@ -69,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", choices=("auto", "seed", "tuned"), default="auto",
                        help="residual model: seed (the published static mixture), tuned (affine mu "
                             "correction, refit sigma, escape 1e-4), auto (the best the checkpoint has)")
+    bench.add_argument("--threads", type=_positive, default=None,
+                       help="coder threads (default: the codec's, min(2, CPUs))")
     bench.add_argument("--timing-runs", type=_positive, default=3,
                        help="target and predictor prefills timed alternately; predictor_cost uses the medians")
     _add_model_args(bench)
@@ -196,7 +198,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import print_report, run_bench
 
     rep = run_bench(args.text, args.tokens, args.dtype, args.target, args.predictor, args.pin, quiet=args.json,
-                    coder=args.coder, model=args.model, timing_runs=args.timing_runs)
+                    coder=args.coder, model=args.model, timing_runs=args.timing_runs, threads=args.threads)
     if args.json:
         print(json.dumps(rep))
     else:

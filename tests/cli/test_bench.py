@@ -18,9 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from require import missing
 
 from speckv.cli import bench
 from speckv.cli.main import main
+from speckv.coder import native
 from speckv.coder.codec import Codec, CodecConfig, Fp8KV, bf16_bits
 from speckv.predictor.calibrate import read_text
 from speckv.predictor.fp8 import kv_to_fp8
@@ -53,7 +55,7 @@ def reference(embedded_session, slice_file):
     ids = embedded_session.target.tokenize(read_text(slice_file), TOKENS)
     assert len(ids) == TOKENS
     pre = embedded_session.prefill(ids)
-    codec = Codec.from_predictor(embedded_session.predictor, CodecConfig())
+    codec = Codec.from_predictor(embedded_session.predictor, CodecConfig(coder="numpy"))  # the reference
     q, s = kv_to_fp8(pre.kv)
     figures = {}
     for dtype, kv in (("bf16", pre.kv), ("fp8", Fp8KV(q.numpy(), s.numpy()))):
@@ -123,6 +125,15 @@ def check_report(rep: dict, dtype: str, ref: dict, session, slice_file: Path) ->
     assert rep["ratio"] == pytest.approx(rep["raw_bytes"] / rep["coded_bytes"], rel=1e-12)
     assert rep["ratio"] == pytest.approx(SYMBOL_BITS[dtype] / bits, rel=1e-12)
     assert rep["encode_mb_s"] > 0 and rep["decode_mb_s"] > 0
+    # the coder that ran: the native extension, on the codec's default threads
+    if not native.available():
+        missing("NATIVE", f"the native coder is not built ({native.IMPORT_ERROR})")
+    assert (rep["coder"], rep["threads"]) == ("native", CodecConfig().threads)
+    assert rep["encode_s"] == pytest.approx(rep["raw_bytes"] / 1e6 / rep["encode_mb_s"], rel=1e-9)
+    assert 0 < rep["digest_s"]
+    zstd = next(p for p in rep["peers"] if p["name"] == "zstd-3")
+    assert rep["vs_zstd3"]["encode"] == pytest.approx(rep["encode_mb_s"] / zstd["encode_mb_s"], rel=1e-9)
+    assert rep["vs_zstd3"]["decode"] == pytest.approx(rep["decode_mb_s"] / zstd["decode_mb_s"], rel=1e-9)
     # the ideal row: the session's ideal code length of the same KV (another process
     # may sum in another order: not bit for bit)
     assert rep["ideal_bits_per_scalar"] == pytest.approx(ref["ideal"], rel=1e-6)
@@ -154,5 +165,5 @@ def test_bench_fp8(slice_file, reference, embedded_session, monkeypatch, capsys)
     pre, ref = reference
     rep = run_bench_in_process(slice_file, "fp8", embedded_session, pre, monkeypatch, capsys)
     check_report(rep, "fp8", ref["fp8"], embedded_session, slice_file)
-    # the command's coded bytes are the codec's on the same KV and mu (same configuration)
+    # the command's coded bytes (native coder) are the numpy reference's on the same KV and mu
     assert rep["coded_bytes"] == ref["fp8"]["coded_bytes"]

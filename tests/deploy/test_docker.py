@@ -89,7 +89,8 @@ def test_copied_files_build_a_complete_wheel(tmp_path):
                 shutil.copy(s, ctx / s.name)
     out = tmp_path / "wheel"
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                           "-w", str(out), str(ctx)], capture_output=True, text=True, timeout=300)
+                           "-w", str(out), str(ctx)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "SPECKV_REQUIRE_NATIVE": "1"})  # as the Dockerfiles build it
     assert proc.returncode == 0, proc.stderr[-2000:]
     (wheel,) = out.glob("speckv-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
@@ -101,7 +102,8 @@ def test_copied_files_build_a_complete_wheel(tmp_path):
             for r in requires if "extra ==" not in r}
     assert base == {"numpy", "grpcio", "grpcio-status", "protobuf"}, base
     assert any(r.startswith("torch") and 'extra == "server"' in r for r in requires), requires
-    for need in ("speckv/v1/decoder_pb2_grpc.py", "speckv/server/app.py", "speckv/cli/main.py",
+    assert any(n.startswith("speckv/coder/_native.") and n.endswith(".so") for n in names), "no native coder"
+    for need in ("speckv/coder/kernels/spk_model.cuh", "speckv/v1/decoder_pb2_grpc.py", "speckv/server/app.py", "speckv/cli/main.py",
                  "speckv/predictor/data/default_predictor/manifest.json",
                  "speckv/predictor/data/default_predictor/tables.npz"):
         assert need in names, need

@@ -1,0 +1,310 @@
+"""The fused CUDA coder: the whole per-scalar pipeline on the device (CuPy RawModule
+of ``coder/kernels/spk_fused.cu``), writing the native CPU coder's bytes.
+
+Lifecycle::
+
+    cu = CudaCoder.load()                                   # NVRTC once per process (CuPy caches it)
+    mu2 = cu.prepare_mu(mu, a, b, scales)                   # NativeCoder's signatures, numpy in/out
+    parts = cu.encode(x, mu2, L, layer_counts, epl, tables)
+    cu.decode(mu2, L, layer_counts, epl, streams, tables, out)
+    # device-resident: CuPy arrays, or anything cupy.asarray takes (torch CUDA tensors of
+    # the bit patterns: x.view(torch.int16) / torch.uint8; mu as int16 / int32 views)
+    mu2 = cu.prepare_mu_device(mu_dev, a, b, scales)
+    parts = cu.encode_device(x_dev, mu2, L, layer_counts, epl, tables)   # only words/states/bits come back
+    cu.decode_device(mu2, L, layer_counts, epl, streams, tables, out_dev)
+
+CuPy is imported inside the class only: ``import speckv.coder.codec`` never imports it.
+Host-side bookkeeping (geometry, section offsets, the decoder's checks) is numpy, in
+``coder/cuda_host.py``; error statuses map through ``coder/native.py`` (same messages).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from importlib import resources
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from .cuda_host import ChunkCheck, Geometry, chunk_sections, chunk_status, decode_tables, encode_layout, smem_bytes
+from .native import EncodedChunk, FlatTables, _raise
+from .rans import LANES, RansBlocks, _check_blocks
+from .tables import CodingTables
+
+SOURCES = ("spk_consts.h", "rans_lane.cuh", "spk_model.cuh", "spk_fused.cu")
+KERNELS = ("spk_prepare_mu", "spk_gather") + tuple(
+    f"spk_{k}_{f}" for k in ("encode_count", "encode_write", "decode_rans", "decode_values") for f in ("bf16", "fp8"))
+WARPS = 4  # rANS blocks (warps) per CTA
+_FMT = {False: (7, 16), True: (3, 8)}  # fp8 -> (mantissa bits, pattern bits) of x
+
+
+def source_dir() -> Path:
+    return Path(str(resources.files("speckv.coder") / "kernels"))
+
+
+def source() -> str:
+    """spk_fused.cu, headed by a digest of every file it includes.
+    NOTE: CuPy caches binaries by source text and options, not by included files:
+    the digest makes a header change recompile."""
+    h = hashlib.sha256(b"".join((source_dir() / n).read_bytes() for n in SOURCES)).hexdigest()[:16]
+    return f"// speckv sources {h}\n" + (source_dir() / "spk_fused.cu").read_text()
+
+
+class CudaCoder:
+    """The fused kernels on the current CUDA device; arrays in (layers, 2, heads, tokens, dim) order."""
+
+    name = "cuda"
+    _lock = threading.Lock()
+    _cache: "CudaCoder | None" = None
+
+    def __init__(self, cp: Any) -> None:
+        self.cp = cp
+        opts = ("-std=c++17", f"-I{source_dir()}", "--fmad=false")  # NOTE: fp32 ops must not contract
+        self.module = cp.RawModule(code=source(), options=opts)
+        self.k = {n: self.module.get_function(n) for n in KERNELS}
+        self._tables: dict[int, tuple[tuple[Any, ...], Any, int]] = {}
+        self._geo: dict[tuple, tuple[Geometry, tuple[Any, ...]]] = {}
+
+    @classmethod
+    def load(cls) -> "CudaCoder":
+        """The process's coder (compiled on first use)."""
+        with cls._lock:
+            if cls._cache is None:
+                import cupy as cp
+
+                cls._cache = cls(cp)
+            return cls._cache
+
+    # -- arrays --------------------------------------------------------------------------
+    def _bits(self, a: Any, itemsize: int, name: str) -> Any:
+        """A contiguous unsigned view of bit patterns (int16 views of BF16 tensors welcome)."""
+        a = self.cp.ascontiguousarray(self.cp.asarray(a))
+        if a.dtype.kind not in "iu" or a.dtype.itemsize != itemsize:
+            raise ValueError(f"{name}: expected {8 * itemsize}-bit bit patterns, not {a.dtype}")
+        return a.view(f"u{itemsize}")
+
+    def _levels(self, log2_sigma: Any, n: int) -> Any:
+        lg = self.cp.asarray(log2_sigma)
+        if lg.size != n:
+            raise ValueError(f"L: {lg.size} values, expected {n}")
+        if lg.size and (int(lg.min()) < -(1 << 30) or int(lg.max()) >= 1 << 30):
+            raise ValueError("log2 sigma out of range")
+        return self.cp.ascontiguousarray(lg, self.cp.int32)
+
+    def _tables_of(self, tables: CodingTables) -> tuple[tuple[Any, ...], Any, int]:
+        """(kernel table args, bucket, shared bytes), on the device once per tables object."""
+        key = id(tables)  # NOTE: CodingTables live as long as their checkpoint's codecs
+        if key not in self._tables:
+            cp, flat = self.cp, FlatTables.of(tables)
+            cum_pad, bucket = decode_tables(flat)
+            args = (cp.asarray(cum_pad), cp.asarray(flat.freq), cp.asarray(flat.offset), cp.asarray(flat.radius),
+                    np.int32(len(flat.offset)), np.int32(len(flat.cum)))
+            self._tables[key] = (args, cp.asarray(bucket), smem_bytes(flat))
+        return self._tables[key]
+
+    def _geometry(self, shape: Sequence[int], epl: int, layer_counts: Sequence[int]) -> tuple[Geometry, tuple]:
+        _, _, heads, tokens, dim = (int(s) for s in shape)
+        key = (heads, tokens, dim, epl, tuple(int(c) for c in layer_counts))
+        if key not in self._geo:
+            if len(self._geo) > 64:
+                self._geo.clear()
+            g = Geometry.of(heads, tokens, dim, epl, key[4])
+            cp = self.cp
+            args = (cp.asarray(g.block_e0), cp.asarray(g.block_n), np.int32(g.n_blocks), np.int32(epl),
+                    np.int64(tokens), np.int32(dim))
+            self._geo[key] = (g, args)
+        g = self._geo[key][0]
+        if int(np.prod(shape)) != g.n_elements:
+            raise ValueError(f"{tuple(shape)} does not hold layers {list(layer_counts)}")
+        return self._geo[key]
+
+    def _launch(self, name: str, n_blocks: int, args: tuple, smem: int = 0) -> None:
+        if n_blocks == 0:
+            return
+        k = self.k[name]
+        if smem:
+            k.max_dynamic_shared_size_bytes = smem  # NOTE: the staged tables exceed the default 48 KiB
+        k((-(-n_blocks // WARPS),), (32 * WARPS,), args, shared_mem=smem)
+
+    # -- mu ------------------------------------------------------------------------------
+    def prepare_mu_device(self, mu: Any, a: Any, b: Any, scales: Any) -> Any:
+        """NativeCoder.prepare_mu on device arrays; returns a CuPy array (u16, or u32 for FP8)."""
+        cp = self.cp
+        mu = self._bits(mu, 2, "mu")
+        layers, _, heads, tokens, dim = mu.shape
+        fp8, affine = scales is not None, a is not None
+        out = cp.empty(mu.shape, cp.uint32 if fp8 else cp.uint16)
+        dummy = cp.zeros(1, cp.float32)
+        af = cp.ascontiguousarray(cp.asarray(a), cp.float32) if affine else dummy
+        bf = cp.ascontiguousarray(cp.asarray(b), cp.float32) if affine else dummy
+        sc = cp.ascontiguousarray(cp.asarray(scales), cp.float32) if fp8 else dummy
+        if affine and not af.size == bf.size == layers * 2 * heads * dim:
+            raise ValueError("a, b: one value per (layer, kv, head, dim) channel")
+        if fp8 and sc.size != layers * 2:
+            raise ValueError("scales: one per (layer, kv)")
+        if mu.size:
+            grid = min(-(-mu.size // 256), 4096)
+            self.k["spk_prepare_mu"]((grid,), (256,), (mu, af, bf, sc, np.int32(affine), np.int32(fp8),
+                                                       np.int64(mu.size), np.int64(tokens), np.int32(dim),
+                                                       np.int32(heads), out))
+        return out
+
+    def prepare_mu(self, mu: np.ndarray, a: np.ndarray | None, b: np.ndarray | None,
+                   scales: np.ndarray | None) -> np.ndarray:
+        """NativeCoder.prepare_mu (numpy in, numpy out)."""
+        return self.prepare_mu_device(np.ascontiguousarray(mu, np.uint16), a, b, scales).get()
+
+    # -- encode --------------------------------------------------------------------------
+    def encode_device(self, x: Any, mu: Any, log2_sigma: Any, layer_counts: Sequence[int], elems_per_lane: int,
+                      tables: CodingTables) -> list[EncodedChunk]:
+        """NativeCoder.encode on device arrays: only the streams come back to the host."""
+        cp = self.cp
+        x = cp.asarray(x)
+        fp8 = x.dtype.itemsize == 1
+        x, mu = self._bits(x, 1 if fp8 else 2, "x"), self._bits(mu, 4 if fp8 else 2, "mu")
+        g, geo = self._geometry(x.shape, elems_per_lane, layer_counts)
+        if mu.size != x.size:
+            raise ValueError(f"mu: {mu.size} values, expected {x.size}")
+        L = self._levels(log2_sigma, _channels(x.shape))
+        nb, sfx = g.n_blocks, "fp8" if fp8 else "bf16"
+        if nb == 0:
+            empty = RansBlocks(np.zeros((0, LANES), np.uint32), np.zeros(0, np.uint32), np.zeros(0, np.uint16))
+            return [EncodedChunk(empty, b"") for _ in layer_counts]
+        targs, _, smem = self._tables_of(tables)
+        counts = cp.empty((nb, 4), cp.uint64)
+        self._launch(f"spk_encode_count_{sfx}", nb, geo + targs + (x, mu, L, counts), smem)
+        lay = encode_layout(counts.get(), g)
+        bits = cp.zeros(lay.total, cp.uint8)
+        states, n_words = cp.empty((nb, LANES), cp.uint32), cp.empty(nb, cp.uint32)
+        scratch = cp.empty(nb * elems_per_lane * LANES, cp.uint16)
+        self._launch(f"spk_encode_write_{sfx}", nb, geo + targs + (
+            x, mu, L, counts, cp.asarray(lay.start), cp.asarray(lay.chunk_byte[g.block_chunk]), bits, states,
+            n_words, scratch), smem)
+        offsets = cp.cumsum(n_words, dtype=cp.uint64) - n_words
+        words = cp.empty(scratch.size, cp.uint16)
+        self._launch("spk_gather", nb, (scratch, n_words, offsets, np.int32(nb), np.int32(elems_per_lane), words))
+        return _chunks(g, lay, states.get(), n_words.get(), words, bits.get())
+
+    def encode(self, x: np.ndarray, mu: np.ndarray, log2_sigma: np.ndarray, layer_counts: Sequence[int],
+               elems_per_lane: int, tables: CodingTables) -> list[EncodedChunk]:
+        """NativeCoder.encode (numpy in; the arrays are copied to the device)."""
+        cp = self.cp
+        return self.encode_device(cp.asarray(np.ascontiguousarray(x)), cp.asarray(np.ascontiguousarray(mu)),
+                                  np.asarray(log2_sigma), layer_counts, elems_per_lane, tables)
+
+    # -- decode --------------------------------------------------------------------------
+    def decode_device(self, mu: Any, log2_sigma: Any, layer_counts: Sequence[int], elems_per_lane: int,
+                      streams: Sequence[tuple[RansBlocks, bytes]], tables: CodingTables, out: Any) -> None:
+        """NativeCoder.decode into a device array ``out`` (u16 BF16 / u8 e4m3 patterns, C-contiguous).
+
+        Raises RansDecodeError or IntegrityError, as the numpy decoder does, on a corrupt stream."""
+        cp = self.cp
+        fp8 = out.dtype.itemsize == 1
+        if not out.flags.c_contiguous:
+            raise ValueError("out must be C-contiguous")
+        mu = self._bits(mu, 4 if fp8 else 2, "mu")
+        g, geo = self._geometry(out.shape, elems_per_lane, layer_counts)
+        if mu.size != out.size:
+            raise ValueError(f"mu: {mu.size} values, expected {out.size}")
+        L = self._levels(log2_sigma, _channels(out.shape))
+        states, counts, words = _streams(g, streams)
+        nb, sfx = g.n_blocks, "fp8" if fp8 else "bf16"
+        targs, bucket, smem = self._tables_of(tables)
+        word_lo = np.cumsum(counts, dtype=np.int64) - counts  # NOTE: chunks' words are concatenated in order
+        info = cp.empty(max(g.n_elements, 1), cp.uint32)
+        tally, status = cp.zeros((nb, 5), cp.uint64), cp.zeros(nb, cp.int32)
+        self._launch(f"spk_decode_rans_{sfx}", nb, geo + targs + (
+            bucket, mu, L, cp.asarray(states), cp.asarray(counts), cp.asarray(word_lo),
+            cp.asarray(words if words.size else np.zeros(1, np.uint16)), info, tally, status), smem)
+        st = status.get()
+        bad = np.flatnonzero(st)
+        if len(bad):
+            b = int(bad[0])
+            c = int(g.block_chunk[b])
+            _raise(int(st[b]), c, b - int(g.chunk_b0[c]), 0, 0)
+        checks, sec, skip, bits, cbyte, deltas = _sections(g, tally.get(), [s[1] for s in streams], fp8)
+        flags = cp.zeros((nb, 2), cp.uint32)
+        self._launch(f"spk_decode_values_{sfx}", nb, geo + (
+            info, cp.asarray(sec), cp.asarray(cbyte), cp.asarray(skip), cp.asarray(bits), cp.asarray(deltas),
+            out, flags))
+        fl = flags.get()
+        for c, chk in enumerate(checks):
+            blk = slice(int(g.chunk_b0[c]), int(g.chunk_b0[c] + g.chunk_blocks[c]))
+            s, f1, f2 = chunk_status(chk, bool(fl[blk, 0].any()), bool(fl[blk, 1].any()))
+            if s:
+                _raise(s, c, -1, f1, f2)
+
+    def decode(self, mu: np.ndarray, log2_sigma: np.ndarray, layer_counts: Sequence[int], elems_per_lane: int,
+               streams: Sequence[tuple[RansBlocks, bytes]], tables: CodingTables, out: np.ndarray) -> None:
+        """NativeCoder.decode (numpy in and out; ``out`` is written only on success)."""
+        cp = self.cp
+        dev = cp.empty(out.shape, out.dtype)
+        self.decode_device(cp.asarray(np.ascontiguousarray(mu)), np.asarray(log2_sigma), layer_counts,
+                           elems_per_lane, streams, tables, dev)
+        out[...] = dev.get()
+
+
+def _channels(shape: Sequence[int]) -> int:
+    """Values of L: one per (layer, kv, head, dim) channel."""
+    return int(shape[0]) * int(shape[1]) * int(shape[2]) * int(shape[4])
+
+
+def _chunks(g: Geometry, lay: Any, states: np.ndarray, n_words: np.ndarray, words_dev: Any,
+            bits: np.ndarray) -> list[EncodedChunk]:
+    """Per chunk: its blocks' states, counts, words and its bytes of the bits buffer."""
+    words = words_dev[:int(n_words.sum(dtype=np.int64))].get()
+    out, w0 = [], 0
+    for c in range(len(g.chunk_n)):
+        blk = slice(int(g.chunk_b0[c]), int(g.chunk_b0[c] + g.chunk_blocks[c]))
+        cn = n_words[blk].copy()
+        nw = int(cn.sum(dtype=np.int64))
+        b0 = int(lay.chunk_byte[c])
+        out.append(EncodedChunk(RansBlocks(states[blk].copy(), cn, words[w0:w0 + nw].copy()),
+                                bits[b0:b0 + int(lay.chunk_len[c])].tobytes()))
+        w0 += nw
+    return out
+
+
+def _streams(g: Geometry, streams: Sequence[tuple[RansBlocks, bytes]]) -> tuple[np.ndarray, ...]:
+    """The chunks' states, word counts and words, checked (as NativeCoder.decode does) and concatenated."""
+    if len(streams) != len(g.chunk_n):
+        raise ValueError(f"need a list of {len(g.chunk_n)} chunk streams")
+    parts = []
+    for (blocks, _), nb in zip(streams, g.chunk_blocks, strict=True):
+        states, counts, words = _check_blocks(blocks)
+        if states.shape[0] != nb:
+            raise ValueError(f"states: {states.nbytes} bytes, expected {int(nb) * LANES * 4}")
+        parts.append((states, counts, words))
+    if not parts:
+        return np.zeros((0, LANES), np.uint32), np.zeros(0, np.uint32), np.zeros(0, np.uint16)
+    return tuple(np.concatenate([p[i] for p in parts]) for i in range(3))
+
+
+def _sections(g: Geometry, tally: np.ndarray, bits: Sequence[bytes], fp8: bool) -> tuple:
+    """Host pass of the decoder: each chunk's checks, each block's section starts (LOW,
+    ZMAN, ESC bits; first delta), skip flags, the padded bits buffer and the deltas."""
+    mant, width = _FMT[fp8]
+    sec, skip = np.zeros((g.n_blocks, 4), np.uint64), np.zeros(max(g.n_blocks, 1), np.uint8)
+    checks: list[ChunkCheck] = []
+    deltas: list[np.ndarray] = []
+    bufs: list[np.ndarray] = []
+    cbyte, pos, d0 = np.zeros(len(bits), np.uint64), 0, 0
+    for c, raw in enumerate(bits):
+        blk = slice(int(g.chunk_b0[c]), int(g.chunk_b0[c] + g.chunk_blocks[c]))
+        arr = np.frombuffer(bytes(raw), np.uint8)
+        chk, starts = chunk_sections(arr, tally[blk], mant, width)
+        checks.append(chk)
+        if chk.early:
+            skip[blk] = 1
+        else:
+            assert chk.deltas is not None
+            sec[blk], deltas = starts, deltas + [chk.deltas]
+            sec[blk, 3] += np.uint64(d0)
+            d0 += len(chk.deltas)
+        cbyte[c], pos = pos, pos + len(arr) + 8  # NOTE: read_bits reads up to 3 bytes ahead
+        bufs += [arr, np.zeros(8, np.uint8)]
+    cat = np.concatenate(bufs) if bufs else np.zeros(8, np.uint8)
+    dl = np.concatenate(deltas) if d0 else np.zeros(1, np.uint32)
+    return checks, sec, skip, cat, cbyte[g.block_chunk], dl

@@ -1,0 +1,183 @@
+"""The host side of the fused CUDA coder (``coder/cuda.py``), in numpy only: block
+geometry, the decoder's lookup tables, the encoder's section offsets, and the
+decoder's per-chunk section checks (``chunk_sections`` / ``chunk_status`` of
+``coder/kernels/spk_block.h``, same statuses, same precedence).
+
+NOTE: the decoder reads the unary codes here, on the host, from the chunk's bytes
+(they arrive from the wire on the host anyway): one pass of ``np.unpackbits`` over
+the UNARY section; the device then takes one delta per zero-bin element.
+Nothing here imports CuPy; everything is testable on a CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .native import FlatTables
+from .rans import LANES, PROB_SCALE
+
+BUCKET_SHIFT = 7  # spk_consts.h SPK_BUCKET_SHIFT
+BUCKETS = PROB_SCALE >> BUCKET_SHIFT
+OK, SHORT, UNARY_LONG, PADDING, NO_FINITE, UNARY_COUNT, UNARY_TAIL, ZERO_EXP, NOT_ESCAPED = 0, 4, 5, 6, 7, 8, 9, 10, 11
+_U64 = np.uint64
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Blocks of a batch of consecutive chunks, (layers, 2, heads, tokens, dim) C order."""
+
+    heads: int
+    tokens: int
+    dim: int
+    epl: int
+    chunk_n: np.ndarray  # (chunks,) elements
+    chunk_b0: np.ndarray  # (chunks,) first block
+    chunk_blocks: np.ndarray  # (chunks,)
+    block_e0: np.ndarray  # (blocks,) i64 first element (global)
+    block_n: np.ndarray  # (blocks,) i32 elements
+    block_chunk: np.ndarray  # (blocks,) i64
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.block_e0)
+
+    @property
+    def n_elements(self) -> int:
+        return int(self.chunk_n.sum())
+
+    @classmethod
+    def of(cls, heads: int, tokens: int, dim: int, epl: int, layer_counts: Sequence[int]) -> "Geometry":
+        if heads < 1 or tokens < 0 or dim < 1 or not 1 <= epl <= 65536 or any(c < 1 for c in layer_counts):
+            raise ValueError("bad geometry")
+        per = LANES * epl
+        n = np.asarray(layer_counts, np.int64) * 2 * heads * tokens * dim
+        nb = -(-n // per)
+        b0 = np.cumsum(nb) - nb
+        chunk = np.repeat(np.arange(len(n)), nb)
+        local = np.arange(int(nb.sum()), dtype=np.int64) - b0[chunk]
+        e0 = (np.cumsum(n) - n)[chunk] + local * per
+        bn = np.minimum(per, n[chunk] - local * per).astype(np.int32)
+        return cls(heads, tokens, dim, epl, n, b0, nb, e0, bn, chunk)
+
+
+def decode_tables(flat: FlatTables) -> tuple[np.ndarray, np.ndarray]:
+    """(cum_pad, bucket) as spk_block.h DecodeTables builds them: each row's cum then a
+    PROB_SCALE sentinel (row r at offset[r] + r); bucket[t * BUCKETS + q] = the symbol of
+    table t holding slot q << BUCKET_SHIFT."""
+    n_tab, n_sym = len(flat.offset), len(flat.cum)
+    row = np.repeat(np.arange(n_tab), flat.size)
+    cum_pad = np.empty(n_sym + n_tab, np.uint16)
+    cum_pad[np.arange(n_sym) + row] = flat.cum
+    cum_pad[flat.offset + np.arange(n_tab) + flat.size] = PROB_SCALE
+    q = np.arange(BUCKETS, dtype=np.int64) << BUCKET_SHIFT
+    bucket = np.empty((n_tab, BUCKETS), np.uint16)
+    for r in range(n_tab):
+        cum = flat.cum[flat.offset[r]:flat.offset[r] + flat.size[r]]
+        bucket[r] = np.clip(np.searchsorted(cum, q, side="right") - 1, 0, max(int(flat.size[r]) - 1, 0))
+    return cum_pad, bucket.reshape(-1)
+
+
+def smem_bytes(flat: FlatTables) -> int:
+    """Dynamic shared memory of the table-staging kernels (spk_fused.cu spk_stage)."""
+    n_tab, n_sym = len(flat.offset), len(flat.cum)
+    return 8 * n_tab + 2 * (n_sym + n_tab) + 2 * n_sym
+
+
+def _segmented(v: np.ndarray, g: Geometry) -> tuple[np.ndarray, np.ndarray]:
+    """Per block, the sums of ``v`` (blocks, k) over the earlier blocks of its chunk; per chunk, totals."""
+    incl = np.cumsum(v, axis=0, dtype=_U64)
+    excl = incl - v.astype(_U64)
+    first = excl[g.chunk_b0]
+    return excl - first[g.block_chunk], incl[g.chunk_b0 + g.chunk_blocks - 1] - first
+
+
+@dataclass(frozen=True)
+class EncodeLayout:
+    start: np.ndarray  # (blocks, 4) u64: bit position of each block's first field per section
+    chunk_len: np.ndarray  # (chunks,) bytes of bits
+    chunk_byte: np.ndarray  # (chunks,) u64 offset of each chunk's bits in the device buffer (4-aligned)
+    total: int  # device buffer bytes
+
+
+def encode_layout(counts: np.ndarray, g: Geometry) -> EncodeLayout:
+    """From each block's bits per section (LOW, ZMAN, ESC, UNARY): where its fields go."""
+    rel, tot = _segmented(counts, g)
+    size = (tot + _U64(7)) // _U64(8)  # (chunks, 4) bytes per byte-padded section
+    sec0 = 8 * (np.cumsum(size, axis=1, dtype=_U64) - size)
+    length = size.sum(axis=1, dtype=_U64)
+    span = (length + _U64(3)) // _U64(4) * _U64(4)
+    chunk_byte = np.cumsum(span, dtype=_U64) - span
+    return EncodeLayout(rel + sec0[g.block_chunk], length, chunk_byte, int(span.sum()) + 8)
+
+
+@dataclass
+class ChunkCheck:
+    """One chunk's section figures (spk_block.h ChunkSections) and its block offsets."""
+
+    early: int = OK
+    detail: int = 0
+    pad: tuple[bool, bool, bool] = (False, False, False)  # LOW, ZMAN, ESC
+    mu_bad: bool = False
+    n_zero: int = 0
+    ones: int = 0
+    unary_bytes: int = 0
+    unary_bits: int = 0
+    deltas: np.ndarray | None = None  # (n_zero,) u32
+
+
+def _padding(bits: np.ndarray, end: int) -> bool:
+    return bool(end % 8 and int(bits[end // 8]) & ((1 << (8 - end % 8)) - 1))
+
+
+def chunk_sections(bits: np.ndarray, tally: np.ndarray, mant: int, width: int) -> tuple[ChunkCheck, np.ndarray]:
+    """Checks of one chunk from its blocks' tallies (blocks, 5: LOW bits, zero-bin elements,
+    escapes, unary bound, mu bad) and bytes; per block (blocks, 3) u64: LOW, ZMAN, ESC starts
+    in bits, and the zero-bin elements before it."""
+    t = tally.astype(_U64)
+    excl = np.cumsum(t[:, :3], axis=0, dtype=_U64) - t[:, :3]
+    low, nz, ne, ubound = (int(v) for v in t[:, :4].sum(axis=0, dtype=_U64))
+    o = ChunkCheck(mu_bad=bool(t[:, 4].any()))
+    s_low, s_zman, s_esc = (low + 7) // 8, (nz * mant + 7) // 8, (ne * width + 7) // 8
+    length = len(bits)
+    none = np.zeros((len(t), 4), _U64)  # an early failure: nothing is read
+    if s_low + s_zman + s_esc > length:
+        return ChunkCheck(early=SHORT, detail=length), none
+    s_un = length - s_low - s_zman - s_esc
+    if 8 * s_un > ubound + 7:  # NOTE: bound the open-ended section before reading it
+        return ChunkCheck(early=UNARY_LONG), none
+    zman0, esc0 = s_low * 8, (s_low + s_zman) * 8
+    o.pad = (_padding(bits, low), _padding(bits, zman0 + nz * mant), _padding(bits, esc0 + ne * width))
+    pos = np.flatnonzero(np.unpackbits(bits[length - s_un:])).astype(np.int64)  # MSB first
+    d = np.minimum(np.diff(pos, prepend=-1) - 1, 1 << 30)[:nz]
+    o.deltas = np.zeros(nz, np.uint32)
+    o.deltas[:len(d)] = d
+    o.n_zero, o.ones, o.unary_bytes = nz, len(pos), s_un
+    o.unary_bits = int(pos[-1]) + 1 if len(pos) else 0
+    starts = np.stack([excl[:, 0], zman0 + excl[:, 1] * _U64(mant), esc0 + excl[:, 2] * _U64(width)], 1)
+    return o, np.concatenate([starts, excl[:, 1:2]], axis=1)
+
+
+def chunk_status(s: ChunkCheck, normal_bad: bool, zero_bad: bool) -> tuple[int, int, int]:
+    """(status, figure, figure): the numpy decoder's order of checks (spk_block.h chunk_status)."""
+    if s.early:
+        return s.early, s.detail, 0
+    if s.pad[0]:
+        return PADDING, 0, 0
+    if normal_bad:
+        return NO_FINITE, 0, 0
+    if s.pad[1]:
+        return PADDING, 0, 0
+    if s.ones != s.n_zero:
+        return UNARY_COUNT, s.n_zero, s.ones
+    if ((s.unary_bits + 7) // 8 != s.unary_bytes) if s.n_zero else s.unary_bytes != 0:
+        return UNARY_TAIL, s.unary_bytes, s.unary_bits
+    if zero_bad:
+        return ZERO_EXP, 0, 0
+    if s.pad[2]:
+        return PADDING, 0, 0
+    if s.mu_bad:
+        return NOT_ESCAPED, 0, 0
+    return OK, 0, 0

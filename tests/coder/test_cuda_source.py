@@ -1,0 +1,150 @@
+"""The fused CUDA coder (coder/kernels/spk_fused.cu, coder/cuda.py, coder/cuda_host.py).
+
+Without a GPU: every .cu compiles with nvcc for sm_90 (with --fmad=false, as NVRTC
+builds it) and spills no registers; the host-side bookkeeping (geometry, decoder
+lookup tables, section layout) is checked in numpy; importing the codec never
+imports CuPy. Tests marked ``gpu`` run CudaCoder against NativeCoder byte for byte
+and skip cleanly without a device and CuPy.
+NOTE: the NVRTC path itself cannot be checked without CuPy (no libnvrtc here)."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from require import missing
+
+from speckv.coder import backends, native
+from speckv.coder.cuda import source_dir
+from speckv.coder.cuda_host import BUCKET_SHIFT, BUCKETS, Geometry, decode_tables, encode_layout
+from speckv.coder.residual import models_of
+from speckv.errors import IntegrityError, RansDecodeError
+
+
+def _nvcc(path):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        missing("NVCC", "nvcc not found (the CUDA toolkit is not installed on this machine)")
+    cmd = [nvcc, "-arch=sm_90", "-Xptxas", "-v", "-std=c++17", "--fmad=false", f"-I{source_dir()}", "-c",
+           str(path), "-o", "/dev/null"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("path", sorted(source_dir().glob("*.cu")), ids=lambda p: p.name)
+def test_nvcc_compiles_for_sm90_without_spills(path, capsys):
+    proc = _nvcc(path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+    assert spills and all(s == ("0", "0") for s in spills), out
+    funcs = re.findall(r"Compiling entry function '(\w+)'", out)
+    regs = re.findall(r"Used (\d+) registers", out)
+    with capsys.disabled():
+        print(f"\n{path.name}: " + ", ".join(f"{f} {r} regs" for f, r in zip(funcs, regs, strict=True)) + ", 0 spills")
+
+
+def test_codec_import_never_imports_cupy():
+    code = "import sys, speckv.coder.codec, speckv.coder.cuda; assert 'cupy' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_geometry_blocks_tile_chunks():
+    g = Geometry.of(3, 5, 7, 2, [1, 2])  # chunks of 210 and 420 elements, 64 per block
+    assert list(g.chunk_blocks) == [4, 7] and list(g.chunk_b0) == [0, 4]
+    assert list(g.block_n[:4]) == [64, 64, 64, 18] and g.block_e0[4] == 210 and g.block_n[-1] == 420 - 6 * 64
+    assert Geometry.of(3, 0, 7, 2, [1, 2]).n_blocks == 0
+
+
+def test_decode_tables_find_every_slot(ckpt):
+    flat = native.FlatTables.of(ckpt.seed_tables)
+    cum_pad, bucket = decode_tables(flat)
+    rng = np.random.default_rng(0)
+    for t in rng.choice(len(flat.offset), 40, replace=False):
+        o, n = int(flat.offset[t]), int(flat.size[t])
+        row = cum_pad[o + t:o + t + n + 1]
+        assert np.array_equal(row[:n], flat.cum[o:o + n]) and row[n] == 1 << 15
+        q = np.arange(BUCKETS) << BUCKET_SHIFT
+        assert np.array_equal(bucket[t * BUCKETS:(t + 1) * BUCKETS], np.searchsorted(row[:n], q, "right") - 1)
+
+
+def test_encode_layout_sections_are_byte_padded_and_aligned():
+    g = Geometry.of(1, 1, 32, 1, [1, 1])  # 64 elements: 2 blocks per chunk
+    counts = np.array([[3, 7, 16, 5], [9, 0, 0, 4], [1, 2, 3, 4], [0, 0, 0, 0]], np.uint64)
+    lay = encode_layout(counts, g)
+    assert list(lay.chunk_len) == [2 + 1 + 2 + 2, 1 + 1 + 1 + 1]
+    assert list(lay.chunk_byte) == [0, 8]
+    assert lay.start[1].tolist() == [3, 16 + 7, 24 + 16, 40 + 5] and lay.start[0].tolist() == [0, 16, 24, 40]
+
+
+# -- on a device ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def coders():
+    if not backends.cuda_available():
+        pytest.skip("no CUDA device or CuPy")
+    if not native.available():
+        missing("NATIVE", f"the native coder is not built ({native.IMPORT_ERROR})")
+    from speckv.coder.cuda import CudaCoder
+
+    return CudaCoder.load(), native.NativeCoder(threads=2)
+
+
+def _case(model, fp8, layers, tokens, seed):
+    rng = np.random.default_rng(seed)
+    shape = (layers, 2, 3, tokens, 64)
+    mu = rng.integers(0, 1 << 16, shape, dtype=np.uint16)
+    x = rng.integers(0, 256, shape, dtype=np.uint8) if fp8 else (mu ^ rng.integers(0, 16, shape)).astype(np.uint16)
+    scales = rng.uniform(1e-3, 4, (layers, 2)).astype(np.float32) if fp8 else None
+    a = None if model.mu_scale is None else model.mu_scale[:layers]
+    b = None if model.mu_shift is None else model.mu_shift[:layers]
+    L = model.log2_sigma[:layers].astype(np.int32)
+    if fp8:
+        from speckv.coder.model import fp8_log2_sigma
+
+        L = fp8_log2_sigma(L, scales.view(np.uint32)[:, :, None, None]).astype(np.int32)
+    return x, mu, a, b, scales, L
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("tokens,epl,lpc", [(17, 1, 3), (64, 7, 4), (37, 1024, 30), (0, 64, 2)])
+def test_cuda_equals_native(coders, ckpt, fp8, tokens, epl, lpc):
+    cu, nat = coders
+    for mid, model in models_of(ckpt).items():
+        x, mu, a, b, scales, L = _case(model, fp8, 30, tokens, mid + tokens)
+        m_c, m_n = cu.prepare_mu(mu, a, b, scales), nat.prepare_mu(mu, a, b, scales)
+        assert np.array_equal(m_c, m_n)
+        counts = [min(lpc, 30 - i) for i in range(0, 30, lpc)]
+        pc, pn = cu.encode(x, m_c, L, counts, epl, model.tables), nat.encode(x, m_n, L, counts, epl, model.tables)
+        for c, n in zip(pc, pn, strict=True):
+            assert c.bits == n.bits and np.array_equal(c.blocks.words, n.blocks.words)
+            assert np.array_equal(c.blocks.states, n.blocks.states)
+            assert np.array_equal(c.blocks.word_counts, n.blocks.word_counts)
+        out = np.empty_like(x)
+        cu.decode(m_c, L, counts, epl, [(p.blocks, p.bits) for p in pn], model.tables, out)
+        assert np.array_equal(out, x)
+
+
+@pytest.mark.gpu
+def test_cuda_rejects_corrupt_streams_as_native(coders, ckpt):
+    cu, nat = coders
+    model = models_of(ckpt)[2]
+    x, mu, a, b, scales, L = _case(model, False, 4, 40, 9)
+    m = nat.prepare_mu(mu, a, b, scales)
+    parts = nat.encode(x, m, L, [2, 2], 16, model.tables)
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        streams = [(p.blocks, bytearray(p.bits)) for p in parts]
+        c = int(rng.integers(0, 2))
+        bits = streams[c][1]
+        bits[int(rng.integers(0, len(bits)))] ^= 1 << int(rng.integers(0, 8))
+        results = []
+        for coder in (nat, cu):
+            try:
+                coder.decode(m, L, [2, 2], 16, [(s, bytes(bb)) for s, bb in streams], model.tables, np.empty_like(x))
+                results.append("ok")
+            except (IntegrityError, RansDecodeError) as e:
+                results.append(f"{type(e).__name__}: {e}")
+        assert results[0] == results[1]
