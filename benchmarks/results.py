@@ -163,12 +163,11 @@ def texts(target: Any, tokens: int) -> dict[str, tuple[np.ndarray, dict[str, Any
     return out
 
 
-def coder_speed() -> dict[str, float]:
-    """``speckv bench`` on the default checkpoint: encode/decode MB/s of the numpy coder."""
-    from speckv.cli.bench import run_bench
+def coder_speed(tokens: int) -> str:
+    """The coder-speed section: ``benchmarks/coder_bench.py`` (every CPU coder, both dtypes)."""
+    import coder_bench  # noqa: E402 -- next to this script
 
-    r = run_bench(quiet=True, coder="numpy", timing_runs=1)
-    return {"encode_mb_s": r["encode_mb_s"], "decode_mb_s": r["decode_mb_s"], "bits": r["bits_per_scalar"]}
+    return coder_bench.section(coder_bench.measure(tokens, None), tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="speckv-results-") as tmp:
         for rung in args.rungs:
             rows.append(measure(rung, env, args, Path(tmp)))
-    speed = coder_speed()
+    speed = coder_speed(args.tokens)
     args.out.write_text(render(rows, speed, args, IDEA_RUNGS, VARIANTS))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

@@ -1,6 +1,6 @@
 // Per-lane logic of speckv's interleaved rANS coder, shared by the CUDA kernels
-// (rans.cu) and their host build (rans_host.cpp, compiled with g++ and driven by
-// the tests through ctypes), so both run the very same integer code.
+// (spk_fused.cu) and the CPU extension (spk_native.cpp, spk_block.h), so both run
+// the very same integer code.
 //
 // Layout and byte format: coder/rans.py (the numpy reference) and coder/FORMAT.md.
 // A block is one warp: LANES independent 32-bit states sharing one word stream.

@@ -258,11 +258,6 @@ struct DecodeJob {
     const std::vector<ChunkStream>& streams;
 };
 
-// An element between the passes: bin + 8192 (14 bits) | k + 128 (8) | kind (2) | mu not finite (1)
-SPK_HD uint32_t pack_info(int32_t c, int32_t k, uint32_t kind, uint32_t mu_bad) {
-    return (uint32_t)(c + 8192) | (uint32_t)(k + 128) << 14 | kind << 22 | mu_bad << 24;
-}
-
 struct BlockTally {  // what a decoded block puts in each section
     uint64_t low_bits = 0, n_zero = 0, n_esc = 0, unary_bound = 0;
     uint32_t mu_bad = 0;

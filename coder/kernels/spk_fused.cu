@@ -105,11 +105,6 @@ __device__ __forceinline__ uint32_t spk_read_bits(const uint8_t* buf, unsigned l
     return (v << (pos & 7u)) >> (32u - w);
 }
 
-// NOTE: the same packing as spk_block.h pack_info (that header is host-only: std headers)
-__device__ __forceinline__ uint32_t spk_pack_info(int32_t c, int32_t k, uint32_t kind, uint32_t mu_bad) {
-    return (uint32_t)(c + 8192) | (uint32_t)(k + 128) << 14 | kind << 22 | mu_bad << 24;
-}
-
 #define SPK_WARP_ID ((long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5))
 #define SPK_GEO_ARGS const long long *__restrict__ block_e0, const int32_t *__restrict__ block_n, \
     int n_blocks, int epl, long long tokens, int dim
@@ -259,7 +254,7 @@ __device__ void decode_rans(SPK_GEO_ARGS, SPK_TAB_ARGS, const uint16_t* __restri
                                                  dec_get(xs));
             dec_advance(&xs, T.start(ctx.t, j), T.f(ctx.t, j));
             const SpkClass k = spk_classify<FX>(j, ctx, T.radius[ctx.t]);
-            info[e0 + e] = spk_pack_info(k.c, ctx.k, k.kind, !ctx.mu_ok);
+            info[e0 + e] = pack_info(k.c, ctx.k, k.kind, !ctx.mu_ok);
             bad |= !ctx.mu_ok & (k.kind != SPK_KIND_ESC);
             if (k.kind == SPK_KIND_NORMAL) low += k.width;
             else if (k.kind == SPK_KIND_ZERO) ++nz, ub += (uint32_t)(ctx.k + FX::bias);

@@ -304,6 +304,12 @@ SPK_HD uint32_t spk_zero_value(int32_t k, int32_t c, uint32_t man, uint32_t delt
     return ((uint32_t)(c < 0) << (FX::bits - 1)) | ((uint32_t)(e < 0 ? 0 : e) << FX::mant) | man;
 }
 
+// Decoder: an element between the rANS pass and the value pass, packed in 32 bits:
+// bin + 8192 (14 bits) | k + 128 (8) | kind (2) | mu not finite (1)
+SPK_HD uint32_t pack_info(int32_t c, int32_t k, uint32_t kind, uint32_t mu_bad) {
+    return (uint32_t)(c + 8192) | (uint32_t)(k + 128) << 14 | kind << 22 | mu_bad << 24;
+}
+
 // -- mu correction (residual.affine_bf16, the FP8 division of Codec._plan) ------------
 // float32 -> BF16, round to nearest even; NaN -> the quiet NaN 0x7FC0 (residual.f32_to_bf16)
 SPK_HD uint32_t spk_f32_to_bf16(float y) {

@@ -192,6 +192,11 @@ PyObject* py_decode(PyObject*, PyObject* args) {
             !get_buf(PyTuple_GET_ITEM(it, 2), sb[4 * c + 2], -1, "words") ||
             !get_buf(PyTuple_GET_ITEM(it, 3), sb[4 * c + 3], -1, "bits"))
             return nullptr;
+        int64_t total = 0;
+        for (int64_t b = 0; b < nb; ++b) total += sb[4 * c + 1].as<uint32_t>()[b];
+        if (total != sb[4 * c + 2].count(2))
+            return PyErr_Format(PyExc_ValueError, "chunk %zu: word counts sum to %lld, %lld words given", c,
+                                (long long)total, (long long)sb[4 * c + 2].count(2));
         streams[c] = spk::ChunkStream{sb[4 * c].as<uint32_t>(), sb[4 * c + 1].as<uint32_t>(),
                                       sb[4 * c + 2].as<uint16_t>(), sb[4 * c + 2].count(2),
                                       sb[4 * c + 3].as<uint8_t>(), sb[4 * c + 3].count(1)};

@@ -43,6 +43,7 @@ from codec_helpers import (
 )
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
 from require import missing
 
 from speckv.coder import backends, model, native, rans, tables
@@ -59,7 +60,7 @@ from speckv.predictor.fp8 import kv_to_fp8
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 # hypothesis: few examples (each one runs the numpy reference), no deadline, no database
-FEW = settings(max_examples=12, deadline=None, database=None,
+FEW = settings(max_examples=20, deadline=None, database=None,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 EPLS = (1, 3, 64, 1024)  # elems_per_lane: 32-element blocks .. one block larger than any chunk here
@@ -514,16 +515,16 @@ def _same_fate(a, b) -> None:
 
 @pytest.fixture(scope="module")
 def corrupt_base(codecs):
-    """Valid streams to corrupt: BF16 (tuned; 3 chunks) and FP8 (seed; 2 chunks), with
-    escapes, zero bins and normal elements."""
+    """Valid streams to corrupt, BF16 (3 chunks) and FP8 (2 chunks) under each residual
+    model, with escapes, zero bins and normal elements."""
     x, mu = _realistic_pair(1, 4)
     codes = tile(ALL_CODES, 1, seed=2)
+    kv8, mu8 = Fp8KV(codes, SCALES["mixed"]), fp8_mu(codes, SCALES["mixed"], "near")
     out = {}
-    for name, kv, m, mdl, lpc in (("bf16", x, mu, "tuned", 10),
-                                  ("fp8", Fp8KV(codes, SCALES["mixed"]), fp8_mu(codes, SCALES["mixed"], "near"),
-                                   "seed", 15)):
-        recs = both_ways(codecs, kv, ids_for(1), m, 16, lpc, mdl)
-        out[name] = (recs, bf16_tensor(m), mdl, lpc)
+    for mdl in MODELS:
+        for name, kv, m, lpc in (("bf16", x, mu, 10), ("fp8", kv8, mu8, 15)):
+            recs = both_ways(codecs, kv, ids_for(1), m, 16, lpc, mdl)
+            out[f"{name}-{mdl}"] = (recs, bf16_tensor(m), mdl, lpc)
     return _Quiet(out)
 
 
@@ -585,6 +586,7 @@ def _mutate_chunk(c: ct.Chunk, kind: str, a: int, b: int) -> ct.Chunk:
     raise ValueError(kind)
 
 
+CORRUPT = ["bf16-tuned", "fp8-seed", "bf16-seed", "fp8-tuned"]  # corrupt_base's streams
 MUTATIONS = ["bits_cut", "bits_grow", "bits_byte", "word_drop", "word_add", "word_move", "state", "state_swap"]
 
 
@@ -595,13 +597,14 @@ def _check_corrupt(codecs, base, which: str, records: list[bytes]) -> None:
     _same_fate(_outcome(cn, records, ids, mu), _outcome(cv, records, ids, mu))
     raw = _raw_outcome(cn, records, ids, mu)
     _same_fate(raw, _raw_outcome(cv, records, ids, mu))
-    event(f"before the checksum: {raw[0] if isinstance(raw[0], str) else raw[0].__name__}")
+    if currently_in_test_context():  # --hypothesis-show-statistics: what the corruptions hit
+        event(f"before the checksum: {raw[0] if isinstance(raw[0], str) else raw[0].__name__}")
     cv1 = codecs("native", 16, lpc, 1, mdl)  # the thread count never changes the verdict
     _same_fate(_raw_outcome(cn, records, ids, mu), _raw_outcome(cv1, records, ids, mu))
 
 
 @settings(max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
-@given(which=st.sampled_from(["bf16", "fp8"]), data=st.data())
+@given(which=st.sampled_from(CORRUPT), data=st.data())
 def test_random_byte_flips_with_valid_crc(codecs, corrupt_base, which, data):
     """1-3 bytes of chunk records changed anywhere (framing, states, counts, words, bits),
     crc recomputed: both backends raise the same error type or decode identically."""
@@ -623,7 +626,7 @@ def test_random_byte_flips_with_valid_crc(codecs, corrupt_base, which, data):
 
 
 @settings(max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
-@given(which=st.sampled_from(["bf16", "fp8"]), kind=st.sampled_from(MUTATIONS), data=st.data())
+@given(which=st.sampled_from(CORRUPT), kind=st.sampled_from(MUTATIONS), data=st.data())
 def test_structural_corruption(codecs, corrupt_base, which, kind, data):
     """Cut / grown bit sections, dropped / added / moved rANS words, changed and swapped
     states, repacked into parseable records."""
@@ -637,7 +640,7 @@ def test_structural_corruption(codecs, corrupt_base, which, kind, data):
     _check_corrupt(codecs, corrupt_base, which, recs)
 
 
-@pytest.mark.parametrize("which", ["bf16", "fp8"])
+@pytest.mark.parametrize("which", CORRUPT)
 def test_truncated_records(codecs, corrupt_base, which):
     """Records cut short (container errors, the same on both) and the stream cut short."""
     recs = corrupt_base[which][0]
@@ -653,17 +656,17 @@ def test_truncated_records(codecs, corrupt_base, which):
 
 def test_every_word_of_a_block_zeroed(codecs, corrupt_base):
     """A whole block's words zeroed: a rANS error on both."""
-    recs = corrupt_base["bf16"][0]
+    recs = corrupt_base["bf16-tuned"][0]
     h, _ = ct.unpack_header(recs[0])
     c, _ = ct.unpack_chunk(recs[1], h)
     words = c.words.copy()
     words[: int(c.word_counts[0])] = 0
     bad = list(recs)
     bad[1] = ct.pack_chunk(replace(c, words=words))
-    _check_corrupt(codecs, corrupt_base, "bf16", bad)
+    _check_corrupt(codecs, corrupt_base, "bf16-tuned", bad)
     cv = codecs("native", 16, 10, 2, "tuned")
     with pytest.raises(RansDecodeError):
-        cv.decode(bad, ids_for(1), corrupt_base["bf16"][1])
+        cv.decode(bad, ids_for(1), corrupt_base["bf16-tuned"][1])
 
 
 # ------------------------------------------------------------ selection
@@ -744,6 +747,9 @@ def test_cuda_without_a_device_falls_back_to_native(monkeypatch, caplog):
     assert isinstance(b, NativeCoder) and b.threads == 3
     msgs = [r.getMessage() for r in caplog.records if r.name == backends.__name__]
     assert len(msgs) == 1 and "--coder cuda" in msgs[0]
+    auto = backends.select_backend("auto", 2)  # no device: the native coder, silently
+    assert isinstance(auto, NativeCoder) and auto.threads == 2
+    assert len([r for r in caplog.records if r.name == backends.__name__]) == 1
 
 
 # ------------------------------------------------------ input validation
