@@ -104,7 +104,8 @@ def test_copied_files_build_a_complete_wheel(tmp_path):
     assert any(r.startswith("torch") and 'extra == "server"' in r for r in requires), requires
     native = [n for n in names if n.startswith("speckv/coder/_native.") and n.endswith(".so")]
     assert native, "the wheel has no native coder"
-    for need in ("speckv/coder/kernels/spk_model.cuh", "speckv/v1/decoder_pb2_grpc.py", "speckv/server/app.py", "speckv/cli/main.py",
+    for need in ("speckv/coder/kernels/spk_model.cuh", "speckv/v1/decoder_pb2_grpc.py", "speckv/server/app.py",
+                 "speckv/cli/main.py",
                  "speckv/predictor/data/default_predictor/manifest.json",
                  "speckv/predictor/data/default_predictor/tables.npz"):
         assert need in names, need
