@@ -3,7 +3,7 @@
 - ``numpy``: the reference (coder/model.py, coder/rans.py) and every test's oracle.
 - ``native``: the CPU extension built at install (``coder/native.py``).
 - ``cuda``: the fused CuPy kernels on a CUDA device (``coder/cuda.py``).
-- ``auto``: cuda where a device and CuPy are present, else native, else numpy.
+- ``auto``: native where built, else numpy; cuda too once ``CUDA_IN_AUTO`` is set.
 
 All write the same bytes. A backend that is asked for but missing falls back with
 one log line (``native`` -> numpy, ``cuda`` -> native); with
@@ -21,6 +21,10 @@ from . import native
 logger = logging.getLogger(__name__)
 
 CODERS = ("auto", "native", "numpy", "cuda")
+# NOTE: the CUDA kernels compile for sm_90 without spills, but have not yet run on a GPU
+# (benchmarks/gpu_check.py is the check); until they pass it on a device, ``auto`` does
+# not pick them and ``--coder cuda`` is an explicit opt-in
+CUDA_IN_AUTO = False
 _warned: set[str] = set()
 
 
@@ -54,7 +58,7 @@ def select_backend(coder: str, threads: int) -> Any:
         raise ValueError(f"coder must be one of {CODERS}, not {coder!r}")
     if coder == "numpy":
         return None
-    if coder in ("cuda", "auto") and cuda_available():
+    if (coder == "cuda" or (coder == "auto" and CUDA_IN_AUTO)) and cuda_available():
         from .cuda import CudaCoder
 
         return CudaCoder.load()

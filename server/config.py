@@ -55,7 +55,7 @@ class ServerConfig:
     transfer_timeout_s: float = 600.0  # encoder: deadline of its call to the decoder
     layers_per_chunk: int = 2
     threads: int = 2  # coder threads
-    coder: str = "auto"  # per-scalar coder: numpy | native (CPU extension) | cuda | auto
+    coder: str = "auto"  # per-scalar coder: numpy | native (CPU extension) | cuda (opt-in) | auto
     predictor_device: str = "cpu"  # where the predictor runs: cpu | cuda[:N] | auto
     tls_cert: str | None = None  # PEM files: serve TLS (cert + key); with tls_ca, require client certs
     tls_key: str | None = None
@@ -169,7 +169,7 @@ FIELDS = (
     _field("layers_per_chunk", int, "layers per coded chunk"),
     _field("threads", int, "coder threads"),
     _field("predictor_device", str, "predictor device: cpu | cuda[:N] | auto (both sidecars alike!)"),
-    _field("coder", str, "per-scalar coder: numpy | native | cuda | auto (cuda where present, else native)"),
+    _field("coder", str, "per-scalar coder: numpy | native | cuda (opt-in) | auto (native, else numpy)"),
     _field("tls_cert", _opt_str, "PEM certificate: serve TLS"),
     _field("tls_key", _opt_str, "PEM private key of tls_cert"),
     _field("tls_ca", _opt_str, "PEM CA bundle: require and verify client certificates (mTLS)"),

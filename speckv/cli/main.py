@@ -34,7 +34,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin", default=None, help="expected sha256 pin of the predictor checkpoint")
     p.add_argument("--coder", choices=CODERS, default="auto",
                    help="per-scalar coder: numpy (the reference), native (the CPU extension), cuda (CuPy "
-                        "kernels), or auto: cuda when present, else native, else numpy (default: %(default)s)")
+                        "kernels, opt-in), or auto: native, else numpy (default: %(default)s)")
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
