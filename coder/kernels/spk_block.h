@@ -108,17 +108,19 @@ inline void prepare_mu_row(const MuJob& j, int64_t row) {  // row = (layer, kv, 
 
 // -- raw bit sections, MSB first (coder/bitpack.py) ------------------------------------
 struct BitWriter {
-    std::vector<uint8_t> bytes;
+    std::vector<uint8_t> bytes;  // the first len are written; finish() trims to them
+    size_t len = 0;
     uint64_t acc = 0, nbits = 0;
     int nacc = 0;  // pending bits in acc (< 32 between calls)
 
     void put(uint32_t v, int w) {  // v < 2^w, w <= 32
         acc = (acc << w) | v, nacc += w, nbits += (uint64_t)w;
         if (nacc >= 32) {
-            const uint32_t out = (uint32_t)(acc >> (nacc - 32));
-            const uint8_t be[4] = {(uint8_t)(out >> 24), (uint8_t)(out >> 16), (uint8_t)(out >> 8), (uint8_t)out};
-            bytes.insert(bytes.end(), be, be + 4);
             nacc -= 32;
+            const uint32_t be = __builtin_bswap32((uint32_t)(acc >> nacc));  // MSB first
+            if (len + 4 > bytes.size()) bytes.resize(2 * bytes.size() + 256);
+            std::memcpy(bytes.data() + len, &be, 4);
+            len += 4;
         }
     }
     void put_unary(uint32_t delta) {  // delta zeros, then a one
@@ -126,8 +128,10 @@ struct BitWriter {
         put(1, (int)delta + 1);
     }
     void finish() {  // pad with zero bits to a byte boundary
+        bytes.resize(len);
         while (nacc >= 8) bytes.push_back((uint8_t)(acc >> (nacc - 8))), nacc -= 8;
         if (nacc) bytes.push_back((uint8_t)(acc << (8 - nacc))), nacc = 0;
+        len = bytes.size();
     }
     void append(const BitWriter& src) {  // src finished: its first src.nbits bits
         uint64_t left = src.nbits;
@@ -141,8 +145,9 @@ struct BitWriter {
 
 // w <= 16 bits at bit position pos of a buffer padded with >= 8 readable bytes
 inline uint32_t read_bits(const uint8_t* buf, uint64_t pos, uint32_t w) {
-    const uint8_t* p = buf + (pos >> 3);
-    const uint32_t v = (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+    uint32_t v;
+    std::memcpy(&v, buf + (pos >> 3), 4);  // NOTE: the stream is MSB-first: a big-endian load
+    v = __builtin_bswap32(v);
     return (uint32_t)((uint64_t)(v << (pos & 7)) >> (32 - w));  // NOTE: u64: w = 0 shifts by 32
 }
 
@@ -360,25 +365,29 @@ void decode_block_values(const DecodeJob& J, int64_t b, const uint32_t* info, co
     const int64_t lb = b - g.chunk_b0[g.block_chunk[b]], e0 = g.block_e0[b], n = g.block_n[b];
     uint64_t low = cs.low[lb], zman = cs.zman[lb], esc = cs.esc[lb], z = cs.zero0[lb];
     const uint8_t* buf = cs.padded.data();
-    const uint64_t last_z = cs.deltas.empty() ? 0 : cs.deltas.size() - 1;
+    uint8_t* __restrict out8 = static_cast<uint8_t*>(J.out) + e0;
+    uint16_t* __restrict out16 = static_cast<uint16_t*>(J.out) + e0;
+    uint32_t normal_bad = 0, zero_bad = 0;
     for (int64_t e = 0; e < n; ++e) {
         const uint32_t in = info[e], kind = in >> 22 & 3u;
         const int32_t c = (int32_t)(in & 0x3FFFu) - 8192, k = (int32_t)(in >> 14 & 0xFFu) - 128;
-        // NOTE: branch-free: every section is read at its cursor with width 0 unless the
-        // element is of its kind (an element's kind is data, not a predictable branch)
-        const uint32_t is_n = kind == SPK_KIND_NORMAL, is_z = kind == SPK_KIND_ZERO, is_e = kind == SPK_KIND_ESC;
-        const uint32_t w = is_n * (uint32_t)spk_max(spk_low_bits<FX>(spk_magnitude(c)), 0);
-        uint32_t bad_n = 0, bad_z = 0;
-        const uint32_t vn = spk_normal_value<FX>(k, c, read_bits(buf, low, w), &bad_n);
-        const uint32_t vz = spk_zero_value<FX>(k, c, read_bits(buf, zman, is_z * FX::mant),
-                                               cs.deltas[std::min<uint64_t>(z, last_z)], &bad_z);
-        const uint32_t ve = read_bits(buf, esc, is_e * FX::bits);
-        low += w, zman += is_z * FX::mant, esc += is_e * FX::bits, z += is_z;
-        f.normal_bad |= is_n & bad_n, f.zero_bad |= is_z & bad_z;
-        const uint32_t v = is_n ? vn : is_z ? vz : ve;
-        if (FX::bits == 8) static_cast<uint8_t*>(J.out)[e0 + e] = (uint8_t)v;
-        else static_cast<uint16_t*>(J.out)[e0 + e] = (uint16_t)v;
+        uint32_t v;
+        // NOTE: most elements are NORMAL (a well-predicted branch); zero bins and escapes are rare
+        if (__builtin_expect(kind == SPK_KIND_NORMAL, 1)) {
+            const uint32_t w = (uint32_t)spk_max(spk_low_bits<FX>(spk_magnitude(c)), 0);
+            v = spk_normal_value<FX>(k, c, read_bits(buf, low, w), &normal_bad);
+            low += w;
+        } else if (kind == SPK_KIND_ZERO) {
+            v = spk_zero_value<FX>(k, c, read_bits(buf, zman, FX::mant), cs.deltas[z++], &zero_bad);
+            zman += FX::mant;
+        } else {
+            v = read_bits(buf, esc, FX::bits);
+            esc += FX::bits;
+        }
+        if (FX::bits == 8) out8[e] = (uint8_t)v;
+        else out16[e] = (uint16_t)v;
     }
+    f.normal_bad = normal_bad, f.zero_bad = zero_bad;
 }
 
 using ParallelFor = void (*)(int64_t, int, const std::function<void(int64_t)>&);
