@@ -32,7 +32,17 @@ from .backends import CODERS, select_backend
 from .integrity import verified
 from .interfaces import CheckpointLike, MuSource
 from .model import BF16, E4M3, FP32, Context, ContextTable, FloatFormat, desymbolize, fp8_log2_sigma, symbolize
-from .plan import Plan, bf16_context_table, fp8_codes, mu_float32, plan_context
+from .plan import (
+    Plan,
+    bf16_context_table,
+    chunk_abs,
+    chunk_rel,
+    chunk_scales,
+    fp8_codes,
+    mu_float32,
+    plan_context,
+    whole_record,
+)
 from .rans import LANES, RansBlocks, concat_blocks, rans_encode, split_blocks
 from .residual import MODEL_NAMES, MODEL_SEED, ResidualModel, models_of
 from .stored import stored_chunk, unstored_chunk
@@ -162,8 +172,8 @@ class Codec:
         if fp8 and (scales is None or np.shape(scales) != (stop - start, 2)):
             raise ValueError(f"chunks {idx.start}..{idx.stop - 1} need FP8 scales of shape ({stop - start}, 2)")
         if h.model == ct.MODEL_STORED:
-            return [stored_chunk(h, i, x[_rel(h, i, start)], None if scales is None else scales[_rel(h, i, start)])
-                    for i in idx]
+            rel = [(i, chunk_rel(h, i, start)) for i in idx]
+            return [stored_chunk(h, i, x[r], None if scales is None else scales[r]) for i, r in rel]
         kv = Fp8KV(x, scales) if fp8 and scales is not None else x  # fp8: scales checked above
         plan = self._plan(kv, None, mu, layers=slice(start, stop), model_id=h.model)
         return self._encode_chunks(plan, h, list(idx))
@@ -262,9 +272,9 @@ class Codec:
         first = next(it, None)
         if first is None:
             raise ct.TruncatedError("empty stream: no header record")
-        header = _whole_record(first, ct.unpack_header(first))
+        header = whole_record(first, ct.unpack_header(first))
         self._check_header(header, ids)
-        chunks = [_whole_record(r, ct.unpack_chunk(r, header)) for r in it]
+        chunks = [whole_record(r, ct.unpack_chunk(r, header)) for r in it]
         return self.decode_chunks(header, chunks, ids, mu)
 
     def _check_header(self, h: ct.StreamHeader, ids: np.ndarray) -> None:
@@ -288,16 +298,16 @@ class Codec:
             raise IntegrityError(f"stream has chunks {[c.index for c in chunks]}, "
                                  f"expected 0..{h.n_chunks - 1}")
         fmt = BF16 if h.dtype == ct.DTYPE_BF16 else E4M3
-        scales = _scales(chunks) if fmt is E4M3 else None
+        scales = chunk_scales(chunks) if fmt is E4M3 else None
         out = np.zeros(h.shape, np.uint16 if fmt is BF16 else np.uint8)
         if h.model == ct.MODEL_STORED:
             for c in chunks:
-                out[_abs_slice(h, c.index)] = unstored_chunk(h, c)
+                out[chunk_abs(h, c.index)] = unstored_chunk(h, c)
         else:
             plan = self._plan(None, ids, mu, fmt, scales, model_id=h.model)
             self._check_mu(plan, h, chunks)
-            for c, bits in zip(chunks, self._decode_batch(plan, h, chunks), strict=True):
-                out[_abs_slice(h, c.index)] = verified(c, bits.reshape((c.layer_count,) + h.shape[1:]), out.dtype)
+            for c, bits in zip(chunks, self._verified(h, chunks, self._decode_batch(plan, h, chunks)), strict=True):
+                out[chunk_abs(h, c.index)] = bits
         return out if scales is None else Fp8KV(out, scales)  # scales: FP8 streams only
 
     def decode_chunk(self, h: ct.StreamHeader, c: ct.Chunk,
@@ -313,26 +323,31 @@ class Codec:
         whatever has arrived): the bit patterns of their layers, in order."""
         if [c.index for c in chunks] != list(range(chunks[0].index, chunks[0].index + len(chunks))):
             raise IntegrityError(f"chunks {[c.index for c in chunks]} are not consecutive")
-        dt = np.uint16 if h.dtype == ct.DTYPE_BF16 else np.uint8
         if h.model == ct.MODEL_STORED:
             return np.concatenate([unstored_chunk(h, c) for c in chunks])
         fmt = BF16 if h.dtype == ct.DTYPE_BF16 else E4M3
-        scales = _scales(chunks) if fmt is E4M3 else None
+        scales = chunk_scales(chunks) if fmt is E4M3 else None
         start = h.chunk_layers(chunks[0].index)[0]
         plan = self._plan(None, None, mu, fmt, scales, layers=slice(start, sum(h.chunk_layers(chunks[-1].index))),
                           model_id=h.model)
         self._check_mu(plan, h, chunks)
-        return np.concatenate([verified(c, bits.reshape((c.layer_count,) + h.shape[1:]), dt)
-                               for c, bits in zip(chunks, self._decode_batch(plan, h, chunks), strict=True)])
+        return np.concatenate(self._verified(h, chunks, self._decode_batch(plan, h, chunks)))
 
     check_header = _check_header  # public name for streaming decoders
 
-    @staticmethod
-    def _check_mu(plan: Plan, h: ct.StreamHeader, chunks: Sequence[ct.Chunk]) -> None:
-        for c in chunks:
-            if c.mu_fingerprint != digest(plan.mu[plan.chunk_slice(h, c.index)]):
+    def _check_mu(self, plan: Plan, h: ct.StreamHeader, chunks: Sequence[ct.Chunk]) -> None:
+        # NOTE: digests on the codec's threads (hashlib releases the GIL); the first bad chunk raises
+        same = self._map(lambda c: c.mu_fingerprint == digest(plan.mu[plan.chunk_slice(h, c.index)]), chunks)
+        for c, ok in zip(chunks, same, strict=True):
+            if not ok:
                 raise MuMismatchError(f"chunk {c.index}: the decoder's mu differs from the encoder's "
                                       "(predictor, hardware or library build differ)")
+
+    def _verified(self, h: ct.StreamHeader, chunks: Sequence[ct.Chunk], bits: list[np.ndarray]) -> list[np.ndarray]:
+        """Each chunk's decoded bit patterns, checked against its raw digest (on the codec's threads)."""
+        dt = np.uint16 if h.dtype == ct.DTYPE_BF16 else np.uint8
+        return self._map(lambda a: verified(a[0], a[1].reshape((a[0].layer_count,) + h.shape[1:]), dt),
+                         list(zip(chunks, bits, strict=True)))
 
     def _decode_batch(self, plan: Plan, h: ct.StreamHeader, chunks: Sequence[ct.Chunk]) -> list[np.ndarray]:
         """Bit patterns of each chunk's elements; all live chunks in one rANS pass."""
@@ -387,34 +402,6 @@ class Codec:
             lidx = table.level_index[ab][:, :, :, None, :]  # (n, 2, heads, 1, dim)
             return table.lookup(plan.mu[sl], lidx)
         return plan_context(plan, sl)
-
-
-def _whole_record(rec, parsed):
-    """The parsed record, which must span all of ``rec`` (nothing may follow a record)."""
-    obj, used = parsed
-    if used != memoryview(rec).nbytes:
-        raise ct.FormatError(f"{memoryview(rec).nbytes - used} trailing bytes after a {used}-byte record")
-    return obj
-
-
-def _rel(h: ct.StreamHeader, i: int, start: int) -> slice:
-    """Chunk i's layers relative to layer ``start``."""
-    s, n = h.chunk_layers(i)
-    return slice(s - start, s - start + n)
-
-
-def _abs_slice(h: ct.StreamHeader, i: int) -> slice:
-    start, count = h.chunk_layers(i)
-    return slice(start, start + count)
-
-
-def _scales(chunks: Sequence[ct.Chunk]) -> np.ndarray:
-    parts = []
-    for c in chunks:
-        if len(c.aux) != 8 * c.layer_count:
-            raise IntegrityError(f"chunk {c.index}: FP8 scales take {8 * c.layer_count} bytes, not {len(c.aux)}")
-        parts.append(np.frombuffer(c.aux, "<f4").astype(np.float32).reshape(c.layer_count, 2))
-    return np.concatenate(parts) if parts else np.zeros((0, 2), np.float32)
 
 
 __all__ = ["Codec", "CodecConfig", "Fp8KV", "bf16_bits", "digest", "prompt_digest", "DIGEST_BYTES",

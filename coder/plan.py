@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 import numpy as np
 
 from speckv.digests import digest
+from speckv.errors import IntegrityError
 
 from . import container as ct
 from .model import BF16, Context, ContextTable, FloatFormat, context
@@ -73,3 +75,33 @@ def plan_context(plan: Plan, sl: slice) -> Context:
     lg = plan.log2_sigma[sl]
     lg = np.broadcast_to(lg[:, :, :, None, :] if lg.ndim == 4 else lg, mu.shape)
     return context(plan.fmt, plan.fmt_mu, mu.ravel(), lg.ravel())
+
+
+def whole_record(rec: bytes, parsed: tuple[Any, int]) -> Any:
+    """The parsed record, which must span all of ``rec`` (nothing may follow a record)."""
+    obj, used = parsed
+    if used != memoryview(rec).nbytes:
+        raise ct.FormatError(f"{memoryview(rec).nbytes - used} trailing bytes after a {used}-byte record")
+    return obj
+
+
+def chunk_rel(h: ct.StreamHeader, i: int, start: int) -> slice:
+    """Chunk i's layers relative to layer ``start``."""
+    s, n = h.chunk_layers(i)
+    return slice(s - start, s - start + n)
+
+
+def chunk_abs(h: ct.StreamHeader, i: int) -> slice:
+    """Chunk i's layers in the stream."""
+    start, count = h.chunk_layers(i)
+    return slice(start, start + count)
+
+
+def chunk_scales(chunks: Sequence[ct.Chunk]) -> np.ndarray:
+    """The FP8 scales ``(layers, 2)`` the chunks carry in ``aux``."""
+    parts = []
+    for c in chunks:
+        if len(c.aux) != 8 * c.layer_count:
+            raise IntegrityError(f"chunk {c.index}: FP8 scales take {8 * c.layer_count} bytes, not {len(c.aux)}")
+        parts.append(np.frombuffer(c.aux, "<f4").astype(np.float32).reshape(c.layer_count, 2))
+    return np.concatenate(parts) if parts else np.zeros((0, 2), np.float32)

@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 from native_helpers import MODELS, assert_same_kv, both_ways, native_codecs, realistic_pair
 
-from speckv.coder import codec as codec_module
 from speckv.coder import container as ct
 from speckv.coder.codec import Codec, Fp8KV
 from speckv.coder.model import BF16, E4M3
+from speckv.coder.plan import chunk_scales
 from speckv.errors import RansDecodeError, SpeckvError
 
 # NaN / Inf / overflowing inputs are the point here: numpy's warnings are noise
@@ -58,7 +58,7 @@ def _raw_outcome(codec: Codec, records: list[bytes], ids: np.ndarray, mu):
         if [c.index for c in chunks] != list(range(h.n_chunks)):
             return "indices", [c.index for c in chunks]  # decode_chunks' own check, before any backend
         fmt = BF16 if h.dtype == ct.DTYPE_BF16 else E4M3
-        scales = codec_module._scales(chunks) if fmt is E4M3 else None
+        scales = chunk_scales(chunks) if fmt is E4M3 else None
         plan = codec._plan(None, ids, mu, fmt, scales, model_id=h.model)
         return "ok", [np.asarray(b).astype(np.int64).ravel() for b in codec._decode_batch(plan, h, chunks)]
     except SpeckvError as e:
