@@ -16,6 +16,7 @@ Lifecycle::
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -93,10 +94,44 @@ class EncodedChunk:
     bits: bytes
 
 
+class ContextRows:
+    """BF16 contexts tabulated per sigma level: row r holds ``spk_context`` of all 65536 mu
+    patterns at level ``levels[r]`` (256 KB a row), grown as new levels appear.
+
+    NOTE: one gather instead of ~40 operations per scalar on both sides; the rows are the
+    native model's own contexts (tests check them against numpy's on every pattern)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, int] = {}
+        self.table = np.zeros(0, np.uint32)
+        self._lock = threading.Lock()
+
+    def index(self, log2_sigma: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(row of each channel's level, int32, same shape; the table that holds them)."""
+        levels, inverse = np.unique(np.asarray(log2_sigma, np.int64), return_inverse=True)
+        with self._lock:
+            new = [int(v) for v in levels if int(v) not in self.rows]
+            if new:
+                self._grow(new)
+            rows = np.array([self.rows[int(v)] for v in levels], np.int32)
+            return rows[inverse.reshape(np.shape(log2_sigma))], self.table
+
+    def _grow(self, new: list[int]) -> None:
+        mu = np.tile(np.arange(1 << 16, dtype=np.uint16), len(new))
+        lv = np.repeat(_levels(np.array(new)), 1 << 16)
+        out = np.empty(len(mu), np.uint32)
+        assert _native is not None
+        _native.contexts(False, mu, lv, out, False)
+        for v in new:
+            self.rows[v] = len(self.rows)
+        self.table = np.concatenate([self.table, out])  # NOTE: a new array: calls under way keep theirs
+
+
 class NativeCoder:
     """The extension with a thread count; arrays in canonical (layers, 2, heads, tokens, dim) order."""
 
     name = "native"
+    contexts = ContextRows()  # shared by the process's coders (a row per sigma level ever seen)
 
     def __init__(self, threads: int = 1) -> None:
         if _native is None:
@@ -130,9 +165,9 @@ class NativeCoder:
         patterns, mu from ``prepare_mu``, log2_sigma ``(layers, 2, heads, dim)`` per channel."""
         fp8 = x.dtype == np.uint8
         _, _, heads, tokens, dim = x.shape
-        parts = _native.encode(fp8, np.ascontiguousarray(x), np.ascontiguousarray(mu), _levels(log2_sigma),
-                               heads, tokens, dim, elems_per_lane, list(layer_counts), *self.flat(tables).args(),
-                               self.threads)
+        lv, table = self._levels(fp8, log2_sigma)
+        parts = _native.encode(fp8, np.ascontiguousarray(x), np.ascontiguousarray(mu), lv, heads, tokens, dim,
+                               elems_per_lane, list(layer_counts), *self.flat(tables).args(), self.threads, table)
         return [EncodedChunk(RansBlocks(np.frombuffer(s, np.uint32).reshape(-1, LANES), np.frombuffer(c, np.uint32),
                                         np.frombuffer(w, np.uint16)), bits) for s, c, w, bits in parts]
 
@@ -148,10 +183,19 @@ class NativeCoder:
             states, counts, words = _check_blocks(blocks)
             args.append((np.ascontiguousarray(states), np.ascontiguousarray(counts), np.ascontiguousarray(words),
                          bytes(bits)))
-        err = _native.decode(fp8, np.ascontiguousarray(mu), _levels(log2_sigma), heads, tokens, dim, elems_per_lane,
-                             list(layer_counts), args, *self.flat(tables).args(), out, self.threads)
+        lv, table = self._levels(fp8, log2_sigma)
+        err = _native.decode(fp8, np.ascontiguousarray(mu), lv, heads, tokens, dim, elems_per_lane,
+                             list(layer_counts), args, *self.flat(tables).args(), out, self.threads, table)
         if err is not None:
             _raise(*err)
+
+
+    def _levels(self, fp8: bool, log2_sigma: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """BF16: each channel's row of the context table, and the table; FP8: the levels."""
+        if fp8 or np.size(log2_sigma) == 0:
+            return _levels(log2_sigma), None
+        _levels(log2_sigma)  # range check
+        return self.contexts.index(log2_sigma)
 
 
 def _levels(log2_sigma: np.ndarray) -> np.ndarray:

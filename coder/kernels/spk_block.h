@@ -151,6 +151,13 @@ inline uint32_t read_bits(const uint8_t* buf, uint64_t pos, uint32_t w) {
     return (uint32_t)((uint64_t)(v << (pos & 7)) >> (32 - w));  // NOTE: u64: w = 0 shifts by 32
 }
 
+// The context of mu at level lv: looked up in the table (BF16) or computed.
+template <class FX, class FM, bool TAB>
+inline SpkContext context_of(const uint32_t* __restrict tab, uint32_t mu, int32_t lv) {
+    if (TAB) return spk_unpack_context(tab[(uint32_t)lv << 16 | mu]);
+    return spk_context<FX, FM>(mu, lv);
+}
+
 template <class F> inline uint32_t load(const void* a, int64_t i) {
     if (F::bits == 8) return static_cast<const uint8_t*>(a)[i];
     if (F::bits == 16) return static_cast<const uint16_t*>(a)[i];
@@ -163,8 +170,9 @@ struct EncodeJob {
     const Tables& t;
     const void* x;     // u16 BF16 / u8 e4m3 bit patterns
     const void* mu;    // u16 BF16 mu' / u32 fp32 mu' / scale
-    const int32_t* L;  // log2 sigma per channel (1/8 octave, in x's units)
+    const int32_t* L;  // log2 sigma per channel (1/8 octave, in x's units), or its row of ctx_table
     bool fp8;
+    const uint32_t* ctx_table = nullptr;  // BF16: packed contexts, 65536 per sigma level (or null)
 };
 
 struct EncodedBlock {
@@ -173,7 +181,7 @@ struct EncodedBlock {
     BitWriter sec[4];             // LOW, ZMAN, ESC, UNARY
 };
 
-template <class FX, class FM>
+template <class FX, class FM, bool TAB>
 void encode_block_t(const EncodeJob& J, int64_t b, EncodedBlock& o) {
     const int64_t e0 = J.g.block_e0[b], n = J.g.block_n[b], steps = J.g.epl;
     // NOTE: per-thread scratch, kept across calls (fresh pages would fault every call), and
@@ -191,7 +199,7 @@ void encode_block_t(const EncodeJob& J, int64_t b, EncodedBlock& o) {
     const uint16_t* __restrict freq = J.t.freq;
     Cursor cur(J.g, e0);
     for (int64_t e = 0; e < n; ++e, cur.next()) {
-        const SpkContext ctx = spk_context<FX, FM>(load<FM>(J.mu, e0 + e), lev[cur.channel()]);
+        const SpkContext ctx = context_of<FX, FM, TAB>(J.ctx_table, load<FM>(J.mu, e0 + e), lev[cur.channel()]);
         const SpkSymbol s = spk_symbolize<FX>(load<FX>(J.x, e0 + e), ctx, trad[ctx.t]);
         const int64_t idx = toff[ctx.t] + s.j;
         ops[e] = cum[idx] | (uint32_t)freq[idx] << 16;
@@ -215,8 +223,9 @@ void encode_block_t(const EncodeJob& J, int64_t b, EncodedBlock& o) {
 }
 
 inline void encode_block(const EncodeJob& J, int64_t b, EncodedBlock& o) {
-    if (J.fp8) encode_block_t<SpkE4M3, SpkFP32>(J, b, o);
-    else encode_block_t<SpkBF16, SpkBF16>(J, b, o);
+    if (J.fp8) encode_block_t<SpkE4M3, SpkFP32, false>(J, b, o);
+    else if (J.ctx_table) encode_block_t<SpkBF16, SpkBF16, true>(J, b, o);
+    else encode_block_t<SpkBF16, SpkBF16, false>(J, b, o);
 }
 
 struct EncodedChunk {
@@ -257,10 +266,11 @@ struct DecodeJob {
     const Geometry& g;
     const Tables& t;
     const void* mu;
-    const int32_t* L;
+    const int32_t* L;  // as in EncodeJob
     void* out;
     bool fp8;
     const std::vector<ChunkStream>& streams;
+    const uint32_t* ctx_table = nullptr;  // as in EncodeJob
 };
 
 struct BlockTally {  // what a decoded block puts in each section
@@ -269,7 +279,7 @@ struct BlockTally {  // what a decoded block puts in each section
 };
 
 // rANS steps of one block: each element's packed info; status SPK_ERR_WORDS_* or FINAL_STATE
-template <class FX, class FM>
+template <class FX, class FM, bool TAB>
 int decode_block_rans(const DecodeJob& J, int64_t b, uint32_t* __restrict info, BlockTally& tally) {
     const Geometry& g = J.g;
     const int64_t c = g.block_chunk[b], e0 = g.block_e0[b], n = g.block_n[b], steps = g.epl;
@@ -302,7 +312,7 @@ int decode_block_rans(const DecodeJob& J, int64_t b, uint32_t* __restrict info, 
         // stage's lanes are independent, so their loads overlap instead of chaining
         const uint32_t live = (uint32_t)std::min<int64_t>(SPK_LANES, std::max<int64_t>(n - e0s, 0));
         for (uint32_t l = 0; l < live; ++l, cur.next())
-            ctx[l] = spk_context<FX, FM>(load<FM>(mu, e0 + e0s + l), lev[cur.channel()]);
+            ctx[l] = context_of<FX, FM, TAB>(J.ctx_table, load<FM>(mu, e0 + e0s + l), lev[cur.channel()]);
         for (uint32_t l = 0; l < live; ++l) {
             const int32_t t = ctx[l].t, off = toff[t];
             j[l] = dec_find_bucketed(cum_pad + off + t, bucket + (size_t)t * SPK_BUCKETS, dec_get(x[l]));
@@ -399,11 +409,13 @@ struct Decoder {
     // Runs the three passes; on error, the status and the first failing chunk (block:
     // the rANS checks' block, or -1) and up to two figures for the message.
     int run(int threads, int64_t* where, ParallelFor pfor) {
-        return J.fp8 ? run_t<SpkE4M3, SpkFP32>(threads, where, pfor) : run_t<SpkBF16, SpkBF16>(threads, where, pfor);
+        if (J.fp8) return run_t<SpkE4M3, SpkFP32, false>(threads, where, pfor);
+        if (J.ctx_table) return run_t<SpkBF16, SpkBF16, true>(threads, where, pfor);
+        return run_t<SpkBF16, SpkBF16, false>(threads, where, pfor);
     }
 
   private:
-    template <class FX, class FM>
+    template <class FX, class FM, bool TAB>
     int run_t(int threads, int64_t* where, ParallelFor pfor) {
         const Geometry& g = J.g;
         // NOTE: one scratch per calling thread, kept: fresh pages would cost their faults every call
@@ -414,7 +426,7 @@ struct Decoder {
         std::vector<BlockTally> tally((size_t)g.n_blocks);
         std::vector<int> status((size_t)g.n_blocks, SPK_OK);
         pfor(g.n_blocks, threads, [&](int64_t b) {
-            status[b] = decode_block_rans<FX, FM>(J, b, info + g.block_e0[b], tally[b]);
+            status[b] = decode_block_rans<FX, FM, TAB>(J, b, info + g.block_e0[b], tally[b]);
         });
         for (size_t b = 0; b < status.size(); ++b)
             if (status[b]) {

@@ -210,6 +210,20 @@ SPK_HD SpkContext spk_context(uint32_t mu, int32_t L) {
     return spk_context_float<FX, FM>(mu, L);
 }
 
+// A context packed in 32 bits, as model.ContextTable packs it: table row (bits 0-9),
+// k + 128 (10-17), c_mu + 4096 (18-30), mu finite (31). The CPU coder tabulates BF16
+// contexts per sigma level (one 65536-entry row per level) and looks them up.
+SPK_HD uint32_t spk_pack_context(const SpkContext& c) {
+    return (uint32_t)c.t | (uint32_t)(c.k + 128) << 10 | (uint32_t)(c.c_mu + 4096) << 18 | c.mu_ok << 31;
+}
+
+SPK_HD SpkContext spk_unpack_context(uint32_t p) {
+    SpkContext c;
+    c.t = (int32_t)(p & 0x3FFu), c.k = (int32_t)((p >> 10) & 0xFFu) - 128;
+    c.c_mu = (int32_t)((p >> 18) & 0x1FFFu) - 4096, c.mu_ok = p >> 31;
+    return c;
+}
+
 // |bin| in the symmetric tiling (c for c >= 0, -1 - c for c < 0)
 SPK_HD int32_t spk_magnitude(int32_t c) { return c ^ (c >> 31); }
 

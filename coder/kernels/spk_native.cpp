@@ -97,6 +97,22 @@ bool parse_geometry(PyObject* layer_counts, long long heads, long long tokens, l
     return true;
 }
 
+// ctx_table (optional): BF16 contexts, 65536 per sigma level; L then holds level rows,
+// each checked to lie inside the table (it indexes it)
+bool get_ctx_table(PyObject* o, Buf& b, int fp8, const Buf& L, const uint32_t** table) {
+    *table = nullptr;
+    if (o == nullptr || o == Py_None) return true;
+    if (fp8) return PyErr_SetString(PyExc_ValueError, "context tables are for BF16 KV"), false;
+    if (!get_buf(o, b, -1, "ctx_table")) return false;
+    const int64_t rows = b.count(4) >> 16;
+    if (rows < 1 || b.count(4) != rows << 16) return PyErr_SetString(PyExc_ValueError, "ctx_table: 65536 per row"), false;
+    for (int64_t i = 0; i < L.count(4); ++i)
+        if (L.as<int32_t>()[i] < 0 || L.as<int32_t>()[i] >= rows)
+            return PyErr_SetString(PyExc_ValueError, "L: a level row outside ctx_table"), false;
+    *table = b.as<uint32_t>();
+    return true;
+}
+
 PyObject* bytes_of(const void* p, size_t n) { return PyBytes_FromStringAndSize((const char*)p, (Py_ssize_t)n); }
 
 // prepare_mu(fp8, mu, a|None, b|None, scales|None, layers, heads, tokens, dim, out, threads)
@@ -128,9 +144,9 @@ PyObject* py_prepare_mu(PyObject*, PyObject* args) {
 PyObject* py_encode(PyObject*, PyObject* args) {
     int fp8, threads;
     long long heads, tokens, dim, epl;
-    PyObject *x_o, *mu_o, *l_o, *lc_o, *cum_o, *freq_o, *off_o, *size_o, *rad_o;
-    if (!PyArg_ParseTuple(args, "pOOOLLLLOOOOOOi", &fp8, &x_o, &mu_o, &l_o, &heads, &tokens, &dim, &epl, &lc_o,
-                          &cum_o, &freq_o, &off_o, &size_o, &rad_o, &threads))
+    PyObject *x_o, *mu_o, *l_o, *lc_o, *cum_o, *freq_o, *off_o, *size_o, *rad_o, *tab_o = nullptr;
+    if (!PyArg_ParseTuple(args, "pOOOLLLLOOOOOOi|O", &fp8, &x_o, &mu_o, &l_o, &heads, &tokens, &dim, &epl, &lc_o,
+                          &cum_o, &freq_o, &off_o, &size_o, &rad_o, &threads, &tab_o))
         return nullptr;
     spk::Geometry g;
     Buf tb[5], x, mu, L;
@@ -140,7 +156,10 @@ PyObject* py_encode(PyObject*, PyObject* args) {
     if (!get_buf(x_o, x, g.n_elements * (fp8 ? 1 : 2), "x") || !get_buf(mu_o, mu, g.n_elements * (fp8 ? 4 : 2), "mu") ||
         !get_buf(l_o, L, g.n_rows * dim * 4, "L"))
         return nullptr;
-    spk::EncodeJob job{g, t, x.v.buf, mu.v.buf, L.as<int32_t>(), fp8 != 0};
+    Buf tab;
+    const uint32_t* table;
+    if (!get_ctx_table(tab_o, tab, fp8, L, &table)) return nullptr;
+    spk::EncodeJob job{g, t, x.v.buf, mu.v.buf, L.as<int32_t>(), fp8 != 0, table};
     std::vector<spk::EncodedBlock> blocks(g.n_blocks);
     std::vector<spk::EncodedChunk> chunks(g.chunk_layers.size());
     Py_BEGIN_ALLOW_THREADS
@@ -166,9 +185,9 @@ PyObject* py_encode(PyObject*, PyObject* args) {
 PyObject* py_decode(PyObject*, PyObject* args) {
     int fp8, threads;
     long long heads, tokens, dim, epl;
-    PyObject *mu_o, *l_o, *lc_o, *streams_o, *cum_o, *freq_o, *off_o, *size_o, *rad_o, *out_o;
-    if (!PyArg_ParseTuple(args, "pOOLLLLOOOOOOOOi", &fp8, &mu_o, &l_o, &heads, &tokens, &dim, &epl, &lc_o, &streams_o,
-                          &cum_o, &freq_o, &off_o, &size_o, &rad_o, &out_o, &threads))
+    PyObject *mu_o, *l_o, *lc_o, *streams_o, *cum_o, *freq_o, *off_o, *size_o, *rad_o, *out_o, *tab_o = nullptr;
+    if (!PyArg_ParseTuple(args, "pOOLLLLOOOOOOOOi|O", &fp8, &mu_o, &l_o, &heads, &tokens, &dim, &epl, &lc_o,
+                          &streams_o, &cum_o, &freq_o, &off_o, &size_o, &rad_o, &out_o, &threads, &tab_o))
         return nullptr;
     spk::Geometry g;
     Buf tb[5], mu, L, out;
@@ -203,7 +222,10 @@ PyObject* py_decode(PyObject*, PyObject* args) {
     }
     const spk::DecodeTables dt(t);
     t.bucket = dt.bucket.data(), t.cum_pad = dt.cum_pad.data();
-    spk::DecodeJob job{g, t, mu.v.buf, L.as<int32_t>(), out.v.buf, fp8 != 0, streams};
+    Buf tab;
+    const uint32_t* table;
+    if (!get_ctx_table(tab_o, tab, fp8, L, &table)) return nullptr;
+    spk::DecodeJob job{g, t, mu.v.buf, L.as<int32_t>(), out.v.buf, fp8 != 0, streams, table};
     spk::Decoder dec(job);
     int64_t where[4] = {-1, -1, 0, 0};  // chunk, block, figures for the message
     int status = SPK_OK;
@@ -230,8 +252,7 @@ PyObject* py_contexts(PyObject*, PyObject* args) {
         const SpkContext c = fp8 ? spk_context<SpkE4M3, SpkFP32>(mu.as<uint32_t>()[i], l)
                              : float_path ? spk_context_float<SpkBF16, SpkBF16>(mu.as<uint16_t>()[i], l)
                                           : spk_context<SpkBF16, SpkBF16>(mu.as<uint16_t>()[i], l);
-        out.as<uint32_t>()[i] = (uint32_t)c.t | (uint32_t)(c.k + 128) << 10 | (uint32_t)(c.c_mu + 4096) << 18 |
-                                c.mu_ok << 31;
+        out.as<uint32_t>()[i] = spk_pack_context(c);
     }
     Py_RETURN_NONE;
 }

@@ -1,0 +1,120 @@
+"""benchmarks/e2e.py for real, briefly: two network namespaces joined by a shaped veth,
+real sidecars and engines, 32 tokens over one 100 Mbit/s link. Checks the report's
+bookkeeping (every row lossless, every field there and sane, speckv moves fewer bytes,
+the link gives about its nominal rate) and that nothing is left behind: no ``spk-*``
+namespace and no process of the run. Needs root, ``ip``, ``tc`` and ``taskset``."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from require import missing
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+# calibrated TCP goodput / nominal tbf rate: TCP/IP headers take ~5%, tbf's burst may add a little
+GOODPUT_RATIO = (0.75, 1.10)
+FIELDS = {"link", "encoding", "rung", "total_s", "after_prefill_s", "first_layer_s", "decode_node_cpu_s",
+          "critical_path_s", "lossless"}
+
+
+def _need_netns() -> None:
+    if os.geteuid() != 0:
+        missing("NETNS", "benchmarks/e2e.py needs root (network namespaces, tc)")
+    for tool in ("ip", "tc", "taskset"):
+        if shutil.which(tool) is None:
+            missing("NETNS", f"benchmarks/e2e.py needs {tool}, not found")
+
+
+def _namespaces() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith("spk-")]
+
+
+def _processes_of(run_pid: int) -> list[int]:
+    """Live processes started by the run (e2e_net.Child marks them SPECKV_E2E_RUN=<pid>)."""
+    mark = f"SPECKV_E2E_RUN={run_pid}".encode()
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if mark in (d / "environ").read_bytes().split(b"\0"):
+                    found.append(int(d.name))
+            except OSError:
+                pass
+    return found
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    _need_netns()
+    proc = subprocess.Popen([sys.executable, str(BENCH / "e2e.py"), "--links", "100mbit", "--tokens", "32",
+                             "--rtt-ms", "1", "--json", "--timeout", "280"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    rep = json.loads(out)
+    rep["_run_pid"] = proc.pid
+    return rep
+
+
+def test_rows_are_lossless_and_sane(report):
+    rows = {r["encoding"]: r for r in report["rows"]}
+    assert set(rows) == {"stored", "speckv", "recompute"} and len(report["rows"]) == 3
+    assert report["hook_matches_target_kv"] is True
+    for r in rows.values():
+        assert FIELDS <= set(r) and r["link"] == "100mbit" and r["lossless"] is True, r
+        assert r["total_s"] >= r["first_layer_s"] > 0 and r["decode_node_cpu_s"] > 0, r
+        assert r["after_prefill_s"] <= r["total_s"], r
+    for enc in ("stored", "speckv"):
+        assert rows[enc]["critical_path_s"] > 0, rows[enc]
+    assert rows["speckv"]["rung"] and rows["stored"]["rung"] is None
+    assert 0 < rows["speckv"]["wire_bytes"] < rows["stored"]["wire_bytes"]
+    assert rows["recompute"]["wire_bytes"] == 0
+
+
+def test_loopback_and_break_even(report):
+    lb = report["loopback"]
+    assert lb["stored_raw_MBps"] > 0 and lb["speckv_raw_MBps"] > 0 and lb["stored_lossless"] and lb["speckv_lossless"]
+    assert report["break_even_mbit"] is None or report["break_even_mbit"] > 0
+
+
+def test_calibration_near_nominal(report):
+    c = report["calibration"]["100mbit"]
+    assert c["nominal_MBps"] == 12.5
+    assert GOODPUT_RATIO[0] <= c["measured_MBps"] / c["nominal_MBps"] <= GOODPUT_RATIO[1], c
+
+
+def test_nothing_left_behind(report):
+    assert _namespaces() == []
+    assert _processes_of(report["_run_pid"]) == []
+
+
+def test_not_root_exits_2(load_script, monkeypatch, capsys):
+    e2e = load_script("e2e")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert e2e.main(["--links", "100mbit"]) == 2
+    assert "needs root" in capsys.readouterr().err
+
+
+def test_break_even_of_a_model(load_script):
+    """Synthetic rows: stored pays 8x the wire bytes, speckv a 2 s predictor; they cross at 56 Mbit/s."""
+    e2e = load_script("e2e")
+
+    def row(enc, mu, wire, link_mbit):
+        st = {"prefill_s": 1.0, "encode_s": 0.0, "decode_s": 0.0, "mu_s": mu, "chunks": 1e9, "wire_bytes": wire}
+        g = link_mbit * 1e6 / 8
+        return {"encoding": enc, "stages": st, "total_s": e2e.critical_path(st, g),
+                "critical_path_s": e2e.critical_path(st, g), "link": f"{link_mbit}mbit"}
+
+    rows = [row(e, mu, w, m) for m in (10, 100) for e, mu, w in (("stored", 0.0, 16e6), ("speckv", 2.0, 2e6))]
+    cal = {f"{m}mbit": {"ratio": 1.0} for m in (10, 100)}
+    # stored: 128 Mbit / R; speckv: 2 + 16 Mbit / R  ->  R = 112 / 2 = 56 Mbit/s
+    assert e2e.break_even(rows, cal) == pytest.approx(56.0, rel=1e-3)
