@@ -298,7 +298,6 @@ int decode_block_rans(const DecodeJob& J, int64_t b, uint32_t* __restrict info, 
     const uint16_t* __restrict bucket = J.t.bucket;
     const uint16_t* __restrict words = cs.words;
     const void* mu = J.mu;
-    const int64_t last_word = cs.n_words - 1;
     uint64_t low_bits = 0, n_zero = 0, n_esc = 0, unary_bound = 0;
     uint32_t mu_bad = 0;
     uint32_t x[SPK_LANES];
@@ -333,13 +332,11 @@ int decode_block_rans(const DecodeJob& J, int64_t b, uint32_t* __restrict info, 
         if (!ballot) continue;
         end -= popcount32(ballot);  // NOTE: read backward: this step's words sit at the end
         if (end < lo) { status = SPK_ERR_WORDS_UNDERRUN; break; }
-        // lane of rank r reads word end + r; branch-free (a lane that reads nothing reads a
-        // word it then ignores, clamped inside the buffer)
-        for (uint32_t l = 0, r = 0; l < SPK_LANES; ++l) {
-            const uint32_t need = ballot >> l & 1u;
-            const uint16_t w = words[std::min<int64_t>(end + r, last_word)];
-            x[l] = need ? dec_put_word(x[l], w) : x[l];
-            r += need;
+        // the lane of rank r (among the ballot's lanes, ascending) reads word end + r
+        const uint16_t* w = words + end;
+        for (uint32_t bits = ballot; bits; bits &= bits - 1u, ++w) {
+            const uint32_t l = (uint32_t)__builtin_ctz(bits);
+            x[l] = dec_put_word(x[l], *w);
         }
     }
     tally.low_bits = low_bits, tally.n_zero = n_zero, tally.n_esc = n_esc;
