@@ -1,6 +1,7 @@
 """What a test does when something it needs is missing: skip on a developer's machine,
 fail in CI. ``.ci/run`` sets ``SPECKV_REQUIRE_<NAME>=1`` for everything CI provides
-(the shared corpus, openssl, promtool, buf; nvcc where the machine has a GPU), so a
+(the shared corpus, openssl, promtool, buf, the native coder, root with network
+namespaces and tc; nvcc where the machine has a GPU), so a
 missing tool there is a failure, never a silent skip."""
 
 from __future__ import annotations

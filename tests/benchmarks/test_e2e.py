@@ -95,6 +95,7 @@ def test_calibration_near_nominal(report):
 def test_nothing_left_behind(report):
     assert _namespaces() == []
     assert _processes_of(report["_run_pid"]) == []
+    assert report["logs"] is None  # removed after a clean run
 
 
 def test_not_root_exits_2(load_script, monkeypatch, capsys):

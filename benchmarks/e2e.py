@@ -1,0 +1,294 @@
+"""End-to-end harness: does speckv deliver a verified KV to the decode engine sooner than raw?
+
+Emulates two nodes on this machine: network namespaces ``spk-<pid>-a`` (prefill node,
+10.77.0.1: the prefill engine and a real ``speckv serve encoder``, all pinned to core 0
+with ``taskset -c 0``) and ``spk-<pid>-b`` (decode node, 10.77.0.2: ``speckv serve
+decoder`` and the fetching engine, pinned to core 1 with ``taskset -c 1``), joined by a
+veth pair whose two egresses are shaped with netem (delay rtt/2) over tbf (rate). Each
+link is first calibrated by a plain TCP transfer a -> b (its goodput, MB/s). The engines
+are benchmarks/e2e_engine.py: the prefill engine streams the header at prefill start and
+every layer as the target's forward pass produces it; the fetching engine pulls layers
+with FetchKV and checks their sha256 against the prefill's (``lossless``).
+
+Rows, per link: ``stored`` (raw BF16 stream), ``speckv`` (the shipped checkpoint's rung)
+and ``recompute`` (the decode node runs the prefill itself; nothing moves).
+  total_s          prefill start on the prefill node -> whole KV verified by the decode engine
+  after_prefill_s  total_s minus that row's own prefill duration (what the user waits beyond it)
+  first_layer_s    prefill start -> first layer in the decode engine's hands
+  decode_node_cpu_s  utime+stime deltas (/proc/<pid>/stat) of the decoder sidecar + fetch engine
+  critical_path_s  the cost model below at the link's calibrated goodput (stored and speckv rows)
+
+Cost model (a pipeline lower bound; stage times from this row): with P the prefill,
+mu = max(encoder predictor_seconds, decoder predictor seconds from its /metrics) (both start
+at the header and run alongside the prefill; no chunk is coded before both are done:
+the encoder waits for the decoder's mu digest; 0 for stored), E = encode_seconds, D = the
+decoder's decode seconds, W = wire_bytes / goodput, n = chunks; encode, wire and decode
+overlap chunk by chunk:  critical_path = max(mu + max(E, W, D), P + (E + W + D) / n).
+NOTE: P is the prefill as this row measured it; the encoder's predictor shares core 0 with
+it, so a speckv row's P includes that contention (stored's does not).
+break_even_mbit: per encoding, the stages are the medians over its rows and an offset
+(median of total_s - critical_path: RPCs, RTTs, hashing) is added; the nominal rate where
+the speckv and stored models cross (goodput = nominal x the median calibration ratio),
+found on a log grid from 1 Mbit/s to 1 Tbit/s and bisected; null when they never cross.
+
+NOTE: a kernel without sch_netem (minimal VM kernels) gets tbf alone: the report says
+``rtt_emulated: false``; each calibration's ``tcp_connect_ms`` bounds the RTT there was.
+
+loopback: the same veth with its qdiscs removed (unshaped, in-kernel), the prefilled KV
+submitted whole; raw MB/s = raw bytes / (Submit start -> verified at the fetch engine).
+NOTE: the sidecars cache no mu, so speckv's figure includes both predictors' forward passes.
+
+Usage (root): .venv/bin/python benchmarks/e2e.py --links 25mbit,100mbit,1gbit --rtt-ms 1 --tokens 2048 [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import itertools
+import json
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from e2e_net import ADDR, Child, Net, calibrate, cpu_seconds, preflight, rate_bits, sweep_stale  # noqa: E402
+
+DEFAULT_TEXT = Path(__file__).resolve().parents[1].parent / "shared" / "corpus" / "tinyshakespeare.txt"
+ENGINE = str(Path(__file__).resolve().parent / "e2e_engine.py")
+ROW_TIMEOUT = 600.0
+
+
+def critical_path(st: dict[str, float], goodput_Bps: float) -> float:
+    """The cost model of the module docstring for one row's stages."""
+    E, D, n = st["encode_s"], st["decode_s"], max(st["chunks"], 1.0)
+    W = st["wire_bytes"] / goodput_Bps
+    return max(st["mu_s"] + max(E, W, D), st["prefill_s"] + (E + W + D) / n)
+
+
+def rung_name() -> str:
+    from speckv.predictor.ladder import manifest_rung
+    from speckv.predictor.store import MANIFEST, default_checkpoint_dir
+
+    return manifest_rung(json.loads((default_checkpoint_dir() / MANIFEST).read_text())).name
+
+
+class Bench:
+    """The four long-lived children and the transfers they run."""
+
+    def __init__(self, args: argparse.Namespace, net: Net, logdir: Path) -> None:
+        self.args, self.net, self.logdir = args, net, logdir
+        self.children: list[Child] = []
+        self.ids = itertools.count()
+
+    def child(self, node: str, argv: list[str], name: str, env: dict[str, str] | None = None) -> Child:
+        c = Child(self.net.ns[node], 0 if node == "a" else 1, argv, self.logdir / f"{name}.log", env)
+        self.children.append(c)
+        return c
+
+    def start(self) -> bool | None:
+        serve = [sys.executable, "-m", "speckv.cli.main", "serve"]
+        env = {"SPECKV_MAX_INFLIGHT_BYTES": "1Gi"}
+        dec = self.child("b", [*serve, "decoder", "--listen", "0.0.0.0:0", "--metrics-port", "0"], "decoder", env)
+        enc = self.child("a", [*serve, "encoder", "--listen", "127.0.0.1:0", "--metrics-port", "-1"], "encoder", env)
+        m = dec.wait_line(r"listening on port (\d+), metrics on port (\d+)", 300)
+        dport, mport = m.group(1), m.group(2)
+        eport = enc.wait_line(r"listening on port (\d+)", 300).group(1)
+        common = ["--tokens", str(self.args.tokens), "--text", self.args.text]
+        self.prefill = self.child("a", [sys.executable, ENGINE, "prefill", "--encoder", f"127.0.0.1:{eport}",
+                                        "--decoder", f"{ADDR['b']}:{dport}", *common], "prefill-engine")
+        self.fetch = self.child("b", [sys.executable, ENGINE, "fetch", "--decoder", f"127.0.0.1:{dport}",
+                                      "--metrics-port", mport, *common], "fetch-engine")
+        self.decoder = dec
+        ready = self.prefill.ask(None, 600)
+        self.tokens = ready["tokens"]
+        self.fetch.ask(None, 600)
+        return ready["hook_matches_target_kv"]
+
+    def decode_cpu(self) -> float:
+        return sum(cpu_seconds(c.proc.pid) for c in (self.decoder, self.fetch))
+
+    def transfer(self, link: str, encoding: str, stream: bool = True) -> dict[str, Any]:
+        rid = f"{link}-{encoding}-{next(self.ids)}"
+        expect = str(self.logdir / f"{rid}.sha256")
+        cpu0 = self.decode_cpu()
+        self.fetch.ask({"op": "fetch", "rid": rid, "expect": expect}, 60)  # FetchKV is waiting
+        p = self.prefill.ask({"rid": rid, "encoding": encoding, "stream": stream, "expect": expect}, ROW_TIMEOUT)
+        f = self.fetch.ask(None, ROW_TIMEOUT)
+        return {"p": p, "f": f, "cpu": self.decode_cpu() - cpu0, "expect": expect}
+
+    def recompute(self, expect: str) -> dict[str, Any]:
+        cpu0 = self.decode_cpu()
+        f = self.fetch.ask({"op": "recompute", "rid": "-", "expect": expect}, ROW_TIMEOUT)
+        return {"f": f, "cpu": self.decode_cpu() - cpu0}
+
+    def stop(self) -> None:
+        for c in reversed(self.children):
+            c.stop()
+        self.children.clear()
+
+
+def transfer_row(link: str, encoding: str, rung: str | None, t: dict[str, Any], goodput: float) -> dict[str, Any]:
+    p, f = t["p"], t["f"]
+    st = {"prefill_s": p["prefill_s"], "encode_s": p["encode_s"], "decode_s": f.get("decoder_decode_s", 0.0),
+          "mu_s": max(p["predictor_s"], f.get("decoder_predictor_s", 0.0)) if encoding == "speckv" else 0.0,
+          "chunks": float(p["chunks"]), "wire_bytes": float(p["wire_bytes"])}
+    total = f["done"] - p["t0"]
+    return {"link": link, "encoding": encoding, "rung": rung, "total_s": total,
+            "after_prefill_s": total - p["prefill_s"], "first_layer_s": f["first"] - p["t0"],
+            "decode_node_cpu_s": t["cpu"], "critical_path_s": critical_path(st, goodput),
+            "lossless": bool(f["lossless"]) and p["encoding"] == encoding and not p["fallback"],
+            "wire_bytes": p["wire_bytes"], "raw_bytes": p["raw_bytes"], "stages": st}
+
+
+def recompute_row(link: str, t: dict[str, Any]) -> dict[str, Any]:
+    f = t["f"]
+    total = f["done"] - f["t0"]
+    return {"link": link, "encoding": "recompute", "rung": None, "total_s": total,
+            "after_prefill_s": total - f["prefill_s"], "first_layer_s": f["first"] - f["t0"],
+            "decode_node_cpu_s": t["cpu"], "critical_path_s": None, "lossless": bool(f["lossless"]),
+            "wire_bytes": 0, "raw_bytes": 0, "stages": {"prefill_s": f["prefill_s"]}}
+
+
+def break_even(rows: list[dict[str, Any]], cal: dict[str, dict[str, float]]) -> float | None:
+    """Nominal Mbit/s where the fitted speckv and stored models cross (module docstring)."""
+    eff = statistics.median(c["ratio"] for c in cal.values())
+    fits: dict[str, tuple[dict[str, float], float]] = {}
+    for enc in ("stored", "speckv"):
+        rs = [r for r in rows if r["encoding"] == enc]
+        st = {k: statistics.median(r["stages"][k] for r in rs) for k in rs[0]["stages"]}
+        off = statistics.median(r["total_s"] - r["critical_path_s"] for r in rs)
+        fits[enc] = (st, off)
+
+    def gap(mbit: float) -> float:
+        g = eff * mbit * 1e6 / 8
+        return sum(s * (critical_path(fits[e][0], g) + fits[e][1]) for e, s in (("speckv", 1), ("stored", -1)))
+
+    grid = np.logspace(0, 6, 241)
+    for lo, hi in itertools.pairwise(grid):
+        if gap(lo) < 0 <= gap(hi):
+            for _ in range(60):
+                mid = (lo * hi) ** 0.5
+                lo, hi = (mid, hi) if gap(mid) < 0 else (lo, mid)
+            return float(round(hi, 2))
+    return None
+
+
+def measure(bench: Bench, net: Net, args: argparse.Namespace) -> dict[str, Any]:
+    rung = rung_name()
+    net.unshape()
+    for enc in ("stored", "speckv"):  # warm-up: channels, lazy imports, first coder calls
+        bench.transfer("warmup", enc, stream=False)
+    loopback: dict[str, Any] = {}
+    for enc in ("stored", "speckv"):
+        t = bench.transfer("loopback", enc, stream=False)
+        loopback[f"{enc}_raw_MBps"] = t["p"]["raw_bytes"] / (t["f"]["done"] - t["p"]["t0"]) / 1e6
+        loopback[f"{enc}_lossless"] = bool(t["f"]["lossless"])
+    rows: list[dict[str, Any]] = []
+    cal: dict[str, dict[str, float]] = {}
+    for link in args.links:
+        netem = net.shape(link, args.rtt_ms)
+        if not netem:
+            print(f"e2e: WARNING: no sch_netem in this kernel: {link} shaped by tbf alone, "
+                  f"--rtt-ms {args.rtt_ms} not emulated", file=sys.stderr, flush=True)
+        cal[link] = {**calibrate(net, link, bench.logdir), "netem_delay": netem}
+        goodput = cal[link]["measured_MBps"] * 1e6
+        stored = bench.transfer(link, "stored")
+        rows.append(transfer_row(link, "stored", None, stored, goodput))
+        rows.append(transfer_row(link, "speckv", rung, bench.transfer(link, "speckv"), goodput))
+        rows.append(recompute_row(link, bench.recompute(stored["expect"])))
+        print(f"e2e: {link} done", file=sys.stderr, flush=True)
+    return {"rows": rows, "loopback": loopback, "break_even_mbit": break_even(rows, cal), "calibration": cal,
+            "rtt_emulated": all(c["netem_delay"] for c in cal.values())}
+
+
+def table(rep: dict[str, Any]) -> str:
+    cols = ("link", "encoding", "rung", "total s", "after prefill s", "first layer s", "decode-node CPU s",
+            "critical path s", "wire MB", "lossless")
+    out = [f"{rep['tokens']} tokens, rtt {rep['rtt_ms']} ms; {rep['layout']}", " | ".join(cols)]
+    for r in rep["rows"]:
+        cp = "-" if r["critical_path_s"] is None else f"{r['critical_path_s']:.2f}"
+        out.append(" | ".join([r["link"], r["encoding"], str(r["rung"] or "-"), f"{r['total_s']:.2f}",
+                               f"{r['after_prefill_s']:.2f}", f"{r['first_layer_s']:.2f}",
+                               f"{r['decode_node_cpu_s']:.2f}", cp, f"{r['wire_bytes'] / 1e6:.2f}",
+                               str(r["lossless"])]))
+    for link, c in rep["calibration"].items():
+        out.append(f"calibration {link}: nominal {c['nominal_MBps']:.2f} MB/s, "
+                   f"TCP gives {c['measured_MBps']:.2f} MB/s, "
+                   f"TCP connect {c['tcp_connect_ms']:.2f} ms" + ("" if c["netem_delay"] else " (no netem)"))
+    lb = rep["loopback"]
+    out.append(f"loopback raw MB/s: stored {lb['stored_raw_MBps']:.1f}, speckv {lb['speckv_raw_MBps']:.1f} "
+               "(speckv includes both predictors)")
+    out.append(f"break-even: {rep['break_even_mbit']} Mbit/s (speckv faster below it)")
+    return "\n".join(out)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--links", default="25mbit,100mbit,1gbit", help="comma-separated tc rates, e.g. 25mbit,1gbit")
+    ap.add_argument("--rtt-ms", type=float, default=1.0)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--text", default=str(DEFAULT_TEXT))
+    ap.add_argument("--timeout", type=int, default=3600, help="whole-run limit, seconds")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--keep-logs", action="store_true", help="keep the children's logs after a clean run")
+    args = ap.parse_args(argv)
+    args.links = [s.strip() for s in args.links.split(",") if s.strip()]
+    for link in args.links:
+        rate_bits(link)  # ValueError early
+    return args
+
+
+def _raise(sig: int, _frame: Any) -> None:
+    # NOTE: SIGTERM/SIGINT/SIGALRM become exceptions, so every finally below runs
+    raise SystemExit(128 + sig) if sig != signal.SIGALRM else TimeoutError("e2e.py ran past --timeout")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if (why := preflight()) is not None:
+        print(why, file=sys.stderr)
+        return 2
+    sweep_stale()
+    net = Net(os.getpid())
+    logdir = Path(tempfile.mkdtemp(prefix="speckv-e2e-"))
+    bench = Bench(args, net, logdir)
+
+    def cleanup() -> None:
+        bench.stop()
+        net.down()
+
+    atexit.register(cleanup)
+    old = {s: signal.signal(s, _raise) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM)}
+    signal.alarm(args.timeout)
+    try:
+        net.up()
+        matches = bench.start()
+        rep = measure(bench, net, args)
+    finally:
+        signal.alarm(0)
+        cleanup()
+        for s, h in old.items():
+            signal.signal(s, h)
+        atexit.unregister(cleanup)
+    rep = {**rep, "tokens": bench.tokens, "rtt_ms": args.rtt_ms, "hook_matches_target_kv": matches,
+           "layout": "prefill node = ns a on core 0 (taskset -c 0), decode node = ns b on core 1 (taskset -c 1)",
+           "logs": str(logdir)}
+    lb = rep["loopback"]
+    ok = matches and all(r["lossless"] for r in rep["rows"]) and lb["stored_lossless"] and lb["speckv_lossless"]
+    if ok and not args.keep_logs:  # NOTE: a failed or interrupted run keeps them (errors name its files)
+        shutil.rmtree(logdir, ignore_errors=True)
+        rep["logs"] = None
+    print(json.dumps(rep) if args.json else table(rep))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""The emulated engines of benchmarks/e2e.py, one process per node, driven by JSON
+lines on stdin; each reply is one ``@@ {json}`` line on stdout. Times are
+``time.monotonic()``, one clock for every process on the machine (network
+namespaces do not change it), so the harness subtracts them across nodes.
+
+``prefill`` (prefill node): loads the target, tokenizes the prompt, and checks once
+that its hooked prefill gives target.kv(ids) bit for bit. A ``stream`` command runs
+the prefill with a forward hook on every decoder layer: the header (with the prompt
+ids) goes to the encoder sidecar when the prefill starts, each layer's K/V as its
+layer finishes, while the forward pass goes on (the real engine's timing). A whole
+command submits the precomputed KV at once (the loopback block). Either writes the
+KV's sha256 to ``<dir>/<rid>.sha256`` as soon as the prefill is done.
+
+``fetch`` (decode node): a ``fetch`` command pulls the layers with FetchKV, hashes
+them as they come and compares with the prefill engine's sha256 (``lossless``); it
+also reports the decoder sidecar's decode and predictor seconds (its /metrics,
+before and after). A ``recompute`` command runs the hooked prefill here instead and
+compares its sha256 the same way (no bytes moved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import queue
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from speckv.client.client import DecoderClient, EncoderClient
+from speckv.client.core import ENCODINGS
+from speckv.kv import bf16_bits
+from speckv.predictor.target import Target, deterministic_torch, load_target
+from speckv.v1 import common_pb2 as pb
+from speckv.v1 import encoder_pb2 as epb
+from speckv.wire import PART_BYTES, kv_shape, layer_messages
+
+TIMEOUT = 600.0
+
+
+def reply(**kw: Any) -> None:
+    print("@@ " + json.dumps(kw), flush=True)
+
+
+def hooked_prefill(target: Target, ids: np.ndarray, on_layer: Callable[[int, np.ndarray], None]) -> np.ndarray:
+    """One prefill; ``on_layer(i, bits)`` gets layer i's ``(2, kv_heads, tokens, head_dim)``
+    BF16 bits as soon as that decoder layer has run. Same numerics as target.kv (extract_kv)."""
+    import torch
+
+    out: list[np.ndarray] = []
+
+    def hook(i: int) -> Callable[..., None]:
+        def fn(_mod: Any, _args: Any, kwargs: dict[str, Any], _output: Any) -> None:
+            # NOTE: transformers 5 names it ``cache``; 4.x ``past_key_values`` / ``past_key_value``
+            cache = next(kwargs[k] for k in ("cache", "past_key_values", "past_key_value")
+                         if kwargs.get(k) is not None)
+            k, v = cache.layers[i].keys, cache.layers[i].values
+            bits = bf16_bits(torch.stack([k[0], v[0]]).to(torch.bfloat16).contiguous())
+            out.append(bits)
+            on_layer(i, bits)
+        return fn
+
+    layers = target.model.model.layers
+    handles = [lay.register_forward_hook(hook(i), with_kwargs=True) for i, lay in enumerate(layers)]
+    try:
+        inp = torch.as_tensor(np.asarray(ids, dtype=np.int64)).unsqueeze(0)
+        with deterministic_torch():
+            target.model.model(input_ids=inp, use_cache=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return np.stack(out)
+
+
+def sha256(kv: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(kv).tobytes()).hexdigest()
+
+
+def submit_stream(header: epb.SubmitHeader, n_layers: int, layers: "queue.Queue[np.ndarray]",
+                  shape: pb.KVShape) -> Iterator[epb.SubmitRequest]:
+    """The SubmitRequest stream, fed layer by layer while the prefill runs.
+    NOTE: EncoderClient.submit wants the whole KV; this is client/core.py's stream, streamed."""
+    yield epb.SubmitRequest(header=header)
+    for i in range(n_layers):
+        bits = layers.get(timeout=TIMEOUT)
+        for part in layer_messages(i, bits, pb.DTYPE_BF16, shape, PART_BYTES):
+            yield epb.SubmitRequest(layer=part)
+
+
+class Prefill:
+    def __init__(self, args: argparse.Namespace, target: Target, ids: np.ndarray) -> None:
+        self.args, self.target, self.ids = args, target, ids
+        self.enc = EncoderClient(args.encoder, timeout=TIMEOUT)
+        self.pool = ThreadPoolExecutor(1)
+        self.kv = hooked_prefill(target, ids, lambda i, b: None)
+        self.matches = sha256(self.kv) == sha256(bf16_bits(target.kv(ids)))
+
+    def header(self, rid: str, encoding: str, shape: pb.KVShape) -> epb.SubmitHeader:
+        return epb.SubmitHeader(request_id=rid, decoder_address=self.args.decoder, model_id=self.target.name,
+                                dtype=pb.DTYPE_BF16, shape=shape, prompt_token_ids=[int(t) for t in self.ids],
+                                encoding=ENCODINGS[encoding])
+
+    def run(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        layers: queue.Queue[np.ndarray] = queue.Queue()
+        L = len(self.target.model.model.layers)
+        cfg = self.target.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        shape = kv_shape((L, 2, cfg.num_key_value_heads, len(self.ids), head_dim))
+        reqs = submit_stream(self.header(cmd["rid"], cmd["encoding"], shape), L, layers, shape)
+        out: dict[str, Any] = {}
+        t0 = time.monotonic()
+        fut = self.pool.submit(self.enc.stub.Submit, reqs, timeout=TIMEOUT)  # header goes out now
+        if cmd["stream"]:
+            def put(i: int, bits: np.ndarray) -> None:
+                out.setdefault("first_layer_out", time.monotonic())
+                layers.put(bits)
+            kv = hooked_prefill(self.target, self.ids, put)
+        else:
+            kv = self.kv
+            for layer in kv:
+                layers.put(layer)
+        out["prefill_s"] = time.monotonic() - t0
+        Path(cmd["expect"]).write_text(sha256(kv))
+        r = fut.result(timeout=TIMEOUT)
+        return {**out, "t0": t0, "submit_end": time.monotonic(), "raw_bytes": r.raw_bytes,
+                "wire_bytes": r.wire_bytes, "chunks": r.chunks, "predictor_s": r.predictor_seconds,
+                "encode_s": r.encode_seconds, "encoding": r.encoding, "fallback": r.fallback}
+
+
+def metrics(port: int) -> dict[str, float]:
+    """The decoder sidecar's decode / predictor seconds so far (Prometheus text)."""
+    if port <= 0:
+        return {}
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    got: dict[str, float] = {}
+    for line in text.splitlines():
+        for stage in ("decode", "predictor"):
+            if line.startswith(f"speckv_{stage}_seconds_sum{{"):
+                got[stage] = got.get(stage, 0.0) + float(line.rsplit(" ", 1)[1])
+    return got
+
+
+def wait_expect(path: str) -> str:
+    deadline = time.monotonic() + TIMEOUT
+    while not Path(path).exists():  # NOTE: written right after the prefill, long before the last layer lands
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.005)
+    return Path(path).read_text().strip()
+
+
+class Fetch:
+    def __init__(self, args: argparse.Namespace, target: Target, ids: np.ndarray) -> None:
+        self.args, self.target, self.ids = args, target, ids
+        self.dec = DecoderClient(args.decoder, timeout=TIMEOUT)
+
+    def run(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        return self.recompute(cmd) if cmd["op"] == "recompute" else self.fetch(cmd)
+
+    def fetch(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        before = metrics(self.args.metrics_port)
+        h, n = hashlib.sha256(), 0
+        out: dict[str, float] = {}
+        reply(ack=True)  # NOTE: the harness starts the prefill only after this line
+        for layer, arr, _ in self.dec.fetch_layers(cmd["rid"], wait=TIMEOUT):
+            out.setdefault("first", time.monotonic())
+            if layer != n:
+                raise RuntimeError(f"layer {layer} arrived as the {n}th")
+            h.update(np.ascontiguousarray(arr).tobytes())
+            n += 1
+        ok = h.hexdigest() == wait_expect(cmd["expect"])
+        done = time.monotonic()
+        after = metrics(self.args.metrics_port)
+        stages = {f"decoder_{k}_s": after[k] - before.get(k, 0.0) for k in after}
+        return {**out, "done": done, "lossless": ok, "layers": n, **stages}
+
+    def recompute(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        t0 = time.monotonic()
+        kv = hooked_prefill(self.target, self.ids, lambda i, b: out.setdefault("first", time.monotonic()))
+        prefill_s = time.monotonic() - t0
+        ok = sha256(kv) == wait_expect(cmd["expect"])
+        return {**out, "t0": t0, "done": time.monotonic(), "lossless": ok, "prefill_s": prefill_s}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("role", choices=("prefill", "fetch"))
+    ap.add_argument("--encoder", default="")
+    ap.add_argument("--decoder", required=True)
+    ap.add_argument("--metrics-port", type=int, default=-1)
+    ap.add_argument("--tokens", type=int, required=True)
+    ap.add_argument("--text", required=True)
+    args = ap.parse_args(argv)
+    from speckv.predictor.calibrate import read_text
+
+    target = load_target()
+    ids = target.tokenize(read_text(args.text, chars=args.tokens * 32), args.tokens)
+    engine: Prefill | Fetch = Prefill(args, target, ids) if args.role == "prefill" else Fetch(args, target, ids)
+    reply(ready=True, tokens=int(len(ids)), hook_matches_target_kv=getattr(engine, "matches", None))
+    for line in sys.stdin:
+        try:
+            reply(**engine.run(json.loads(line)))
+        except Exception as e:  # noqa: BLE001 -- the harness gets every failure as a reply
+            reply(error=f"{type(e).__name__}: {e}")
+
+
+if __name__ == "__main__":
+    main()
