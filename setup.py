@@ -14,6 +14,7 @@ from setuptools.command.build_ext import build_ext
 
 # NOTE: no -ffast-math and no FMA contraction: the model's few float32 operations
 # must round exactly as numpy's do (coder/kernels/spk_model.cuh)
+HEADERS = ("spk_block.h", "spk_encode.h", "spk_decode.h", "spk_model.cuh", "rans_lane.cuh", "spk_consts.h")
 FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fvisibility=hidden", "-pthread"]
 
 
@@ -29,8 +30,7 @@ class OptionalBuildExt(build_ext):
 
 setup(
     ext_modules=[Extension("speckv.coder._native", sources=["coder/kernels/spk_native.cpp"],
-                           include_dirs=["coder/kernels"], depends=[f"coder/kernels/{n}" for n in (
-                               "spk_block.h", "spk_model.cuh", "rans_lane.cuh", "spk_consts.h")],
+                           include_dirs=["coder/kernels"], depends=[f"coder/kernels/{n}" for n in HEADERS],
                            extra_compile_args=FLAGS, extra_link_args=["-pthread"], language="c++")],
     cmdclass={"build_ext": OptionalBuildExt},
 )

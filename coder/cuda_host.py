@@ -1,7 +1,7 @@
 """The host side of the fused CUDA coder (``coder/cuda.py``), in numpy only: block
 geometry, the decoder's lookup tables, the encoder's section offsets, and the
 decoder's per-chunk section checks (``chunk_sections`` / ``chunk_status`` of
-``coder/kernels/spk_block.h``, same statuses, same precedence).
+``coder/kernels/spk_decode.h``, same statuses, same precedence).
 
 NOTE: the decoder reads the unary codes here, on the host, from the chunk's bytes
 (they arrive from the wire on the host anyway): one pass of ``np.unpackbits`` over
@@ -115,7 +115,7 @@ def encode_layout(counts: np.ndarray, g: Geometry) -> EncodeLayout:
 
 @dataclass
 class ChunkCheck:
-    """One chunk's section figures (spk_block.h ChunkSections) and its block offsets."""
+    """One chunk's section figures (spk_decode.h ChunkSections) and its block offsets."""
 
     early: int = OK
     detail: int = 0
@@ -161,7 +161,7 @@ def chunk_sections(bits: np.ndarray, tally: np.ndarray, mant: int, width: int) -
 
 
 def chunk_status(s: ChunkCheck, normal_bad: bool, zero_bad: bool) -> tuple[int, int, int]:
-    """(status, figure, figure): the numpy decoder's order of checks (spk_block.h chunk_status)."""
+    """(status, figure, figure): the numpy decoder's order of checks (spk_decode.h chunk_status)."""
     if s.early:
         return s.early, s.detail, 0
     if s.pad[0]:

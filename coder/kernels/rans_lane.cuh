@@ -1,5 +1,5 @@
 // Per-lane logic of speckv's interleaved rANS coder, shared by the CUDA kernels
-// (spk_fused.cu) and the CPU extension (spk_native.cpp, spk_block.h), so both run
+// (spk_fused.cu) and the CPU extension (spk_native.cpp, spk_encode.h, spk_decode.h), so both run
 // the very same integer code.
 //
 // Layout and byte format: coder/rans.py (the numpy reference) and coder/FORMAT.md.

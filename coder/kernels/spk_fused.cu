@@ -1,7 +1,7 @@
 // speckv's fused, device-resident coder (CuPy RawModule / NVRTC; coder/cuda.py drives it).
 //
 // The per-element model (spk_model.cuh) and the rANS lane steps (rans_lane.cuh) are the
-// very code the CPU extension runs (spk_block.h); the bytes are identical. One warp codes
+// very code the CPU extension runs (spk_encode.h, spk_decode.h); the bytes are identical. One warp codes
 // one rANS block: lane l codes elements l, l + 32, ... of its block (step s = 32 s + l).
 //
 // Encode:  spk_encode_count_*  per block: contexts + symbols, bits of LOW/ZMAN/ESC/UNARY
@@ -12,7 +12,7 @@
 //          spk_gather          scratch -> contiguous words (offsets: exclusive sum of counts)
 // Decode:  spk_decode_rans_*   per block: rANS forward (bucketed symbol search), each
 //                              element's packed info, the block's tallies and status
-//          host: section offsets, the checks of spk_block.h chunk_sections, unary codes
+//          host: section offsets, the checks of spk_decode.h chunk_sections, unary codes
 //          spk_decode_values_* per block: bit patterns from bins and raw fields
 // NOTE: compile with --fmad=false: spk_model.cuh's float ops must never contract.
 #include "spk_model.cuh"

@@ -23,7 +23,8 @@
 #include <thread>
 #include <vector>
 
-#include "spk_block.h"
+#include "spk_decode.h"
+#include "spk_encode.h"
 
 namespace {
 

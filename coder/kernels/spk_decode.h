@@ -1,0 +1,265 @@
+// The CPU extension's decoder (spk_native.cpp): A. per block, the rANS steps and each
+// element's bin and kind; B. per chunk, the raw sections' sizes checked (the numpy
+// decoder's checks, in its order) and the unary codes read; C. per block, bit patterns.
+#pragma once
+#include "spk_block.h"
+
+namespace spk {
+
+// -- decode ----------------------------------------------------------------------------
+struct ChunkStream {  // one chunk record's coded data (container-checked lengths)
+    const uint32_t* states;
+    const uint32_t* counts;
+    const uint16_t* words;
+    int64_t n_words;
+    const uint8_t* bits;
+    int64_t n_bits_bytes;
+};
+
+struct DecodeJob {
+    const Geometry& g;
+    const Tables& t;
+    const void* mu;
+    const int32_t* L;  // as in EncodeJob
+    void* out;
+    bool fp8;
+    const std::vector<ChunkStream>& streams;
+    const uint32_t* ctx_table = nullptr;  // as in EncodeJob
+};
+
+struct BlockTally {  // what a decoded block puts in each section
+    uint64_t low_bits = 0, n_zero = 0, n_esc = 0, unary_bound = 0;
+    uint32_t mu_bad = 0;
+};
+
+// rANS steps of one block: each element's packed info; status SPK_ERR_WORDS_* or FINAL_STATE
+template <class FX, class FM, bool TAB>
+int decode_block_rans(const DecodeJob& J, int64_t b, uint32_t* __restrict info, BlockTally& tally) {
+    const Geometry& g = J.g;
+    const int64_t c = g.block_chunk[b], e0 = g.block_e0[b], n = g.block_n[b], steps = g.epl;
+    const ChunkStream& cs = J.streams[(size_t)c];
+    const int64_t lb = b - g.chunk_b0[c];
+    int64_t lo = 0;
+    for (int64_t i = 0; i < lb; ++i) lo += cs.counts[i];
+    int64_t end = lo + cs.counts[lb];
+    // NOTE: locals and __restrict: info's u32 stores could otherwise alias every i32 table
+    const int32_t* __restrict toff = J.t.off;
+    const int32_t* __restrict trad = J.t.radius;
+    const int32_t* __restrict lev = J.L;
+    const uint16_t* __restrict cum = J.t.cum;
+    const uint16_t* __restrict freq = J.t.freq;
+    const uint16_t* __restrict cum_pad = J.t.cum_pad;
+    const uint16_t* __restrict bucket = J.t.bucket;
+    const uint16_t* __restrict words = cs.words;
+    const void* mu = J.mu;
+    uint64_t low_bits = 0, n_zero = 0, n_esc = 0, unary_bound = 0;
+    uint32_t mu_bad = 0;
+    uint32_t x[SPK_LANES];
+    std::memcpy(x, cs.states + lb * SPK_LANES, sizeof x);
+    Cursor cur(g, e0);
+    SpkContext ctx[SPK_LANES];
+    uint32_t j[SPK_LANES];
+    int status = SPK_OK;
+    for (int64_t s = 0, e0s = 0; s < steps; ++s, e0s += SPK_LANES) {
+        // NOTE: in stages over the 32 lanes (contexts, then table walks, then kinds): each
+        // stage's lanes are independent, so their loads overlap instead of chaining
+        const uint32_t live = (uint32_t)std::min<int64_t>(SPK_LANES, std::max<int64_t>(n - e0s, 0));
+        for (uint32_t l = 0; l < live; ++l, cur.next())
+            ctx[l] = context_of<FX, FM, TAB>(J.ctx_table, load<FM>(mu, e0 + e0s + l), lev[cur.channel()]);
+        for (uint32_t l = 0; l < live; ++l) {
+            const int32_t t = ctx[l].t, off = toff[t];
+            j[l] = dec_find_bucketed(cum_pad + off + t, bucket + (size_t)t * SPK_BUCKETS, dec_get(x[l]));
+            dec_advance(&x[l], cum[off + j[l]], freq[off + j[l]]);
+        }  // padding lanes (l >= live): the no-op leaves the state as it is
+        for (uint32_t l = 0; l < live; ++l) {
+            const SpkClass k = spk_classify<FX>(j[l], ctx[l], trad[ctx[l].t]);
+            info[e0s + l] = pack_info(k.c, ctx[l].k, k.kind, !ctx[l].mu_ok);
+            // NOTE: branch-free tallies: an element's kind is data, not a predictable branch
+            const uint32_t normal = k.kind == SPK_KIND_NORMAL, zero = k.kind == SPK_KIND_ZERO;
+            mu_bad |= !ctx[l].mu_ok & (k.kind != SPK_KIND_ESC);
+            low_bits += normal * k.width;
+            n_zero += zero, n_esc += k.kind == SPK_KIND_ESC;
+            unary_bound += zero * (uint64_t)(ctx[l].k + FX::bias);
+        }
+        uint32_t ballot = 0;
+        for (uint32_t l = 0; l < SPK_LANES; ++l) ballot |= dec_needs(x[l]) << l;
+        if (!ballot) continue;
+        end -= popcount32(ballot);  // NOTE: read backward: this step's words sit at the end
+        if (end < lo) { status = SPK_ERR_WORDS_UNDERRUN; break; }
+        // the lane of rank r (among the ballot's lanes, ascending) reads word end + r
+        const uint16_t* w = words + end;
+        for (uint32_t bits = ballot; bits; bits &= bits - 1u, ++w) {
+            const uint32_t l = (uint32_t)__builtin_ctz(bits);
+            x[l] = dec_put_word(x[l], *w);
+        }
+    }
+    tally.low_bits = low_bits, tally.n_zero = n_zero, tally.n_esc = n_esc;
+    tally.unary_bound = unary_bound, tally.mu_bad = mu_bad;
+    if (status) return status;
+    if (end != lo) return SPK_ERR_WORDS_LEFT;
+    for (uint32_t l = 0; l < SPK_LANES; ++l)
+        if (x[l] != SPK_RANS_L) return SPK_ERR_FINAL_STATE;
+    return SPK_OK;
+}
+
+struct ChunkSections {  // where each block's raw fields start (bits), the unary codes, the checks
+    std::vector<uint64_t> low, zman, esc, zero0;
+    std::vector<uint32_t> deltas;  // one per zero-bin element (0 where the codes ran out)
+    std::vector<uint8_t> padded;   // the chunk's bits + 8 zero bytes (read_bits reads ahead)
+    int early = SPK_OK;            // SHORT or UNARY_LONG: nothing could be read
+    bool pad_low = false, pad_zman = false, pad_esc = false, mu_bad = false;
+    uint64_t n_zero = 0, ones = 0, unary_bytes = 0, unary_bits = 0;  // the unary checks' figures
+    uint64_t detail = 0;           // SHORT: the bytes present
+};
+
+void chunk_sections(const DecodeJob& J, int64_t c, const std::vector<BlockTally>& tally, int mant, int bits,
+                    ChunkSections& o);
+
+struct BlockFlags {  // value checks of one block (decode pass C)
+    uint32_t normal_bad = 0, zero_bad = 0;
+};
+
+template <class FX>
+void decode_block_values(const DecodeJob& J, int64_t b, const uint32_t* info, const ChunkSections& cs,
+                         BlockFlags& f) {
+    const Geometry& g = J.g;
+    const int64_t lb = b - g.chunk_b0[g.block_chunk[b]], e0 = g.block_e0[b], n = g.block_n[b];
+    uint64_t low = cs.low[lb], zman = cs.zman[lb], esc = cs.esc[lb], z = cs.zero0[lb];
+    const uint8_t* buf = cs.padded.data();
+    uint8_t* __restrict out8 = static_cast<uint8_t*>(J.out) + e0;
+    uint16_t* __restrict out16 = static_cast<uint16_t*>(J.out) + e0;
+    uint32_t normal_bad = 0, zero_bad = 0;
+    for (int64_t e = 0; e < n; ++e) {
+        const uint32_t in = info[e], kind = in >> 22 & 3u;
+        const int32_t c = (int32_t)(in & 0x3FFFu) - 8192, k = (int32_t)(in >> 14 & 0xFFu) - 128;
+        uint32_t v;
+        // NOTE: most elements are NORMAL (a well-predicted branch); zero bins and escapes are rare
+        if (__builtin_expect(kind == SPK_KIND_NORMAL, 1)) {
+            const uint32_t w = (uint32_t)spk_max(spk_low_bits<FX>(spk_magnitude(c)), 0);
+            v = spk_normal_value<FX>(k, c, read_bits(buf, low, w), &normal_bad);
+            low += w;
+        } else if (kind == SPK_KIND_ZERO) {
+            v = spk_zero_value<FX>(k, c, read_bits(buf, zman, FX::mant), cs.deltas[z++], &zero_bad);
+            zman += FX::mant;
+        } else {
+            v = read_bits(buf, esc, FX::bits);
+            esc += FX::bits;
+        }
+        if (FX::bits == 8) out8[e] = (uint8_t)v;
+        else out16[e] = (uint16_t)v;
+    }
+    f.normal_bad = normal_bad, f.zero_bad = zero_bad;
+}
+
+using ParallelFor = void (*)(int64_t, int, const std::function<void(int64_t)>&);
+
+struct Decoder {
+    const DecodeJob& J;
+    explicit Decoder(const DecodeJob& j) : J(j) {}
+
+    // Runs the three passes; on error, the status and the first failing chunk (block:
+    // the rANS checks' block, or -1) and up to two figures for the message.
+    int run(int threads, int64_t* where, ParallelFor pfor) {
+        if (J.fp8) return run_t<SpkE4M3, SpkFP32, false>(threads, where, pfor);
+        if (J.ctx_table) return run_t<SpkBF16, SpkBF16, true>(threads, where, pfor);
+        return run_t<SpkBF16, SpkBF16, false>(threads, where, pfor);
+    }
+
+  private:
+    template <class FX, class FM, bool TAB>
+    int run_t(int threads, int64_t* where, ParallelFor pfor) {
+        const Geometry& g = J.g;
+        // NOTE: one scratch per calling thread, kept: fresh pages would cost their faults every call
+        // (and a pointer to it for the workers: a thread_local named in a lambda is the worker's own)
+        thread_local std::vector<uint32_t> scratch;
+        if (scratch.size() < (size_t)g.n_elements) scratch.resize((size_t)g.n_elements);
+        uint32_t* const info = scratch.data();
+        std::vector<BlockTally> tally((size_t)g.n_blocks);
+        std::vector<int> status((size_t)g.n_blocks, SPK_OK);
+        pfor(g.n_blocks, threads, [&](int64_t b) {
+            status[b] = decode_block_rans<FX, FM, TAB>(J, b, info + g.block_e0[b], tally[b]);
+        });
+        for (size_t b = 0; b < status.size(); ++b)
+            if (status[b]) {
+                where[0] = g.block_chunk[b], where[1] = (int64_t)b - g.chunk_b0[where[0]];
+                return status[b];
+            }
+        const int64_t nc = (int64_t)g.chunk_layers.size();
+        std::vector<ChunkSections> secs((size_t)nc);
+        pfor(nc, threads, [&](int64_t c) { chunk_sections(J, c, tally, FX::mant, FX::bits, secs[c]); });
+        std::vector<BlockFlags> flags((size_t)g.n_blocks);
+        pfor(g.n_blocks, threads, [&](int64_t b) {
+            const ChunkSections& cs = secs[g.block_chunk[b]];
+            if (!cs.early) decode_block_values<FX>(J, b, info + g.block_e0[b], cs, flags[b]);
+        });
+        for (int64_t c = 0; c < nc; ++c) {
+            BlockFlags f;
+            for (int64_t b = g.chunk_b0[c]; b < g.chunk_b0[c] + g.chunk_blocks[c]; ++b)
+                f.normal_bad |= flags[b].normal_bad, f.zero_bad |= flags[b].zero_bad;
+            if (int s = chunk_status(secs[c], f, where + 2)) {
+                where[0] = c, where[1] = -1;
+                return s;
+            }
+        }
+        return SPK_OK;
+    }
+
+    // the numpy decoder's order of checks (model.desymbolize, bitpack)
+    static int chunk_status(const ChunkSections& s, const BlockFlags& f, int64_t* fig) {
+        if (s.early == SPK_ERR_SHORT) return fig[0] = (int64_t)s.detail, SPK_ERR_SHORT;
+        if (s.early) return s.early;
+        if (s.pad_low) return SPK_ERR_PADDING;
+        if (f.normal_bad) return SPK_ERR_NO_FINITE;
+        if (s.pad_zman) return SPK_ERR_PADDING;
+        if (s.ones != s.n_zero) return fig[0] = (int64_t)s.n_zero, fig[1] = (int64_t)s.ones, SPK_ERR_UNARY_COUNT;
+        if (s.n_zero ? (s.unary_bits + 7) / 8 != s.unary_bytes : s.unary_bytes != 0)
+            return fig[0] = (int64_t)s.unary_bytes, fig[1] = (int64_t)s.unary_bits, SPK_ERR_UNARY_TAIL;
+        if (f.zero_bad) return SPK_ERR_ZERO_EXP;
+        if (s.pad_esc) return SPK_ERR_PADDING;
+        if (s.mu_bad) return SPK_ERR_NOT_ESCAPED;
+        return SPK_OK;
+    }
+};
+
+// Section sizes of chunk c from its blocks' tallies, checked as bitpack does: the
+// fixed-width sections' sizes follow from the symbols, UNARY takes the rest; padding
+// bits are zero; the unary codes are exactly n_zero and end in the section's last byte.
+inline void chunk_sections(const DecodeJob& J, int64_t c, const std::vector<BlockTally>& tally, int mant, int bits,
+                           ChunkSections& o) {
+    const Geometry& g = J.g;
+    const ChunkStream& cs = J.streams[(size_t)c];
+    uint64_t low = 0, nz = 0, ne = 0, ubound = 0;
+    std::vector<uint64_t> esc0;
+    for (int64_t b = g.chunk_b0[c]; b < g.chunk_b0[c] + g.chunk_blocks[c]; ++b) {
+        o.low.push_back(low), o.zero0.push_back(nz), esc0.push_back(ne);
+        low += tally[b].low_bits, nz += tally[b].n_zero, ne += tally[b].n_esc;
+        ubound += tally[b].unary_bound, o.mu_bad |= tally[b].mu_bad != 0;
+    }
+    const uint64_t s_low = (low + 7) / 8, s_zman = (nz * mant + 7) / 8, s_esc = (ne * bits + 7) / 8;
+    const uint64_t len = (uint64_t)cs.n_bits_bytes;
+    if (s_low + s_zman + s_esc > len) { o.early = SPK_ERR_SHORT, o.detail = len; return; }
+    const uint64_t s_un = len - s_low - s_zman - s_esc;
+    // NOTE: bound the open-ended section before reading it: each code is at most k + bias bits
+    if (8 * s_un > ubound + 7) { o.early = SPK_ERR_UNARY_LONG; return; }
+    auto padding = [&](uint64_t end) { return end % 8 && (cs.bits[end / 8] & ((1u << (8 - end % 8)) - 1u)); };
+    o.pad_low = padding(low), o.pad_zman = padding(s_low * 8 + nz * mant);
+    o.pad_esc = padding((s_low + s_zman) * 8 + ne * bits);
+    for (size_t b = 0; b < o.low.size(); ++b)
+        o.zman.push_back(s_low * 8 + o.zero0[b] * mant), o.esc.push_back((s_low + s_zman) * 8 + esc0[b] * bits);
+    // unary codes: delta zeros then a one, MSB first
+    const uint8_t* u = cs.bits + (len - s_un);
+    o.deltas.reserve(nz);
+    uint64_t prev = ~0ull;
+    for (uint64_t i = 0; i < s_un; ++i)
+        for (uint32_t byte = u[i]; byte; byte &= ~(0x80u >> (spk_clz32(byte) - 24))) {
+            const uint64_t pos = i * 8 + (uint64_t)(spk_clz32(byte) - 24);
+            if (o.deltas.size() < nz) o.deltas.push_back((uint32_t)std::min<uint64_t>(pos - prev - 1, 1u << 30));
+            prev = pos, ++o.ones, o.unary_bits = pos + 1;
+        }
+    o.deltas.resize(std::max<uint64_t>(nz, 1), 0);  // NOTE: >= 1 entry: the value pass reads one always
+    o.n_zero = nz, o.unary_bytes = s_un;
+    o.padded.assign(cs.bits, cs.bits + len);
+    o.padded.resize(len + 8, 0);
+}
+
+}  // namespace spk
