@@ -165,7 +165,7 @@ class NativeCoder:
         patterns, mu from ``prepare_mu``, log2_sigma ``(layers, 2, heads, dim)`` per channel."""
         fp8 = x.dtype == np.uint8
         _, _, heads, tokens, dim = x.shape
-        lv, table = self._levels(fp8, log2_sigma)
+        lv, table = self._channel_levels(fp8, log2_sigma)
         parts = _native.encode(fp8, np.ascontiguousarray(x), np.ascontiguousarray(mu), lv, heads, tokens, dim,
                                elems_per_lane, list(layer_counts), *self.flat(tables).args(), self.threads, table)
         return [EncodedChunk(RansBlocks(np.frombuffer(s, np.uint32).reshape(-1, LANES), np.frombuffer(c, np.uint32),
@@ -183,14 +183,14 @@ class NativeCoder:
             states, counts, words = _check_blocks(blocks)
             args.append((np.ascontiguousarray(states), np.ascontiguousarray(counts), np.ascontiguousarray(words),
                          bytes(bits)))
-        lv, table = self._levels(fp8, log2_sigma)
+        lv, table = self._channel_levels(fp8, log2_sigma)
         err = _native.decode(fp8, np.ascontiguousarray(mu), lv, heads, tokens, dim, elems_per_lane,
                              list(layer_counts), args, *self.flat(tables).args(), out, self.threads, table)
         if err is not None:
             _raise(*err)
 
 
-    def _levels(self, fp8: bool, log2_sigma: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    def _channel_levels(self, fp8: bool, log2_sigma: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """BF16: each channel's row of the context table, and the table; FP8: the levels."""
         if fp8 or np.size(log2_sigma) == 0:
             return _levels(log2_sigma), None
