@@ -47,3 +47,12 @@ def make_codec(ckpt, coder):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def codecs(ckpt):
+    """``codecs(coder, epl, lpc, threads, model)``: one cached Codec per configuration
+    (the native-coder tests, test_native_*.py)."""
+    from native_helpers import native_codecs
+
+    return native_codecs(ckpt)

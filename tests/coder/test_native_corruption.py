@@ -19,7 +19,7 @@ from codec_helpers import ALL_CODES, SCALES, bf16_tensor, chunk_areas, fp8_mu, i
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
-from native_helpers import MODELS, assert_same_kv, both_ways, native_codecs, realistic_pair
+from native_helpers import MODELS, assert_same_kv, both_ways, realistic_pair
 
 from speckv.coder import container as ct
 from speckv.coder.codec import Codec, Fp8KV
@@ -29,12 +29,6 @@ from speckv.errors import RansDecodeError, SpeckvError
 
 # NaN / Inf / overflowing inputs are the point here: numpy's warnings are noise
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-
-
-@pytest.fixture(scope="module")
-def codecs(ckpt):
-    """``codecs(coder, epl, lpc, threads, model)``: one cached Codec per configuration."""
-    return native_codecs(ckpt)
 
 
 # ------------------------------------------------------------ corruption

@@ -21,7 +21,6 @@ from native_helpers import (
     assert_same_kv,
     assert_same_records,
     both_ways,
-    native_codecs,
     realistic_pair,
 )
 
@@ -30,12 +29,6 @@ from speckv.coder.codec import Fp8KV
 
 # NaN / Inf / overflowing inputs are the point here: numpy's warnings are noise
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-
-
-@pytest.fixture(scope="module")
-def codecs(ckpt):
-    """``codecs(coder, epl, lpc, threads, model)``: one cached Codec per configuration."""
-    return native_codecs(ckpt)
 
 
 # ------------------------------------------------------------ geometries

@@ -44,7 +44,6 @@ from native_helpers import (
     as_mu,
     both_ways,
     fp8_kv,
-    native_codecs,
     need_native,
 )
 
@@ -57,12 +56,6 @@ from speckv.predictor.fp8 import kv_to_fp8
 
 # NaN / Inf / overflowing inputs are the point here: numpy's warnings are noise
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-
-
-@pytest.fixture(scope="module")
-def codecs(ckpt):
-    """``codecs(coder, epl, lpc, threads, model)``: one cached Codec per configuration."""
-    return native_codecs(ckpt)
 
 
 # ---------------------------------------------------------------- constants
