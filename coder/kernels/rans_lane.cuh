@@ -44,19 +44,9 @@ SPK_HD uint32_t enc_put(uint32_t* x, uint32_t start, uint32_t freq, uint16_t* wo
 // -- decoder -----------------------------------------------------------------
 SPK_HD uint32_t dec_get(uint32_t x) { return x & SPK_PROB_MASK; }
 
-// dec_find: the symbol j of one table whose [cum[j], cum[j] + freq[j]) holds slot:
-// the largest j with cum[j] <= slot (binary search; cum ascending from 0).
-SPK_HD uint32_t dec_find(const uint16_t* cum, uint32_t n, uint32_t slot) {
-    uint32_t lo = 0, hi = n;  // invariant: cum[lo] <= slot < cum[hi] (cum[n] = scale)
-    while (hi - lo > 1u) {
-        uint32_t mid = (lo + hi) >> 1;
-        if (cum[mid] <= slot) lo = mid; else hi = mid;
-    }
-    return lo;
-}
-
-// dec_find_bucketed: the same symbol, from the first symbol reaching into the slot's
-// bucket (its top bits), then stepping up; cum here ends with a PROB_SCALE sentinel.
+// dec_find_bucketed: the symbol j of one table whose [cum[j], cum[j + 1]) holds slot,
+// found from the first symbol reaching into the slot's bucket (its top bits), then
+// stepping up; cum here ends with a PROB_SCALE sentinel.
 // NOTE: near the mode a symbol spans more than a bucket, so one branch-free step
 // nearly always ends it; the loop is for the tails.
 SPK_HD uint32_t dec_find_bucketed(const uint16_t* cum, const uint16_t* bucket, uint32_t slot) {
