@@ -16,9 +16,7 @@ own. The numpy path codes many chunks in one vectorised pass.
 from __future__ import annotations
 
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence, cast
 
 import numpy as np
@@ -28,7 +26,8 @@ from speckv.errors import IntegrityError, MuMismatchError, PinMismatchError, Pro
 from speckv.kv import Fp8KV, bf16_bits
 
 from . import container as ct
-from .backends import CODERS, select_backend
+from .backends import select_backend
+from .config import MAX_ELEMS_PER_LANE, CodecConfig
 from .integrity import verified
 from .interfaces import CheckpointLike, MuSource
 from .model import BF16, E4M3, FP32, Context, ContextTable, FloatFormat, desymbolize, fp8_log2_sigma, symbolize
@@ -53,32 +52,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 logger = logging.getLogger(__name__)
-
-MAX_ELEMS_PER_LANE = 1 << 16  # block geometry cap, for writers and readers
-
-
-@dataclass(frozen=True)
-class CodecConfig:
-    """Stream geometry; validated at construction."""
-
-    elems_per_lane: int = 1024  # rANS ops per lane; 32 * this elements per block
-    layers_per_chunk: int = 2
-    threads: int = field(default_factory=lambda: min(2, os.cpu_count() or 1))  # numpy releases the GIL
-    coder: str = "auto"  # per-scalar pipeline: numpy (reference) | native (CPU extension) | cuda | auto
-    model: str = "auto"  # residual model to encode with: seed | tuned | auto (the best the checkpoint has)
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.elems_per_lane <= MAX_ELEMS_PER_LANE:
-            raise ValueError(f"elems_per_lane must be in [1, 65536], not {self.elems_per_lane}")
-        if not 1 <= self.layers_per_chunk <= 0xFFFF:
-            raise ValueError(f"layers_per_chunk must be in [1, 65535], not {self.layers_per_chunk}")
-        if not 1 <= self.threads <= 64:
-            raise ValueError(f"threads must be in [1, 64], not {self.threads}")
-        if self.coder not in CODERS:
-            raise ValueError(f"coder must be one of {CODERS}, not {self.coder!r}")
-        if self.model != "auto" and self.model not in MODEL_NAMES:
-            raise ValueError(f"model must be auto or one of {sorted(MODEL_NAMES)}, not {self.model!r}")
-
 
 class Codec:
     """Encoder and decoder of KV caches under one pinned predictor."""
