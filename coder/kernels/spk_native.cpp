@@ -114,6 +114,23 @@ bool get_ctx_table(PyObject* o, Buf& b, int fp8, const Buf& L, const uint32_t** 
     return true;
 }
 
+// What encode and decode both take: the geometry, the model's tables, mu, L and the
+// optional context table, each checked against the geometry.
+struct Batch {
+    spk::Geometry g;
+    Buf tb[5], mu, L, tab;
+    spk::Tables t;
+    const uint32_t* table = nullptr;
+
+    bool parse(int fp8, PyObject* lc, long long heads, long long tokens, long long dim, long long epl,
+               PyObject* const tables[5], PyObject* mu_o, PyObject* l_o, PyObject* tab_o) {
+        return parse_geometry(lc, heads, tokens, dim, epl, g) &&
+               parse_tables(tables[0], tables[1], tables[2], tables[3], tables[4], tb, t) &&
+               get_buf(mu_o, mu, g.n_elements * (fp8 ? 4 : 2), "mu") && get_buf(l_o, L, g.n_rows * dim * 4, "L") &&
+               get_ctx_table(tab_o, tab, fp8, L, &table);
+    }
+};
+
 PyObject* bytes_of(const void* p, size_t n) { return PyBytes_FromStringAndSize((const char*)p, (Py_ssize_t)n); }
 
 // prepare_mu(fp8, mu, a|None, b|None, scales|None, layers, heads, tokens, dim, out, threads)
@@ -149,18 +166,14 @@ PyObject* py_encode(PyObject*, PyObject* args) {
     if (!PyArg_ParseTuple(args, "pOOOLLLLOOOOOOi|O", &fp8, &x_o, &mu_o, &l_o, &heads, &tokens, &dim, &epl, &lc_o,
                           &cum_o, &freq_o, &off_o, &size_o, &rad_o, &threads, &tab_o))
         return nullptr;
-    spk::Geometry g;
-    Buf tb[5], x, mu, L;
-    spk::Tables t;
-    if (!parse_geometry(lc_o, heads, tokens, dim, epl, g) || !parse_tables(cum_o, freq_o, off_o, size_o, rad_o, tb, t))
+    Batch B;
+    PyObject* const tables[5] = {cum_o, freq_o, off_o, size_o, rad_o};
+    Buf x;
+    if (!B.parse(fp8, lc_o, heads, tokens, dim, epl, tables, mu_o, l_o, tab_o) ||
+        !get_buf(x_o, x, B.g.n_elements * (fp8 ? 1 : 2), "x"))
         return nullptr;
-    if (!get_buf(x_o, x, g.n_elements * (fp8 ? 1 : 2), "x") || !get_buf(mu_o, mu, g.n_elements * (fp8 ? 4 : 2), "mu") ||
-        !get_buf(l_o, L, g.n_rows * dim * 4, "L"))
-        return nullptr;
-    Buf tab;
-    const uint32_t* table;
-    if (!get_ctx_table(tab_o, tab, fp8, L, &table)) return nullptr;
-    spk::EncodeJob job{g, t, x.v.buf, mu.v.buf, L.as<int32_t>(), fp8 != 0, table};
+    const spk::Geometry& g = B.g;
+    spk::EncodeJob job{g, B.t, x.v.buf, B.mu.v.buf, B.L.as<int32_t>(), fp8 != 0, B.table};
     std::vector<spk::EncodedBlock> blocks(g.n_blocks);
     std::vector<spk::EncodedChunk> chunks(g.chunk_layers.size());
     Py_BEGIN_ALLOW_THREADS
@@ -190,14 +203,14 @@ PyObject* py_decode(PyObject*, PyObject* args) {
     if (!PyArg_ParseTuple(args, "pOOLLLLOOOOOOOOi|O", &fp8, &mu_o, &l_o, &heads, &tokens, &dim, &epl, &lc_o,
                           &streams_o, &cum_o, &freq_o, &off_o, &size_o, &rad_o, &out_o, &threads, &tab_o))
         return nullptr;
-    spk::Geometry g;
-    Buf tb[5], mu, L, out;
-    spk::Tables t;
-    if (!parse_geometry(lc_o, heads, tokens, dim, epl, g) || !parse_tables(cum_o, freq_o, off_o, size_o, rad_o, tb, t))
+    Batch B;
+    PyObject* const tables[5] = {cum_o, freq_o, off_o, size_o, rad_o};
+    Buf out;
+    if (!B.parse(fp8, lc_o, heads, tokens, dim, epl, tables, mu_o, l_o, tab_o) ||
+        !get_buf(out_o, out, B.g.n_elements * (fp8 ? 1 : 2), "out", true))
         return nullptr;
-    if (!get_buf(mu_o, mu, g.n_elements * (fp8 ? 4 : 2), "mu") || !get_buf(l_o, L, g.n_rows * dim * 4, "L") ||
-        !get_buf(out_o, out, g.n_elements * (fp8 ? 1 : 2), "out", true))
-        return nullptr;
+    const spk::Geometry& g = B.g;
+    spk::Tables& t = B.t;
     const size_t nc = g.chunk_layers.size();
     if (!PyList_Check(streams_o) || (size_t)PyList_GET_SIZE(streams_o) != nc)
         return PyErr_Format(PyExc_ValueError, "need a list of %zu chunk streams", nc);
@@ -223,10 +236,7 @@ PyObject* py_decode(PyObject*, PyObject* args) {
     }
     const spk::DecodeTables dt(t);
     t.bucket = dt.bucket.data(), t.cum_pad = dt.cum_pad.data();
-    Buf tab;
-    const uint32_t* table;
-    if (!get_ctx_table(tab_o, tab, fp8, L, &table)) return nullptr;
-    spk::DecodeJob job{g, t, mu.v.buf, L.as<int32_t>(), out.v.buf, fp8 != 0, streams, table};
+    spk::DecodeJob job{g, t, B.mu.v.buf, B.L.as<int32_t>(), out.v.buf, fp8 != 0, streams, B.table};
     spk::Decoder dec(job);
     int64_t where[4] = {-1, -1, 0, 0};  // chunk, block, figures for the message
     int status = SPK_OK;
