@@ -30,7 +30,7 @@ import numpy as np
 
 from speckv.coder.model import E4M3_F32, fp8_log2_sigma
 from speckv.coder.native import EncodedChunk, NativeCoder
-from speckv.coder.residual import ResidualModel, models_of
+from speckv.coder.residual import ResidualModel, f32_to_bf16, models_of
 from speckv.predictor.checkpoint import load_checkpoint
 from speckv.predictor.store import default_checkpoint_dir
 
@@ -44,8 +44,8 @@ SPECIAL_BF16 = np.array([0x0000, 0x8000, 0x0001, 0x807F, 0x7F7F, 0xFF7F, 0x7F80,
 
 # -- deterministic inputs (numpy, fixed seeds: any machine makes the same bytes) ------------------
 def bf16(f: np.ndarray) -> np.ndarray:
-    u = np.ascontiguousarray(f, np.float32).view(np.uint32)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    """float32 -> BF16 bit patterns, nearest even (the residual model's own rounding)."""
+    return f32_to_bf16(np.asarray(f, np.float32))
 
 
 def e4m3(f: np.ndarray) -> np.ndarray:
