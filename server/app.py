@@ -39,6 +39,8 @@ SERVICE_NAMES = {
     "decoder": decoder_pb2.DESCRIPTOR.services_by_name["DecoderService"].full_name,
     "encoder": encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name,
 }
+RPC_DRAIN_S = 2.0  # after stop(grace): how long the calls' own tasks get to finish their cleanup
+_GRPC_RPC_COROS = ("_schedule_rpc_coro", "_handle_exceptions")  # grpc.aio's per-call tasks
 
 
 class Sidecar:
@@ -83,6 +85,7 @@ class Sidecar:
             await self.health.enter_graceful_shutdown()
             logger.info("%s stopping: health NOT_SERVING, %.1f s grace", self.config.role, grace)
             await self.server.stop(grace)
+            await _drain_rpc_tasks(RPC_DRAIN_S)
             if self.health_server is not None:
                 await self.health_server.stop(0)
             if self._reaper is not None:
@@ -98,6 +101,19 @@ class Sidecar:
 
     async def wait_for_termination(self) -> None:
         await self._stopped.wait()
+
+
+async def _drain_rpc_tasks(timeout: float) -> None:
+    """Let grpc's per-call tasks finish after ``server.stop``.
+
+    NOTE: ``stop`` returns once the calls are cancelled, while each call's task may still be
+    running its handler's cleanup; if the loop closes first (``asyncio.run`` cancels what is
+    left) grpc logs the cancellation as an unhandled ERROR with a traceback.
+    """
+    tasks = [t for t in asyncio.all_tasks()
+             if getattr(t.get_coro(), "__qualname__", "") in _GRPC_RPC_COROS and not t.done()]
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout)
 
 
 def create_server(config: ServerConfig, runtime: Runtime | None = None,
