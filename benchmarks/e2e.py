@@ -20,10 +20,11 @@ and ``recompute`` (the decode node runs the prefill itself; nothing moves).
 
 Cost model (a pipeline lower bound; stage times from this row): with P the prefill,
 mu = max(encoder predictor_seconds, decoder predictor seconds from its /metrics) (both start
-at the header and run alongside the prefill; no chunk is coded before both are done:
-the encoder waits for the decoder's mu digest; 0 for stored), E = encode_seconds, D = the
-decoder's decode seconds, W = wire_bytes / goodput, n = chunks; encode, wire and decode
-overlap chunk by chunk:  critical_path = max(mu + max(E, W, D), P + (E + W + D) / n).
+at the header and run alongside the prefill, layer by layer; chunk i is coded once its
+layers and both sides' mu of those layers exist; 0 for stored), E = encode_seconds, D = the
+decoder's decode seconds, W = wire_bytes / goodput, n = chunks. A = max(P, mu) feeds a
+linear pipeline A -> E -> W -> D of n equal chunks:
+critical_path = max(A, E, W, D) + (A + E + W + D - max(A, E, W, D)) / n.
 NOTE: P is the prefill as this row measured it; the encoder's predictor shares core 0 with
 it, so a speckv row's P includes that contention (stored's does not).
 break_even_mbit: per encoding, the stages are the medians over its rows and an offset
@@ -68,9 +69,8 @@ ROW_TIMEOUT = 600.0
 
 def critical_path(st: dict[str, float], goodput_Bps: float) -> float:
     """The cost model of the module docstring for one row's stages."""
-    E, D, n = st["encode_s"], st["decode_s"], max(st["chunks"], 1.0)
-    W = st["wire_bytes"] / goodput_Bps
-    return max(st["mu_s"] + max(E, W, D), st["prefill_s"] + (E + W + D) / n)
+    stages = (max(st["prefill_s"], st["mu_s"]), st["encode_s"], st["wire_bytes"] / goodput_Bps, st["decode_s"])
+    return max(stages) + (sum(stages) - max(stages)) / max(st["chunks"], 1.0)
 
 
 def rung_name() -> str:
@@ -139,12 +139,17 @@ def transfer_row(link: str, encoding: str, rung: str | None, t: dict[str, Any], 
     p, f = t["p"], t["f"]
     st = {"prefill_s": p["prefill_s"], "encode_s": p["encode_s"], "decode_s": f.get("decoder_decode_s", 0.0),
           "mu_s": max(p["predictor_s"], f.get("decoder_predictor_s", 0.0)) if encoding == "speckv" else 0.0,
-          "chunks": float(p["chunks"]), "wire_bytes": float(p["wire_bytes"])}
+          "chunks": float(p["chunks"]), "wire_bytes": float(p["wire_bytes"]),
+          # where the encoder's time went beyond coding: waiting for mu (its own predictor or
+          # the decoder's per-chunk check), and inside writes (the link's flow control)
+          "encoder_mu_wait_s": p["mu_wait_s"], "wire_wait_s": p["wire_wait_s"],
+          "decoder_mu_wait_s": f.get("decoder_mu_wait_s", 0.0)}
     total = f["done"] - p["t0"]
     return {"link": link, "encoding": encoding, "rung": rung, "total_s": total,
             "after_prefill_s": total - p["prefill_s"], "first_layer_s": f["first"] - p["t0"],
             "decode_node_cpu_s": t["cpu"], "critical_path_s": critical_path(st, goodput),
             "lossless": bool(f["lossless"]) and p["encoding"] == encoding and not p["fallback"],
+            "stored_chunks": p["stored_chunks"],
             "wire_bytes": p["wire_bytes"], "raw_bytes": p["raw_bytes"], "stages": st}
 
 
@@ -219,6 +224,13 @@ def table(rep: dict[str, Any]) -> str:
                                f"{r['after_prefill_s']:.2f}", f"{r['first_layer_s']:.2f}",
                                f"{r['decode_node_cpu_s']:.2f}", cp, f"{r['wire_bytes'] / 1e6:.2f}",
                                str(r["lossless"])]))
+    for r in rep["rows"]:
+        if r["encoding"] == "speckv":
+            st = r["stages"]
+            out.append(f"stages {r['link']} speckv: prefill {st['prefill_s']:.2f} s, mu {st['mu_s']:.2f}, "
+                       f"encode {st['encode_s']:.2f}, decode {st['decode_s']:.2f}, encoder waits for mu "
+                       f"{st['encoder_mu_wait_s']:.2f} and in writes {st['wire_wait_s']:.2f}, decoder waits "
+                       f"for mu {st['decoder_mu_wait_s']:.2f}; {r['stored_chunks']} chunks stored")
     for link, c in rep["calibration"].items():
         out.append(f"calibration {link}: nominal {c['nominal_MBps']:.2f} MB/s, "
                    f"TCP gives {c['measured_MBps']:.2f} MB/s, "

@@ -36,7 +36,7 @@ import numpy as np
 from speckv.client.client import DecoderClient, EncoderClient
 from speckv.client.core import ENCODINGS
 from speckv.kv import bf16_bits
-from speckv.predictor.target import Target, deterministic_torch, load_target
+from speckv.predictor.target import Target, extract_kv, load_target
 from speckv.v1 import common_pb2 as pb
 from speckv.v1 import encoder_pb2 as epb
 from speckv.wire import PART_BYTES, kv_shape, layer_messages
@@ -50,32 +50,8 @@ def reply(**kw: Any) -> None:
 
 def hooked_prefill(target: Target, ids: np.ndarray, on_layer: Callable[[int, np.ndarray], None]) -> np.ndarray:
     """One prefill; ``on_layer(i, bits)`` gets layer i's ``(2, kv_heads, tokens, head_dim)``
-    BF16 bits as soon as that decoder layer has run. Same numerics as target.kv (extract_kv)."""
-    import torch
-
-    out: list[np.ndarray] = []
-
-    def hook(i: int) -> Callable[..., None]:
-        def fn(_mod: Any, _args: Any, kwargs: dict[str, Any], _output: Any) -> None:
-            # NOTE: transformers 5 names it ``cache``; 4.x ``past_key_values`` / ``past_key_value``
-            cache = next(kwargs[k] for k in ("cache", "past_key_values", "past_key_value")
-                         if kwargs.get(k) is not None)
-            k, v = cache.layers[i].keys, cache.layers[i].values
-            bits = bf16_bits(torch.stack([k[0], v[0]]).to(torch.bfloat16).contiguous())
-            out.append(bits)
-            on_layer(i, bits)
-        return fn
-
-    layers = target.model.model.layers
-    handles = [lay.register_forward_hook(hook(i), with_kwargs=True) for i, lay in enumerate(layers)]
-    try:
-        inp = torch.as_tensor(np.asarray(ids, dtype=np.int64)).unsqueeze(0)
-        with deterministic_torch():
-            target.model.model(input_ids=inp, use_cache=True)
-    finally:
-        for h in handles:
-            h.remove()
-    return np.stack(out)
+    BF16 bits as soon as that decoder layer has run (extract_kv's hooks: target.kv's numerics)."""
+    return bf16_bits(extract_kv(target.model, ids, on_layer))
 
 
 def sha256(kv: np.ndarray) -> str:
@@ -130,17 +106,18 @@ class Prefill:
         r = fut.result(timeout=TIMEOUT)
         return {**out, "t0": t0, "submit_end": time.monotonic(), "raw_bytes": r.raw_bytes,
                 "wire_bytes": r.wire_bytes, "chunks": r.chunks, "predictor_s": r.predictor_seconds,
-                "encode_s": r.encode_seconds, "encoding": r.encoding, "fallback": r.fallback}
+                "encode_s": r.encode_seconds, "encoding": r.encoding, "fallback": r.fallback,
+                "stored_chunks": r.stored_chunks, "mu_wait_s": r.mu_wait_seconds, "wire_wait_s": r.wire_wait_seconds}
 
 
 def metrics(port: int) -> dict[str, float]:
-    """The decoder sidecar's decode / predictor seconds so far (Prometheus text)."""
+    """The decoder sidecar's decode / predictor / mu-wait seconds so far (Prometheus text)."""
     if port <= 0:
         return {}
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     got: dict[str, float] = {}
     for line in text.splitlines():
-        for stage in ("decode", "predictor"):
+        for stage in ("decode", "predictor", "mu_wait"):
             if line.startswith(f"speckv_{stage}_seconds_sum{{"):
                 got[stage] = got.get(stage, 0.0) + float(line.rsplit(" ", 1)[1])
     return got

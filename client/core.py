@@ -82,7 +82,10 @@ class SubmitResult:
     total_seconds: float
     message_bytes: int
     encoding: str = "speckv"
-    fallback: bool = False
+    fallback: bool = False  # some chunk went stored: the predictors disagreed on its layers' mu
+    stored_chunks: int = 0  # chunks of a speckv stream sent stored (mismatch or size guard)
+    mu_wait_seconds: float = 0.0  # the encoder waiting for mu (its own, or the decoder's check)
+    wire_wait_seconds: float = 0.0  # the encoder inside writes to the decoder (flow control)
 
     @property
     def ratio(self) -> float:
@@ -137,7 +140,8 @@ def _submit_stream(request_id: str, bits: np.ndarray, scales: np.ndarray | None,
 
 def _result(r: epb.SubmitResponse) -> SubmitResult:
     return SubmitResult(r.raw_bytes, r.wire_bytes, r.chunks, r.predictor_seconds, r.encode_seconds,
-                        r.transfer_seconds, r.total_seconds, r.message_bytes, r.encoding, r.fallback)
+                        r.transfer_seconds, r.total_seconds, r.message_bytes, r.encoding, r.fallback,
+                        r.stored_chunks, r.mu_wait_seconds, r.wire_wait_seconds)
 
 
 class _Collector:

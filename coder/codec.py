@@ -10,14 +10,15 @@ Lifecycle::
 (e4m3 codes + one fp32 scale per (layer, kv)). mu comes from the predictor on
 ``ids`` unless given. Chunks group ``layers_per_chunk`` layers; each holds
 whole rANS blocks of ``LANES * elems_per_lane`` elements, so it decodes on its
-own. The numpy path codes many chunks in one vectorised pass.
+own. The numpy path codes many chunks in one vectorised pass. A chunk may go
+stored instead (raw bytes, ``stored``): on request, or when coded it would be larger.
 """
 
 from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Iterable, Iterator, Sequence, cast
+from typing import TYPE_CHECKING, Collection, Iterable, Iterator, Sequence, cast
 
 import numpy as np
 
@@ -34,17 +35,16 @@ from .model import BF16, E4M3, FP32, Context, ContextTable, FloatFormat, desymbo
 from .plan import (
     Plan,
     bf16_context_table,
-    chunk_abs,
-    chunk_rel,
     chunk_scales,
     fp8_codes,
     mu_float32,
     plan_context,
+    runs,
     whole_record,
 )
 from .rans import LANES, RansBlocks, concat_blocks, rans_encode, split_blocks
 from .residual import MODEL_NAMES, MODEL_SEED, ResidualModel, models_of
-from .stored import stored_chunk, unstored_chunk
+from .stored import stored_chunk, stored_chunks, stored_record_len, unstored_chunk
 from .tables import NOOP_TABLE, CodingTables, decode_symbols
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -103,15 +103,12 @@ class Codec:
     # -- encode -------------------------------------------------------------
     def encode(self, kv: "torch.Tensor | Fp8KV", ids: np.ndarray,
                mu: "torch.Tensor | None" = None) -> Iterator[bytes]:
-        """Header record, then one record per chunk."""
+        """Header record, then one record per chunk (a chunk larger coded than stored is stored)."""
         plan = self._plan(kv, ids, mu)
-        header = self._header(plan, ids)
+        header = self.stream_header(plan.fmt is BF16, plan.mu.shape, ids)
         yield ct.pack_header(header)
         for chunk in self._encode_chunks(plan, header, range(header.n_chunks)):
             yield ct.pack_chunk(chunk)
-
-    def _header(self, plan: Plan, ids: np.ndarray) -> ct.StreamHeader:
-        return self.stream_header(plan.fmt is BF16, plan.mu.shape, ids)
 
     def stream_header(self, bf16: bool, shape: Sequence[int], ids: np.ndarray,
                       layers_per_chunk: int | None = None, stored: bool = False) -> ct.StreamHeader:
@@ -133,32 +130,45 @@ class Codec:
         return self.encode_chunks(h, range(i, i + 1), x, mu, scales)[0]
 
     def encode_chunks(self, h: ct.StreamHeader, idx: range, x: np.ndarray,
-                      mu: "torch.Tensor | np.ndarray | None", scales: np.ndarray | None = None) -> list[ct.Chunk]:
-        """Code consecutive chunks ``idx`` in one vectorised pass (a streaming encoder
-        batches whatever is ready); ``x`` and ``scales`` hold exactly their layers."""
-        start = h.chunk_layers(idx[0])[0]
-        stop = sum(h.chunk_layers(idx[-1]))
+                      mu: "torch.Tensor | np.ndarray | None", scales: np.ndarray | None = None,
+                      stored: Collection[int] = ()) -> list[ct.Chunk]:
+        """Code consecutive chunks ``idx`` (a streaming encoder batches whatever is ready); ``x``
+        and ``scales`` hold exactly their layers. Chunks of ``idx`` in ``stored`` (every chunk of a
+        stored stream) are written stored, never coded: their mu is not read, and ``mu`` may be
+        None when no chunk is coded. A coded chunk larger than its stored form goes stored too."""
+        start, stop = h.chunk_layers(idx[0])[0], sum(h.chunk_layers(idx[-1]))
         want = (stop - start,) + h.shape[1:]
         if tuple(x.shape) != want:
             raise ValueError(f"chunks {idx.start}..{idx.stop - 1} need KV of shape {want}, not {tuple(x.shape)}")
         fp8 = h.dtype == ct.DTYPE_FP8
         if fp8 and (scales is None or np.shape(scales) != (stop - start, 2)):
             raise ValueError(f"chunks {idx.start}..{idx.stop - 1} need FP8 scales of shape ({stop - start}, 2)")
-        if h.model == ct.MODEL_STORED:
-            rel = [(i, chunk_rel(h, i, start)) for i in idx]
-            return [stored_chunk(h, i, x[r], None if scales is None else scales[r]) for i, r in rel]
-        kv = Fp8KV(x, scales) if fp8 and scales is not None else x  # fp8: scales checked above
-        plan = self._plan(kv, None, mu, layers=slice(start, stop), model_id=h.model)
-        return self._encode_chunks(plan, h, list(idx))
+        keep = set(idx) if h.model == ct.MODEL_STORED else set(idx).intersection(stored)
+        if keep and h.model != ct.MODEL_STORED and h.version < 3:
+            raise ValueError(f"stored chunks in a coded stream need format version 3, not {h.version}")
+        out = stored_chunks(h, sorted(keep), x, scales, start)
+        coded = [i for i in idx if i not in keep]
+        if coded:
+            if mu is None:
+                raise ValueError(f"chunks {coded} are coded: they need mu")
+            part = slice(h.chunk_layers(coded[0])[0] - start, sum(h.chunk_layers(coded[-1])) - start)
+            kv = Fp8KV(x[part], scales[part]) if fp8 and scales is not None else x[part]  # fp8: checked above
+            plan = self._plan(kv, None, mu, layers=slice(part.start + start, part.stop + start), model_id=h.model)
+            out.update((c.index, c) for c in self._encode_chunks(plan, h, coded))
+        return [out[i] for i in idx]
 
     def _encode_chunks(self, plan: Plan, h: ct.StreamHeader, idx: Sequence[int]) -> list[ct.Chunk]:
-        """Chunks ``idx`` coded in one vectorised rANS pass (blocks never span chunks)."""
+        """Chunks ``idx`` coded in one vectorised rANS pass (blocks never span chunks; a backend
+        codes each run of consecutive chunks in one pass)."""
         if not idx:
             return []
         if self.backend is not None:  # the same bytes (tests/coder/test_native.py)
-            counts = [h.chunk_layers(i)[1] for i in idx]
             assert plan.x is not None  # an encoding plan
-            coded = self.backend.encode(plan.x, plan.mu, plan.log2_sigma, counts, h.elems_per_lane, plan.model.tables)
+            coded = []
+            for run in (idx[r] for r in runs(idx)):
+                sl = slice(plan.chunk_slice(h, run[0]).start, plan.chunk_slice(h, run[-1]).stop)
+                coded += self.backend.encode(plan.x[sl], plan.mu[sl], plan.log2_sigma[sl],
+                                             [h.chunk_layers(i)[1] for i in run], h.elems_per_lane, plan.model.tables)
             return self._map(lambda a: self._chunk_record(plan, h, a[0], a[1].blocks, a[1].bits),
                              list(zip(idx, coded, strict=True)))
         parts = self._map(lambda i: self._chunk_ops(plan, h, i), idx)
@@ -197,11 +207,14 @@ class Codec:
         assert plan.x is not None  # an encoding plan
         aux = plan.aux(sl)
         start, count = h.chunk_layers(i)
-        return ct.Chunk(index=i, layer_start=start, layer_count=count,
-                        steps=h.elems_per_lane if len(rb.word_counts) else 0,
-                        mu_fingerprint=digest(plan.mu[sl]),
-                        raw_digest=digest(aux, plan.x[sl]), aux=aux,
-                        states=rb.states, word_counts=rb.word_counts, words=rb.words, bits=bits)
+        c = ct.Chunk(index=i, layer_start=start, layer_count=count,
+                     steps=h.elems_per_lane if len(rb.word_counts) else 0,
+                     mu_fingerprint=digest(plan.mu[sl]),
+                     raw_digest=digest(aux, plan.x[sl]), aux=aux,
+                     states=rb.states, word_counts=rb.word_counts, words=rb.words, bits=bits)
+        if h.version >= 3 and c.record_len > stored_record_len(h, i):  # the size guard (FORMAT.md)
+            return stored_chunk(h, i, plan.x[sl], None if plan.scales is None else plan.scales[sl])
+        return c
 
     def _plan(self, kv, ids, mu, fmt: FloatFormat | None = None, scales=None,
               layers: slice | None = None, model_id: int | None = None) -> Plan:
@@ -270,17 +283,8 @@ class Codec:
         if [c.index for c in chunks] != list(range(h.n_chunks)):
             raise IntegrityError(f"stream has chunks {[c.index for c in chunks]}, "
                                  f"expected 0..{h.n_chunks - 1}")
-        fmt = BF16 if h.dtype == ct.DTYPE_BF16 else E4M3
-        scales = chunk_scales(chunks) if fmt is E4M3 else None
-        out = np.zeros(h.shape, np.uint16 if fmt is BF16 else np.uint8)
-        if h.model == ct.MODEL_STORED:
-            for c in chunks:
-                out[chunk_abs(h, c.index)] = unstored_chunk(h, c)
-        else:
-            plan = self._plan(None, ids, mu, fmt, scales, model_id=h.model)
-            self._check_mu(plan, h, chunks)
-            for c, bits in zip(chunks, self._verified(h, chunks, self._decode_batch(plan, h, chunks)), strict=True):
-                out[chunk_abs(h, c.index)] = bits
+        scales = chunk_scales(chunks) if h.dtype == ct.DTYPE_FP8 else None
+        out = self._decode_layers(h, chunks, ids, mu)
         return out if scales is None else Fp8KV(out, scales)  # scales: FP8 streams only
 
     def decode_chunk(self, h: ct.StreamHeader, c: ct.Chunk,
@@ -293,18 +297,30 @@ class Codec:
     def decode_run(self, h: ct.StreamHeader, chunks: Sequence[ct.Chunk],
                    mu: "torch.Tensor | np.ndarray | None") -> np.ndarray:
         """Decode and verify consecutive chunks in one pass (a streaming decoder batches
-        whatever has arrived): the bit patterns of their layers, in order."""
+        whatever has arrived): the bit patterns of their layers, in order. ``mu`` is the
+        whole stream's; None when every chunk is stored (``ct.is_stored_chunk``)."""
         if [c.index for c in chunks] != list(range(chunks[0].index, chunks[0].index + len(chunks))):
             raise IntegrityError(f"chunks {[c.index for c in chunks]} are not consecutive")
-        if h.model == ct.MODEL_STORED:
-            return np.concatenate([unstored_chunk(h, c) for c in chunks])
-        fmt = BF16 if h.dtype == ct.DTYPE_BF16 else E4M3
-        scales = chunk_scales(chunks) if fmt is E4M3 else None
-        start = h.chunk_layers(chunks[0].index)[0]
-        plan = self._plan(None, None, mu, fmt, scales, layers=slice(start, sum(h.chunk_layers(chunks[-1].index))),
-                          model_id=h.model)
-        self._check_mu(plan, h, chunks)
-        return np.concatenate(self._verified(h, chunks, self._decode_batch(plan, h, chunks)))
+        return self._decode_layers(h, chunks, None, mu)
+
+    def _decode_layers(self, h: ct.StreamHeader, chunks: Sequence[ct.Chunk], ids: np.ndarray | None,
+                       mu: "torch.Tensor | np.ndarray | None") -> np.ndarray:
+        """The verified layers of consecutive chunks: stored chunks from their raw bytes, the
+        coded ones (mu from ``ids`` when None) checked against their mu and decoded in one pass."""
+        out = {c.index: unstored_chunk(h, c) for c in chunks if ct.is_stored_chunk(h, c)}
+        coded = [c for c in chunks if c.index not in out]
+        if coded:
+            if mu is None and ids is None:
+                raise ValueError(f"chunks {[c.index for c in coded]} are coded: decoding them needs mu")
+            fmt = BF16 if h.dtype == ct.DTYPE_BF16 else E4M3
+            span = [c for c in chunks if coded[0].index <= c.index <= coded[-1].index]
+            scales = chunk_scales(span) if fmt is E4M3 else None
+            layers = slice(h.chunk_layers(coded[0].index)[0], sum(h.chunk_layers(coded[-1].index)))
+            plan = self._plan(None, ids, mu, fmt, scales, layers=layers, model_id=h.model)
+            self._check_mu(plan, h, coded)
+            out.update(zip([c.index for c in coded], self._verified(h, coded, self._decode_batch(plan, h, coded)),
+                           strict=True))
+        return np.concatenate([out[c.index] for c in chunks])
 
     check_header = _check_header  # public name for streaming decoders
 
@@ -333,7 +349,7 @@ class Codec:
             if not c.n_blocks and c.bits:
                 raise IntegrityError(f"chunk {c.index}: raw bits without elements")
         if self.backend is not None and live:
-            return self._decode_backend(plan, h, chunks)
+            return [b for r in runs([c.index for c in chunks]) for b in self._decode_backend(plan, h, chunks[r])]
         ctxs = self._map(lambda c: self._context(plan, plan.chunk_slice(h, c.index)), live)
         js = self._run_decoder(live, ctxs, el, plan.model.tables) if live else []
         bits = self._map(lambda a: desymbolize(plan.fmt, plan.model.tables, a[1], a[2][:len(a[1].t)], a[0].bits),

@@ -1,4 +1,4 @@
-"""Wire container for speckv compressed KV caches (format version 2).
+"""Wire container for speckv compressed KV caches (format version 3; reads 2 and 3).
 
 The byte layout is specified field by field in ``coder/FORMAT.md``. This module
 only frames and validates; it knows nothing about rANS or the predictor.
@@ -12,6 +12,11 @@ returns the header and its size; ``unpack_chunk(buf[off:], header)`` is then cal
 ``header.n_chunks`` times, each returning a chunk validated against the header and
 its size (or ``unpack_stream(buf)``, which also rejects trailing bytes). The caller
 then checks pin, prompt digest and mu fingerprint, decodes, and checks ``raw_digest``.
+
+Versions. A writer emits ``FORMAT_VERSION`` (3); a reader accepts ``READ_VERSIONS``
+and keeps the version in ``StreamHeader.version``. Version 3 adds *stored chunks in
+a coded stream*: a chunk of a ``model != MODEL_STORED`` stream may carry its raw
+bytes (``n_blocks = 0`` although ``chunk_blocks(i) > 0``); ``is_stored_chunk`` tells.
 
 Malformed input raises :class:`FormatError` (or its subclasses :class:`TruncatedError`
 and :class:`ChecksumError`) and nothing else. Sizes are checked against the bytes
@@ -35,8 +40,8 @@ from speckv.errors import ChecksumError, FormatError, TruncatedError
 from .rans import LANES as RANS_LANES
 
 __all__ = ["FormatError", "TruncatedError", "ChecksumError", "StreamHeader", "Chunk",
-           "pack_header", "unpack_header", "pack_chunk", "unpack_chunk", "pack_stream",
-           "unpack_stream", "DTYPE_BF16", "DTYPE_FP8", "LANES", "FORMAT_VERSION", "MAGIC",
+           "is_stored_chunk", "pack_header", "unpack_header", "pack_chunk", "unpack_chunk", "pack_stream",
+           "unpack_stream", "DTYPE_BF16", "DTYPE_FP8", "LANES", "FORMAT_VERSION", "READ_VERSIONS", "MAGIC",
            "CHUNK_MAGIC", "MODEL_STORED", "HEADER_LEN", "CHUNK_OVERHEAD", "MAX_CHUNK_BYTES",
            "MAX_ELEMENTS", "MAX_AUX_BYTES", "MAX_BITS_BYTES"]
 
@@ -45,7 +50,8 @@ Buffer = Union[bytes, bytearray, memoryview]
 DTYPE_BF16 = 1
 DTYPE_FP8 = 2
 LANES = RANS_LANES  # the rANS core's lanes per block (one warp)
-FORMAT_VERSION = 2  # 2: probability model 2 (tuned); 1: model 1 only
+FORMAT_VERSION = 3  # written: 3: stored chunks in a coded stream; 2: model 2 (tuned); 1: model 1 only
+READ_VERSIONS = (2, 3)  # read (version 2 streams keep their rules: no stored chunk in a coded stream)
 MAGIC = b"SPKV"
 CHUNK_MAGIC = b"SPKC"
 
@@ -126,9 +132,11 @@ class StreamHeader:
     prompt_digest: bytes
     elems_per_lane: int
     layers_per_chunk: int
+    version: int = FORMAT_VERSION  # of the stream read, or to write: one of READ_VERSIONS
 
     def __post_init__(self) -> None:
         s = object.__setattr__
+        s(self, "version", _check_version(self.version))
         s(self, "dtype", _uint("dtype", self.dtype, 1, 2))
         s(self, "model", _uint("model", self.model, 0, 255))
         s(self, "pin", _digest("pin", self.pin, 32))
@@ -165,6 +173,13 @@ class StreamHeader:
         if self.model == MODEL_STORED:
             return 0
         return -(-self.chunk_elements(index) // self.block_elements)
+
+
+def _check_version(version: object) -> int:
+    v = _uint("version", version, 0, _U16_MAX)
+    if v not in READ_VERSIONS:
+        raise FormatError(f"unsupported format version {v}")
+    return v
 
 
 def _check_shape(shape: object) -> tuple[int, int, int, int, int]:
@@ -270,9 +285,18 @@ class Chunk:
     __hash__ = None  # type: ignore[assignment]
 
 
+def is_stored_chunk(h: StreamHeader, c: Chunk) -> bool:
+    """Whether ``c`` (a chunk valid against ``h``) carries its raw bytes instead of rANS
+    blocks: every chunk of a stored stream, and a version 3 coded stream's chunk with
+    ``n_blocks == 0`` where ``chunk_blocks`` is not 0 (FORMAT.md)."""
+    if h.model == MODEL_STORED:
+        return True
+    return h.version >= 3 and c.n_blocks == 0 and h.chunk_blocks(c.index) > 0
+
+
 def pack_header(h: StreamHeader) -> bytes:
     """Serialise ``h`` into its 110-byte header record."""
-    body = _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_LEN, h.dtype, h.model, h.pin,
+    body = _HEADER.pack(MAGIC, h.version, HEADER_LEN, h.dtype, h.model, h.pin,
                         *h.shape, h.prompt_digest, LANES, h.elems_per_lane,
                         h.layers_per_chunk, h.n_chunks)
     return body + _U32.pack(zlib.crc32(body))
@@ -286,8 +310,7 @@ def unpack_header(buf: Buffer) -> tuple[StreamHeader, int]:
     _check_magic(mv, MAGIC, "header")
     _need(mv, 8, "header")
     version, header_len = struct.unpack_from("<HH", mv, 4)
-    if version != FORMAT_VERSION:
-        raise FormatError(f"unsupported format version {version}")
+    _check_version(version)
     if header_len != HEADER_LEN:
         raise FormatError(f"header_len {header_len} != {HEADER_LEN}")
     _need(mv, HEADER_LEN, "header")
@@ -298,7 +321,7 @@ def unpack_header(buf: Buffer) -> tuple[StreamHeader, int]:
     if lanes != LANES:
         raise FormatError(f"lanes {lanes} != {LANES}")
     h = StreamHeader(dtype=dtype, model=model, pin=pin, shape=shape, prompt_digest=digest,
-                     elems_per_lane=epl, layers_per_chunk=lpc)
+                     elems_per_lane=epl, layers_per_chunk=lpc, version=version)
     if n_chunks != h.n_chunks:
         raise FormatError(f"n_chunks {n_chunks} != ceil(layers/layers_per_chunk) {h.n_chunks}")
     return h, HEADER_LEN
@@ -318,10 +341,12 @@ def pack_chunk(c: Chunk) -> bytes:
 
 def _check_against_header(i: int, layers: tuple[int, int], n_blocks: int, steps: int,
                           header: StreamHeader) -> None:
-    """Chunk-vs-header rules of FORMAT.md (index, layer range, n_blocks, steps)."""
+    """Chunk-vs-header rules of FORMAT.md (index, layer range, n_blocks, steps); from
+    version 3 a coded stream's chunk may be stored (``n_blocks == 0``)."""
     if layers != header.chunk_layers(i):
         raise FormatError(f"chunk {i}: layers {layers} != header's {header.chunk_layers(i)}")
-    if n_blocks != header.chunk_blocks(i):
+    may_store = header.version >= 3 and header.model != MODEL_STORED
+    if n_blocks != header.chunk_blocks(i) and not (may_store and n_blocks == 0):
         raise FormatError(f"chunk {i}: n_blocks {n_blocks} != header's {header.chunk_blocks(i)}")
     if steps > 16 * header.elems_per_lane or (n_blocks == 0 and steps != 0):
         raise FormatError(f"chunk {i}: steps {steps} invalid for {n_blocks} blocks "

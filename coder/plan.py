@@ -91,12 +91,6 @@ def chunk_rel(h: ct.StreamHeader, i: int, start: int) -> slice:
     return slice(s - start, s - start + n)
 
 
-def chunk_abs(h: ct.StreamHeader, i: int) -> slice:
-    """Chunk i's layers in the stream."""
-    start, count = h.chunk_layers(i)
-    return slice(start, start + count)
-
-
 def chunk_scales(chunks: Sequence[ct.Chunk]) -> np.ndarray:
     """The FP8 scales ``(layers, 2)`` the chunks carry in ``aux``."""
     parts = []
@@ -105,3 +99,11 @@ def chunk_scales(chunks: Sequence[ct.Chunk]) -> np.ndarray:
             raise IntegrityError(f"chunk {c.index}: FP8 scales take {8 * c.layer_count} bytes, not {len(c.aux)}")
         parts.append(np.frombuffer(c.aux, "<f4").astype(np.float32).reshape(c.layer_count, 2))
     return np.concatenate(parts) if parts else np.zeros((0, 2), np.float32)
+
+
+def runs(indices: Sequence[int]) -> list[slice]:
+    """Positions of the maximal runs of consecutive chunk indices in ``indices`` (the
+    backends code and decode consecutive chunks only)."""
+    cuts = [p for p in range(1, len(indices)) if indices[p] != indices[p - 1] + 1]
+    bounds = [0, *cuts, len(indices)]
+    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]

@@ -1,22 +1,44 @@
-"""Stored streams (FORMAT.md, model 0): chunk records that carry the raw KV bytes
-instead of rANS blocks. No predictor is involved; the raw digest still guards
-every chunk. The uncoded baseline of the transfer benchmarks.
+"""Stored chunks (FORMAT.md): chunk records that carry the raw KV bytes instead of
+rANS blocks. Every chunk of a stored stream (model 0, the uncoded baseline of the
+transfer benchmarks), and from format version 3 any chunk of a coded stream that
+goes without the predictor (the sidecars' mu differ on it) or would be larger coded
+(the size guard: ``stored_record_len``). No predictor is involved; the raw digest
+still guards every chunk.
 """
 
 from __future__ import annotations
+
+from typing import Iterable
 
 import numpy as np
 
 from speckv.digests import DIGEST_BYTES, digest
 from speckv.errors import IntegrityError
+from speckv.kv import bf16_bits
 
 from . import container as ct
 from .integrity import verified
+from .plan import chunk_rel, fp8_codes
 from .rans import LANES
 
 
+def element_bits(h: ct.StreamHeader, x: np.ndarray) -> np.ndarray:
+    """``x`` as the bit patterns ``h`` stores: uint16 BF16 (from uint16/int16) or uint8 e4m3
+    codes; TypeError for another dtype."""
+    return bf16_bits(x) if h.dtype == ct.DTYPE_BF16 else fp8_codes(x)
+
+
+def stored_record_len(h: ct.StreamHeader, i: int) -> int:
+    """``record_len`` of chunk i in its stored form: no coded chunk of a version 3 stream is
+    written larger (the size guard)."""
+    count = h.chunk_layers(i)[1]
+    aux, size = (0, 2) if h.dtype == ct.DTYPE_BF16 else (8 * count, 1)
+    return ct.CHUNK_OVERHEAD + aux + h.chunk_elements(i) * size
+
+
 def stored_chunk(h: ct.StreamHeader, i: int, x: np.ndarray, scales: np.ndarray | None) -> ct.Chunk:
-    """Chunk i of a stored stream (FORMAT.md, model 0): raw little-endian elements in ``bits``."""
+    """Chunk i stored (FORMAT.md, model 0 or a version 3 stored chunk): raw little-endian
+    elements in ``bits``; ``x`` holds its layers' bit patterns, ``scales`` their FP8 scales."""
     start, count = h.chunk_layers(i)
     aux = b"" if scales is None else np.asarray(scales, "<f4").tobytes()
     x = np.ascontiguousarray(x)
@@ -25,6 +47,17 @@ def stored_chunk(h: ct.StreamHeader, i: int, x: np.ndarray, scales: np.ndarray |
                     mu_fingerprint=bytes(DIGEST_BYTES), raw_digest=digest(aux, x), aux=aux,
                     states=np.zeros((0, LANES), np.uint32), word_counts=np.zeros(0, np.uint32),
                     words=np.zeros(0, np.uint16), bits=raw)
+
+
+def stored_chunks(h: ct.StreamHeader, idx: Iterable[int], x: np.ndarray, scales: np.ndarray | None,
+                  start: int) -> dict[int, ct.Chunk]:
+    """Chunks ``idx`` stored, by index, from a batch whose ``x`` (bit patterns) and FP8
+    ``scales`` begin at layer ``start``."""
+    out = {}
+    for i in idx:
+        r = chunk_rel(h, i, start)
+        out[i] = stored_chunk(h, i, element_bits(h, x[r]), None if scales is None else scales[r])
+    return out
 
 
 def unstored_chunk(h: ct.StreamHeader, c: ct.Chunk) -> np.ndarray:

@@ -32,14 +32,6 @@ async def drain_batch(queue: asyncio.Queue) -> list:
     return items
 
 
-async def prepend(first: T | None, it: AsyncIterator[T]) -> AsyncIterator[T]:
-    """``first`` (unless None), then the rest of ``it``."""
-    if first is not None:
-        yield first
-    async for x in it:
-        yield x
-
-
 def peer_host(peer: str) -> str:
     """``ipv4:10.0.0.7:51234`` -> ``ipv4:10.0.0.7``: a peer's source port changes per connection."""
     return peer.rsplit(":", 1)[0]

@@ -29,6 +29,7 @@ from .config import ServerConfig
 from .decoder import DecoderService
 from .encoder import EncoderService
 from .handlers import add_service
+from .layer_mu import PREDICTOR_TASK
 from .metrics import Metrics
 from .runtime import Runtime
 from .tls import KEEPALIVE, server_credentials
@@ -104,14 +105,14 @@ class Sidecar:
 
 
 async def _drain_rpc_tasks(timeout: float) -> None:
-    """Let grpc's per-call tasks finish after ``server.stop``.
+    """Let grpc's per-call tasks (and the predictor passes they stopped) finish after ``server.stop``.
 
     NOTE: ``stop`` returns once the calls are cancelled, while each call's task may still be
     running its handler's cleanup; if the loop closes first (``asyncio.run`` cancels what is
     left) grpc logs the cancellation as an unhandled ERROR with a traceback.
     """
-    tasks = [t for t in asyncio.all_tasks()
-             if getattr(t.get_coro(), "__qualname__", "") in _GRPC_RPC_COROS and not t.done()]
+    tasks = [t for t in asyncio.all_tasks() if not t.done() and (
+        getattr(t.get_coro(), "__qualname__", "") in _GRPC_RPC_COROS or t.get_name() == PREDICTOR_TASK)]
     if tasks:
         await asyncio.wait(tasks, timeout=timeout)
 

@@ -22,7 +22,6 @@ import grpc
 import numpy as np
 
 from speckv.coder import container as ct
-from speckv.digests import digest
 from speckv.errors import RpcError, TransferDigestError
 from speckv.status import abort, in_band, integrity_kind, outcome, to_status
 from speckv.v1 import common_pb2 as pb
@@ -30,10 +29,12 @@ from speckv.v1 import decoder_pb2 as dpb
 from speckv.v1 import decoder_pb2_grpc as dgrpc
 from speckv.wire import RecordAssembler, dtype_of, kv_shape, layer_bytes, layer_messages, shape_of
 
-from .aio import drain_batch, drain_requests, peer_host, prepend
+from .aio import drain_batch, drain_requests, peer_host
 from .auth import authorize, parse_allow
 from .budget import ByteBudget
 from .config import ServerConfig
+from .inbox import await_or_fail, events, mu_checks
+from .layer_mu import LayerMu
 from .metrics import Metrics
 from .runtime import Runtime
 from .transfers import DecoderTransfer, S, TransferTable, check_request_id
@@ -74,7 +75,8 @@ class DecoderService(dgrpc.DecoderServiceServicer):
             yield dpb.TransferResponse(result=dpb.TransferResult(
                 status=pb.Status(code=pb.STATUS_CODE_OK), raw_bytes=t.raw_bytes, wire_bytes=t.wire_bytes,
                 chunks=t.chunks_received, predictor_seconds=t.predictor_s, decode_seconds=t.decode_s,
-                total_seconds=time.perf_counter() - t0, encoding=t.encoding, fallback=t.fallback))
+                total_seconds=time.perf_counter() - t0, encoding=t.encoding, fallback=t.fallback,
+                stored_chunks=t.stored_chunks, mu_wait_seconds=t.mu_wait_s))
             labels = (labels[0], t.encoding)
             self.metrics.finished("ok", *labels, scalars=t.raw_bytes // dtype_of(h.dtype)[1].itemsize,
                                   wire=t.wire_bytes)
@@ -108,26 +110,6 @@ class DecoderService(dgrpc.DecoderServiceServicer):
             raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"{n} transfers from {host} in progress (max_transfers_per_peer)", reason="PEER_LIMIT")
 
-    def _fallback(self, t: DecoderTransfer, h: ct.StreamHeader, ids: np.ndarray,
-                  fb: dpb.Fallback) -> ct.StreamHeader:
-        """The stored header replacing ``h`` after a predictor mismatch (validated)."""
-        h2, used = ct.unpack_header(fb.header_record)
-        if used != len(fb.header_record):
-            raise ct.FormatError("fallback header_record has trailing bytes")
-        if h2.model != ct.MODEL_STORED or (h2.dtype, h2.shape, h2.prompt_digest, h2.layers_per_chunk) != (
-                h.dtype, h.shape, h.prompt_digest, h.layers_per_chunk):
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                           "fallback header_record must be the stored twin of the stream's header")
-        self.rt.codec.check_header(h2, ids)
-        t.fallback = True
-        self.metrics.fallback(fb.reason or "unspecified")
-        host = peer_host(t.peer)
-        if host not in self._fallback_peers:  # NOTE: logged once per peer, counted every time
-            self._fallback_peers.add(host)
-            logger.warning("transfer %s from %s fell back to a stored stream: %s (predictor pin %s)",
-                           t.request_id, t.peer, fb.reason, self.rt.pin[:12])
-        return h2
-
     def _check_header(self, hdr: dpb.TransferHeader) -> tuple[ct.StreamHeader, np.ndarray, tuple[str, str]]:
         check_request_id(hdr.request_id)
         name, _ = dtype_of(hdr.dtype)
@@ -146,85 +128,123 @@ class DecoderService(dgrpc.DecoderServiceServicer):
 
     async def _receive(self, t: DecoderTransfer, h: ct.StreamHeader, ids: np.ndarray, it: AsyncIterator,
                        labels: tuple[str, str]) -> AsyncIterator[dpb.TransferResponse]:
-        """Read the chunk parts, ack each record, and decode them in a task alongside."""
+        """Read the chunk parts, ack each record, and decode them in a task alongside; for a
+        speckv stream, run the predictor and send each chunk's PredictorCheck as soon as its
+        layers' mu exists (the encoder codes that chunk under the predictor only if it matches)."""
         queue: asyncio.Queue[tuple[ct.Chunk, int] | None] = asyncio.Queue()
-        mu = None
-        if h.model != ct.MODEL_STORED:
-            # NOTE: the encoder sends no chunk before this check: a predictor that disagrees
-            # turns the transfer into a stored one (Fallback) instead of failing it
-            mu, t.predictor_s = await _await_or_fail(self.rt.mu(ids), None, t)
-            self.metrics.seconds("predictor", t.predictor_s)
-            yield dpb.TransferResponse(predictor=dpb.PredictorCheck(mu_digest=digest(mu)))
-            first = await _await_or_fail(anext(it, None), None, t)
-            if first is not None and first.WhichOneof("kind") == "fallback":
-                h, mu = self._fallback(t, h, ids, first.fallback), None
-                t.wire_bytes += ct.HEADER_LEN
-                labels = (labels[0], "stored")
-                self.metrics.header(*labels, ct.HEADER_LEN)
-                first = await _await_or_fail(anext(it, None), None, t)
-            it = prepend(first, it)
+        mu = None if h.model == ct.MODEL_STORED else self.rt.mu_layers(ids)
         t.encoding = labels[1]
         worker = asyncio.ensure_future(self._decode_loop(t, h, mu, queue, labels))
         asm = RecordAssembler(h.n_chunks, min(ct.MAX_CHUNK_BYTES, self.budget.limit))
-        lb = layer_bytes(h.shape, dtype_of_header(h))
         trailer = None
         try:
-            while True:
-                req = await _await_or_fail(anext(it, None), worker, t)
-                if req is None:
-                    break
-                if trailer is not None:
-                    raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "nothing may follow the TransferTrailer")
-                if req.WhichOneof("kind") == "trailer":
-                    if asm.next_index != h.n_chunks or asm.pending:
-                        raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                                       f"trailer after {asm.next_index} of {h.n_chunks} chunk records")
-                    trailer = req.trailer
-                    continue
-                if req.WhichOneof("kind") != "chunk":
-                    raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "only chunk messages may follow the header")
-                size = asm.first_part_size(req.chunk)
-                if size is not None:
-                    # NOTE: the record AND its decoded layers are reserved up front, so a queued
-                    # chunk never waits for memory that only a later chunk could free (deadlock)
-                    raw = lb * h.chunk_layers(req.chunk.index)[1]
-                    await _await_or_fail(t.holding.acquire(size + raw), worker, t)
-                rec = asm.add(req.chunk)
-                if rec is None:
-                    continue
-                chunk = _whole(rec, h, asm.next_index - 1)
-                t.chunks_received += 1
-                t.wire_bytes += len(rec)
-                queue.put_nowait((chunk, len(rec)))
-                yield dpb.TransferResponse(chunk_ack=dpb.ChunkAck(index=chunk.index, bytes_received=t.wire_bytes))
-            if asm.next_index != h.n_chunks or asm.pending:
-                raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"stream ended after {asm.next_index} of {h.n_chunks} chunk records")
-            if trailer is None:
-                raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "stream ended without its TransferTrailer")
-            queue.put_nowait(None)
-            await _await_or_fail(asyncio.shield(worker), None, t)
-            # NOTE: every chunk passed its own digest; this one binds them into the whole KV
-            if (t.digest.digest(), t.digest.raw_bytes) != (bytes(trailer.raw_digest), trailer.raw_bytes):
-                raise TransferDigestError(f"transfer {t.request_id!r}: whole-transfer digest does not match "
-                                          f"({t.digest.raw_bytes} raw bytes decoded, {trailer.raw_bytes} sent)")
-            t.verified = t.digest.digest()
-            await t.end(S.TRANSFER_STATE_READY)
+            inbox = contextlib.aclosing(events(it, None if mu is None else mu_checks(h, mu), worker, t))
+            async with inbox as reqs:  # NOTE: closed here, before mu.stop() below, never left to the GC
+                async for req in reqs:
+                    if isinstance(req, dpb.TransferResponse):  # this side's PredictorCheck
+                        yield req
+                        continue
+                    if trailer is not None:
+                        raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "nothing may follow the TransferTrailer")
+                    if req.WhichOneof("kind") == "trailer":
+                        if asm.next_index != h.n_chunks or asm.pending:
+                            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                                           f"trailer after {asm.next_index} of {h.n_chunks} chunk records")
+                        trailer = req.trailer
+                        continue
+                    chunk = await self._chunk_part(t, h, asm, req, worker)
+                    if chunk is None:
+                        continue
+                    t.chunks_received += 1
+                    t.wire_bytes += chunk.record_len
+                    queue.put_nowait((chunk, chunk.record_len))
+                    yield dpb.TransferResponse(chunk_ack=dpb.ChunkAck(index=chunk.index, bytes_received=t.wire_bytes))
+            await self._finish(t, h, asm, trailer, queue, worker, mu)
         finally:
+            if mu is not None:
+                mu.stop()  # NOTE: no-op once complete; else the pass ends at its next layer
             if not worker.done():
                 worker.cancel()
             elif not worker.cancelled():
                 worker.exception()  # retrieved: the handler already reports why it ended
 
-    async def _decode_loop(self, t: DecoderTransfer, h: ct.StreamHeader, mu: np.ndarray | None,
+    async def _finish(self, t: DecoderTransfer, h: ct.StreamHeader, asm: RecordAssembler,
+                      trailer: dpb.TransferTrailer | None, queue: asyncio.Queue, worker: asyncio.Future,
+                      mu: LayerMu | None) -> None:
+        """The sender half-closed: every chunk and the trailer came, every chunk decodes, and
+        the whole-transfer digest matches; then the transfer is READY."""
+        if asm.next_index != h.n_chunks or asm.pending:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"stream ended after {asm.next_index} of {h.n_chunks} chunk records")
+        if trailer is None:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "stream ended without its TransferTrailer")
+        queue.put_nowait(None)
+        await await_or_fail(asyncio.shield(worker), None, t)
+        # NOTE: every chunk passed its own digest; this one binds them into the whole KV
+        if (t.digest.digest(), t.digest.raw_bytes) != (bytes(trailer.raw_digest), trailer.raw_bytes):
+            raise TransferDigestError(f"transfer {t.request_id!r}: whole-transfer digest does not match "
+                                      f"({t.digest.raw_bytes} raw bytes decoded, {trailer.raw_bytes} sent)")
+        t.verified = t.digest.digest()
+        if mu is not None and mu.count == h.shape[0]:
+            t.predictor_s = await mu.done()
+            self.metrics.seconds("predictor", t.predictor_s)
+            self.metrics.seconds("mu_wait", t.mu_wait_s)
+        await t.end(S.TRANSFER_STATE_READY)
+
+    async def _chunk_part(self, t: DecoderTransfer, h: ct.StreamHeader, asm: RecordAssembler,
+                          req: dpb.TransferRequest, worker: asyncio.Future) -> ct.Chunk | None:
+        """Add one chunk part; the whole chunk once its record is complete, else None."""
+        kind = req.WhichOneof("kind")
+        if kind != "chunk":
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "only chunk messages may follow the header"
+                           + (" (Fallback is retired: format 3 falls back per chunk)" if kind == "fallback" else ""))
+        size = asm.first_part_size(req.chunk)
+        if size is not None:
+            # NOTE: the record AND its decoded layers are reserved up front, so a queued
+            # chunk never waits for memory that only a later chunk could free (deadlock)
+            raw = layer_bytes(h.shape, dtype_of_header(h)) * h.chunk_layers(req.chunk.index)[1]
+            t.stored_reason = req.chunk.stored_reason
+            await await_or_fail(t.holding.acquire(size + raw), worker, t)
+        rec = asm.add(req.chunk)
+        if rec is None:
+            return None
+        chunk = _whole(rec, h, asm.next_index - 1)
+        self._count_stored(t, h, chunk, t.stored_reason)
+        return chunk
+
+    def _count_stored(self, t: DecoderTransfer, h: ct.StreamHeader, c: ct.Chunk, reason: str) -> None:
+        """A speckv stream's stored chunk: counted by the reason its first part gave."""
+        stored = h.model != ct.MODEL_STORED and ct.is_stored_chunk(h, c)
+        if stored != bool(reason):
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"chunk {c.index}: stored_reason {reason!r} on a {'stored' if stored else 'coded'} chunk")
+        if not stored:
+            return
+        t.stored_chunks += 1
+        self.metrics.fallback(reason)
+        if reason == "mu_mismatch":
+            t.fallback = True
+            host = peer_host(t.peer)
+            if host not in self._fallback_peers:  # NOTE: logged once per peer, counted every time
+                self._fallback_peers.add(host)
+                logger.warning("transfer %s from %s: chunk %d came stored, the predictors disagree on its mu "
+                               "(predictor pin %s)", t.request_id, t.peer, c.index, self.rt.pin[:12])
+
+    async def _decode_loop(self, t: DecoderTransfer, h: ct.StreamHeader, mu: LayerMu | None,
                            queue: asyncio.Queue, labels: tuple[str, str]) -> None:
         """Decode queued chunks; whatever has queued up is decoded in one vectorised pass."""
         lb = layer_bytes(h.shape, dtype_of_header(h))
         while batch := await drain_batch(queue):
+            chunks = [c for c, _ in batch]
+            coded = [c for c in chunks if not ct.is_stored_chunk(h, c)]
+            # NOTE: only coded chunks need mu, and only their own layers' (no whole-mu gate)
+            w0 = time.perf_counter()
+            mu_bits = None if mu is None or not coded else await mu.upto(coded[-1].layer_start + coded[-1].layer_count)
+            t.mu_wait_s += time.perf_counter() - w0
             d0 = time.perf_counter()
-            bits = await asyncio.to_thread(self.rt.codec.decode_run, h, [c for c, _ in batch], mu)
+            bits = await asyncio.to_thread(self.rt.codec.decode_run, h, chunks, mu_bits)
             t.decode_s += time.perf_counter() - d0
-            first = batch[0][0].layer_start
+            first = chunks[0].layer_start
             for c, wire in batch:
                 raw = lb * c.layer_count  # reserved with the record; FetchKV releases it per layer
                 t.holding.release(wire)
@@ -330,30 +350,3 @@ def _whole(rec: bytearray, h: ct.StreamHeader, index: int) -> ct.Chunk:
     if chunk.index != index:
         raise ct.FormatError(f"chunk record {chunk.index} sent as chunk {index}")
     return chunk
-
-
-async def _await_or_fail(aw, worker: asyncio.Future | None, t: DecoderTransfer):
-    """``await aw``, unless ``worker`` fails or ``t`` is ended from outside (CancelTransfer,
-    lease expiry) first: then the worker's error or ``t.error`` is raised here, in the
-    handler, which reports it to the sender with its status.
-
-    NOTE: the handler is never cancelled from outside: a cancelled grpc.aio handler
-    sends no status at all, leaving the sender's call open until its deadline."""
-    task = asyncio.ensure_future(aw)
-    stop = asyncio.ensure_future(t.stopped.wait())
-    guards = {task, stop} | ({worker} if worker is not None else set())
-    try:
-        done, _ = await asyncio.wait(guards, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # the call itself is cancelled: no orphaned read or acquire
-        task.cancel()
-        raise
-    finally:
-        stop.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    if stop in done:
-        raise t.error or RpcError(grpc.StatusCode.CANCELLED, "transfer ended")
-    assert worker is not None  # neither the read nor the stop: the worker ended
-    worker.result()  # raises the worker's error
-    raise RpcError(grpc.StatusCode.INTERNAL, "decode task ended early")

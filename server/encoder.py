@@ -2,11 +2,14 @@
 it under the pinned predictor and streams it to the destination decoder.
 
 Lifecycle of one Submit call: the header is validated and the predictor
-starts on the prompt at once; a Transfer call to the decoder opens and gets
-the stream header; raw layers are reassembled from their parts (each layer's
-bytes reserved from the byte budget first); as soon as a chunk's layers are
-all in, a sender task codes it (off the event loop) and writes its record in
-parts, while the next layers keep arriving. ``await call.write`` is where the
+starts on the prompt at once (its mu arrives layer by layer); a Transfer call
+to the decoder opens and gets the stream header, so the decoder's predictor
+starts too; raw layers are reassembled from their parts (each layer's bytes
+reserved from the byte budget first); as soon as a chunk's layers are all in,
+and both sides' mu of those layers exist, a sender task compares its mu digest
+with the decoder's PredictorCheck for that chunk, codes it (off the event loop;
+stored when the digests differ) and writes its record in parts, while the next
+layers keep arriving. ``await call.write`` is where the
 decoder's backpressure reaches us; the budget is where ours reaches the
 engine. A failure anywhere cancels the decoder call and ends Submit with a
 precise status (the decoder's own, prefixed "decoder: ").
@@ -25,7 +28,7 @@ import grpc
 import numpy as np
 
 from speckv.coder import container as ct
-from speckv.digests import KVDigest, digest
+from speckv.digests import KVDigest
 from speckv.errors import RpcError
 from speckv.status import abort, from_in_band, outcome, to_status
 from speckv.v1 import common_pb2 as pb
@@ -39,6 +42,7 @@ from .aio import drain_batch, peer_host, watched
 from .auth import authorize, parse_allow
 from .budget import ByteBudget, Holding
 from .config import ServerConfig
+from .layer_mu import LayerMu
 from .metrics import Metrics
 from .runtime import Runtime
 from .tls import KEEPALIVE, channel_credentials
@@ -64,7 +68,10 @@ class _Job:
     encode_s: float = 0.0
     first_send: float | None = None
     message_bytes: int = 0  # serialized TransferRequests written
-    fallback: bool = False  # switched to a stored stream after a predictor mismatch
+    fallback: bool = False  # a chunk went stored after a predictor mismatch on its layers
+    stored_chunks: int = 0  # chunks of a speckv stream sent stored (mismatch or size guard)
+    mu_wait_s: float = 0.0  # the sender waiting for mu (ours, or the decoder's check)
+    wire_wait_s: float = 0.0  # inside call.write: flow control
     digest: KVDigest = field(default_factory=KVDigest)  # whole-transfer digest, layer by layer
 
 
@@ -156,12 +163,12 @@ class EncoderService(egrpc.EncoderServiceServicer):
 
     async def _run(self, job: _Job, it: AsyncIterator, context: grpc.aio.ServicerContext,
                    t0: float) -> epb.SubmitResponse:
-        mu = None if job.h.model == ct.MODEL_STORED else asyncio.ensure_future(self.rt.mu(job.ids))
+        mu = None if job.h.model == ct.MODEL_STORED else self.rt.mu_layers(job.ids)
         call = self._open(job, context)
         queue: asyncio.Queue[int | None] = asyncio.Queue()
-        check: asyncio.Future = asyncio.get_running_loop().create_future()  # the decoder's mu digest
-        acks = asyncio.ensure_future(_read_result(call, check))
-        sender = asyncio.ensure_future(self._send_loop(job, mu, call, queue, check))
+        checks = _Checks(job.h.n_chunks)  # the decoder's per-chunk mu digests
+        acks = asyncio.ensure_future(_read_result(call, checks))
+        sender = asyncio.ensure_future(self._send_loop(job, mu, call, queue, checks))
         watch = (acks, sender)
         try:
             await _write(job, call, dpb.TransferRequest(header=_transfer_header(job)))
@@ -174,25 +181,32 @@ class EncoderService(egrpc.EncoderServiceServicer):
                 raw_digest=job.digest.digest(), raw_bytes=job.digest.raw_bytes)))
             await call.done_writing()
             result = await watched(acks, watch)
-            if (result.raw_bytes, result.wire_bytes, result.encoding) != (job.raw_bytes, job.wire_bytes,
-                                                                           job.labels[1]):
+            if (result.raw_bytes, result.wire_bytes, result.stored_chunks) != (
+                    job.raw_bytes, job.wire_bytes, job.stored_chunks):
                 raise RpcError(grpc.StatusCode.DATA_LOSS,
-                               f"decoder reports {result.raw_bytes} raw / {result.wire_bytes} wire bytes, "
-                               f"encoder sent {job.raw_bytes} / {job.wire_bytes}")
+                               f"decoder reports {result.raw_bytes} raw / {result.wire_bytes} wire bytes / "
+                               f"{result.stored_chunks} stored chunks, encoder sent {job.raw_bytes} / "
+                               f"{job.wire_bytes} / {job.stored_chunks}")
         except BaseException:
             call.cancel()
             raise
         finally:
-            for f in (mu, sender, acks):
-                if f is not None and not f.done():
+            for f in (sender, acks):
+                if not f.done():
                     f.cancel()
+            if mu is not None:
+                mu.stop()  # NOTE: a failed transfer stops paying for its predictor at the next layer
         self.metrics.seconds("encode", job.encode_s)
+        self.metrics.seconds("wire_wait", job.wire_wait_s)
+        if mu is not None:
+            self.metrics.seconds("mu_wait", job.mu_wait_s)
         now = time.perf_counter()
         return epb.SubmitResponse(
             status=pb.Status(code=pb.STATUS_CODE_OK), raw_bytes=job.raw_bytes, wire_bytes=job.wire_bytes,
             chunks=job.chunks, predictor_seconds=job.predictor_s, encode_seconds=job.encode_s,
             transfer_seconds=now - (job.first_send or now), total_seconds=now - t0,
-            message_bytes=job.message_bytes, encoding=job.labels[1], fallback=job.fallback)
+            message_bytes=job.message_bytes, encoding=job.labels[1], fallback=job.fallback,
+            stored_chunks=job.stored_chunks, mu_wait_seconds=job.mu_wait_s, wire_wait_seconds=job.wire_wait_s)
 
     def _open(self, job: _Job, context: grpc.aio.ServicerContext):
         addr = job.header.decoder_address
@@ -231,60 +245,68 @@ class EncoderService(egrpc.EncoderServiceServicer):
         if not asm.done:
             raise bad(f"stream ended after {asm.next_layer} of {job.h.shape[0]} layers")
 
-    async def _send_loop(self, job: _Job, mu_task, call, queue: asyncio.Queue, check: asyncio.Future) -> None:
+    async def _send_loop(self, job: _Job, mu: LayerMu | None, call, queue: asyncio.Queue,
+                         checks: "_Checks") -> None:
         """Code ready chunks (all that queued up, in one pass) and write their records."""
-        mu = None
-        if mu_task is not None:
-            mu, job.predictor_s = await mu_task
-            self.metrics.seconds("predictor", job.predictor_s)
-            # NOTE: no chunk leaves before the decoder's predictor agrees with ours
-            if await check != digest(mu):
-                await self._fall_back(job, call)
-                mu = None  # a stored stream needs no mu
         lb = layer_bytes(job.h.shape, dtype_of(job.header.dtype)[1].itemsize)
         while batch := await drain_batch(queue):
             start = job.h.chunk_layers(batch[0])[0]
             stop = sum(job.h.chunk_layers(batch[-1]))
+            w0 = time.perf_counter()
+            mismatched = set() if mu is None else await self._mismatched(job, mu, batch, checks)
+            job.mu_wait_s += time.perf_counter() - w0
             got = [job.layers.pop(k) for k in range(start, stop)]
             x = np.stack([g[0] for g in got])  # (layers, 2, heads, tokens, dim)
             # one dtype per transfer: every layer carries FP8 scales, or none does
             sc = np.stack(cast("list[np.ndarray]", [g[1] for g in got])) if got[0][1] is not None else None
             del got
             e0 = time.perf_counter()
-            recs = await asyncio.to_thread(_encode, self.rt.codec, job.h, range(batch[0], batch[-1] + 1), x, mu, sc)
+            recs = await asyncio.to_thread(_encode, self.rt.codec, job.h, range(batch[0], batch[-1] + 1), x,
+                                           None if mu is None else mu.bits, sc, mismatched)
             job.encode_s += time.perf_counter() - e0
             del x
-            for i, rec in zip(batch, recs, strict=True):
-                await self._send(job, call, i, rec, lb * job.h.chunk_layers(i)[1])
+            for i, (rec, stored) in zip(batch, recs, strict=True):
+                reason = "" if not stored or job.h.model == ct.MODEL_STORED else \
+                    "mu_mismatch" if i in mismatched else "larger_than_stored"
+                await self._send(job, call, i, rec, lb * job.h.chunk_layers(i)[1], reason)
+        if mu is not None and mu.count == job.h.shape[0]:
+            job.predictor_s = await mu.done()
+            self.metrics.seconds("predictor", job.predictor_s)
 
-    async def _fall_back(self, job: _Job, call) -> None:
-        """Switch the transfer to a stored stream (same chunking): still bit-exact."""
-        h = job.h
-        job.h = self.rt.codec.stream_header(h.dtype == ct.DTYPE_BF16, h.shape, job.ids, h.layers_per_chunk, True)
-        job.labels, job.fallback = (job.labels[0], "stored"), True
-        await _write(job, call, dpb.TransferRequest(fallback=dpb.Fallback(
-            header_record=ct.pack_header(job.h), reason="mu_mismatch")))
-        job.wire_bytes += ct.HEADER_LEN
-        self.metrics.header(*job.labels, ct.HEADER_LEN)
-        self.metrics.fallback("mu_mismatch")
-        peer = job.header.decoder_address
-        if peer not in self._fallback_peers:  # NOTE: logged once per peer, counted every time
-            self._fallback_peers.add(peer)
-            logger.warning("decoder %s computes another mu than this encoder (predictor %s): transfers to it "
-                           "fall back to stored streams", peer, self.rt.pin[:12])
-        return None
+    async def _mismatched(self, job: _Job, mu: LayerMu, batch: list[int], checks: "_Checks") -> set[int]:
+        """The chunks of ``batch`` whose layers' mu differs between this encoder and the decoder.
 
-    async def _send(self, job: _Job, call, i: int, rec: bytes, raw: int) -> None:
+        NOTE: the one wait on the predictors: chunk i waits for both sides' mu of its own
+        layers only, never for the whole mu."""
+        bad = set()
+        for i in batch:
+            start, count = job.h.chunk_layers(i)
+            if await mu.digest_of(start, start + count) != await checks.get(i):
+                bad.add(i)
+        if bad:
+            job.fallback = True
+            peer = job.header.decoder_address
+            if peer not in self._fallback_peers:  # NOTE: logged once per peer, counted every time
+                self._fallback_peers.add(peer)
+                logger.warning("decoder %s computes another mu than this encoder (predictor %s) on chunks %s: "
+                               "they go stored", peer, self.rt.pin[:12], sorted(bad))
+        return bad
+
+    async def _send(self, job: _Job, call, i: int, rec: bytes, raw: int, stored_reason: str) -> None:
         keep = min(raw, len(rec))  # the record inherits its layers' reservation
         job.holding.release(raw - keep)
         job.first_send = job.first_send or time.perf_counter()
         for off, ln in parts(len(rec), self.config.message_bytes):
             await _write(job, call, dpb.TransferRequest(chunk=dpb.Chunk(
-                index=i, record=rec[off:off + ln], byte_offset=off, record_bytes=len(rec))))
+                index=i, record=rec[off:off + ln], byte_offset=off, record_bytes=len(rec),
+                stored_reason=stored_reason if off == 0 else "")))
         job.holding.release(keep)
         job.raw_bytes += raw
         job.wire_bytes += len(rec)
         job.chunks += 1
+        if stored_reason:
+            job.stored_chunks += 1
+            self.metrics.fallback(stored_reason)
         self.metrics.chunk(*job.labels, raw, len(rec), ct.HEADER_LEN if i == 0 else 0)
 
     def _gauges(self) -> None:
@@ -293,11 +315,16 @@ class EncoderService(egrpc.EncoderServiceServicer):
 
 async def _write(job: _Job, call, req: dpb.TransferRequest) -> None:
     job.message_bytes += req.ByteSize()
+    t0 = time.perf_counter()
     await call.write(req)  # NOTE: awaits HTTP/2 flow control: the decoder's backpressure
+    job.wire_wait_s += time.perf_counter() - t0
 
 
-def _encode(codec, h: ct.StreamHeader, idx: range, x: np.ndarray, mu, scales) -> list[bytes]:
-    return [ct.pack_chunk(c) for c in codec.encode_chunks(h, idx, x, mu, scales)]
+def _encode(codec, h: ct.StreamHeader, idx: range, x: np.ndarray, mu, scales,
+            stored: set[int]) -> list[tuple[bytes, bool]]:
+    """Each chunk's record and whether it went stored (asked for, or the size guard)."""
+    return [(ct.pack_chunk(c), ct.is_stored_chunk(h, c))
+            for c in codec.encode_chunks(h, idx, x, mu, scales, stored=stored)]
 
 
 def _transfer_header(job: _Job) -> dpb.TransferHeader:
@@ -307,14 +334,34 @@ def _transfer_header(job: _Job) -> dpb.TransferHeader:
                               prompt_token_ids=hdr.prompt_token_ids, header_record=ct.pack_header(job.h))
 
 
-async def _read_result(call, check: asyncio.Future) -> dpb.TransferResult:
-    """Drain the decoder's messages: its PredictorCheck (into ``check``), acks, and its
-    TransferResult (or its gRPC error)."""
+class _Checks:
+    """The decoder's PredictorCheck digests, by chunk index, as they arrive."""
+
+    def __init__(self, n_chunks: int) -> None:
+        self.n_chunks = n_chunks
+        self._by_chunk: dict[int, asyncio.Future[bytes]] = {}
+
+    def get(self, i: int) -> "asyncio.Future[bytes]":
+        if i not in self._by_chunk:
+            self._by_chunk[i] = asyncio.get_running_loop().create_future()
+        return self._by_chunk[i]
+
+    def put(self, check: dpb.PredictorCheck) -> None:
+        i = check.chunk_index
+        if i >= self.n_chunks or self.get(i).done():
+            raise RpcError(grpc.StatusCode.INTERNAL, f"decoder sent a PredictorCheck for chunk {i} of "
+                           f"{self.n_chunks} twice or out of range")
+        self.get(i).set_result(bytes(check.mu_digest))
+
+
+async def _read_result(call, checks: _Checks) -> dpb.TransferResult:
+    """Drain the decoder's messages: its per-chunk PredictorChecks (into ``checks``), acks,
+    and its TransferResult (or its gRPC error)."""
     result = None
     async for resp in call:
         kind = resp.WhichOneof("kind")
-        if kind == "predictor" and not check.done():
-            check.set_result(bytes(resp.predictor.mu_digest))
+        if kind == "predictor":
+            checks.put(resp.predictor)
         elif kind == "result":
             result = resp.result
             if result.status.code != pb.STATUS_CODE_OK:  # the decoder's verdict, in-band

@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 _SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # wire bytes per scalar (x 8 = bits per scalar): 0.5 .. 17 bits
 _PER_SCALAR = tuple(b / 8 for b in (0.5, 1, 1.5, 2, 2.5, 3, 4, 5, 5.5, 6, 6.5, 7, 8, 10, 12, 16, 17))
+FALLBACK_REASONS = ("mu_mismatch", "larger_than_stored")  # why a speckv chunk goes stored
 
 
 class Metrics:
@@ -50,16 +51,22 @@ class Metrics:
                                ("decode", "Entropy-decoding time per transfer."),
                                ("predictor", "Predictor (mu) time per transfer."),
                                ("transfer", "Time from a transfer's header to its result."),
-                               ("first_layer", "Decoder: time from FetchKV to its first layer."))}
+                               ("first_layer", "Decoder: time from FetchKV to its first layer."),
+                               ("mu_wait", "Time per transfer that coding (encoder) or decoding (decoder) "
+                                "waited for a chunk's mu: this side's predictor, or the peer's check."),
+                               ("wire_wait", "Encoder: time per transfer spent in writes to the decoder "
+                                "(flow control: the link or the decoder's backpressure)."))}
         self.transfers = Counter("speckv_transfers_total", "Transfers finished, by outcome.",
                                  ("role", "model", "outcome"), registry=r)
         self.integrity_failures = Counter("speckv_integrity_failures_total",
                                           "Checksum, digest and mu-fingerprint failures.",
                                           ("role", "model", "kind"), registry=r)
         self.fallbacks = Counter("speckv_fallbacks_total",
-                                 "Transfers that fell back to a stored stream (e.g. predictor mismatch).",
+                                 "Chunks of speckv streams sent stored, by reason: mu_mismatch (the sidecars' "
+                                 "predictors disagree on the chunk's layers), larger_than_stored (size guard).",
                                  ("role", "model", "reason"), registry=r)
-        self.fallbacks.labels(role, model, "mu_mismatch")  # NOTE: a known series exists at 0 from the start
+        for reason in FALLBACK_REASONS:  # NOTE: known series exist at 0 from the start
+            self.fallbacks.labels(role, model, reason)
         self.inflight_transfers = Gauge("speckv_inflight_transfers", "Transfers in progress.",
                                         ("role", "model"), registry=r)
         self.inflight_bytes = Gauge("speckv_inflight_bytes", "KV bytes buffered by transfers in progress.",

@@ -2,27 +2,27 @@
 predictor, the codec built from it, and the served model's geometry.
 
 Lifecycle: ``Runtime.load(config)`` verifies the checkpoint against the pin
-(PinMismatchError otherwise) and builds the predictor; ``await runtime.mu(ids)``
-runs it off the event loop. Tests and the demo load one runtime and hand it to
-both sidecars of a process (``create_server(config, runtime=...)``).
+(PinMismatchError otherwise) and builds the predictor; ``runtime.mu_layers(ids)``
+runs it off the event loop, its mu arriving layer by layer. Tests and the demo
+load one runtime and hand it to both sidecars of a process
+(``create_server(config, runtime=...)``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
 
-from speckv.coder.codec import Codec, CodecConfig, bf16_bits
+from speckv.coder.codec import Codec, CodecConfig
 from speckv.errors import PinMismatchError, RpcError
 
 from .config import FALLBACK_MAX_TOKENS
+from .layer_mu import LayerMu
 
 if TYPE_CHECKING:  # pragma: no cover
     from speckv.predictor.predict import Predictor
@@ -118,13 +118,10 @@ class Runtime:
     def vocab_size(self) -> int:
         return int(self.predictor.model.config.vocab_size)
 
-    async def mu(self, ids: np.ndarray) -> tuple[np.ndarray, float]:
-        """The predictor's mu bit patterns for ``ids`` and the seconds it took."""
-        def run() -> tuple[np.ndarray, float]:
-            t0 = time.perf_counter()
-            mu = bf16_bits(self.predictor.mu(ids))
-            return mu, time.perf_counter() - t0
-        return await asyncio.to_thread(run)
+    def mu_layers(self, ids: np.ndarray) -> LayerMu:
+        """Start the predictor on ``ids``; its mu arrives layer by layer (see LayerMu)."""
+        L, H, D = self.geometry
+        return LayerMu.start(self.predictor, ids, (L, 2, H, len(ids), D))
 
 
 def model_context(config: Any) -> int | None:

@@ -57,12 +57,14 @@ class DecoderTransfer:
         self.fetching = False
         self.chunks_received = self.chunks_decoded = 0
         self.wire_bytes = self.raw_bytes = 0
-        self.predictor_s = self.decode_s = 0.0
+        self.predictor_s = self.decode_s = self.mu_wait_s = 0.0
         self.digest = KVDigest()  # over the decoded layers, in order
         self.verified: bytes | None = None  # the whole-transfer digest, once it matched
         self.layer_bytes = 0  # raw bytes per layer
-        self.encoding = "speckv"  # or "stored" (asked for, or after a fallback)
-        self.fallback = False
+        self.encoding = "speckv"  # or "stored" (asked for)
+        self.fallback = False  # a chunk came stored: the predictors disagreed on its mu
+        self.stored_chunks = 0  # chunks of a speckv stream that came stored (any reason)
+        self.stored_reason = ""  # Chunk.stored_reason of the record being reassembled
         self.peer = "?"
         self.touched = time.monotonic()
         self.stopped = asyncio.Event()  # set when ended with an error: wakes the Transfer handler

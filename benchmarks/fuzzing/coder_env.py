@@ -1,9 +1,12 @@
 """The valid streams the coder targets mutate: small synthetic container streams of
-many geometries, and real BF16/FP8 speckv and stored streams of a random KV."""
+many geometries (with stored chunks in coded streams, format version 3), and real
+BF16/FP8 speckv and stored streams of a random KV: the speckv ones in format version 2
+(every chunk coded, as the rANS checks need) and in version 3 (``mixed-*``: the size
+guard stores some of their chunks)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -14,9 +17,10 @@ from speckv.predictor.fp8 import e4m3_values
 
 from .mutate import record_fields
 
-# (shape, elems_per_lane, layers_per_chunk, model, dtype) of the synthetic streams
-GEOMETRIES = [((3, 2, 2, 5, 4), 2, 2, 3, 1), ((4, 2, 1, 0, 8), 1, 3, 1, 2), ((1, 2, 1, 1, 1), 1000, 1, 1, 1),
-              ((5, 2, 3, 7, 2), 1, 65535, 7, 2), ((2, 2, 2, 64, 16), 4, 1, 1, 1), ((6, 2, 1, 3, 4), 1, 4, 0, 1)]
+# (shape, elems_per_lane, layers_per_chunk, model, dtype, version) of the synthetic streams
+GEOMETRIES = [((3, 2, 2, 5, 4), 2, 2, 3, 1, 2), ((4, 2, 1, 0, 8), 1, 3, 1, 2, 3),
+              ((1, 2, 1, 1, 1), 1000, 1, 1, 1, 3), ((5, 2, 3, 7, 2), 1, 65535, 7, 2, 3),
+              ((2, 2, 2, 64, 16), 4, 1, 1, 1, 3), ((6, 2, 1, 3, 4), 1, 4, 0, 1, 3), ((5, 2, 2, 3, 4), 3, 1, 2, 2, 3)]
 # BF16 escapes, zero-bin and normal elements
 SPECIAL_BF16 = np.array([0x7FC0, 0x7F81, 0xFFFF, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x0001, 0x807F, 0x7F7F],
                         np.uint16)
@@ -49,14 +53,23 @@ def stored_records(codec: Codec, bits: np.ndarray, scales: np.ndarray | None, id
     return recs
 
 
+def coded_records(codec: Codec, kv: Any, ids: np.ndarray, mu: np.ndarray) -> list[bytes]:
+    """``kv``'s speckv stream in format version 2: every chunk coded (version 3 stores a chunk
+    that would code larger than its raw bytes)."""
+    x, scales = (kv.codes, kv.scales) if isinstance(kv, Fp8KV) else (kv, None)
+    h = replace(codec.stream_header(scales is None, x.shape, ids), version=2)
+    return [ct.pack_header(h)] + [ct.pack_chunk(c) for c in codec.encode_chunks(h, range(h.n_chunks), x, mu, scales)]
+
+
 def synthetic_stream(g: np.random.Generator, shape: tuple[int, ...], epl: int, lpc: int, model: int,
-                     dtype: int) -> Stream:
-    """A container stream of random chunk contents (valid records, not a decodable KV)."""
+                     dtype: int, version: int = ct.FORMAT_VERSION) -> Stream:
+    """A container stream of random chunk contents (valid records, not a decodable KV); in
+    a version 3 coded stream, every other chunk is stored (no blocks)."""
     h = ct.StreamHeader(dtype=dtype, model=model, pin=g.bytes(32), shape=shape, prompt_digest=g.bytes(32),
-                        elems_per_lane=epl, layers_per_chunk=lpc)
+                        elems_per_lane=epl, layers_per_chunk=lpc, version=version)
     recs = [ct.pack_header(h)]
     for i in range(h.n_chunks):
-        nb = h.chunk_blocks(i)
+        nb = 0 if version >= 3 and i % 2 else h.chunk_blocks(i)
         counts = g.integers(0, 6, nb).astype(np.uint32)
         start, count = h.chunk_layers(i)
         recs.append(ct.pack_chunk(ct.Chunk(
@@ -104,15 +117,18 @@ def _random_kv(g: np.random.Generator, shape: tuple[int, ...]) -> dict[str, np.n
 
 
 def real_bases(codec: Codec, seed: int) -> list[Base]:
-    """Speckv and stored, BF16 and FP8 streams of one random 1-token KV under ``codec``."""
+    """Speckv (version 2: every chunk coded; version 3, ``mixed-*``: as the codec writes them)
+    and stored, BF16 and FP8 streams of one random 1-token KV under ``codec``."""
     g = np.random.default_rng(seed)
     sig = codec.log2_sigma.shape
     ids = g.integers(0, 49152, 1).astype(np.int64)
     kv = _random_kv(g, (sig[0], 2, sig[2], 1, sig[3]))
     x, codes, scales = kv["x"], kv["codes"], kv["scales"]
-    return [Base("speckv-bf16", list(codec.encode(x, ids, kv["mu"])), ids, kv["mu"], x, None),
-            Base("speckv-fp8", list(codec.encode(Fp8KV(codes, scales), ids, kv["mu8"])), ids, kv["mu8"],
-                 codes, scales),
+    fp8 = Fp8KV(codes, scales)
+    return [Base("speckv-bf16", coded_records(codec, x, ids, kv["mu"]), ids, kv["mu"], x, None),
+            Base("speckv-fp8", coded_records(codec, fp8, ids, kv["mu8"]), ids, kv["mu8"], codes, scales),
+            Base("mixed-bf16", list(codec.encode(x, ids, kv["mu"])), ids, kv["mu"], x, None),
+            Base("mixed-fp8", list(codec.encode(fp8, ids, kv["mu8"])), ids, kv["mu8"], codes, scales),
             Base("stored-bf16", stored_records(codec, x, None, ids), ids, None, x, None),
             Base("stored-fp8", stored_records(codec, codes, scales, ids), ids, None, codes, scales)]
 

@@ -120,8 +120,9 @@ def _codec_case(env: CoderEnv, rng: random.Random, names: tuple[str, ...]) -> st
 
 
 def t_codec_speckv(env: CoderEnv, rng: random.Random) -> str:
-    """Mutated BF16/FP8 speckv streams to ``Codec.decode``."""
-    return _codec_case(env, rng, ("speckv-bf16", "speckv-fp8"))
+    """Mutated BF16/FP8 speckv streams to ``Codec.decode``: all chunks coded (version 2), or
+    some stored (version 3, ``mixed-*``)."""
+    return _codec_case(env, rng, ("speckv-bf16", "speckv-fp8", "mixed-bf16", "mixed-fp8"))
 
 
 def t_codec_stored(env: CoderEnv, rng: random.Random) -> str:

@@ -29,7 +29,7 @@ from .checkpoint import Checkpoint, fp8_state
 from .fp8 import dequantize_e4m3
 from .ladder import MEANS, load_means, mean_model
 from .store import CONFIG, FP8_SUFFIX, SCALE_SUFFIX, WEIGHTS, state_digest
-from .target import LINEAR_NAMES, extract_kv, load_target, replace_linears
+from .target import LINEAR_NAMES, LayerSink, emit_all, extract_kv, load_target, replace_linears
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -130,12 +130,14 @@ class Predictor:
         self.model.to(device)
         return self
 
-    def mu(self, ids: np.ndarray) -> "torch.Tensor":
-        """Predicted KV ``(layers, 2, kv_heads, tokens, head_dim)`` BF16."""
-
-        if hasattr(self.model, "mean_kv"):  # rung none
-            return self.model.mean_kv(len(ids))
-        return extract_kv(self.model, ids)
+    def mu(self, ids: np.ndarray, on_layer: "LayerSink | None" = None) -> "torch.Tensor":
+        """Predicted KV ``(layers, 2, kv_heads, tokens, head_dim)`` BF16; ``on_layer(i, bits)``
+        (optional) gets each layer's BF16 bits as soon as it exists (see ``extract_kv``)."""
+        if hasattr(self.model, "mean_kv"):  # rung none: every layer at once
+            mu = self.model.mean_kv(len(ids))
+            emit_all(mu, on_layer)
+            return mu
+        return extract_kv(self.model, ids, on_layer)
 
 
 def _derive_state(ckpt: Checkpoint, target: "Target | None") -> dict[str, "torch.Tensor"]:

@@ -135,29 +135,71 @@ def replace_linears(model: Any, weight_fn: Callable[[str, "torch.Tensor"], "torc
                 setattr(parent, name, cls(weight_fn(path, lin.weight.detach())))
 
 
-def extract_kv(model: Any, ids: np.ndarray) -> "torch.Tensor":
-    """One prefill; returns KV ``(layers, 2, kv_heads, tokens, head_dim)`` BF16."""
+LayerSink = Callable[[int, np.ndarray], None]  # (layer, its BF16 bits (2, kv_heads, tokens, head_dim))
+
+
+def extract_kv(model: Any, ids: np.ndarray, on_layer: LayerSink | None = None) -> "torch.Tensor":
+    """One prefill; returns KV ``(layers, 2, kv_heads, tokens, head_dim)`` BF16.
+
+    ``on_layer(i, bits)`` (optional) gets layer i's BF16 bit patterns as soon as that
+    decoder layer has run (a forward hook reads the cache it just wrote), so a caller
+    can use early layers while later ones compute; an exception it raises aborts the
+    pass. The result is the same either way: the hook only reads.
+    """
     import torch
 
     cfg = model.config
     n_layers, n_kv = cfg.num_hidden_layers, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if len(ids) == 0:
-        return torch.empty((n_layers, 2, n_kv, 0, head_dim), dtype=torch.bfloat16)
+        kv = torch.empty((n_layers, 2, n_kv, 0, head_dim), dtype=torch.bfloat16)
+        emit_all(kv, on_layer)
+        return kv
     device = next(model.parameters()).device
     inp = torch.as_tensor(np.asarray(ids, dtype=np.int64)).unsqueeze(0).to(device)
     with deterministic_torch():
-        out = model.model(input_ids=inp, use_cache=True)
+        # NOTE: hooks go on the shared model inside the forward lock, or a concurrent pass
+        # (another transfer, the other sidecar of this process) would call them too
+        handles = [] if on_layer is None else [
+            layer.register_forward_hook(_layer_hook(i, on_layer), with_kwargs=True)
+            for i, layer in enumerate(model.model.layers)]
+        try:
+            out = model.model(input_ids=inp, use_cache=True)
+        finally:
+            for h in handles:
+                h.remove()
     cache = getattr(out, "cache", None) or out.past_key_values
-    layers = []
-    for i in range(n_layers):
-        if hasattr(cache, "layers"):
-            k, v = cache.layers[i].keys, cache.layers[i].values
-        else:  # pragma: no cover - older transformers
-            k, v = cache[i]
-        layers.append(torch.stack([k[0], v[0]]))  # (2, kv_heads, tokens, head_dim)
+    layers = [_cache_layer(cache, i) for i in range(n_layers)]
     kv = torch.stack(layers).to(torch.bfloat16).contiguous().cpu()
     return kv  # (layers, 2, kv_heads, tokens, head_dim)
+
+
+def emit_all(kv: "torch.Tensor", on_layer: LayerSink | None) -> None:
+    """Every layer of an already computed ``kv`` to ``on_layer`` (no forward pass to hook)."""
+    if on_layer is not None:
+        for i in range(kv.shape[0]):
+            on_layer(i, bf16_bits(kv[i]))
+
+
+def _cache_layer(cache: Any, i: int) -> "torch.Tensor":
+    """Layer i of a transformers cache as ``(2, kv_heads, tokens, head_dim)``."""
+    import torch
+
+    if hasattr(cache, "layers"):
+        k, v = cache.layers[i].keys, cache.layers[i].values
+    else:  # pragma: no cover - older transformers
+        k, v = cache[i]
+    return torch.stack([k[0], v[0]])
+
+
+def _layer_hook(i: int, on_layer: LayerSink) -> Callable[..., None]:
+    import torch
+
+    def hook(_mod: Any, _args: Any, kwargs: dict[str, Any], _output: Any) -> None:
+        # NOTE: transformers 5 passes the cache as ``cache``; 4.x as ``past_key_values`` / ``past_key_value``
+        cache = next(kwargs[k] for k in ("cache", "past_key_values", "past_key_value") if kwargs.get(k) is not None)
+        on_layer(i, bf16_bits(_cache_layer(cache, i).to(torch.bfloat16).contiguous().cpu()))
+    return hook
 
 
 @dataclass

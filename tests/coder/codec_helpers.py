@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import zlib
 
@@ -81,6 +82,15 @@ def round_trip_fp8(codec: Codec, codes: np.ndarray, scales: np.ndarray, mu_bits:
     assert out.scales.dtype == np.float32 and out.scales.shape == (LAYERS, 2)
     assert np.array_equal(out.scales.view(np.uint32), kv.scales.view(np.uint32))
     return records
+
+
+def unguarded_records(codec: Codec, kv, ids: np.ndarray, mu) -> list[bytes]:
+    """``kv``'s stream under a version 2 header: every chunk coded, even one larger than its
+    stored form (version 3's size guard would store it). The bytes version 2 writers wrote."""
+    x, scales = (kv.codes, kv.scales) if isinstance(kv, Fp8KV) else (bf16_bits(kv), None)
+    h = dataclasses.replace(codec.stream_header(scales is None, x.shape, ids), version=2)
+    chunks = codec.encode_chunks(h, range(h.n_chunks), x, mu, scales)
+    return [ct.pack_header(h)] + [ct.pack_chunk(c) for c in chunks]
 
 
 def recrc(rec: bytes | bytearray) -> bytes:

@@ -1,7 +1,8 @@
 """Shared helpers of the native-coder tests (test_native_*.py): hypothesis settings,
 the geometries and special FP8 scales they sweep, a per-module cache of numpy / native
 codecs, the byte-for-byte and bit-for-bit comparisons, and ``both_ways`` (encode on both
-backends, identical records; each decodes the other's stream to the input).
+backends, identical records; each decodes the other's stream to the input; the same for the
+version 2 stream, every chunk coded even where version 3's size guard stores it).
 
 Not a test module. A missing extension skips the tests that need it on a developer's
 machine and fails them in CI (SPECKV_REQUIRE_NATIVE, tests/require.py).
@@ -10,7 +11,7 @@ machine and fails them in CI (SPECKV_REQUIRE_NATIVE, tests/require.py).
 from __future__ import annotations
 
 import numpy as np
-from codec_helpers import ADVERSARIAL, bf16_from_float, bf16_tensor, chunk_areas, shape
+from codec_helpers import ADVERSARIAL, bf16_from_float, bf16_tensor, chunk_areas, shape, unguarded_records
 from hypothesis import HealthCheck, settings
 from require import missing
 
@@ -109,22 +110,27 @@ def as_mu(mu_bits: np.ndarray, as_torch: bool):
 
 def both_ways(codecs, kv, ids, mu, epl=7, lpc=4, model="tuned", threads=(2,)) -> list[bytes]:
     """Encode on numpy (threads=2) and on native (each of ``threads``): identical records;
-    each backend decodes the other's stream (and its own) to exactly ``kv``."""
+    each backend decodes the other's stream (and its own) to exactly ``kv``. The same for the
+    version 2 stream (every chunk coded: adversarial chunks the size guard stores in version 3
+    still meet both coders). Returns numpy's version 3 records."""
     ref_codec = codecs("numpy", epl, lpc, 2, model)
     ref = list(ref_codec.encode(kv, ids, mu))
+    ref2 = unguarded_records(ref_codec, kv, ids, mu)
     nat_codec = None
     for t in threads:
         nat_codec = codecs("native", epl, lpc, t, model)
         assert_same_records(ref, list(nat_codec.encode(kv, ids, mu)))
+        assert_same_records(ref2, unguarded_records(nat_codec, kv, ids, mu))
     assert nat_codec is not None
     want = kv if isinstance(kv, Fp8KV) else np.ascontiguousarray(kv).view(np.uint16)
     if isinstance(want, Fp8KV):
         want = Fp8KV(np.ascontiguousarray(want.codes, np.uint8), np.ascontiguousarray(want.scales, np.float32))
     # native decodes numpy's stream and numpy decodes native's (the same bytes, checked above)
-    out_nat = nat_codec.decode(ref, ids, mu)
-    out_np = ref_codec.decode(ref, ids, mu)
-    assert_same_kv(out_nat, out_np)
-    assert_same_kv(out_nat, want)
+    for records in (ref, ref2):
+        out_nat = nat_codec.decode(records, ids, mu)
+        out_np = ref_codec.decode(records, ids, mu)
+        assert_same_kv(out_nat, out_np)
+        assert_same_kv(out_nat, want)
     return ref
 
 

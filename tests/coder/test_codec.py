@@ -10,6 +10,7 @@ without loading any model.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import numpy as np
@@ -359,33 +360,66 @@ def _golden_fp8() -> tuple[Fp8KV, np.ndarray, int]:
     return Fp8KV(codes, s.numpy()), mu, 2
 
 
-# (name, input, (elems_per_lane, layers_per_chunk), sha256 of the stream, its length)
+# (name, input, (elems_per_lane, layers_per_chunk), (sha256, length) of the stream in format
+# version 3, which chunks of it are stored by the size guard, (sha256, length) in version 2)
 # NOTE: these pin the byte format AND the probability model / tables. If a change
 # to either is intended, update them (and say so); otherwise a failure is a bug.
 # Updated for format version 2: probability model 2 (tuned) under the hybrid:4 default checkpoint;
 # again when that checkpoint was rebuilt with its numeric_env fingerprint (new pin and calibration).
+# Format version 3: the version 2 streams are unchanged (written under a version 2 header, which has
+# no size guard); the version 3 ones differ in the header and in the chunks the guard stores.
 GOLDEN = [
     ("bf16_a", _golden_bf16_a, (4, 8),
-     "67efe1742877fe0361d9b6f7b415a1c22c8280f8b80cf5d16029425842c84c65", 22871),
+     ("54fe293059ebba458b77b6e5459fcd06ea055d39747a27e9f478f1a0a3eed235", 20947), [0],
+     ("67efe1742877fe0361d9b6f7b415a1c22c8280f8b80cf5d16029425842c84c65", 22871)),
     ("bf16_b", _golden_bf16_b, (5, 30),
-     "1f182edf649294d1da06f69d08e1580a9daa24884eced337fdaf6a9bfd5df6dc", 276421),
+     ("2186e8a024510e78f0b21e8cb3e941ffaa5a45dd2fcb2551b5d0a3b876683439", 46270), [0],
+     ("1f182edf649294d1da06f69d08e1580a9daa24884eced337fdaf6a9bfd5df6dc", 276421)),
     ("fp8", _golden_fp8, (3, 16),
-     "384d64953b3374e0d288a4a87898d70803c090e4850d4fca14a65fce2caf0bc1", 34468),
+     ("6a79da39f8eadf7299938a2b72ce5aaa59529a9c8f2efcb0a6bd6ca4eb69e6b2", 23550), [0, 1],
+     ("384d64953b3374e0d288a4a87898d70803c090e4850d4fca14a65fce2caf0bc1", 34468)),
 ]
 
 
-@pytest.mark.parametrize("name,build,cfg,sha,length", GOLDEN, ids=[g[0] for g in GOLDEN])
-def test_golden_streams(make_codec, name, build, cfg, sha, length):
+def _check_kv(out, kv) -> None:
+    if isinstance(kv, Fp8KV):
+        assert np.array_equal(out.codes, kv.codes) and np.array_equal(out.scales.view(np.uint32),
+                                                                       kv.scales.view(np.uint32))
+    else:
+        assert np.array_equal(out, kv)
+
+
+@pytest.mark.parametrize("name,build,cfg,v3,stored,v2", GOLDEN, ids=[g[0] for g in GOLDEN])
+def test_golden_streams(make_codec, name, build, cfg, v3, stored, v2):
     kv, mu, T = build()
     codec = make_codec(*cfg)
     ids = np.arange(100, 100 + T, dtype=np.int64)
     records = list(codec.encode(kv, ids, bf16_tensor(mu)))
     stream = b"".join(records)
-    out = codec.decode(records, ids, bf16_tensor(mu))
-    if isinstance(kv, Fp8KV):
-        assert np.array_equal(out.codes, kv.codes)
-    else:
-        assert np.array_equal(out, kv)
-    assert (hashlib.sha256(stream).hexdigest(), len(stream)) == (sha, length)
+    _check_kv(codec.decode(records, ids, bf16_tensor(mu)), kv)
+    assert (hashlib.sha256(stream).hexdigest(), len(stream)) == v3
+    h = ct.unpack_header(records[0])[0]
+    assert h.version == 3
+    assert [i for i, r in enumerate(records[1:]) if ct.is_stored_chunk(h, ct.unpack_chunk(r, h)[0])] == stored
+
+
+@pytest.mark.parametrize("name,build,cfg,v3,stored,v2", GOLDEN, ids=[g[0] for g in GOLDEN])
+def test_golden_streams_version_2(make_codec, name, build, cfg, v3, stored, v2):
+    """Under a version 2 header the codec writes the version 2 bytes (every chunk coded, no
+    size guard), and decodes them; version 3 differs only in the header and the guarded chunks."""
+    kv, mu, T = build()
+    codec = make_codec(*cfg)
+    ids = np.arange(100, 100 + T, dtype=np.int64)
+    x, scales = (kv.codes, kv.scales) if isinstance(kv, Fp8KV) else (kv, None)
+    h = dataclasses.replace(codec.stream_header(scales is None, x.shape, ids), version=2)
+    records = [ct.pack_header(h)] + [ct.pack_chunk(c) for c in codec.encode_chunks(h, range(h.n_chunks), x, mu,
+                                                                                   scales)]
+    stream = b"".join(records)
+    assert (hashlib.sha256(stream).hexdigest(), len(stream)) == v2
+    assert records[0][4:6] == b"\x02\x00"
+    _check_kv(codec.decode(records, ids, bf16_tensor(mu)), kv)
+    new = list(codec.encode(kv, ids, bf16_tensor(mu)))
+    for i, (a, b) in enumerate(zip(new[1:], records[1:], strict=True)):
+        assert (a == b) != (i in stored)
 
 

@@ -67,9 +67,10 @@ def test_decode_chunk_detects_other_mu(make_codec):
     codec = make_codec(epl=64, lpc=2)
     x, mu = _bf16_pair()
     h = codec.stream_header(True, x.shape, ids_for(T))
-    c = codec.encode_chunk(h, 1, x[2:4], mu)
+    c = codec.encode_chunk(h, 3, x[6:8], mu)
+    assert not ct.is_stored_chunk(h, c)  # a coded chunk (the size guard stores layers 0..3 of this KV)
     other = mu.copy()
-    other[3, 0, 0, 0, 0] ^= 1  # one bit of one scalar of this chunk's mu
+    other[7, 0, 0, 0, 0] ^= 1  # one bit of one scalar of this chunk's mu
     with pytest.raises(MuMismatchError):
         codec.decode_chunk(h, c, other)
 

@@ -1,7 +1,8 @@
-"""Tests for speckv.coder.container (wire format v1, see coder/FORMAT.md)."""
+"""Tests for speckv.coder.container (format versions 2 and 3, see coder/FORMAT.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import zlib
 
@@ -114,12 +115,12 @@ def test_header_properties():
 # ------------------------------------------------------------- golden bytes
 
 GOLDEN = bytes.fromhex(
-    # header: magic, version 2, header_len 110, dtype fp8, model 7, pin 00..1f
-    "53504b5602006e000207000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d"
+    # header: magic, version 3, header_len 110, dtype fp8, model 7, pin 00..1f
+    "53504b5603006e000207000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d"
     # shape (1, 2, 1, 1, 2), prompt_digest 20..3f
     "1e1f0100000002000000010000000100000002000000202122232425262728292a2b2c2d2e2f3031"
     # lanes 32, elems_per_lane 1, layers_per_chunk 1, n_chunks 1, crc | chunk: magic, len 223
-    "32333435363738393a3b3c3d3e3f200001000000010001000000d3b1efec53504b43df0000000000"
+    "32333435363738393a3b3c3d3e3f2000010000000100010000009e57075a53504b43df0000000000"
     # index 0, layer_start 0, layer_count 1, n_blocks 1, steps 1, mu 11.., raw 22..
     "00000000000000000000010000000100000001000000111111111111111111111111111111112222"
     # aux_len 2, aux abcd, states 0x10000 + lane
@@ -130,6 +131,10 @@ GOLDEN = bytes.fromhex(
     "190001001a0001001b0001001c0001001d0001001e0001001f0001000300000034127856bc9a0300"
     # bits a5 0f 80, crc
     "000000000000a50f802dc5ac7b")
+
+
+# the same stream in format version 2: version 2 and its header crc (the chunk is unchanged)
+GOLDEN_V2 = GOLDEN[:4] + b"\x02\x00" + GOLDEN[6:106] + bytes.fromhex("d3b1efec") + GOLDEN[110:]
 
 
 def golden_objects():
@@ -147,7 +152,7 @@ def test_golden_bytes():
     assert pack_stream(h, [c]) == GOLDEN
     assert unpack_stream(GOLDEN) == (h, [c])
     # spot-check the layout against FORMAT.md independently of the packer
-    assert GOLDEN[:4] == b"SPKV" and struct.unpack_from("<HHBB", GOLDEN, 4) == (2, 110, 2, 7)
+    assert GOLDEN[:4] == b"SPKV" and struct.unpack_from("<HHBB", GOLDEN, 4) == (3, 110, 2, 7)
     assert struct.unpack_from("<5I", GOLDEN, 42) == (1, 2, 1, 1, 2)
     assert struct.unpack_from("<HIHI", GOLDEN, 94) == (32, 1, 1, 1)
     assert struct.unpack_from("<I", GOLDEN, 106)[0] == zlib.crc32(GOLDEN[:106])
@@ -168,6 +173,16 @@ def test_golden_bytes():
     assert rec[b_off + 8:b_off + 11] == b"\xa5\x0f\x80"
     assert b_off + 11 == 219 == len(rec) - 4
     assert struct.unpack_from("<I", rec, 219)[0] == zlib.crc32(rec[:219])
+
+
+def test_golden_bytes_version_2():
+    """A version 2 stream still reads, keeps its version and re-packs to the same bytes."""
+    h, c = golden_objects()
+    assert h.version == C.FORMAT_VERSION == 3 and C.READ_VERSIONS == (2, 3)
+    h2, chunks = unpack_stream(GOLDEN_V2)
+    assert h2.version == 2 and h2 == dataclasses.replace(h, version=2) and chunks == [c]
+    assert pack_stream(h2, chunks) == GOLDEN_V2 and pack_header(h2) == GOLDEN_V2[:110]
+    assert struct.unpack_from("<I", GOLDEN_V2, 106)[0] == zlib.crc32(GOLDEN_V2[:106])
 
 
 # ----------------------------------------------------- corruption, truncation
@@ -228,8 +243,11 @@ def test_bad_magic_and_version():
         unpack_stream(b"XPKV" + GOLDEN[4:])
     with pytest.raises(TruncatedError):
         unpack_header(b"SP")
-    with pytest.raises(FormatError, match="version"):
-        unpack_header(fix_crcs(GOLDEN[:4] + b"\x01\x00" + GOLDEN[6:]))
+    for bad in (0, 1, 4, 0xFFFF):
+        with pytest.raises(FormatError, match=f"unsupported format version {bad}$"):
+            unpack_header(fix_crcs(GOLDEN[:4] + struct.pack("<H", bad) + GOLDEN[6:]))
+        with pytest.raises(FormatError, match=f"unsupported format version {bad}$"):
+            StreamHeader(**{**golden_objects()[0].__dict__, "version": bad})
     with pytest.raises(FormatError, match="magic"):
         unpack_chunk(b"SPKV" + GOLDEN[114:], golden_objects()[0])
 

@@ -15,7 +15,17 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from codec_helpers import ALL_CODES, SCALES, bf16_tensor, chunk_areas, fp8_mu, ids_for, recrc, tile
+from codec_helpers import (
+    ALL_CODES,
+    SCALES,
+    bf16_tensor,
+    chunk_areas,
+    fp8_mu,
+    ids_for,
+    recrc,
+    tile,
+    unguarded_records,
+)
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
@@ -54,7 +64,8 @@ def _raw_outcome(codec: Codec, records: list[bytes], ids: np.ndarray, mu):
         fmt = BF16 if h.dtype == ct.DTYPE_BF16 else E4M3
         scales = chunk_scales(chunks) if fmt is E4M3 else None
         plan = codec._plan(None, ids, mu, fmt, scales, model_id=h.model)
-        return "ok", [np.asarray(b).astype(np.int64).ravel() for b in codec._decode_batch(plan, h, chunks)]
+        coded = [c for c in chunks if not ct.is_stored_chunk(h, c)]  # stored chunks meet no backend
+        return "ok", [np.asarray(b).astype(np.int64).ravel() for b in codec._decode_batch(plan, h, coded)]
     except SpeckvError as e:
         return type(e), str(e)
 
@@ -80,7 +91,9 @@ def _same_fate(a, b) -> None:
 @pytest.fixture(scope="module")
 def corrupt_base(codecs):
     """Valid streams to corrupt, BF16 (3 chunks) and FP8 (2 chunks) under each residual
-    model, with escapes, zero bins and normal elements."""
+    model, with escapes, zero bins and normal elements; the FP8 ones in format version 2
+    (every chunk coded: version 3's size guard stores both), and a version 3 BF16 stream
+    whose middle chunk is stored (``bf16-mixed``)."""
     x, mu = realistic_pair(1, 4)
     codes = tile(ALL_CODES, 1, seed=2)
     kv8, mu8 = Fp8KV(codes, SCALES["mixed"]), fp8_mu(codes, SCALES["mixed"], "near")
@@ -88,7 +101,16 @@ def corrupt_base(codecs):
     for mdl in MODELS:
         for name, kv, m, lpc in (("bf16", x, mu, 10), ("fp8", kv8, mu8, 15)):
             recs = both_ways(codecs, kv, ids_for(1), m, 16, lpc, mdl)
+            if name == "fp8":
+                recs = unguarded_records(codecs("numpy", 16, lpc, 2, mdl), kv, ids_for(1), m)
+            h, _ = ct.unpack_header(recs[0])
+            assert not any(ct.is_stored_chunk(h, ct.unpack_chunk(r, h)[0]) for r in recs[1:])
             out[f"{name}-{mdl}"] = (recs, bf16_tensor(m), mdl, lpc)
+    cn = codecs("numpy", 16, 10, 2, "tuned")
+    h = cn.stream_header(True, x.shape, ids_for(1))
+    mixed = [ct.pack_header(h)] + [ct.pack_chunk(c) for c in cn.encode_chunks(h, range(3), x, mu, stored={1})]
+    assert [ct.is_stored_chunk(h, ct.unpack_chunk(r, h)[0]) for r in mixed[1:]] == [False, True, False]
+    out["bf16-mixed"] = (mixed, bf16_tensor(mu), "tuned", 10)
     return _Quiet(out)
 
 
@@ -122,6 +144,8 @@ def _mutate_chunk(c: ct.Chunk, kind: str, a: int, b: int) -> ct.Chunk:
         counts = c.word_counts.copy()
         counts[blk] -= 1
         return replace(c, word_counts=counts, words=np.delete(c.words, pos))
+    if c.n_blocks == 0 and kind in ("word_add", "state", "state_swap"):  # a stored chunk
+        return c
     if kind == "word_add":
         blk = a % c.n_blocks
         pos = int(c.word_counts[: blk + 1].sum()) - b % (int(c.word_counts[blk]) + 1)
@@ -150,7 +174,7 @@ def _mutate_chunk(c: ct.Chunk, kind: str, a: int, b: int) -> ct.Chunk:
     raise ValueError(kind)
 
 
-CORRUPT = ["bf16-tuned", "fp8-seed", "bf16-seed", "fp8-tuned"]  # corrupt_base's streams
+CORRUPT = ["bf16-tuned", "fp8-seed", "bf16-seed", "fp8-tuned", "bf16-mixed"]  # corrupt_base's streams
 MUTATIONS = ["bits_cut", "bits_grow", "bits_byte", "word_drop", "word_add", "word_move", "state", "state_swap"]
 
 

@@ -26,6 +26,7 @@ from native_helpers import (
 
 from speckv.coder import container as ct
 from speckv.coder.codec import Fp8KV
+from speckv.coder.stored import stored_record_len
 
 # NaN / Inf / overflowing inputs are the point here: numpy's warnings are noise
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -57,7 +58,10 @@ def test_token_counts_and_partial_blocks(codecs, T, epl, lpc):
     h, _ = ct.unpack_header(recs[0])
     for i, r in enumerate(recs[1:]):
         c, _ = ct.unpack_chunk(r, h)
-        assert c.n_blocks == h.chunk_blocks(i) == (0 if T == 0 else -(-h.chunk_elements(i) // (32 * epl)))
+        assert h.chunk_blocks(i) == (0 if T == 0 else -(-h.chunk_elements(i) // (32 * epl)))
+        # a chunk the size guard stores has no blocks (both_ways also checks the all-coded version 2 stream)
+        assert c.n_blocks == (0 if ct.is_stored_chunk(h, c) else h.chunk_blocks(i))
+        assert c.record_len <= stored_record_len(h, i)
     codes = tile(ALL_CODES, T, seed=T)
     both_ways(codecs, Fp8KV(codes, SCALES["one"]), ids_for(T), fp8_mu(codes, SCALES["one"], "near"),
               epl, lpc, "seed")

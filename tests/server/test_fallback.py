@@ -1,16 +1,19 @@
-"""Predictor mismatch: a decoder whose predictor computes another mu (here: one bit of
-one scalar flipped, as another GPU or library build would) makes the encoder fall
-back to a stored stream, so the transfer still completes bit-exact; the fallback is
-reported (SubmitResponse, TransferResult), counted on both sides, logged once per peer."""
+"""Per-chunk predictor checks: a decoder whose predictor computes another mu for some
+layers (here: one bit of one scalar flipped in layer SKEW_LAYER, as another GPU or
+library build would) gets only that chunk stored; every other chunk stays coded and
+the transfer stays bit-exact. The stored chunks are reported (SubmitResponse,
+TransferResult), counted on both sides by reason, logged once per peer. And no
+whole-mu gate: chunk 0 reaches the decode engine while both predictors are still
+short of their last layers."""
 from __future__ import annotations
 
 import logging
+import threading
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-import torch
 from sidecars import LoopThread
 
 from speckv.client.client import DecoderClient, EncoderClient
@@ -20,10 +23,11 @@ from speckv.server.config import ServerConfig
 from speckv.server.runtime import Runtime
 
 MODEL = "SmolLM2-135M-Instruct"
+SKEW_LAYER = 5  # in chunk 2 (2 layers per chunk)
 
 
-class SkewedPredictor:
-    """The real predictor with one bit of its mu flipped (same pin, other numerics)."""
+class WrappedPredictor:
+    """The real predictor, its mu passed to ``on_layer`` through ``emit`` (same pin)."""
 
     def __init__(self, inner) -> None:
         self.inner, self.checkpoint, self.model = inner, inner.checkpoint, inner.model
@@ -32,60 +36,94 @@ class SkewedPredictor:
     def pin(self) -> str:
         return self.inner.pin
 
-    def mu(self, ids):
-        m = self.inner.mu(ids).clone()
-        m.view(torch.int16).view(-1)[7] ^= 1
+    def mu(self, ids, on_layer=None):
+        m = self.inner.mu(ids)  # the whole pass first: no lock held while emit waits
+        bits = bf16_bits(m).copy()
+        self.skew(bits)
+        for i in range(bits.shape[0] if on_layer else 0):
+            self.emit(i, bits[i], on_layer)
         return m
+
+    def skew(self, bits: np.ndarray) -> None:
+        pass
+
+    def emit(self, i: int, layer: np.ndarray, on_layer) -> None:
+        on_layer(i, layer)
+
+
+class SkewedPredictor(WrappedPredictor):
+    def skew(self, bits: np.ndarray) -> None:
+        bits[SKEW_LAYER].reshape(-1)[7] ^= 1
+
+
+class GatedPredictor(WrappedPredictor):
+    """Holds every layer from ``hold_from`` on until ``gate`` opens."""
+
+    def __init__(self, inner, gate: threading.Event, hold_from: int) -> None:
+        super().__init__(inner)
+        self.gate, self.hold_from = gate, hold_from
+
+    def emit(self, i: int, layer: np.ndarray, on_layer) -> None:
+        if i >= self.hold_from:
+            self.gate.wait(120)
+        on_layer(i, layer)
+
+
+def _start_pair(loop: LoopThread, enc_predictor, dec_predictor):
+    made = []
+    for role, predictor in (("decoder", dec_predictor), ("encoder", enc_predictor)):
+        config = ServerConfig(role=role, metrics_port=0)
+
+        async def make(config=config, predictor=predictor):
+            s, port = create_server(config, Runtime.from_predictor(predictor, config))
+            await s.start()
+            return s, f"127.0.0.1:{port}"
+        made.append(loop.run(make()))
+    return made
 
 
 @pytest.fixture(scope="module")
 def skewed_pair(embedded_session):
     loop = LoopThread()
-    made = []
-
-    def start(role, predictor):
-        config = ServerConfig(role=role, metrics_port=0)
-
-        async def make():
-            s, port = create_server(config, Runtime.from_predictor(predictor, config))
-            await s.start()
-            return s, f"127.0.0.1:{port}"
-        made.append(loop.run(make()))
-        return made[-1]
-
-    dec = start("decoder", SkewedPredictor(embedded_session.predictor))
-    enc = start("encoder", embedded_session.predictor)
-    yield enc, dec
+    (dec, daddr), (enc, eaddr) = made = _start_pair(loop, embedded_session.predictor,
+                                                    SkewedPredictor(embedded_session.predictor))
+    yield (enc, eaddr), (dec, daddr)
     for s, _ in made:
         loop.run(s.stop(0.1))
     loop.close()
 
 
-def _metric(sidecar, name: str) -> float:
+def _metric(sidecar, name: str, reason: str) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{sidecar.metrics_port}/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and f'reason="{reason}"' in line)
 
 
-def test_mismatch_falls_back_to_stored_and_stays_bit_exact(skewed_pair, embedded_session, caplog):
+def _transfer(eaddr, daddr, rid, kv, ids):
+    with EncoderClient(eaddr) as e, DecoderClient(daddr) as d, ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(d.fetch, rid, 30, 60)
+        res = e.submit(rid, kv, ids, daddr, MODEL, timeout=60)
+        return res, fut.result(60)
+
+
+def test_a_mismatch_sends_only_its_chunk_stored_and_stays_bit_exact(skewed_pair, embedded_session, caplog):
     (enc, eaddr), (dec, daddr) = skewed_pair
     target = embedded_session.target
-    results = []
     with caplog.at_level(logging.WARNING, logger="speckv"):
         for k, text in enumerate(["The predictors disagree by one bit.", "A second transfer to the same peer."]):
             ids = target.tokenize(text)
             kv = target.kv(ids)
-            with EncoderClient(eaddr) as e, DecoderClient(daddr) as d, ThreadPoolExecutor(1) as pool:
-                fut = pool.submit(d.fetch, f"fb-{k}", 30, 60)
-                res = e.submit(f"fb-{k}", kv, ids, daddr, MODEL, timeout=60)
-                back = fut.result(60)
+            res, back = _transfer(eaddr, daddr, f"fb-{k}", kv, ids)
             assert np.array_equal(back, bf16_bits(kv))  # still lossless
-            assert res.fallback is True and res.encoding == "stored"
-            assert res.wire_bytes > res.raw_bytes  # stored: not compressed
-            results.append(res)
-    assert _metric(enc, "speckv_fallbacks_total") == 2 and _metric(dec, "speckv_fallbacks_total") == 2
-    warnings = [r for r in caplog.records if "back to" in r.getMessage() and r.levelno == logging.WARNING]
+            assert (res.fallback, res.encoding, res.stored_chunks, res.chunks) == (True, "speckv", 1, 15), res
+            assert res.wire_bytes < res.raw_bytes / 2  # the other 14 chunks are still coded
+    for side in (enc, dec):
+        assert _metric(side, "speckv_fallbacks_total", "mu_mismatch") == 2
+        assert _metric(side, "speckv_fallbacks_total", "larger_than_stored") == 0
+    warnings = [r for r in caplog.records if "mu" in r.getMessage() and r.levelno == logging.WARNING]
     assert len([r for r in warnings if r.name == "speckv.server.encoder"]) == 1  # once per peer
     assert len([r for r in warnings if r.name == "speckv.server.decoder"]) == 1
+    assert "chunks [2]" in next(r.getMessage() for r in warnings if r.name == "speckv.server.encoder")
 
 
 def test_matching_predictors_do_not_fall_back(sidecars, embedded_session):
@@ -94,10 +132,39 @@ def test_matching_predictors_do_not_fall_back(sidecars, embedded_session):
     try:
         ids = embedded_session.target.tokenize("Same predictor on both sides.")
         kv = embedded_session.target.kv(ids)
-        with EncoderClient(eaddr) as e, DecoderClient(daddr) as d:
-            res = e.submit("nofb", kv, ids, daddr, MODEL, timeout=60)
-            assert np.array_equal(d.fetch("nofb", 30, 60), bf16_bits(kv))
-        assert res.fallback is False and res.encoding == "speckv" and res.wire_bytes < res.raw_bytes / 2
+        res, back = _transfer(eaddr, daddr, "nofb", kv, ids)
+        assert np.array_equal(back, bf16_bits(kv))
+        assert (res.fallback, res.encoding, res.stored_chunks) == (False, "speckv", 0)
+        assert res.wire_bytes < res.raw_bytes / 2
     finally:
         sidecars.stop(enc, 0.1)
         sidecars.stop(dec, 0.1)
+
+
+def test_chunk_zero_is_delivered_before_either_predictor_finishes(embedded_session):
+    # both predictors hold their layers 10.. until the gate opens: with a whole-mu gate
+    # nothing could reach the decode engine before that
+    gate, loop = threading.Event(), LoopThread()
+    p = embedded_session.predictor
+    made = _start_pair(loop, GatedPredictor(p, gate, 10), GatedPredictor(p, gate, 10))
+    (_, daddr), (_, eaddr) = made
+    try:
+        ids = embedded_session.target.tokenize("No chunk waits for the whole mu.")
+        kv = embedded_session.target.kv(ids)
+        with EncoderClient(eaddr) as e, DecoderClient(daddr) as d, ThreadPoolExecutor(2) as pool:
+            sub = pool.submit(lambda: e.submit("nogate", kv, ids, daddr, MODEL, timeout=60))
+            layers = d.fetch_layers("nogate", 30, 60)
+            first = next(layers)
+            assert not gate.is_set() and not sub.done()  # both predictors are held at layer 10
+            gate.set()
+            rest = list(layers)
+            res = sub.result(60)
+        assert res.stored_chunks == 0 and [first[0]] + [r[0] for r in rest] == list(range(kv.shape[0]))
+        # the encoder waited for the held layers' mu, and says so
+        assert 0 < res.mu_wait_seconds < res.total_seconds and 0 <= res.wire_wait_seconds < res.total_seconds
+        assert np.array_equal(first[1], bf16_bits(kv)[0])
+    finally:
+        gate.set()
+        for s, _ in made:
+            loop.run(s.stop(0.1))
+        loop.close()

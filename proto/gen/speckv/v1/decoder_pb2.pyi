@@ -42,16 +42,18 @@ class TransferHeader(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., predictor_pin: _Optional[bytes] = ..., model_id: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ..., shape: _Optional[_Union[_common_pb2.KVShape, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., header_record: _Optional[bytes] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("index", "record", "byte_offset", "record_bytes")
+    __slots__ = ("index", "record", "byte_offset", "record_bytes", "stored_reason")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     RECORD_FIELD_NUMBER: _ClassVar[int]
     BYTE_OFFSET_FIELD_NUMBER: _ClassVar[int]
     RECORD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORED_REASON_FIELD_NUMBER: _ClassVar[int]
     index: int
     record: bytes
     byte_offset: int
     record_bytes: int
-    def __init__(self, index: _Optional[int] = ..., record: _Optional[bytes] = ..., byte_offset: _Optional[int] = ..., record_bytes: _Optional[int] = ...) -> None: ...
+    stored_reason: str
+    def __init__(self, index: _Optional[int] = ..., record: _Optional[bytes] = ..., byte_offset: _Optional[int] = ..., record_bytes: _Optional[int] = ..., stored_reason: _Optional[str] = ...) -> None: ...
 
 class TransferTrailer(_message.Message):
     __slots__ = ("raw_digest", "raw_bytes")
@@ -90,7 +92,7 @@ class ChunkAck(_message.Message):
     def __init__(self, index: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class TransferResult(_message.Message):
-    __slots__ = ("status", "raw_bytes", "wire_bytes", "chunks", "predictor_seconds", "decode_seconds", "total_seconds", "encoding", "fallback")
+    __slots__ = ("status", "raw_bytes", "wire_bytes", "chunks", "predictor_seconds", "decode_seconds", "total_seconds", "encoding", "fallback", "stored_chunks", "mu_wait_seconds")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +102,8 @@ class TransferResult(_message.Message):
     TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    STORED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    MU_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     status: _common_pb2.Status
     raw_bytes: int
     wire_bytes: int
@@ -109,13 +113,17 @@ class TransferResult(_message.Message):
     total_seconds: float
     encoding: str
     fallback: bool
-    def __init__(self, status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., predictor_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., encoding: _Optional[str] = ..., fallback: _Optional[bool] = ...) -> None: ...
+    stored_chunks: int
+    mu_wait_seconds: float
+    def __init__(self, status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., predictor_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., encoding: _Optional[str] = ..., fallback: _Optional[bool] = ..., stored_chunks: _Optional[int] = ..., mu_wait_seconds: _Optional[float] = ...) -> None: ...
 
 class PredictorCheck(_message.Message):
-    __slots__ = ("mu_digest",)
+    __slots__ = ("mu_digest", "chunk_index")
     MU_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     mu_digest: bytes
-    def __init__(self, mu_digest: _Optional[bytes] = ...) -> None: ...
+    chunk_index: int
+    def __init__(self, mu_digest: _Optional[bytes] = ..., chunk_index: _Optional[int] = ...) -> None: ...
 
 class TransferResponse(_message.Message):
     __slots__ = ("chunk_ack", "result", "predictor")

@@ -48,7 +48,7 @@ class SubmitRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[SubmitHeader, _Mapping]] = ..., layer: _Optional[_Union[_common_pb2.KVLayer, _Mapping]] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
-    __slots__ = ("status", "raw_bytes", "wire_bytes", "chunks", "predictor_seconds", "encode_seconds", "transfer_seconds", "total_seconds", "message_bytes", "encoding", "fallback")
+    __slots__ = ("status", "raw_bytes", "wire_bytes", "chunks", "predictor_seconds", "encode_seconds", "transfer_seconds", "total_seconds", "message_bytes", "encoding", "fallback", "stored_chunks", "mu_wait_seconds", "wire_wait_seconds")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,9 @@ class SubmitResponse(_message.Message):
     MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    STORED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    MU_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     status: _common_pb2.Status
     raw_bytes: int
     wire_bytes: int
@@ -71,4 +74,7 @@ class SubmitResponse(_message.Message):
     message_bytes: int
     encoding: str
     fallback: bool
-    def __init__(self, status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., predictor_seconds: _Optional[float] = ..., encode_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., message_bytes: _Optional[int] = ..., encoding: _Optional[str] = ..., fallback: _Optional[bool] = ...) -> None: ...
+    stored_chunks: int
+    mu_wait_seconds: float
+    wire_wait_seconds: float
+    def __init__(self, status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., predictor_seconds: _Optional[float] = ..., encode_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., message_bytes: _Optional[int] = ..., encoding: _Optional[str] = ..., fallback: _Optional[bool] = ..., stored_chunks: _Optional[int] = ..., mu_wait_seconds: _Optional[float] = ..., wire_wait_seconds: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,107 @@
+"""The predictor's mu of one prompt, layer by layer, as the forward pass produces it.
+
+Lifecycle: ``LayerMu.start(predictor, ids, shape)`` runs the predictor in a
+worker thread; each decoder layer's mu lands in ``bits`` (filled in place) the
+moment that layer has run, so a sidecar codes or decodes chunk i (and checks its
+mu digest with the peer) while the predictor still computes the later layers:
+no whole-mu gate. ``await upto(n)`` waits for layers ``[0, n)``;
+``stop()`` ends the pass at its next layer (a cancelled transfer stops paying for
+its predictor). The first error (the predictor's, or the stop) is raised by every
+later ``upto``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from speckv.digests import digest
+
+if TYPE_CHECKING:  # pragma: no cover
+    from speckv.predictor.predict import Predictor
+
+
+PREDICTOR_TASK = "speckv-predictor"  # the name of every LayerMu task (a stopping sidecar waits for them)
+
+
+class PredictorStopped(Exception):
+    """Raised inside the forward pass (from a layer hook) once ``LayerMu.stop`` was called."""
+
+
+class LayerMu:
+    """mu ``(layers, 2, kv_heads, tokens, head_dim)`` BF16 bits, arriving layer by layer."""
+
+    def __init__(self, shape: tuple[int, ...], loop: asyncio.AbstractEventLoop) -> None:
+        self.bits = np.zeros(shape, np.uint16)  # layers >= count are not computed yet
+        self.count = 0  # layers ready
+        self.seconds = 0.0  # the whole pass, once it ended
+        self.error: BaseException | None = None
+        self._loop = loop
+        self._changed = asyncio.Event()
+        self._stopped = False
+        self.task: asyncio.Future | None = None
+
+    @classmethod
+    def start(cls, predictor: "Predictor", ids: np.ndarray, shape: tuple[int, ...]) -> "LayerMu":
+        mu = cls(shape, asyncio.get_running_loop())
+        mu.task = asyncio.get_running_loop().create_task(asyncio.to_thread(mu._run, predictor, ids),
+                                                         name=PREDICTOR_TASK)
+        mu.task.add_done_callback(mu._ended)
+        return mu
+
+    def _run(self, predictor: "Predictor", ids: np.ndarray) -> None:
+        t0 = time.perf_counter()
+
+        def on_layer(i: int, bits: np.ndarray) -> None:  # NOTE: on the worker thread
+            if self._stopped:
+                raise PredictorStopped("the transfer no longer needs this predictor pass")
+            self.bits[i] = bits
+            self._loop.call_soon_threadsafe(self._advance, i + 1)
+        predictor.mu(ids, on_layer)
+        self.seconds = time.perf_counter() - t0
+
+    def _advance(self, count: int) -> None:
+        self.count = max(self.count, count)
+        self._notify()
+
+    def _ended(self, task: "asyncio.Future[Any]") -> None:
+        err = PredictorStopped("cancelled") if task.cancelled() else task.exception()
+        if err is None and self.count < self.bits.shape[0]:
+            err = RuntimeError(f"the predictor produced {self.count} of {self.bits.shape[0]} layers")
+        if err is not None and self.error is None:
+            self.error = err
+        self._notify()
+
+    def _notify(self) -> None:
+        ev, self._changed = self._changed, asyncio.Event()
+        ev.set()
+
+    async def upto(self, n: int) -> np.ndarray:
+        """``bits`` once layers ``[0, n)`` exist (raises the predictor's error, if any)."""
+        while self.count < n:
+            if self.error is not None:
+                raise self.error
+            await self._changed.wait()
+        return self.bits
+
+    async def digest_of(self, start: int, stop: int) -> bytes:
+        """blake2b-128 of layers ``[start, stop)`` of mu (the per-chunk PredictorCheck)."""
+        bits = await self.upto(stop)
+        return digest(bits[start:stop])
+
+    async def done(self) -> float:
+        """Wait for the whole pass; its seconds."""
+        await self.upto(self.bits.shape[0])
+        if self.task is not None:
+            await asyncio.shield(self.task)
+        return self.seconds
+
+    def stop(self) -> None:
+        """End the pass at its next layer (idempotent); waiting callers get PredictorStopped."""
+        self._stopped = True
+        if self.error is None and self.count < self.bits.shape[0]:
+            self.error = PredictorStopped("the transfer ended before its predictor")
+            self._notify()
