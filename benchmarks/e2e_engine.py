@@ -69,26 +69,37 @@ def submit_stream(header: epb.SubmitHeader, n_layers: int, layers: "queue.Queue[
             yield epb.SubmitRequest(layer=part)
 
 
+def variant(ids: np.ndarray, v: int, vocab: int) -> np.ndarray:
+    """Prompt variant ``v`` (0: the prompt itself): the first token shifted by ``v``, so every
+    later position's KV (and mu) differs too and no sidecar's mu cache can hit; same length."""
+    out = ids.copy()
+    out[0] = (int(ids[0]) + v) % vocab
+    return out
+
+
 class Prefill:
     def __init__(self, args: argparse.Namespace, target: Target, ids: np.ndarray) -> None:
         self.args, self.target, self.ids = args, target, ids
         self.enc = EncoderClient(args.encoder, timeout=TIMEOUT)
         self.pool = ThreadPoolExecutor(1)
-        self.kv = hooked_prefill(target, ids, lambda i, b: None)
-        self.matches = sha256(self.kv) == sha256(bf16_bits(target.kv(ids)))
+        self.kvs = {0: hooked_prefill(target, ids, lambda i, b: None)}  # by variant, for stream=False
+        self.matches = sha256(self.kvs[0]) == sha256(bf16_bits(target.kv(ids)))
 
-    def header(self, rid: str, encoding: str, shape: pb.KVShape) -> epb.SubmitHeader:
+    def header(self, rid: str, encoding: str, shape: pb.KVShape, ids: np.ndarray) -> epb.SubmitHeader:
         return epb.SubmitHeader(request_id=rid, decoder_address=self.args.decoder, model_id=self.target.name,
-                                dtype=pb.DTYPE_BF16, shape=shape, prompt_token_ids=[int(t) for t in self.ids],
+                                dtype=pb.DTYPE_BF16, shape=shape, prompt_token_ids=[int(t) for t in ids],
                                 encoding=ENCODINGS[encoding])
 
     def run(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        ids = variant(self.ids, cmd.get("variant", 0), self.target.config.vocab_size)
+        if not cmd["stream"] and cmd.get("variant", 0) not in self.kvs:  # prefilled before the clock starts
+            self.kvs[cmd["variant"]] = hooked_prefill(self.target, ids, lambda i, b: None)
         layers: queue.Queue[np.ndarray] = queue.Queue()
         L = len(self.target.model.model.layers)
         cfg = self.target.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        shape = kv_shape((L, 2, cfg.num_key_value_heads, len(self.ids), head_dim))
-        reqs = submit_stream(self.header(cmd["rid"], cmd["encoding"], shape), L, layers, shape)
+        shape = kv_shape((L, 2, cfg.num_key_value_heads, len(ids), head_dim))
+        reqs = submit_stream(self.header(cmd["rid"], cmd["encoding"], shape, ids), L, layers, shape)
         out: dict[str, Any] = {}
         t0 = time.monotonic()
         fut = self.pool.submit(self.enc.stub.Submit, reqs, timeout=TIMEOUT)  # header goes out now
@@ -96,9 +107,9 @@ class Prefill:
             def put(i: int, bits: np.ndarray) -> None:
                 out.setdefault("first_layer_out", time.monotonic())
                 layers.put(bits)
-            kv = hooked_prefill(self.target, self.ids, put)
+            kv = hooked_prefill(self.target, ids, put)
         else:
-            kv = self.kv
+            kv = self.kvs[cmd.get("variant", 0)]
             for layer in kv:
                 layers.put(layer)
         out["prefill_s"] = time.monotonic() - t0
@@ -160,7 +171,8 @@ class Fetch:
     def recompute(self, cmd: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         t0 = time.monotonic()
-        kv = hooked_prefill(self.target, self.ids, lambda i, b: out.setdefault("first", time.monotonic()))
+        ids = variant(self.ids, cmd.get("variant", 0), self.target.config.vocab_size)
+        kv = hooked_prefill(self.target, ids, lambda i, b: out.setdefault("first", time.monotonic()))
         prefill_s = time.monotonic() - t0
         ok = sha256(kv) == wait_expect(cmd["expect"])
         return {**out, "t0": t0, "done": time.monotonic(), "lossless": ok, "prefill_s": prefill_s}

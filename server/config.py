@@ -46,6 +46,7 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"
     max_inflight_bytes: int = 1 << 30  # KV bytes buffered by all transfers together
     max_transfers: int = 64  # concurrent transfers (each also holds its predictor mu)
+    mu_cache_bytes: int = 256 << 20  # finished predictor passes kept by prompt (server/mu_cache.py); 0 = off
     max_tokens: int | None = None  # prompt length limit per transfer; None = the served model's context
     message_bytes: int = PART_BYTES  # largest payload per gRPC message (parts)
     max_receive_bytes: int = MAX_MESSAGE_BYTES  # gRPC max receive message length
@@ -75,6 +76,8 @@ class ServerConfig:
             raise ValueError(f"listen must be HOST:PORT, not {self.listen!r}")
         if not -1 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be -1 (off), 0 (ephemeral) or a port, not {self.metrics_port}")
+        if self.mu_cache_bytes < 0:
+            raise ValueError(f"mu_cache_bytes must be >= 0, not {self.mu_cache_bytes}")
         if not 64 * 1024 <= self.message_bytes <= self.max_receive_bytes - 64 * 1024:
             raise ValueError("message_bytes must be >= 64 KiB and leave 64 KiB of max_receive_bytes "
                              "for framing")
@@ -158,6 +161,8 @@ FIELDS = (
     _field("metrics_host", str, "Prometheus /metrics bind address"),
     _field("max_inflight_bytes", _bytes, "cap on buffered KV bytes (e.g. 1Gi)"),
     _field("max_transfers", int, "cap on concurrent transfers"),
+    _field("mu_cache_bytes", _bytes, "predictor passes kept by exact prompt for retries and repeats (e.g. "
+                                     "256Mi; 0 = off)"),
     _field("max_tokens", int, "prompt length limit per transfer, at most the model's context "
                               "(default: the context, its config's max_position_embeddings)"),
     _field("message_bytes", _bytes, "largest payload per gRPC message"),

@@ -36,6 +36,7 @@ from .config import ServerConfig
 from .inbox import await_or_fail, events, mu_checks
 from .layer_mu import LayerMu
 from .metrics import Metrics
+from .mu_cache import MuCache
 from .runtime import Runtime
 from .transfers import DecoderTransfer, S, TransferTable, check_request_id
 
@@ -48,6 +49,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
         self.table = TransferTable(config.max_transfers, config.lease_s)
         self._fallback_peers: set[str] = set()
         self.allow = parse_allow(config.allow)
+        self.mu_cache = MuCache(config.mu_cache_bytes)
 
     # -- Transfer -----------------------------------------------------------
     async def Transfer(self, request_iterator: AsyncIterator[dpb.TransferRequest],
@@ -132,14 +134,16 @@ class DecoderService(dgrpc.DecoderServiceServicer):
         speckv stream, run the predictor and send each chunk's PredictorCheck as soon as its
         layers' mu exists (the encoder codes that chunk under the predictor only if it matches)."""
         queue: asyncio.Queue[tuple[ct.Chunk, int] | None] = asyncio.Queue()
-        mu = None if h.model == ct.MODEL_STORED else self.rt.mu_layers(ids)
+        mu, t.mu_hit = (None, False) if h.model == ct.MODEL_STORED else self.mu_cache.take(self.rt, ids)
+        if mu is not None:
+            self.metrics.mu_cache(t.mu_hit)
         t.encoding = labels[1]
         worker = asyncio.ensure_future(self._decode_loop(t, h, mu, queue, labels))
         asm = RecordAssembler(h.n_chunks, min(ct.MAX_CHUNK_BYTES, self.budget.limit))
         trailer = None
         try:
             inbox = contextlib.aclosing(events(it, None if mu is None else mu_checks(h, mu), worker, t))
-            async with inbox as reqs:  # NOTE: closed here, before mu.stop() below, never left to the GC
+            async with inbox as reqs:  # NOTE: closed here, before give_back(mu) below, never left to the GC
                 async for req in reqs:
                     if isinstance(req, dpb.TransferResponse):  # this side's PredictorCheck
                         yield req
@@ -162,7 +166,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
             await self._finish(t, h, asm, trailer, queue, worker, mu)
         finally:
             if mu is not None:
-                mu.stop()  # NOTE: no-op once complete; else the pass ends at its next layer
+                self.mu_cache.give_back(mu)  # NOTE: a pass no transfer needs stops at its next layer
             if not worker.done():
                 worker.cancel()
             elif not worker.cancelled():
@@ -185,8 +189,8 @@ class DecoderService(dgrpc.DecoderServiceServicer):
             raise TransferDigestError(f"transfer {t.request_id!r}: whole-transfer digest does not match "
                                       f"({t.digest.raw_bytes} raw bytes decoded, {trailer.raw_bytes} sent)")
         t.verified = t.digest.digest()
-        if mu is not None and mu.count == h.shape[0]:
-            t.predictor_s = await mu.done()
+        if mu is not None and mu.count == h.shape[0] and not t.mu_hit:
+            t.predictor_s = await mu.done()  # a cached pass cost this transfer nothing
             self.metrics.seconds("predictor", t.predictor_s)
             self.metrics.seconds("mu_wait", t.mu_wait_s)
         await t.end(S.TRANSFER_STATE_READY)

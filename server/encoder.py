@@ -44,6 +44,7 @@ from .budget import ByteBudget, Holding
 from .config import ServerConfig
 from .layer_mu import LayerMu
 from .metrics import Metrics
+from .mu_cache import MuCache
 from .runtime import Runtime
 from .tls import KEEPALIVE, channel_credentials
 from .transfers import check_request_id
@@ -72,6 +73,7 @@ class _Job:
     stored_chunks: int = 0  # chunks of a speckv stream sent stored (mismatch or size guard)
     mu_wait_s: float = 0.0  # the sender waiting for mu (ours, or the decoder's check)
     wire_wait_s: float = 0.0  # inside call.write: flow control
+    mu_hit: bool = False  # mu came from the cache (or a pass another transfer started)
     digest: KVDigest = field(default_factory=KVDigest)  # whole-transfer digest, layer by layer
 
 
@@ -92,6 +94,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
         self._fallback_peers: set[str] = set()
         self._per_peer: dict[str, int] = {}
         self.allow = parse_allow(config.allow)
+        self.mu_cache = MuCache(config.mu_cache_bytes)
         self.active = 0
 
     async def close(self) -> None:
@@ -163,7 +166,9 @@ class EncoderService(egrpc.EncoderServiceServicer):
 
     async def _run(self, job: _Job, it: AsyncIterator, context: grpc.aio.ServicerContext,
                    t0: float) -> epb.SubmitResponse:
-        mu = None if job.h.model == ct.MODEL_STORED else self.rt.mu_layers(job.ids)
+        mu, job.mu_hit = (None, False) if job.h.model == ct.MODEL_STORED else self.mu_cache.take(self.rt, job.ids)
+        if mu is not None:
+            self.metrics.mu_cache(job.mu_hit)
         call = self._open(job, context)
         queue: asyncio.Queue[int | None] = asyncio.Queue()
         checks = _Checks(job.h.n_chunks)  # the decoder's per-chunk mu digests
@@ -195,7 +200,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
                 if not f.done():
                     f.cancel()
             if mu is not None:
-                mu.stop()  # NOTE: a failed transfer stops paying for its predictor at the next layer
+                self.mu_cache.give_back(mu)  # NOTE: a pass no transfer needs stops at its next layer
         self.metrics.seconds("encode", job.encode_s)
         self.metrics.seconds("wire_wait", job.wire_wait_s)
         if mu is not None:
@@ -269,8 +274,8 @@ class EncoderService(egrpc.EncoderServiceServicer):
                 reason = "" if not stored or job.h.model == ct.MODEL_STORED else \
                     "mu_mismatch" if i in mismatched else "larger_than_stored"
                 await self._send(job, call, i, rec, lb * job.h.chunk_layers(i)[1], reason)
-        if mu is not None and mu.count == job.h.shape[0]:
-            job.predictor_s = await mu.done()
+        if mu is not None and mu.count == job.h.shape[0] and not job.mu_hit:
+            job.predictor_s = await mu.done()  # a cached pass cost this transfer nothing
             self.metrics.seconds("predictor", job.predictor_s)
 
     async def _mismatched(self, job: _Job, mu: LayerMu, batch: list[int], checks: "_Checks") -> set[int]:

@@ -67,6 +67,10 @@ class Metrics:
                                  ("role", "model", "reason"), registry=r)
         for reason in FALLBACK_REASONS:  # NOTE: known series exist at 0 from the start
             self.fallbacks.labels(role, model, reason)
+        self.mu_cache_lookups = Counter("speckv_mu_cache_lookups_total",
+                                        "Predictor passes looked up by prompt: hit (cached or shared with a "
+                                        "transfer in flight) or miss (a new pass).", ("role", "model", "result"),
+                                        registry=r)
         self.inflight_transfers = Gauge("speckv_inflight_transfers", "Transfers in progress.",
                                         ("role", "model"), registry=r)
         self.inflight_bytes = Gauge("speckv_inflight_bytes", "KV bytes buffered by transfers in progress.",
@@ -95,6 +99,9 @@ class Metrics:
 
     def seconds(self, stage: str, value: float) -> None:
         self.stage_seconds[stage].labels(self.role, self.model).observe(value)
+
+    def mu_cache(self, hit: bool) -> None:
+        self.mu_cache_lookups.labels(self.role, self.model, "hit" if hit else "miss").inc()
 
     def fallback(self, reason: str) -> None:
         self.fallbacks.labels(self.role, self.model, reason).inc()

@@ -83,6 +83,8 @@ def test_rows_are_lossless_and_sane(report):
 def test_loopback_and_break_even(report):
     lb = report["loopback"]
     assert lb["stored_raw_MBps"] > 0 and lb["speckv_raw_MBps"] > 0 and lb["stored_lossless"] and lb["speckv_lossless"]
+    # the warm transfer ran no predictor on either side; the cold one ran both
+    assert lb["speckv_mu_cached"] is True and lb["speckv_cold_mu_cached"] is False and lb["speckv_cold_lossless"]
     assert report["break_even_mbit"] is None or report["break_even_mbit"] > 0
 
 

@@ -242,12 +242,13 @@ def test_metric_names_exist_in_the_exposition(dashboard, local_pair):
 # -- live: real Prometheus, real transfers -----------------------------------------------
 
 def _one_round(pair, n: int, ids, kv, bits, codec, pin: bytes, sh) -> None:
-    """Two good transfers (speckv, stored; fetched), one refused, one corrupted in transit."""
+    """Three good transfers (speckv twice: its mu is a miss, then a hit; stored; all fetched),
+    one refused, one corrupted in transit. Each round has its own prompt: a predictor pass."""
     from speckv.client.client import DecoderClient, EncoderClient, RpcFailed
 
     with EncoderClient(pair.encoder_address, timeout=60) as enc, DecoderClient(pair.decoder_address, timeout=60) as dec:
-        for encoding in ("speckv", "stored"):
-            rid = f"dash-{encoding}-{n}"
+        for k, encoding in enumerate(("speckv", "speckv", "stored")):
+            rid = f"dash-{encoding}-{n}-{k}"
             res = enc.submit(rid, kv, ids, pair.decoder_address, MODEL, encoding=encoding)
             assert res.raw_bytes == bits.nbytes
             assert np.array_equal(dec.fetch(rid, wait=10), bits)
@@ -264,8 +265,8 @@ def _one_round(pair, n: int, ids, kv, bits, codec, pin: bytes, sh) -> None:
 
 
 def _expected_counts(rounds: int) -> dict[tuple[str, str], float]:
-    return {("encoder", "ok"): 2.0 * rounds, ("encoder", "failed_precondition"): 1.0 * rounds,
-            ("decoder", "ok"): 2.0 * rounds, ("decoder", "data_loss"): 1.0 * rounds}
+    return {("encoder", "ok"): 3.0 * rounds, ("encoder", "failed_precondition"): 1.0 * rounds,
+            ("decoder", "ok"): 3.0 * rounds, ("decoder", "data_loss"): 1.0 * rounds}
 
 
 def _counts(prom: Prometheus) -> dict[tuple[str, str], float]:
@@ -281,11 +282,11 @@ def test_every_expression_on_real_prometheus(dashboard, local_pair, embedded_ses
     binary("prometheus")  # skip (or fail) before any transfer when it is missing
     sh = _server_helpers()
     pair = local_pair
-    ids = embedded_session.target.tokenize("Hello world, this is a test of the dashboard's sidecars.")
-    kv = embedded_session.target.kv(ids)
     from speckv.coder.codec import bf16_bits
 
-    bits = bf16_bits(kv)
+    prompts = {n: embedded_session.target.tokenize(f"Hello world, round {n} of a test of the dashboard's sidecars.")
+               for n in (1, 2)}
+    kvs = {n: embedded_session.target.kv(ids) for n, ids in prompts.items()}
     codec = pair.sidecars["decoder"][0].service.rt.codec
     pin = bytes.fromhex(embedded_session.predictor.pin)
     targets = [pair.metrics_url(r).removeprefix("http://").removesuffix("/metrics") for r in ("encoder", "decoder")]
@@ -293,7 +294,7 @@ def test_every_expression_on_real_prometheus(dashboard, local_pair, embedded_ses
     with Prometheus(tmp_path, targets, {"namespace": NAMESPACE}) as prom:
         try:
             for n in (1, 2):  # two rounds, each seen by a scrape: every counter increases inside the window
-                _one_round(pair, n, ids, kv, bits, codec, pin, sh)
+                _one_round(pair, n, prompts[n], kvs[n], bf16_bits(kvs[n]), codec, pin, sh)
                 wait_until(lambda n=n: _counts(prom) == _expected_counts(n), 20,
                            f"Prometheus to scrape round {n}: {_expected_counts(n)}")
             done = time.time()

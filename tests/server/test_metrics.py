@@ -100,7 +100,11 @@ def test_outcomes_timings_and_gauges(measured, role):
     # the encoder refused the unknown model itself; the decoder never saw it
     assert delta("speckv_transfers_total", outcome="failed_precondition") == (1 if role == "encoder" else 0)
     assert delta("speckv_transfer_seconds_count") == n
-    assert delta("speckv_predictor_seconds_count") == 3  # not for the stored transfer
+    # three speckv transfers of one prompt (BF16 twice, FP8 once): one predictor pass, then the
+    # mu cache; none for the stored transfer
+    assert delta("speckv_predictor_seconds_count") == 1
+    assert (delta("speckv_mu_cache_lookups_total", result="miss"),
+            delta("speckv_mu_cache_lookups_total", result="hit")) == (1, 2)
     stage = "encode" if role == "encoder" else "decode"
     assert delta(f"speckv_{stage}_seconds_count") == n
     assert delta("speckv_first_layer_seconds_count") == (n if role == "decoder" else 0)

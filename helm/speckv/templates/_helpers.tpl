@@ -130,6 +130,8 @@ seccompProfile:
   value: {{ $v.config.maxInflightBytes | quote }}
 - name: SPECKV_MAX_TRANSFERS
   value: {{ $v.config.maxTransfers | int | quote }}
+- name: SPECKV_MU_CACHE_BYTES
+  value: {{ $v.config.muCacheBytes | quote }}
 - name: SPECKV_GRACE_S
   value: {{ $v.config.graceSeconds | toString | quote }}
 - name: SPECKV_LEASE_S
