@@ -39,7 +39,8 @@ DEFAULT_TEXT = Path(__file__).resolve().parents[1].parent / "shared" / "corpus" 
 def start(role: str) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen([sys.executable, "-m", "speckv.cli.main", "serve", role, "--listen", "127.0.0.1:0",
                              "--metrics-port", "-1"], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "SPECKV_MAX_INFLIGHT_BYTES": "1Gi"})
+                            # NOTE: mu cache off: every repeat of the one prompt runs both predictors
+                            env={**os.environ, "SPECKV_MAX_INFLIGHT_BYTES": "1Gi", "SPECKV_MU_CACHE_BYTES": "0"})
     assert proc.stdout is not None
     for line in proc.stdout:
         m = re.search(r"listening on port (\d+)", line)
