@@ -65,6 +65,10 @@ def _parser() -> argparse.ArgumentParser:
                        "if present, else a built-in text)")
     bench.add_argument("--tokens", type=_positive, default=2048)
     bench.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
+    bench.add_argument("--engine", choices=("sdpa", "eager"), default="sdpa",
+                       help="where the coded KV comes from: sdpa (the sidecars' own kernels) or eager "
+                            "(eager attention: KV differing in its last bits, as another engine's would); "
+                            "the predictor stays as shipped")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--model", choices=("auto", "seed", "tuned"), default="auto",
                        help="residual model: seed (the published static mixture), tuned (affine mu "
@@ -100,7 +104,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="do not write the FP8 weights; derive them from the target at load time")
     build.add_argument("--rung", default="fp8",
                        help="predictor ladder rung: fp8 (FP8 copy, default), hybrid:K (the target's first K "
-                            "layers in BF16, then the FP8 copy) or none (per-channel calibration means)")
+                            "layers in BF16, then the FP8 copy), early:K (the target's first K layers, then "
+                            "each later layer's K/V projected from layer K's hidden state) or none "
+                            "(per-channel calibration means)")
     info = psub.add_parser("info", help="verify a checkpoint and print its pin")
     info.add_argument("dir")
     info.add_argument("--pin", default=None)
@@ -198,7 +204,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import print_report, run_bench
 
     rep = run_bench(args.text, args.tokens, args.dtype, args.target, args.predictor, args.pin, quiet=args.json,
-                    coder=args.coder, model=args.model, timing_runs=args.timing_runs, threads=args.threads)
+                    coder=args.coder, model=args.model, timing_runs=args.timing_runs, threads=args.threads,
+                    engine=args.engine)
     if args.json:
         print(json.dumps(rep))
     else:

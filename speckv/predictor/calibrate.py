@@ -24,7 +24,6 @@ from speckv.coder.residual import TUNED_MIXTURE, AffineFit
 from speckv.coder.tables import SIGMA_ONE, build_tables
 from speckv.errors import CalibrationError
 
-from .checkpoint import fp8_state
 from .fp8 import kv_to_fp8
 from .ladder import (
     MEANS,
@@ -37,7 +36,7 @@ from .ladder import (
     save_means,
     weights_quant,
 )
-from .predict import build_model
+from .predict import build_model, predictor_kv, rung_state
 from .store import (
     CALIB,
     CONFIG,
@@ -52,7 +51,7 @@ from .store import (
     state_digest,
     write_manifest,
 )
-from .target import CANARY_TOKENS, COMPUTE_THREADS, Target, extract_kv, numeric_env
+from .target import CANARY_TOKENS, COMPUTE_THREADS, Target, numeric_env
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -170,7 +169,7 @@ def build_checkpoint(target: "Target", calib_text: Path, out: Path, *, tokens: i
     """Write a predictor checkpoint for ``target`` into ``out``; returns the pin."""
     ladder = parse_rung(rung, target.config.num_hidden_layers)
     out.mkdir(parents=True, exist_ok=True)
-    state = fp8_state(target.state, ladder) if ladder.has_model else None
+    state = rung_state(target.state, ladder) if ladder.has_model else None
     config = target.config.to_dict()
     for volatile in VOLATILE_CONFIG_KEYS:  # where the model was loaded from is not what it is
         config.pop(volatile, None)
@@ -180,8 +179,8 @@ def build_checkpoint(target: "Target", calib_text: Path, out: Path, *, tokens: i
     if state is None:
         calib = calibrate_none(target, segs, out, progress)
     else:
-        model = build_model(type(target.config).from_dict(config), state)
-        calib = calibrate(target, lambda s: extract_kv(model, s), segs, progress)
+        model = build_model(type(target.config).from_dict(config), state, ladder)
+        calib = calibrate(target, lambda s: predictor_kv(model, s), segs, progress)
     calib.save(out / CALIB)
     save_npz_stable(out / TABLES, coding_tables(calib))
     files = {name: sha256_file(out / name) for name in (CALIB, CONFIG, TABLES)}

@@ -12,11 +12,18 @@ manifest without the field is ``fp8``, so the shipped default keeps its pin):
   The predictor weights hold those layers' BF16 linears instead of e4m3 ones,
   so the manifest's weight digest covers them. ``hybrid:L`` (L = all layers) is
   the target itself (0 residual, twice the prefill).
+- ``early:k``: the target's own first ``k`` decoder layers in BF16 (exactly as
+  ``target.py`` runs them), then, for every later layer l, only its input norm,
+  K/V projections and RoPE applied to the hidden state after layer ``k``
+  (``early.py``): an early exit. Layers ``<= k`` of mu equal the target's KV bit
+  for bit on the same machine (layer k's input is that hidden state); the later
+  layers' mu is what layer l would hold if the layers between did nothing. Weights: the target's BF16 tensors it uses.
 - ``none``: no model: mu is a per-(layer, kv, head, channel) constant, the
   calibration mean of the target's KV rounded to BF16, stored in ``means.npz``.
 
 Nominal cost, in BF16 prefills, counts an FP8 layer as half a BF16 layer (as
-on an FP8 tensor-core GPU): ``(k + (L - k) / 2) / L``; ``none`` costs 0.
+on an FP8 tensor-core GPU): ``(k + (L - k) / 2) / L``; ``early:k``
+``(k + EARLY_TAIL_COST (L - k)) / L``; ``none`` costs 0.
 """
 
 from __future__ import annotations
@@ -37,11 +44,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .target import Target
 
-FP8, NONE, HYBRID = "fp8", "none", "hybrid"
+FP8, NONE, HYBRID, EARLY = "fp8", "none", "hybrid", "early"
 MEANS = "means.npz"  # rung none: the BF16 bit patterns of the per-channel means
 MEANS_KEY = "mean_bf16"
-KINDS = {FP8: "fp8-copy", HYBRID: "hybrid-bf16-fp8", NONE: "channel-mean"}
-_HYBRID_RE = re.compile(r"hybrid:([0-9]{1,4})")
+KINDS = {FP8: "fp8-copy", HYBRID: "hybrid-bf16-fp8", NONE: "channel-mean", EARLY: "early-exit"}
+_KRUNG_RE = re.compile(r"(hybrid|early):([0-9]{1,4})")
+# early:k's later layers run only their input norm and K/V projections: per token 2*h*2*kv of a
+# decoder layer's ~2*(h*(q + 2*kv) + q*h + 3*h*i) multiply-adds (SmolLM2-135M: 221,184 of 3,538,944)
+EARLY_TAIL_COST = 0.0625
 
 
 @dataclass(frozen=True)
@@ -53,7 +63,7 @@ class Rung:
 
     @property
     def name(self) -> str:
-        return f"{HYBRID}:{self.bf16_layers}" if self.kind == HYBRID else self.kind
+        return f"{self.kind}:{self.bf16_layers}" if self.kind in (HYBRID, EARLY) else self.kind
 
     @property
     def has_model(self) -> bool:
@@ -63,7 +73,8 @@ class Rung:
         """Predictor cost in BF16 prefills, an FP8 layer counted as half a BF16 one."""
         if self.kind == NONE:
             return 0.0
-        return (self.bf16_layers + 0.5 * (layers - self.bf16_layers)) / layers
+        tail = EARLY_TAIL_COST if self.kind == EARLY else 0.5
+        return (self.bf16_layers + tail * (layers - self.bf16_layers)) / layers
 
 
 def parse_rung(text: Any, layers: int) -> Rung:
@@ -72,13 +83,13 @@ def parse_rung(text: Any, layers: int) -> Rung:
         return Rung(FP8)
     if text == NONE:
         return Rung(NONE)
-    m = _HYBRID_RE.fullmatch(text) if isinstance(text, str) else None
+    m = _KRUNG_RE.fullmatch(text) if isinstance(text, str) else None
     if m is None:
-        raise CheckpointError(f"unknown predictor rung {text!r}: use fp8, hybrid:K or none")
-    k = int(m.group(1))
-    if not 1 <= k <= layers or str(k) != m.group(1):
-        raise CheckpointError(f"predictor rung {text!r}: K must be a plain integer in 1..{layers}")
-    return Rung(HYBRID, k)
+        raise CheckpointError(f"unknown predictor rung {text!r}: use fp8, hybrid:K, early:K or none")
+    k, top = int(m.group(2)), layers if m.group(1) == HYBRID else layers - 1
+    if not 1 <= k <= top or str(k) != m.group(2):
+        raise CheckpointError(f"predictor rung {text!r}: K must be a plain integer in 1..{top}")
+    return Rung(m.group(1), k)
 
 
 def manifest_rung(manifest: dict[str, Any]) -> Rung:
@@ -102,15 +113,24 @@ def weights_quant(rung: Rung) -> str:
     fp8 = "e4m3, fp32 scale per output channel, round to nearest even"
     if rung.kind == HYBRID:
         return f"decoder layers < {rung.bf16_layers}: the target's BF16 weights; the others {fp8}"
+    if rung.kind == EARLY:
+        return (f"decoder layers < {rung.bf16_layers}: the target's BF16 weights; the others: only their "
+                "input norm and K/V projections, the target's BF16 weights")
     return fp8
+
+
+def layer_index(name: str) -> int | None:
+    """N of a ``model.layers.N.*`` parameter name (None for other parameters)."""
+    if ".layers." not in name:
+        return None
+    index = name.split(".layers.", 1)[1].split(".", 1)[0]
+    return int(index) if index.isdigit() else None
 
 
 def is_bf16_layer(name: str, rung: Rung) -> bool:
     """Whether a ``model.layers.N.*`` parameter stays BF16 under ``rung``."""
-    if rung.kind != HYBRID or ".layers." not in name:
-        return False
-    index = name.split(".layers.", 1)[1].split(".", 1)[0]
-    return index.isdigit() and int(index) < rung.bf16_layers
+    index = layer_index(name)
+    return rung.kind in (HYBRID, EARLY) and index is not None and index < rung.bf16_layers
 
 
 # ------------------------------------------------------------------ rung none

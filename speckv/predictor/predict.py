@@ -26,8 +26,9 @@ import numpy as np
 from speckv.errors import CheckpointError, PinMismatchError
 
 from .checkpoint import Checkpoint, fp8_state
+from .early import build_early_model, early_kv, early_state
 from .fp8 import dequantize_e4m3
-from .ladder import MEANS, load_means, mean_model
+from .ladder import EARLY, MEANS, Rung, load_means, mean_model
 from .store import CONFIG, FP8_SUFFIX, SCALE_SUFFIX, WEIGHTS, state_digest
 from .target import LINEAR_NAMES, LayerSink, emit_all, extract_kv, load_target, replace_linears
 
@@ -39,14 +40,22 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 
-def build_model(config: Any, state: dict[str, "torch.Tensor"]) -> Any:
-    """An emulated-BF16 causal LM whose linears use the FP8 weights in ``state``.
+def rung_state(target_state: dict[str, "torch.Tensor"], rung: Rung) -> dict[str, "torch.Tensor"]:
+    """The weights ``rung`` computes with, from the target's (fp8, hybrid:k, early:k)."""
+    return early_state(target_state, rung) if rung.kind == EARLY else fp8_state(target_state, rung)
 
-    A linear with BF16 weights in ``state`` instead (the first layers of a
-    ``hybrid:k`` rung) runs exactly as ``target.load_target`` runs it.
+
+def build_model(config: Any, state: dict[str, "torch.Tensor"], rung: Rung | None = None) -> Any:
+    """The rung's model over ``state``: for fp8 and hybrid:k an emulated-BF16 causal LM
+    whose linears use the FP8 weights in ``state`` (a linear with BF16 weights in
+    ``state`` instead, the first layers of a ``hybrid:k`` rung, runs exactly as
+    ``target.load_target`` runs it); for early:k an ``early.EarlyExitKV``.
     """
     import torch
     from transformers import AutoModelForCausalLM
+
+    if rung is not None and rung.kind == EARLY:
+        return build_early_model(config, state, rung.bf16_layers)
 
     config._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -103,7 +112,7 @@ class Predictor:
         if got != ckpt.manifest["weights"]["sha256"]:
             raise PinMismatchError(f"predictor weights digest {got} does not match the manifest's "
                                    f"{ckpt.manifest['weights']['sha256']}")
-        return cls(ckpt, build_model(config, state))
+        return cls(ckpt, build_model(config, state, rung))
 
     @property
     def device(self) -> str:
@@ -133,11 +142,18 @@ class Predictor:
     def mu(self, ids: np.ndarray, on_layer: "LayerSink | None" = None) -> "torch.Tensor":
         """Predicted KV ``(layers, 2, kv_heads, tokens, head_dim)`` BF16; ``on_layer(i, bits)``
         (optional) gets each layer's BF16 bits as soon as it exists (see ``extract_kv``)."""
-        if hasattr(self.model, "mean_kv"):  # rung none: every layer at once
-            mu = self.model.mean_kv(len(ids))
-            emit_all(mu, on_layer)
-            return mu
-        return extract_kv(self.model, ids, on_layer)
+        return predictor_kv(self.model, ids, on_layer)
+
+
+def predictor_kv(model: Any, ids: np.ndarray, on_layer: "LayerSink | None" = None) -> "torch.Tensor":
+    """mu of any rung's model (``build_model``, ``ladder.mean_model``) for ``ids``."""
+    if hasattr(model, "mean_kv"):  # rung none: every layer at once
+        mu = model.mean_kv(len(ids))
+        emit_all(mu, on_layer)
+        return mu
+    if hasattr(model, "tail"):  # early:k
+        return early_kv(model, ids, on_layer)
+    return extract_kv(model, ids, on_layer)
 
 
 def _derive_state(ckpt: Checkpoint, target: "Target | None") -> dict[str, "torch.Tensor"]:
@@ -151,4 +167,4 @@ def _derive_state(ckpt: Checkpoint, target: "Target | None") -> dict[str, "torch
     if target.weights_sha256 != want["weights_sha256"]:
         raise PinMismatchError(f"target weights {target.weights_sha256} differ from the ones this "
                                f"predictor was derived from ({want['weights_sha256']})")
-    return fp8_state(target.state, ckpt.rung)
+    return rung_state(target.state, ckpt.rung)

@@ -96,7 +96,7 @@ def _deterministic_settings() -> Iterator[None]:
         cuda.allow_tf32, torch.backends.cudnn.allow_tf32, cuda.allow_bf16_reduced_precision_reduction = flags
 
 
-def _fp32_linear_class() -> type:
+def fp32_linear_class() -> type:
     import torch
     import torch.nn.functional as F
 
@@ -121,7 +121,7 @@ def replace_linears(model: Any, weight_fn: Callable[[str, "torch.Tensor"], "torc
     ``weight_fn(name, bf16_weight) -> fp32 weight`` lets the predictor put its
     FP8-dequantized weights in; the target passes the exact BF16 upcast.
     """
-    cls = _fp32_linear_class()
+    cls = fp32_linear_class()
     for i, layer in enumerate(model.model.layers):
         for part in ("self_attn", "mlp"):
             parent = getattr(layer, part)
@@ -155,23 +155,35 @@ def extract_kv(model: Any, ids: np.ndarray, on_layer: LayerSink | None = None) -
         kv = torch.empty((n_layers, 2, n_kv, 0, head_dim), dtype=torch.bfloat16)
         emit_all(kv, on_layer)
         return kv
-    device = next(model.parameters()).device
-    inp = torch.as_tensor(np.asarray(ids, dtype=np.int64)).unsqueeze(0).to(device)
     with deterministic_torch():
-        # NOTE: hooks go on the shared model inside the forward lock, or a concurrent pass
-        # (another transfer, the other sidecar of this process) would call them too
-        handles = [] if on_layer is None else [
-            layer.register_forward_hook(_layer_hook(i, on_layer), with_kwargs=True)
-            for i, layer in enumerate(model.model.layers)]
-        try:
-            out = model.model(input_ids=inp, use_cache=True)
-        finally:
-            for h in handles:
-                h.remove()
-    cache = getattr(out, "cache", None) or out.past_key_values
-    layers = [_cache_layer(cache, i) for i in range(n_layers)]
+        out = hooked_forward(model, ids, on_layer)
+    layers = [cache_layer(output_cache(out), i) for i in range(n_layers)]
     kv = torch.stack(layers).to(torch.bfloat16).contiguous().cpu()
     return kv  # (layers, 2, kv_heads, tokens, head_dim)
+
+
+def hooked_forward(model: Any, ids: np.ndarray, on_layer: LayerSink | None) -> Any:
+    """``model.model`` on ``ids`` with a cache, ``on_layer`` hooked on its decoder layers.
+
+    NOTE: call it inside ``deterministic_torch()``: the hooks go on the shared model inside
+    the forward lock, or a concurrent pass (another transfer, the other sidecar of this
+    process) would call them too."""
+    import torch
+
+    inp = torch.as_tensor(np.asarray(ids, dtype=np.int64)).unsqueeze(0).to(next(model.parameters()).device)
+    handles = [] if on_layer is None else [
+        layer.register_forward_hook(_layer_hook(i, on_layer), with_kwargs=True)
+        for i, layer in enumerate(model.model.layers)]
+    try:
+        return model.model(input_ids=inp, use_cache=True)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def output_cache(out: Any) -> Any:
+    """The KV cache of a transformers model output (5.x ``cache``, 4.x ``past_key_values``)."""
+    return getattr(out, "cache", None) or out.past_key_values
 
 
 def emit_all(kv: "torch.Tensor", on_layer: LayerSink | None) -> None:
@@ -181,7 +193,7 @@ def emit_all(kv: "torch.Tensor", on_layer: LayerSink | None) -> None:
             on_layer(i, bf16_bits(kv[i]))
 
 
-def _cache_layer(cache: Any, i: int) -> "torch.Tensor":
+def cache_layer(cache: Any, i: int) -> "torch.Tensor":
     """Layer i of a transformers cache as ``(2, kv_heads, tokens, head_dim)``."""
     import torch
 
@@ -198,7 +210,7 @@ def _layer_hook(i: int, on_layer: LayerSink) -> Callable[..., None]:
     def hook(_mod: Any, _args: Any, kwargs: dict[str, Any], _output: Any) -> None:
         # NOTE: transformers 5 passes the cache as ``cache``; 4.x as ``past_key_values`` / ``past_key_value``
         cache = next(kwargs[k] for k in ("cache", "past_key_values", "past_key_value") if kwargs.get(k) is not None)
-        on_layer(i, bf16_bits(_cache_layer(cache, i).to(torch.bfloat16).contiguous().cpu()))
+        on_layer(i, bf16_bits(cache_layer(cache, i).to(torch.bfloat16).contiguous().cpu()))
     return hook
 
 

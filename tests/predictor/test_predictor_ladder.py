@@ -35,7 +35,7 @@ from speckv.predictor.store import (
 
 TOKENS, SEGMENT = 64, 32
 PROMPT = "Every bit the coder spends is the mismatch."
-RUNGS = ("fp8", "hybrid:1", "hybrid:2", "none")
+RUNGS = ("fp8", "hybrid:1", "hybrid:2", "early:1", "none")
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
