@@ -22,6 +22,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from speckv import __version__
+from speckv.coder import container as ct
+from speckv.coder.backends import backend_name
 from speckv.v1 import decoder_pb2, encoder_pb2
 
 from .budget import ByteBudget
@@ -123,6 +126,8 @@ def create_server(config: ServerConfig, runtime: Runtime | None = None,
     ``interceptors`` wrap every call (auth, auditing, fault injection in tests)."""
     runtime = runtime or Runtime.load(config)
     metrics = Metrics(config.role, runtime.model_id)
+    metrics.build_info(__version__, runtime.pin, backend_name(runtime.codec.backend), runtime.predictor.device,
+                       ct.FORMAT_VERSION)
     budget = ByteBudget(config.max_inflight_bytes,
                         lambda used: metrics.inflight_bytes.labels(config.role, runtime.model_id).set(used))
     metrics.gauges(0, 0, config.max_inflight_bytes)

@@ -5,6 +5,11 @@ Names follow the Prometheus conventions: ``speckv_`` prefix, base units
 ``CollectorRegistry`` (two sidecars in one process, as in tests and the demo,
 do not mix their series) served on ``/metrics`` by ``start_http``.
 
+Besides the ``speckv_*`` families: the standard process (``process_*``),
+platform (``python_info``) and GC (``python_gc_*``) collectors, and
+``speckv_build_info`` (1, labelled with version, predictor pin, coder backend,
+predictor device and stream format version).
+
 Labels: ``role`` (encoder | decoder), ``model`` (the served model id),
 ``dtype`` (bf16 | fp8), ``encoding`` (speckv | stored), ``outcome`` (a lower-case
 gRPC status name, ``ok`` on success), ``kind`` (what failed an integrity check).
@@ -15,7 +20,16 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +46,12 @@ class Metrics:
         self.role, self.model = role, model
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # process_*, python_*
+            if registry is None:
+                r.register(collector)
+        self.build = Gauge("speckv_build_info", "1, labelled with what this sidecar runs.",
+                           ("role", "model", "version", "pin", "coder", "predictor_device", "format_version"),
+                           registry=r)
         lab = ("role", "model", "dtype", "encoding")
         self.raw_bytes = Counter("speckv_raw_bytes_total",
                                  "Raw (uncompressed) KV bytes encoded or decoded.", lab, registry=r)
@@ -99,6 +119,9 @@ class Metrics:
 
     def seconds(self, stage: str, value: float) -> None:
         self.stage_seconds[stage].labels(self.role, self.model).observe(value)
+
+    def build_info(self, version: str, pin: str, coder: str, predictor_device: str, format_version: int) -> None:
+        self.build.labels(self.role, self.model, version, pin, coder, predictor_device, str(format_version)).set(1)
 
     def mu_cache(self, hit: bool) -> None:
         self.mu_cache_lookups.labels(self.role, self.model, "hit" if hit else "miss").inc()

@@ -144,3 +144,22 @@ def test_metrics_off(sidecars):
         assert s.metrics_port is None
     finally:
         sidecars.stop(s, 0.1)
+
+
+def test_build_info_and_process_collectors(sidecars, embedded_session):
+    import speckv
+    from speckv.coder import container as ct
+
+    dec, _ = sidecars.start("decoder")
+    try:
+        snap = samples(scrape(dec))
+        (labels,) = [dict(lab) for (name, lab) in snap if name == "speckv_build_info"]
+        assert labels == {"role": "decoder", "model": MODEL, "version": speckv.__version__,
+                          "pin": embedded_session.predictor.pin, "coder": dec.service.rt.codec.backend.name,
+                          "predictor_device": "cpu", "format_version": str(ct.FORMAT_VERSION)}
+        assert value(snap, "speckv_build_info", **labels) == 1
+        names = {name for name, _ in snap}
+        assert {"process_resident_memory_bytes", "process_cpu_seconds_total", "python_info"} <= names
+        assert value(snap, "process_resident_memory_bytes") > 50e6  # a loaded model's process
+    finally:
+        sidecars.stop(dec, 0.1)
