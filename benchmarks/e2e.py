@@ -8,7 +8,7 @@ veth pair whose two egresses are shaped with netem (delay rtt/2) over tbf (rate)
 link is first calibrated by a plain TCP transfer a -> b (its goodput, MB/s). The engines
 are benchmarks/e2e_engine.py: the prefill engine streams the header at prefill start and
 every layer as the target's forward pass produces it; the fetching engine pulls layers
-with FetchKV and checks their sha256 against the prefill's (``lossless``).
+with FetchKV and checks their hash (XXH3-128) against the prefill's (``lossless``).
 
 Rows, per link: ``stored`` (raw BF16 stream), ``speckv`` (the shipped checkpoint's rung)
 and ``recompute`` (the decode node runs the prefill itself; nothing moves).
@@ -123,7 +123,7 @@ class Bench:
         n = next(self.ids)
         rid = f"{link}-{encoding}-{n}"
         v = n + 1 if variant is None else variant
-        expect = str(self.logdir / f"{rid}.sha256")
+        expect = str(self.logdir / f"{rid}.kvhash")
         cpu0 = self.decode_cpu()
         self.fetch.ask({"op": "fetch", "rid": rid, "expect": expect}, 60)  # FetchKV is waiting
         p = self.prefill.ask({"rid": rid, "encoding": encoding, "stream": stream, "expect": expect, "variant": v},

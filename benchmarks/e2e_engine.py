@@ -9,19 +9,20 @@ the prefill with a forward hook on every decoder layer: the header (with the pro
 ids) goes to the encoder sidecar when the prefill starts, each layer's K/V as its
 layer finishes, while the forward pass goes on (the real engine's timing). A whole
 command submits the precomputed KV at once (the loopback block). Either writes the
-KV's sha256 to ``<dir>/<rid>.sha256`` as soon as the prefill is done.
+KV's hash (XXH3-128: any 128-bit hash of the bytes serves, this one costs the engines
+least) to ``<dir>/<rid>.kvhash`` as soon as the prefill is done (a whole command: the
+hash of the precomputed KV, taken before the clock starts).
 
 ``fetch`` (decode node): a ``fetch`` command pulls the layers with FetchKV, hashes
-them as they come and compares with the prefill engine's sha256 (``lossless``); it
+them as they come and compares with the prefill engine's hash (``lossless``); it
 also reports the decoder sidecar's decode and predictor seconds (its /metrics,
 before and after). A ``recompute`` command runs the hooked prefill here instead and
-compares its sha256 the same way (no bytes moved).
+compares its hash the same way (no bytes moved).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import queue
 import sys
@@ -32,14 +33,16 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
+import xxhash
 
+from speckv import frames
 from speckv.client.client import DecoderClient, EncoderClient
-from speckv.client.core import ENCODINGS
+from speckv.client.core import ENCODINGS, submit_stub
 from speckv.kv import bf16_bits
 from speckv.predictor.target import Target, extract_kv, load_target
 from speckv.v1 import common_pb2 as pb
 from speckv.v1 import encoder_pb2 as epb
-from speckv.wire import PART_BYTES, kv_shape, layer_messages
+from speckv.wire import PART_BYTES, kv_shape, layer_frames
 
 TIMEOUT = 600.0
 
@@ -54,19 +57,20 @@ def hooked_prefill(target: Target, ids: np.ndarray, on_layer: Callable[[int, np.
     return bf16_bits(extract_kv(target.model, ids, on_layer))
 
 
-def sha256(kv: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(kv).tobytes()).hexdigest()
+def kv_hash(kv: np.ndarray) -> str:
+    return xxhash.xxh3_128(np.ascontiguousarray(kv)).hexdigest()
 
 
 def submit_stream(header: epb.SubmitHeader, n_layers: int, layers: "queue.Queue[np.ndarray]",
-                  shape: pb.KVShape) -> Iterator[epb.SubmitRequest]:
-    """The SubmitRequest stream, fed layer by layer while the prefill runs.
-    NOTE: EncoderClient.submit wants the whole KV; this is client/core.py's stream, streamed."""
+                  shape: pb.KVShape) -> Iterator["epb.SubmitRequest | bytes"]:
+    """The SubmitRequest stream, fed layer by layer while the prefill runs (its layer parts
+    pre-serialised, for ``submit_stub``). NOTE: EncoderClient.submit wants the whole KV; this
+    is client/core.py's stream, streamed."""
     yield epb.SubmitRequest(header=header)
     for i in range(n_layers):
         bits = layers.get(timeout=TIMEOUT)
-        for part in layer_messages(i, bits, pb.DTYPE_BF16, shape, PART_BYTES):
-            yield epb.SubmitRequest(layer=part)
+        for p in layer_frames(i, bits, pb.DTYPE_BF16, shape, PART_BYTES):
+            yield frames.join(frames.submessage(2, p))  # NOTE: SubmitRequest.layer is field 2
 
 
 def variant(ids: np.ndarray, v: int, vocab: int) -> np.ndarray:
@@ -81,9 +85,11 @@ class Prefill:
     def __init__(self, args: argparse.Namespace, target: Target, ids: np.ndarray) -> None:
         self.args, self.target, self.ids = args, target, ids
         self.enc = EncoderClient(args.encoder, timeout=TIMEOUT)
+        self.submit = submit_stub(self.enc.channel)
         self.pool = ThreadPoolExecutor(1)
         self.kvs = {0: hooked_prefill(target, ids, lambda i, b: None)}  # by variant, for stream=False
-        self.matches = sha256(self.kvs[0]) == sha256(bf16_bits(target.kv(ids)))
+        self.hashes = {0: kv_hash(self.kvs[0])}
+        self.matches = self.hashes[0] == kv_hash(bf16_bits(target.kv(ids)))
 
     def header(self, rid: str, encoding: str, shape: pb.KVShape, ids: np.ndarray) -> epb.SubmitHeader:
         return epb.SubmitHeader(request_id=rid, decoder_address=self.args.decoder, model_id=self.target.name,
@@ -94,6 +100,7 @@ class Prefill:
         ids = variant(self.ids, cmd.get("variant", 0), self.target.config.vocab_size)
         if not cmd["stream"] and cmd.get("variant", 0) not in self.kvs:  # prefilled before the clock starts
             self.kvs[cmd["variant"]] = hooked_prefill(self.target, ids, lambda i, b: None)
+            self.hashes[cmd["variant"]] = kv_hash(self.kvs[cmd["variant"]])
         layers: queue.Queue[np.ndarray] = queue.Queue()
         L = len(self.target.model.model.layers)
         cfg = self.target.config
@@ -102,7 +109,7 @@ class Prefill:
         reqs = submit_stream(self.header(cmd["rid"], cmd["encoding"], shape, ids), L, layers, shape)
         out: dict[str, Any] = {}
         t0 = time.monotonic()
-        fut = self.pool.submit(self.enc.stub.Submit, reqs, timeout=TIMEOUT)  # header goes out now
+        fut = self.pool.submit(self.submit, reqs, timeout=TIMEOUT)  # header goes out now
         if cmd["stream"]:
             def put(i: int, bits: np.ndarray) -> None:
                 out.setdefault("first_layer_out", time.monotonic())
@@ -113,7 +120,7 @@ class Prefill:
             for layer in kv:
                 layers.put(layer)
         out["prefill_s"] = time.monotonic() - t0
-        Path(cmd["expect"]).write_text(sha256(kv))
+        Path(cmd["expect"]).write_text(kv_hash(kv) if cmd["stream"] else self.hashes[cmd.get("variant", 0)])
         r = fut.result(timeout=TIMEOUT)
         return {**out, "t0": t0, "submit_end": time.monotonic(), "raw_bytes": r.raw_bytes,
                 "wire_bytes": r.wire_bytes, "chunks": r.chunks, "predictor_s": r.predictor_seconds,
@@ -153,14 +160,14 @@ class Fetch:
 
     def fetch(self, cmd: dict[str, Any]) -> dict[str, Any]:
         before = metrics(self.args.metrics_port)
-        h, n = hashlib.sha256(), 0
+        h, n = xxhash.xxh3_128(), 0
         out: dict[str, float] = {}
         reply(ack=True)  # NOTE: the harness starts the prefill only after this line
         for layer, arr, _ in self.dec.fetch_layers(cmd["rid"], wait=TIMEOUT):
             out.setdefault("first", time.monotonic())
             if layer != n:
                 raise RuntimeError(f"layer {layer} arrived as the {n}th")
-            h.update(np.ascontiguousarray(arr).tobytes())
+            h.update(np.ascontiguousarray(arr))
             n += 1
         ok = h.hexdigest() == wait_expect(cmd["expect"])
         done = time.monotonic()
@@ -174,7 +181,7 @@ class Fetch:
         ids = variant(self.ids, cmd.get("variant", 0), self.target.config.vocab_size)
         kv = hooked_prefill(self.target, ids, lambda i, b: out.setdefault("first", time.monotonic()))
         prefill_s = time.monotonic() - t0
-        ok = sha256(kv) == wait_expect(cmd["expect"])
+        ok = kv_hash(kv) == wait_expect(cmd["expect"])
         return {**out, "t0": t0, "done": time.monotonic(), "lossless": ok, "prefill_s": prefill_s}
 
 

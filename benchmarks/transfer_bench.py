@@ -36,11 +36,17 @@ from speckv.coder.codec import bf16_bits
 DEFAULT_TEXT = Path(__file__).resolve().parents[1].parent / "shared" / "corpus" / "tinyshakespeare.txt"
 
 
-def start(role: str) -> tuple[subprocess.Popen, int]:
+# NOTE: mu cache off: every repeat of the one prompt runs both predictors
+ENV = {"SPECKV_MAX_INFLIGHT_BYTES": "1Gi", "SPECKV_MU_CACHE_BYTES": "0"}
+
+
+def start(role: str, env: dict[str, str] | None = None, core: int | None = None) -> tuple[subprocess.Popen, int]:
+    """A ``speckv serve`` sidecar on loopback (``env``: its settings, default ENV; ``core``:
+    pinned to that CPU, every thread) and its port."""
     proc = subprocess.Popen([sys.executable, "-m", "speckv.cli.main", "serve", role, "--listen", "127.0.0.1:0",
                              "--metrics-port", "-1"], stdout=subprocess.PIPE, text=True,
-                            # NOTE: mu cache off: every repeat of the one prompt runs both predictors
-                            env={**os.environ, "SPECKV_MAX_INFLIGHT_BYTES": "1Gi", "SPECKV_MU_CACHE_BYTES": "0"})
+                            env={**os.environ, **(ENV if env is None else env)},
+                            preexec_fn=None if core is None else lambda: os.sched_setaffinity(0, {core}))
     assert proc.stdout is not None
     for line in proc.stdout:
         m = re.search(r"listening on port (\d+)", line)

@@ -41,7 +41,9 @@ from .core import (
     _result,
     _retry_delay,
     fetch_request,
+    fetch_stub,
     submit_requests,
+    submit_stub,
     tls_credentials,
 )
 
@@ -61,6 +63,7 @@ class EncoderClient:
                  credentials: grpc.ChannelCredentials | None = None) -> None:
         self.channel = channel or _channel(address, credentials)
         self.stub = egrpc.EncoderServiceStub(self.channel)
+        self._submit = submit_stub(self.channel)  # takes the pre-serialised layer parts
         self.timeout = timeout
 
     def submit(self, request_id: str, kv: Any, prompt_token_ids: Any, decoder_address: str, model_id: str,
@@ -72,9 +75,9 @@ class EncoderClient:
         transfer whose call ended, so a retry starts afresh."""
         for attempt in range(retries + 1):
             reqs = submit_requests(request_id, kv, prompt_token_ids, decoder_address, model_id, encoding,
-                                   expected_pin)
+                                   expected_pin, framed=True)
             try:
-                return _result(self.stub.Submit(reqs, timeout=timeout or self.timeout))
+                return _result(self._submit(reqs, timeout=timeout or self.timeout))
             except grpc.RpcError as e:
                 time.sleep(_retry_delay(e, request_id, attempt, retries, backoff_s))
         raise AssertionError("unreachable")
@@ -96,6 +99,7 @@ class DecoderClient:
                  credentials: grpc.ChannelCredentials | None = None) -> None:
         self.channel = channel or _channel(address, credentials)
         self.stub = dgrpc.DecoderServiceStub(self.channel)
+        self._fetch = fetch_stub(self.channel)  # its layer parts' data: views of the bytes received
         self.timeout = timeout
 
     def fetch_layers(self, request_id: str, wait: float | None = None, timeout: float | None = None,
@@ -109,7 +113,7 @@ class DecoderClient:
                 col: _Collector) -> Iterator[tuple[int, np.ndarray, np.ndarray | None]]:
         req = fetch_request(request_id, wait, col.verified_only)
         try:
-            for msg in self.stub.FetchKV(req, timeout=timeout or self.timeout):
+            for msg in self._fetch(req, timeout=timeout or self.timeout):
                 done = col.add(msg)
                 if done is not None:
                     yield done
@@ -121,7 +125,7 @@ class DecoderClient:
               as_torch: bool = False, verified_only: bool = False) -> "np.ndarray | Fp8KV | torch.Tensor":
         """The whole reconstructed KV (see the module docstring for its type), returned only
         after its whole-transfer digest matched, on the server and again here."""
-        col = _Collector(verified_only)
+        col = _Collector(verified_only, whole=True)
         for layer, arr, scales in self._stream(request_id, wait, timeout, col):
             col.keep(layer, arr, scales)
         return col.result(as_torch)
@@ -159,6 +163,7 @@ class AsyncEncoderClient:
                  credentials: grpc.ChannelCredentials | None = None) -> None:
         self.channel = _channel(address, credentials, aio=True)
         self.stub = egrpc.EncoderServiceStub(self.channel)
+        self._submit = submit_stub(self.channel)  # takes the pre-serialised layer parts
         self.timeout = timeout
 
     async def submit(self, request_id: str, kv: Any, prompt_token_ids: Any, decoder_address: str,
@@ -167,10 +172,10 @@ class AsyncEncoderClient:
         """As the blocking client's ``submit`` (the same retries)."""
         for attempt in range(retries + 1):
             reqs = submit_requests(request_id, kv, prompt_token_ids, decoder_address, model_id, encoding,
-                                   expected_pin)
+                                   expected_pin, framed=True)
             try:
                 # NOTE: grpc.aio takes a plain iterator for a request stream
-                return _result(await self.stub.Submit(reqs, timeout=timeout or self.timeout))
+                return _result(await self._submit(reqs, timeout=timeout or self.timeout))
             except grpc.RpcError as e:
                 await asyncio.sleep(_retry_delay(e, request_id, attempt, retries, backoff_s))
         raise AssertionError("unreachable")
@@ -186,6 +191,7 @@ class AsyncDecoderClient:
                  credentials: grpc.ChannelCredentials | None = None) -> None:
         self.channel = _channel(address, credentials, aio=True)
         self.stub = dgrpc.DecoderServiceStub(self.channel)
+        self._fetch = fetch_stub(self.channel)  # its layer parts' data: views of the bytes received
         self.timeout = timeout
 
     async def fetch_layers(self, request_id: str, wait: float | None = None, timeout: float | None = None,
@@ -198,7 +204,7 @@ class AsyncDecoderClient:
                       col: _Collector) -> AsyncIterator[tuple[int, np.ndarray, np.ndarray | None]]:
         req = fetch_request(request_id, wait, col.verified_only)
         try:
-            async for msg in self.stub.FetchKV(req, timeout=timeout or self.timeout):
+            async for msg in self._fetch(req, timeout=timeout or self.timeout):
                 done = col.add(msg)
                 if done is not None:
                     yield done
@@ -209,7 +215,7 @@ class AsyncDecoderClient:
     async def fetch(self, request_id: str, wait: float | None = None, timeout: float | None = None,
                     as_torch: bool = False, verified_only: bool = False) -> "np.ndarray | Fp8KV | torch.Tensor":
         """As the blocking client's ``fetch``."""
-        col = _Collector(verified_only)
+        col = _Collector(verified_only, whole=True)
         async for layer, arr, scales in self._stream(request_id, wait, timeout, col):
             col.keep(layer, arr, scales)
         return col.result(as_torch)

@@ -13,14 +13,25 @@ from typing import TYPE_CHECKING, Any, Iterator
 import grpc
 import numpy as np
 
-from speckv.digests import KVDigest
+from speckv import frames
+from speckv.digests import ALGORITHMS, BLAKE2B_128, XXH3_128, KVDigest
 from speckv.errors import RpcFailed
 from speckv.kv import Fp8KV, bf16_bits
 from speckv.status import error_details
 from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.v1 import encoder_pb2 as epb
-from speckv.wire import MAX_MESSAGE_BYTES, NAN_SCALES, PART_BYTES, LayerAssembler, kv_shape, layer_messages, shape_of
+from speckv.wire import (
+    MAX_MESSAGE_BYTES,
+    NAN_SCALES,
+    PART_BYTES,
+    LayerAssembler,
+    dtype_of,
+    kv_shape,
+    layer_frames,
+    layer_messages,
+    shape_of,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -30,6 +41,21 @@ logger = logging.getLogger(__name__)
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 ENCODINGS = {"speckv": epb.ENCODING_SPECKV, "stored": epb.ENCODING_STORED}
+FETCH_DIGEST = XXH3_128  # the whole-transfer digest the clients ask FetchKV for (FetchKVRequest.digest)
+
+
+def fetch_stub(channel: "grpc.Channel | grpc.aio.Channel") -> Any:
+    """DecoderService.FetchKV whose responses come as ``frames.Parsed``: each layer part's
+    data a view of the bytes received (upb would copy it twice)."""
+    return channel.unary_stream("/speckv.v1.DecoderService/FetchKV", request_serializer=frames.serialize,
+                                response_deserializer=frames.deserializer(dpb.FetchKVResponse))
+
+
+def submit_stub(channel: "grpc.Channel | grpc.aio.Channel") -> Any:
+    """EncoderService.Submit taking ``submit_requests(..., framed=True)``: its serializer
+    passes the pre-serialised layer parts through (``speckv.frames``)."""
+    return channel.stream_unary("/speckv.v1.EncoderService/Submit", request_serializer=frames.serialize,
+                                response_deserializer=epb.SubmitResponse.FromString)
 
 
 def tls_credentials(ca: str, cert: str | None = None, key: str | None = None) -> grpc.ChannelCredentials:
@@ -110,9 +136,11 @@ def _as_kv(kv: Any) -> tuple[int, np.ndarray, np.ndarray | None]:
 
 def submit_requests(request_id: str, kv: Any, prompt_token_ids: Any, decoder_address: str,
                     model_id: str, encoding: str = "speckv", expected_pin: str | None = None,
-                    part_bytes: int = PART_BYTES) -> Iterator[epb.SubmitRequest]:
+                    part_bytes: int = PART_BYTES, *, framed: bool = False) -> Iterator[Any]:
     """The SubmitRequest stream: header, then every layer in parts. The KV is checked
-    here, before any call starts (ValueError / TypeError)."""
+    here, before any call starts (ValueError / TypeError). ``framed``: the layer parts
+    come pre-serialised (bytes, each part's data copied once: ``speckv.frames``), for a
+    stub whose serializer passes them through (``submit_stub``)."""
     dtype, bits, scales = _as_kv(kv)
     if bits.ndim != 5 or bits.shape[1] != 2:
         raise ValueError(f"KV must be (layers, 2, kv_heads, tokens, head_dim), not {bits.shape}")
@@ -121,12 +149,12 @@ def submit_requests(request_id: str, kv: Any, prompt_token_ids: Any, decoder_add
     if scales is not None and np.isnan(scales).any():
         raise ValueError(NAN_SCALES)
     return _submit_stream(request_id, bits, scales, dtype, kv_shape(bits.shape), prompt_token_ids,
-                          decoder_address, model_id, encoding, expected_pin, part_bytes)
+                          decoder_address, model_id, encoding, expected_pin, part_bytes, framed)
 
 
 def _submit_stream(request_id: str, bits: np.ndarray, scales: np.ndarray | None, dtype: int, shape: pb.KVShape,
                    prompt_token_ids: Any, decoder_address: str, model_id: str, encoding: str,
-                   expected_pin: str | None, part_bytes: int) -> Iterator[epb.SubmitRequest]:
+                   expected_pin: str | None, part_bytes: int, framed: bool) -> Iterator[Any]:
     yield epb.SubmitRequest(header=epb.SubmitHeader(
         request_id=request_id, decoder_address=decoder_address, model_id=model_id, dtype=dtype,
         shape=shape, prompt_token_ids=[int(t) for t in np.asarray(prompt_token_ids).ravel()],
@@ -134,8 +162,12 @@ def _submit_stream(request_id: str, bits: np.ndarray, scales: np.ndarray | None,
         encoding=ENCODINGS[encoding]))
     for layer in range(bits.shape[0]):
         sc = None if scales is None else scales[layer]
-        for part in layer_messages(layer, bits[layer], dtype, shape, part_bytes, sc):
-            yield epb.SubmitRequest(layer=part)
+        if framed:  # NOTE: SubmitRequest.layer is field 2
+            for p in layer_frames(layer, bits[layer], dtype, shape, part_bytes, sc):
+                yield frames.join(frames.submessage(2, p))
+        else:
+            for part in layer_messages(layer, bits[layer], dtype, shape, part_bytes, sc):
+                yield epb.SubmitRequest(layer=part)
 
 
 def _result(r: epb.SubmitResponse) -> SubmitResult:
@@ -145,35 +177,50 @@ def _result(r: epb.SubmitResponse) -> SubmitResult:
 
 
 class _Collector:
-    """Assembles FetchKV parts into layers and the whole cache."""
+    """Assembles FetchKV parts into layers (``whole``: straight into the whole cache)."""
 
-    def __init__(self, verified_only: bool = False) -> None:
+    def __init__(self, verified_only: bool = False, whole: bool = False) -> None:
         self.asm: LayerAssembler | None = None
         self.out: np.ndarray | None = None
         self.scales: np.ndarray | None = None
-        self.digest = KVDigest()  # recomputed here: the check is end to end
+        self.digest: KVDigest | None = None  # recomputed here (the check is end to end), once its algorithm is known
         self.done = False
         self.verified_only = verified_only  # ask the server to hold layers until verified
+        self.whole = whole
 
-    def add(self, msg: dpb.FetchKVResponse) -> tuple[int, np.ndarray, np.ndarray | None] | None:
+    def add(self, msg: "dpb.FetchKVResponse | frames.Parsed") -> tuple[int, np.ndarray, np.ndarray | None] | None:
         if self.done:
             raise RpcFailed(grpc.StatusCode.INTERNAL, "FetchKV sent data after FetchKVDone")
+        algorithm = msg.digest or BLAKE2B_128  # NOTE: unset: a decoder before FetchKVRequest.digest
+        if self.digest is None:
+            if algorithm not in ALGORITHMS:
+                raise RpcFailed(grpc.StatusCode.INTERNAL, f"FetchKV names an unknown digest algorithm {algorithm}")
+            self.digest = KVDigest(algorithm)
+        elif algorithm != self.digest.algorithm:
+            raise RpcFailed(grpc.StatusCode.INTERNAL, "malformed FetchKV stream: its digest algorithm changed")
         if msg.WhichOneof("kind") == "done":
             self._finish(msg.done)
             return None
         part = msg.layer
-        if self.asm is None:
-            self.asm = LayerAssembler(part.dtype, shape_of(part.shape))
         try:
-            got = self.asm.add(part)
+            if self.asm is None:
+                self.asm = self._assembler(part)
+            got = self.asm.add(part, frames.payload_of(msg))
         except Exception as e:  # noqa: BLE001 -- whatever a server sent, the caller gets a typed error
             raise RpcFailed(grpc.StatusCode.INTERNAL, f"malformed FetchKV stream: {e}") from None
         if got is not None:
             self.digest.update_layer(got[1], got[2])
         return got
 
+    def _assembler(self, part: pb.KVLayer) -> LayerAssembler:
+        shape = shape_of(part.shape)
+        if not self.whole:
+            return LayerAssembler(part.dtype, shape)
+        self.out = np.empty(shape, dtype_of(part.dtype)[1])  # NOTE: layers land in it, no copy after
+        return LayerAssembler(part.dtype, shape, out=self.out)
+
     def _finish(self, done: dpb.FetchKVDone) -> None:
-        if self.asm is None or not self.asm.done:
+        if self.asm is None or not self.asm.done or self.digest is None:
             raise RpcFailed(grpc.StatusCode.INTERNAL, "FetchKVDone before the last layer")
         if (self.digest.digest(), self.digest.raw_bytes) != (bytes(done.raw_digest), done.raw_bytes):
             raise RpcFailed(grpc.StatusCode.DATA_LOSS, "the fetched KV does not match the encoder's "
@@ -184,8 +231,10 @@ class _Collector:
         assert self.asm is not None
         if self.out is None:
             self.out = np.empty(self.asm.shape, arr.dtype)
-            self.scales = None if scales is None else np.empty((self.asm.shape[0], 2), np.float32)
-        self.out[layer] = arr
+        if self.scales is None and scales is not None:
+            self.scales = np.empty((self.asm.shape[0], 2), np.float32)
+        if not self.whole:  # NOTE: whole: the assembler wrote it there already
+            self.out[layer] = arr
         if scales is not None:
             assert self.scales is not None  # an FP8 transfer: allocated with its first layer
             self.scales[layer] = scales
@@ -213,4 +262,4 @@ def to_torch(bits: np.ndarray) -> "torch.Tensor":
 
 def fetch_request(request_id: str, wait: float | None, verified_only: bool) -> dpb.FetchKVRequest:
     return dpb.FetchKVRequest(request_id=request_id, wait_timeout_ms=int((wait or 0) * 1000),
-                              verified_only=verified_only)
+                              verified_only=verified_only, digest=FETCH_DIGEST)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Collection, Iterable, Iterator, Sequence, cast
 
 import numpy as np
 
-from speckv.digests import DIGEST_BYTES, digest, prompt_digest
+from speckv.digests import DIGEST_BYTES, algorithm_of, digest, prompt_digest
 from speckv.errors import IntegrityError, MuMismatchError, PinMismatchError, PromptMismatchError
 from speckv.kv import Fp8KV, bf16_bits
 
@@ -207,10 +207,11 @@ class Codec:
         assert plan.x is not None  # an encoding plan
         aux = plan.aux(sl)
         start, count = h.chunk_layers(i)
+        algorithm = algorithm_of(h.version)  # the stream version's digest (FORMAT.md)
         c = ct.Chunk(index=i, layer_start=start, layer_count=count,
                      steps=h.elems_per_lane if len(rb.word_counts) else 0,
-                     mu_fingerprint=digest(plan.mu[sl]),
-                     raw_digest=digest(aux, plan.x[sl]), aux=aux,
+                     mu_fingerprint=digest(plan.mu[sl], algorithm=algorithm),
+                     raw_digest=digest(aux, plan.x[sl], algorithm=algorithm), aux=aux,
                      states=rb.states, word_counts=rb.word_counts, words=rb.words, bits=bits)
         if h.version >= 3 and c.record_len > stored_record_len(h, i):  # the size guard (FORMAT.md)
             return stored_chunk(h, i, plan.x[sl], None if plan.scales is None else plan.scales[sl])
@@ -326,7 +327,9 @@ class Codec:
 
     def _check_mu(self, plan: Plan, h: ct.StreamHeader, chunks: Sequence[ct.Chunk]) -> None:
         # NOTE: digests on the codec's threads (hashlib releases the GIL); the first bad chunk raises
-        same = self._map(lambda c: c.mu_fingerprint == digest(plan.mu[plan.chunk_slice(h, c.index)]), chunks)
+        algorithm = algorithm_of(h.version)
+        same = self._map(lambda c: c.mu_fingerprint == digest(plan.mu[plan.chunk_slice(h, c.index)],
+                                                              algorithm=algorithm), chunks)
         for c, ok in zip(chunks, same, strict=True):
             if not ok:
                 raise MuMismatchError(f"chunk {c.index}: the decoder's mu differs from the encoder's "
@@ -335,7 +338,7 @@ class Codec:
     def _verified(self, h: ct.StreamHeader, chunks: Sequence[ct.Chunk], bits: list[np.ndarray]) -> list[np.ndarray]:
         """Each chunk's decoded bit patterns, checked against its raw digest (on the codec's threads)."""
         dt = np.uint16 if h.dtype == ct.DTYPE_BF16 else np.uint8
-        return self._map(lambda a: verified(a[0], a[1].reshape((a[0].layer_count,) + h.shape[1:]), dt),
+        return self._map(lambda a: verified(a[0], a[1].reshape((a[0].layer_count,) + h.shape[1:]), h.version, dt),
                          list(zip(chunks, bits, strict=True)))
 
     def _decode_batch(self, plan: Plan, h: ct.StreamHeader, chunks: Sequence[ct.Chunk]) -> list[np.ndarray]:

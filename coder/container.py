@@ -27,25 +27,24 @@ change them) before anything is allocated. A non-bytes-like ``buf`` is a TypeErr
 
 from __future__ import annotations
 
-import operator
 import struct
-import zlib
 from dataclasses import dataclass
-from typing import Iterable, SupportsIndex, Union, cast
+from typing import Iterable, Sequence, cast
 
 import numpy as np
 
 from speckv.errors import ChecksumError, FormatError, TruncatedError
 
+from . import framing as fr
+from .framing import CHUNK_MAGIC, CHUNK_OVERHEAD, Buffer, flat, record_pieces
 from .rans import LANES as RANS_LANES
 
 __all__ = ["FormatError", "TruncatedError", "ChecksumError", "StreamHeader", "Chunk",
            "is_stored_chunk", "pack_header", "unpack_header", "pack_chunk", "unpack_chunk", "pack_stream",
-           "unpack_stream", "DTYPE_BF16", "DTYPE_FP8", "LANES", "FORMAT_VERSION", "READ_VERSIONS", "MAGIC",
+           "unpack_stream", "chunk_pieces", "stored_pieces", "DTYPE_BF16", "DTYPE_FP8", "LANES", "FORMAT_VERSION",
+           "READ_VERSIONS", "MAGIC",
            "CHUNK_MAGIC", "MODEL_STORED", "HEADER_LEN", "CHUNK_OVERHEAD", "MAX_CHUNK_BYTES",
            "MAX_ELEMENTS", "MAX_AUX_BYTES", "MAX_BITS_BYTES"]
-
-Buffer = Union[bytes, bytearray, memoryview]
 
 DTYPE_BF16 = 1
 DTYPE_FP8 = 2
@@ -53,7 +52,6 @@ LANES = RANS_LANES  # the rANS core's lanes per block (one warp)
 FORMAT_VERSION = 3  # written: 3: stored chunks in a coded stream; 2: model 2 (tuned); 1: model 1 only
 READ_VERSIONS = (2, 3)  # read (version 2 streams keep their rules: no stored chunk in a coded stream)
 MAGIC = b"SPKV"
-CHUNK_MAGIC = b"SPKC"
 
 MODEL_STORED = 0  # model id of a stored stream: no rANS blocks, raw bytes in ``bits``
 
@@ -63,62 +61,12 @@ MAX_AUX_BYTES = 1 << 20
 MAX_BITS_BYTES = 1 << 30
 
 _HEADER = struct.Struct("<4sHHBB32s5I32sHIHI")  # everything but the crc
-_CHUNK = struct.Struct("<4sQIIIII16s16sI")  # fixed part, up to aux_len
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
+_CHUNK, _U32, _U64 = fr.CHUNK, fr.U32, fr.U64
+_uint, _digest, _blob, _need = fr.check_uint, fr.check_digest, fr.check_blob, fr.need
+_check_magic, _check_crc = fr.check_magic, fr.check_crc
 HEADER_LEN = _HEADER.size + 4  # 110
-CHUNK_OVERHEAD = _CHUNK.size + 8 + 4  # 80: fixed part, bits_len and crc
 _BLOCK_BYTES = LANES * 4 + 4  # states plus word_count per block
 _U16_MAX, _U32_MAX = 0xFFFF, 0xFFFFFFFF
-
-
-def _uint(name: str, value: object, lo: int, hi: int) -> int:
-    if isinstance(value, bool):
-        raise FormatError(f"{name} must be an integer, got bool")
-    try:
-        v = operator.index(cast(SupportsIndex, value))  # a non-integer still raises TypeError
-    except TypeError:
-        raise FormatError(f"{name} must be an int, not {type(value).__name__}") from None
-    if not lo <= v <= hi:
-        raise FormatError(f"{name}={v} outside [{lo}, {hi}]")
-    return v
-
-
-def _digest(name: str, value: object, size: int) -> bytes:
-    if not isinstance(value, (bytes, bytearray, memoryview)):
-        raise FormatError(f"{name} must be bytes, got {type(value).__name__}")
-    b = bytes(value)
-    if len(b) != size:
-        raise FormatError(f"{name} must be {size} bytes, got {len(b)}")
-    return b
-
-
-def _blob(name: str, value: object, limit: int, limit_name: str) -> bytes:
-    """Validate a variable-length byte field; return it as an owned ``bytes``."""
-    if not isinstance(value, (bytes, bytearray, memoryview)):
-        raise FormatError(f"{name} must be bytes, got {type(value).__name__}")
-    b = bytes(value)
-    if len(b) > limit:
-        raise FormatError(f"{name} of {len(b)} bytes exceeds {limit_name}={limit}")
-    return b
-
-
-def _need(buf: memoryview, n: int, what: str) -> None:
-    if len(buf) < n:
-        raise TruncatedError(f"{what}: need {n} bytes, have {len(buf)}")
-
-
-def _check_magic(buf: memoryview, magic: bytes, what: str) -> None:
-    head = bytes(buf[: len(magic)])
-    if head != magic[: len(head)]:
-        raise FormatError(f"{what}: bad magic {head!r}")
-    _need(buf, len(magic), what)
-
-
-def _check_crc(body: memoryview, stored: int, what: str) -> None:
-    actual = zlib.crc32(body)
-    if actual != stored:
-        raise ChecksumError(f"{what}: crc32 {stored:#010x} != computed {actual:#010x}")
 
 
 @dataclass(frozen=True)
@@ -224,7 +172,8 @@ class Chunk:
     arrays owning their data (copied unless already so): ``states`` uint32
     ``(n_blocks, LANES)`` (a flat block-major array is reshaped), ``word_counts``
     uint32 ``(n_blocks,)``, ``words`` uint16 ``(sum(word_counts),)``; ``aux`` and
-    ``bits`` (raw bit fields of the probability model) are normalised to ``bytes``."""
+    ``bits`` (raw bit fields of the probability model) are normalised to ``bytes`` (``bits``
+    is a read-only memoryview in a chunk that ``unpack_chunk(..., borrow=True)`` returns)."""
 
     index: int
     layer_start: int
@@ -299,7 +248,7 @@ def pack_header(h: StreamHeader) -> bytes:
     body = _HEADER.pack(MAGIC, h.version, HEADER_LEN, h.dtype, h.model, h.pin,
                         *h.shape, h.prompt_digest, LANES, h.elems_per_lane,
                         h.layers_per_chunk, h.n_chunks)
-    return body + _U32.pack(zlib.crc32(body))
+    return body + _U32.pack(fr.crc32(body))
 
 
 def unpack_header(buf: Buffer) -> tuple[StreamHeader, int]:
@@ -329,14 +278,29 @@ def unpack_header(buf: Buffer) -> tuple[StreamHeader, int]:
 
 def pack_chunk(c: Chunk) -> bytes:
     """Serialise ``c`` into a chunk record (not checked against any header)."""
-    if c.record_len > MAX_CHUNK_BYTES:
-        raise FormatError(f"record of {c.record_len} bytes exceeds MAX_CHUNK_BYTES")
-    fixed = _CHUNK.pack(CHUNK_MAGIC, c.record_len, c.index, c.layer_start, c.layer_count,
-                        c.n_blocks, c.steps, c.mu_fingerprint, c.raw_digest, len(c.aux))
-    body = b"".join((fixed, c.aux, c.states.astype("<u4").tobytes(),
-                     c.word_counts.astype("<u4").tobytes(), c.words.astype("<u2").tobytes(),
-                     _U64.pack(len(c.bits)), c.bits))
-    return body + _U32.pack(zlib.crc32(body))
+    return b"".join(chunk_pieces(c))
+
+
+def chunk_pieces(c: Chunk) -> list[memoryview]:
+    """``c``'s record as buffers read in place (joined: ``pack_chunk(c)``)."""
+    arrays = [flat(c.states, "<u4"), flat(c.word_counts, "<u4"), flat(c.words, "<u2")]
+    fields = (c.index, c.layer_start, c.layer_count, c.n_blocks, c.steps, c.mu_fingerprint, c.raw_digest)
+    return record_pieces(fields, c.aux, arrays, [flat(c.bits)], MAX_CHUNK_BYTES)
+
+
+def stored_pieces(index: int, layer_start: int, layer_count: int, raw_digest: bytes, aux: bytes,
+                  bits: Sequence["Buffer | np.ndarray"]) -> list[memoryview]:
+    """The record of a chunk with no rANS blocks (a stored chunk: ``steps`` 0, ``mu_fingerprint``
+    zero) whose ``bits`` are the concatenation of ``bits`` (bytes, or C-contiguous arrays of
+    little-endian elements), validated as :class:`Chunk` validates it, as buffers read in place:
+    joined, they are ``pack_chunk`` of that chunk, built without its bytes ever being copied."""
+    fields = (_uint("index", index, 0, _U32_MAX), _uint("layer_start", layer_start, 0, _U32_MAX),
+              _uint("layer_count", layer_count, 0, _U32_MAX), 0, 0, bytes(16), _digest("raw_digest", raw_digest, 16))
+    views = [flat(b) for b in bits]
+    if sum(len(v) for v in views) > MAX_BITS_BYTES:
+        raise FormatError(f"bits of {sum(len(v) for v in views)} bytes exceeds MAX_BITS_BYTES={MAX_BITS_BYTES}")
+    return record_pieces(fields,
+                         _blob("aux", aux, MAX_AUX_BYTES, "MAX_AUX_BYTES"), [], views, MAX_CHUNK_BYTES)
 
 
 def _check_against_header(i: int, layers: tuple[int, int], n_blocks: int, steps: int,
@@ -375,8 +339,8 @@ def _array(rec: memoryview, offset: int, count: int, wire: str, native: type,
     return a.reshape(shape if shape is not None else (count,)).astype(native)
 
 
-def _read_bits(rec: memoryview, b_off: int, index: int) -> bytes:
-    """Owned copy of the ``bits`` section whose u64 length is at ``b_off``."""
+def _read_bits(rec: memoryview, b_off: int, index: int) -> memoryview:
+    """The ``bits`` section whose u64 length is at ``b_off`` (a view into ``rec``)."""
     if b_off + 8 > len(rec) - 4:
         raise FormatError(f"chunk {index}: record_len {len(rec)} leaves no room for bits_len")
     (bits_len,) = _U64.unpack_from(rec, b_off)
@@ -384,12 +348,16 @@ def _read_bits(rec: memoryview, b_off: int, index: int) -> bytes:
         raise FormatError(f"chunk {index}: record_len {len(rec)} disagrees with counts")
     if bits_len > MAX_BITS_BYTES:
         raise FormatError(f"chunk {index}: bits_len {bits_len} exceeds MAX_BITS_BYTES")
-    return bytes(rec[b_off + 8: b_off + 8 + bits_len])
+    return rec[b_off + 8: b_off + 8 + bits_len]
 
 
-def unpack_chunk(buf: Buffer, header: StreamHeader) -> tuple[Chunk, int]:
+def unpack_chunk(buf: Buffer, header: StreamHeader, *, borrow: bool = False) -> tuple[Chunk, int]:
     """Parse a chunk record at the start of ``buf`` and validate it against
-    ``header``. Returns the chunk and the number of bytes consumed."""
+    ``header``. Returns the chunk and the number of bytes consumed.
+
+    ``borrow``: the chunk's ``bits`` is a read-only view into ``buf`` instead of an
+    owned copy (a stored chunk's bits are its raw KV: no copy of them). The caller
+    hands ``buf`` over: it must not change while the chunk lives."""
     rec = _read_record(memoryview(buf).cast("B"))
     (_, record_len, index, layer_start, layer_count, n_blocks, steps, mu, raw,
      aux_len) = _CHUNK.unpack_from(rec)
@@ -408,7 +376,9 @@ def unpack_chunk(buf: Buffer, header: StreamHeader) -> tuple[Chunk, int]:
     chunk = Chunk(index=index, layer_start=layer_start, layer_count=layer_count, steps=steps,
                   mu_fingerprint=mu, raw_digest=raw, aux=bytes(rec[_CHUNK.size:s_off]),
                   states=states, word_counts=word_counts,
-                  words=_array(rec, d_off, n_words, "<u2", np.uint16), bits=bits)
+                  words=_array(rec, d_off, n_words, "<u2", np.uint16), bits=b"" if borrow else bytes(bits))
+    if borrow:  # NOTE: validated above (length rule, MAX_BITS_BYTES); Chunk would copy it to bytes
+        object.__setattr__(chunk, "bits", bits.toreadonly())
     return chunk, record_len
 
 

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from speckv.digests import digest
+from speckv.digests import XXH3_128, digest
 from speckv.errors import IntegrityError
 
 from . import container as ct
@@ -51,7 +51,7 @@ TABLES_LOCK = threading.Lock()  # worker threads (and sidecars) may all ask at o
 
 def bf16_context_table(log2_sigma: np.ndarray) -> ContextTable:
     """The BF16 context table of these sigmas, built once per process (~1.5 s)."""
-    key = digest(np.ascontiguousarray(log2_sigma, np.int64), str(log2_sigma.shape).encode())
+    key = digest(np.ascontiguousarray(log2_sigma, np.int64), str(log2_sigma.shape).encode(), algorithm=XXH3_128)
     with TABLES_LOCK:
         if key not in TABLES:
             TABLES[key] = ContextTable(BF16, BF16, log2_sigma)

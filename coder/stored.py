@@ -8,11 +8,11 @@ still guards every chunk.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 
-from speckv.digests import DIGEST_BYTES, digest
+from speckv.digests import DIGEST_BYTES, algorithm_of, digest
 from speckv.errors import IntegrityError
 from speckv.kv import bf16_bits
 
@@ -43,8 +43,8 @@ def stored_chunk(h: ct.StreamHeader, i: int, x: np.ndarray, scales: np.ndarray |
     aux = b"" if scales is None else np.asarray(scales, "<f4").tobytes()
     x = np.ascontiguousarray(x)
     raw = x.astype(x.dtype.newbyteorder("<"), copy=False).tobytes()
-    return ct.Chunk(index=i, layer_start=start, layer_count=count, steps=0,
-                    mu_fingerprint=bytes(DIGEST_BYTES), raw_digest=digest(aux, x), aux=aux,
+    return ct.Chunk(index=i, layer_start=start, layer_count=count, steps=0, mu_fingerprint=bytes(DIGEST_BYTES),
+                    raw_digest=digest(aux, x, algorithm=algorithm_of(h.version)), aux=aux,
                     states=np.zeros((0, LANES), np.uint32), word_counts=np.zeros(0, np.uint32),
                     words=np.zeros(0, np.uint16), bits=raw)
 
@@ -60,8 +60,25 @@ def stored_chunks(h: ct.StreamHeader, idx: Iterable[int], x: np.ndarray, scales:
     return out
 
 
+def stored_record(h: ct.StreamHeader, i: int, layers: Sequence[np.ndarray],
+                  scales: np.ndarray | None) -> list[memoryview]:
+    """Chunk i's stored record as buffers (``ct.stored_pieces``) straight from its layers'
+    bit patterns (``layer_count`` arrays ``(2, heads, tokens, dim)``, native uint16 BF16 or
+    uint8 e4m3; ``scales`` their ``(layer_count, 2)`` FP8 scales): joined, it is
+    ``pack_chunk(stored_chunk(h, i, np.stack(layers), scales))``; the layers are hashed and
+    framed where they lie, never stacked or copied."""
+    start, count = h.chunk_layers(i)
+    if len(layers) != count or any(tuple(x.shape) != h.shape[1:] for x in layers):
+        raise ValueError(f"chunk {i} needs {count} layers of shape {h.shape[1:]}")
+    aux = b"" if scales is None else np.asarray(scales, "<f4").tobytes()
+    bits = [element_bits(h, x) for x in layers]
+    raw_digest = digest(aux, *bits, algorithm=algorithm_of(h.version))
+    return ct.stored_pieces(i, start, count, raw_digest, aux, bits)
+
+
 def unstored_chunk(h: ct.StreamHeader, c: ct.Chunk) -> np.ndarray:
-    """The verified layers ``(layer_count, 2, heads, tokens, dim)`` of a stored chunk."""
+    """The verified layers ``(layer_count, 2, heads, tokens, dim)`` of a stored chunk (a
+    read-only view of its bits on a little-endian host: callers copy what they keep)."""
     dt = np.dtype("<u2") if h.dtype == ct.DTYPE_BF16 else np.dtype("u1")
     shape = (c.layer_count,) + h.shape[1:]
     need = int(np.prod(shape)) * dt.itemsize
@@ -69,5 +86,5 @@ def unstored_chunk(h: ct.StreamHeader, c: ct.Chunk) -> np.ndarray:
         raise IntegrityError(f"chunk {c.index}: stored chunk holds {len(c.bits)} bytes, needs {need}")
     if h.dtype == ct.DTYPE_FP8 and len(c.aux) != 8 * c.layer_count:
         raise IntegrityError(f"chunk {c.index}: FP8 scales take {8 * c.layer_count} bytes, not {len(c.aux)}")
-    bits = np.frombuffer(c.bits, dt).astype(dt.newbyteorder("="), copy=True).reshape(shape)
-    return verified(c, bits)
+    bits = np.frombuffer(c.bits, dt).astype(dt.newbyteorder("="), copy=False).reshape(shape)
+    return verified(c, bits, h.version)

@@ -20,11 +20,11 @@ async def drain_requests(it: AsyncIterator) -> None:
         pass
 
 
-async def drain_batch(queue: asyncio.Queue) -> list:
-    """The next item and everything queued behind it (up to MAX_BATCH); [] at the end
+async def drain_batch(queue: asyncio.Queue, limit: int = MAX_BATCH) -> list:
+    """The next item and everything queued behind it (up to ``limit``); [] at the end
     marker (None), which stays queued so later calls see it too."""
     items = [await queue.get()]
-    while items[-1] is not None and len(items) < MAX_BATCH and not queue.empty():
+    while items[-1] is not None and len(items) < limit and not queue.empty():
         items.append(queue.get_nowait())
     if items[-1] is None:
         items.pop()

@@ -21,18 +21,22 @@ from typing import AsyncIterator
 import grpc
 import numpy as np
 
+from speckv import frames
 from speckv.coder import container as ct
+from speckv.coder.stored import unstored_chunk
+from speckv.digests import algorithm_of
 from speckv.errors import RpcError, TransferDigestError
 from speckv.status import abort, in_band, integrity_kind, outcome, to_status
 from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.v1 import decoder_pb2_grpc as dgrpc
-from speckv.wire import RecordAssembler, dtype_of, kv_shape, layer_bytes, layer_messages, shape_of
+from speckv.wire import RecordAssembler, dtype_of, layer_bytes, shape_of
 
 from .aio import drain_batch, drain_requests, peer_host
 from .auth import authorize, parse_allow
 from .budget import ByteBudget
 from .config import ServerConfig
+from .fetch import FetchService
 from .inbox import await_or_fail, events, mu_checks
 from .layer_mu import LayerMu
 from .metrics import Metrics
@@ -43,7 +47,7 @@ from .transfers import DecoderTransfer, S, TransferTable, check_request_id
 logger = logging.getLogger(__name__)
 
 
-class DecoderService(dgrpc.DecoderServiceServicer):
+class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
     def __init__(self, config: ServerConfig, runtime: Runtime, metrics: Metrics, budget: ByteBudget) -> None:
         self.config, self.rt, self.metrics, self.budget = config, runtime, metrics, budget
         self.table = TransferTable(config.max_transfers, config.lease_s)
@@ -64,7 +68,8 @@ class DecoderService(dgrpc.DecoderServiceServicer):
             if first is None or first.WhichOneof("kind") != "header":
                 raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "the first message must carry the TransferHeader")
             h, ids, labels = self._check_header(first.header)
-            t = DecoderTransfer(first.header.request_id, h.shape[0], h.n_chunks, self.budget.holding())
+            t = DecoderTransfer(first.header.request_id, h.shape[0], h.n_chunks, self.budget.holding(),
+                                algorithm_of(h.version))
             t.layer_bytes = layer_bytes(h.shape, dtype_of_header(h))
             t.peer = context.peer() or "?"
             self._check_peer(t.peer)
@@ -209,7 +214,7 @@ class DecoderService(dgrpc.DecoderServiceServicer):
             raw = layer_bytes(h.shape, dtype_of_header(h)) * h.chunk_layers(req.chunk.index)[1]
             t.stored_reason = req.chunk.stored_reason
             await await_or_fail(t.holding.acquire(size + raw), worker, t)
-        rec = asm.add(req.chunk)
+        rec = asm.add(req.chunk, frames.payload_of(req))  # NOTE: the payload: a view of the bytes received
         if rec is None:
             return None
         chunk = _whole(rec, h, asm.next_index - 1)
@@ -240,78 +245,34 @@ class DecoderService(dgrpc.DecoderServiceServicer):
         lb = layer_bytes(h.shape, dtype_of_header(h))
         while batch := await drain_batch(queue):
             chunks = [c for c, _ in batch]
-            coded = [c for c in chunks if not ct.is_stored_chunk(h, c)]
-            # NOTE: only coded chunks need mu, and only their own layers' (no whole-mu gate)
-            w0 = time.perf_counter()
-            mu_bits = None if mu is None or not coded else await mu.upto(coded[-1].layer_start + coded[-1].layer_count)
-            t.mu_wait_s += time.perf_counter() - w0
-            d0 = time.perf_counter()
-            bits = await asyncio.to_thread(self.rt.codec.decode_run, h, chunks, mu_bits)
-            t.decode_s += time.perf_counter() - d0
-            first = chunks[0].layer_start
-            for c, wire in batch:
+            for (c, wire), bits in zip(batch, await self._decode(t, h, mu, chunks), strict=True):
                 raw = lb * c.layer_count  # reserved with the record; FetchKV releases it per layer
                 t.holding.release(wire)
                 scales = (np.frombuffer(c.aux, "<f4").reshape(-1, 2).astype(np.float32)
                           if h.dtype == ct.DTYPE_FP8 else None)
-                rel = c.layer_start - first
-                await t.publish(c.layer_start, bits[rel:rel + c.layer_count], scales)
+                await t.publish(c.layer_start, bits, scales)
                 t.raw_bytes += raw
                 self.metrics.chunk(*labels, raw, wire, ct.HEADER_LEN if c.index == 0 else 0)
         self.metrics.seconds("decode", t.decode_s)
 
-    # -- FetchKV ------------------------------------------------------------
-    async def FetchKV(self, request: dpb.FetchKVRequest,
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[dpb.FetchKVResponse]:
-        await authorize(context, "FetchKV", self.allow)
-        wait = request.wait_timeout_ms / 1000 if request.wait_timeout_ms else self.config.fetch_wait_s
-        t0 = time.perf_counter()
-        t = None
-        try:
-            t = await self.table.wait_for(request.request_id, wait)
-            if t.fetching or t.state == S.TRANSFER_STATE_FETCHED:
-                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"transfer {request.request_id!r} is already being fetched or was fetched",
-                               reason="ALREADY_FETCHED")
-            t.fetching = True
-            if request.verified_only:
-                if t.n_layers * t.layer_bytes > self.budget.limit:
-                    raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"verified_only needs the whole KV ({t.n_layers * t.layer_bytes} bytes) "
-                                   f"in memory; the in-flight cap is {self.budget.limit}")
-                await t.wait_final(max(wait, self.config.lease_s))
-            async for msg in self._layers(t, wait, t0):
-                yield msg
-            digest = await t.wait_final(max(wait, self.config.lease_s))
-            yield dpb.FetchKVResponse(done=dpb.FetchKVDone(raw_digest=digest, raw_bytes=t.digest.raw_bytes))
-            await t.end(S.TRANSFER_STATE_FETCHED)
-            t.holding.close()
-        except BaseException as e:  # noqa: BLE001
-            code, msg = to_status(e)
-            if t is not None and t.fetching and code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
-                # layers already handed out are gone. NOTE: recorded as an RpcError, never as this
-                # call's CancelledError: a live Transfer handler raises t.error when woken, and a
-                # CancelledError there passes for its own call's end (no status: the sender hangs)
-                await t.end(S.TRANSFER_STATE_CANCELLED,
-                            RpcError(grpc.StatusCode.CANCELLED, f"the FetchKV taking its layers ended: {msg}"))
-            if isinstance(e, asyncio.CancelledError):
-                raise
-            await abort(context, e)
-        finally:
-            self._gauges()  # a fetched or cancelled transfer is no longer in flight
-
-    async def _layers(self, t: DecoderTransfer, wait: float, t0: float) -> AsyncIterator[dpb.FetchKVResponse]:
-        hdr_shape, dtype = None, None
-        for layer in range(t.n_layers):
-            arr, scales = await t.take(layer, max(wait, self.config.lease_s))
-            if layer == 0:
-                self.metrics.seconds("first_layer", time.perf_counter() - t0)
-                dtype = 1 if arr.dtype == np.uint16 else 2
-                hdr_shape = kv_shape((t.n_layers,) + arr.shape[:2] + arr.shape[2:])
-            assert dtype is not None  # set at layer 0
-            for part in layer_messages(layer, arr, dtype, hdr_shape, self.config.message_bytes, scales):
-                yield dpb.FetchKVResponse(layer=part)
-            t.holding.release(arr.nbytes)
+    async def _decode(self, t: DecoderTransfer, h: ct.StreamHeader, mu: LayerMu | None,
+                      chunks: list[ct.Chunk]) -> list[np.ndarray]:
+        """Each chunk's verified layers. Stored chunks alone: each verified where it lies
+        (read-only views of the records, which live on with the layers), on the loop."""
+        coded = [c for c in chunks if not ct.is_stored_chunk(h, c)]
+        d0 = time.perf_counter()
+        if not coded:
+            out = [unstored_chunk(h, c) for c in chunks]
+            t.decode_s += time.perf_counter() - d0
+            return out
+        # NOTE: only coded chunks need mu, and only their own layers' (no whole-mu gate)
+        mu_bits = None if mu is None else await mu.upto(coded[-1].layer_start + coded[-1].layer_count)
+        t.mu_wait_s += time.perf_counter() - d0
+        d0 = time.perf_counter()
+        bits = await asyncio.to_thread(self.rt.codec.decode_run, h, chunks, mu_bits)
+        t.decode_s += time.perf_counter() - d0
+        first = chunks[0].layer_start
+        return [bits[c.layer_start - first:c.layer_start - first + c.layer_count] for c in chunks]
 
     # -- status and cancel ----------------------------------------------------
     async def GetTransferStatus(self, request: dpb.GetTransferStatusRequest,
@@ -347,8 +308,8 @@ def dtype_of_header(h: ct.StreamHeader) -> int:
     return 1 if h.dtype == ct.DTYPE_FP8 else 2
 
 
-def _whole(rec: bytearray, h: ct.StreamHeader, index: int) -> ct.Chunk:
-    chunk, used = ct.unpack_chunk(rec, h)
+def _whole(rec: bytes | bytearray | memoryview, h: ct.StreamHeader, index: int) -> ct.Chunk:
+    chunk, used = ct.unpack_chunk(rec, h, borrow=True)  # NOTE: rec is the chunk's now: its bits are not copied
     if used != len(rec):
         raise ct.FormatError(f"chunk record of {used} bytes sent as {len(rec)}")
     if chunk.index != index:

@@ -22,21 +22,21 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, cast
+from typing import AsyncIterator
 
 import grpc
 import numpy as np
 
+from speckv import frames
 from speckv.coder import container as ct
-from speckv.digests import KVDigest
+from speckv.digests import KVDigest, algorithm_of
 from speckv.errors import RpcError
 from speckv.status import abort, from_in_band, outcome, to_status
 from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
-from speckv.v1 import decoder_pb2_grpc as dgrpc
 from speckv.v1 import encoder_pb2 as epb
 from speckv.v1 import encoder_pb2_grpc as egrpc
-from speckv.wire import LayerAssembler, bad, dtype_of, layer_bytes, parts, shape_of
+from speckv.wire import LayerAssembler, bad, dtype_of, layer_bytes, shape_of
 
 from .aio import drain_batch, peer_host, watched
 from .auth import authorize, parse_allow
@@ -45,11 +45,13 @@ from .config import ServerConfig
 from .layer_mu import LayerMu
 from .metrics import Metrics
 from .mu_cache import MuCache
+from .records import code_batch, store_batch
 from .runtime import Runtime
 from .tls import KEEPALIVE, channel_credentials
 from .transfers import check_request_id
 
 logger = logging.getLogger(__name__)
+ENCODE_BATCH_BYTES = 4 << 20  # raw KV coded in one pass at most (a chunk at least)
 
 
 @dataclass
@@ -74,7 +76,10 @@ class _Job:
     mu_wait_s: float = 0.0  # the sender waiting for mu (ours, or the decoder's check)
     wire_wait_s: float = 0.0  # inside call.write: flow control
     mu_hit: bool = False  # mu came from the cache (or a pass another transfer started)
-    digest: KVDigest = field(default_factory=KVDigest)  # whole-transfer digest, layer by layer
+    digest: KVDigest = field(init=False)  # whole-transfer digest, layer by layer
+
+    def __post_init__(self) -> None:
+        self.digest = KVDigest(algorithm_of(self.h.version))  # the stream version's digest
 
 
 # HOST:PORT: a DNS name or IPv4 address, or a bracketed IPv6 address; grpc would fail
@@ -226,18 +231,21 @@ class EncoderService(egrpc.EncoderServiceServicer):
                                     else grpc.aio.insecure_channel(addr, options=options))
         remaining = context.time_remaining()
         timeout = min(self.config.transfer_timeout_s, remaining if remaining is not None else float("inf"))
-        return dgrpc.DecoderServiceStub(self._channels[addr]).Transfer(timeout=timeout)
+        # NOTE: DecoderService.Transfer with a serializer that passes the pre-serialised chunk parts through
+        return self._channels[addr].stream_stream(TRANSFER, request_serializer=frames.serialize,
+                                                  response_deserializer=dpb.TransferResponse.FromString)(
+            timeout=timeout)
 
     async def _receive(self, job: _Job, it: AsyncIterator, queue: asyncio.Queue, watch) -> None:
         """Reassemble raw layers; queue each chunk once its layers are all in."""
-        asm = LayerAssembler(job.header.dtype, job.h.shape)
+        asm = LayerAssembler(job.header.dtype, job.h.shape, borrow=True)  # NOTE: one-part layers: no copy
         next_chunk = 0
         while (req := await watched(anext(it, None), watch)) is not None:
             if req.WhichOneof("kind") != "layer":
                 raise bad("only layer messages may follow the header")
             if asm.starting:
                 await watched(job.holding.acquire(asm.layer_size), watch)  # backpressure on the engine
-            done = asm.add(req.layer)
+            done = asm.add(req.layer, frames.payload_of(req))  # NOTE: the payload: a view of the bytes received
             if done is None:
                 continue
             layer, arr, scales = done
@@ -252,24 +260,26 @@ class EncoderService(egrpc.EncoderServiceServicer):
 
     async def _send_loop(self, job: _Job, mu: LayerMu | None, call, queue: asyncio.Queue,
                          checks: "_Checks") -> None:
-        """Code ready chunks (all that queued up, in one pass) and write their records."""
+        """Code ready chunks (what queued up, ENCODE_BATCH_BYTES at most, in one pass) and write their records."""
         lb = layer_bytes(job.h.shape, dtype_of(job.header.dtype)[1].itemsize)
-        while batch := await drain_batch(queue):
+        # NOTE: at most ENCODE_BATCH_BYTES coded before its records go: the decoder starts on the
+        # first chunk while the later ones are coded (one whole-KV batch would serialise the two)
+        limit = max(1, ENCODE_BATCH_BYTES // max(1, lb * job.h.layers_per_chunk))
+        while batch := await drain_batch(queue, limit):
             start = job.h.chunk_layers(batch[0])[0]
             stop = sum(job.h.chunk_layers(batch[-1]))
             w0 = time.perf_counter()
             mismatched = set() if mu is None else await self._mismatched(job, mu, batch, checks)
             job.mu_wait_s += time.perf_counter() - w0
             got = [job.layers.pop(k) for k in range(start, stop)]
-            x = np.stack([g[0] for g in got])  # (layers, 2, heads, tokens, dim)
-            # one dtype per transfer: every layer carries FP8 scales, or none does
-            sc = np.stack(cast("list[np.ndarray]", [g[1] for g in got])) if got[0][1] is not None else None
-            del got
             e0 = time.perf_counter()
-            recs = await asyncio.to_thread(_encode, self.rt.codec, job.h, range(batch[0], batch[-1] + 1), x,
-                                           None if mu is None else mu.bits, sc, mismatched)
+            if job.h.model == ct.MODEL_STORED or (job.h.version >= 3 and mismatched.issuperset(batch)):
+                recs = store_batch(job.h, batch, got, start)  # NOTE: no coder, no stacking: inline
+            else:
+                recs = await asyncio.to_thread(code_batch, self.rt.codec, job.h, range(batch[0], batch[-1] + 1), got,
+                                               None if mu is None else mu.bits, mismatched)
             job.encode_s += time.perf_counter() - e0
-            del x
+            del got
             for i, (rec, stored) in zip(batch, recs, strict=True):
                 reason = "" if not stored or job.h.model == ct.MODEL_STORED else \
                     "mu_mismatch" if i in mismatched else "larger_than_stored"
@@ -286,7 +296,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
         bad = set()
         for i in batch:
             start, count = job.h.chunk_layers(i)
-            if await mu.digest_of(start, start + count) != await checks.get(i):
+            if await mu.digest_of(start, start + count, algorithm_of(job.h.version)) != await checks.get(i):
                 bad.add(i)
         if bad:
             job.fallback = True
@@ -297,39 +307,35 @@ class EncoderService(egrpc.EncoderServiceServicer):
                                "they go stored", peer, self.rt.pin[:12], sorted(bad))
         return bad
 
-    async def _send(self, job: _Job, call, i: int, rec: bytes, raw: int, stored_reason: str) -> None:
-        keep = min(raw, len(rec))  # the record inherits its layers' reservation
+    async def _send(self, job: _Job, call, i: int, rec: list[memoryview], raw: int, stored_reason: str) -> None:
+        """Write chunk i's record (as buffers: ``ct.chunk_pieces``) in parts, each framed once."""
+        size = sum(len(p) for p in rec)
+        keep = min(raw, size)  # the record inherits its layers' reservation
         job.holding.release(raw - keep)
         job.first_send = job.first_send or time.perf_counter()
-        for off, ln in parts(len(rec), self.config.message_bytes):
-            await _write(job, call, dpb.TransferRequest(chunk=dpb.Chunk(
-                index=i, record=rec[off:off + ln], byte_offset=off, record_bytes=len(rec),
-                stored_reason=stored_reason if off == 0 else "")))
+        for off, _, views in frames.record_slices(rec, self.config.message_bytes):
+            await _write(job, call, frames.chunk_part(i, views, off, size, stored_reason if off == 0 else ""))
         job.holding.release(keep)
         job.raw_bytes += raw
-        job.wire_bytes += len(rec)
+        job.wire_bytes += size
         job.chunks += 1
         if stored_reason:
             job.stored_chunks += 1
             self.metrics.fallback(stored_reason)
-        self.metrics.chunk(*job.labels, raw, len(rec), ct.HEADER_LEN if i == 0 else 0)
+        self.metrics.chunk(*job.labels, raw, size, ct.HEADER_LEN if i == 0 else 0)
 
     def _gauges(self) -> None:
         self.metrics.gauges(self.active, self.budget.used, self.budget.limit)
 
 
-async def _write(job: _Job, call, req: dpb.TransferRequest) -> None:
-    job.message_bytes += req.ByteSize()
+async def _write(job: _Job, call, req: "dpb.TransferRequest | bytes") -> None:
+    job.message_bytes += len(req) if isinstance(req, bytes) else req.ByteSize()
     t0 = time.perf_counter()
     await call.write(req)  # NOTE: awaits HTTP/2 flow control: the decoder's backpressure
     job.wire_wait_s += time.perf_counter() - t0
 
 
-def _encode(codec, h: ct.StreamHeader, idx: range, x: np.ndarray, mu, scales,
-            stored: set[int]) -> list[tuple[bytes, bool]]:
-    """Each chunk's record and whether it went stored (asked for, or the size guard)."""
-    return [(ct.pack_chunk(c), ct.is_stored_chunk(h, c))
-            for c in codec.encode_chunks(h, idx, x, mu, scales, stored=stored)]
+TRANSFER = "/speckv.v1.DecoderService/Transfer"
 
 
 def _transfer_header(job: _Job) -> dpb.TransferHeader:

@@ -20,6 +20,7 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError, Message
 
+from speckv import frames
 from speckv.errors import RpcError
 from speckv.status import abort
 
@@ -27,9 +28,10 @@ logger = logging.getLogger(__name__)
 
 
 def parse(cls: type[Message], data: bytes, index: int) -> Any:
-    """``cls.FromString(data)``, or RpcError(INVALID_ARGUMENT) naming the message."""
+    """``cls.FromString(data)`` (a bulk message as a ``frames.Parsed``: its payload a view of
+    ``data``), or RpcError(INVALID_ARGUMENT) naming the message."""
     try:
-        return cls.FromString(data)
+        return frames.parse(cls, data)
     except (DecodeError, RuntimeWarning, ValueError) as e:
         raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                        f"request message {index} is not a valid {cls.DESCRIPTOR.full_name}: {e}") from None
@@ -93,10 +95,10 @@ def method_handlers(servicer: Any, service: ServiceDescriptor) -> dict[str, grpc
     for m in service.methods:
         wrap, factory = _KINDS[(m.client_streaming, m.server_streaming)]
         request_cls = message_factory.GetMessageClass(m.input_type)
-        response_cls = message_factory.GetMessageClass(m.output_type)
         handlers[m.name] = factory(wrap(getattr(servicer, m.name), request_cls),
                                    request_deserializer=None,  # bytes through; parsed above
-                                   response_serializer=response_cls.SerializeToString)
+                                   # NOTE: passes pre-serialised responses (FetchKV's layers) through
+                                   response_serializer=frames.serialize)
     return handlers
 
 

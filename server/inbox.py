@@ -11,6 +11,7 @@ from typing import AsyncGenerator, AsyncIterator
 import grpc
 
 from speckv.coder import container as ct
+from speckv.digests import algorithm_of
 from speckv.errors import RpcError
 from speckv.v1 import decoder_pb2 as dpb
 
@@ -46,11 +47,13 @@ async def await_or_fail(aw, worker: asyncio.Future | None, t: DecoderTransfer):
 
 
 async def mu_checks(h: ct.StreamHeader, mu: LayerMu) -> AsyncIterator[dpb.TransferResponse]:
-    """One PredictorCheck per chunk, in order, each as soon as its layers' mu exists."""
+    """One PredictorCheck per chunk, in order, each as soon as its layers' mu exists (its
+    digest the stream version's)."""
+    algorithm = algorithm_of(h.version)
     for i in range(h.n_chunks):
         start, count = h.chunk_layers(i)
         yield dpb.TransferResponse(predictor=dpb.PredictorCheck(
-            chunk_index=i, mu_digest=await mu.digest_of(start, start + count)))
+            chunk_index=i, mu_digest=await mu.digest_of(start, start + count, algorithm)))
 
 
 async def events(it: AsyncIterator, checks: AsyncIterator | None, worker: asyncio.Future,

@@ -87,10 +87,11 @@ class LayerMu:
             await self._changed.wait()
         return self.bits
 
-    async def digest_of(self, start: int, stop: int) -> bytes:
-        """blake2b-128 of layers ``[start, stop)`` of mu (the per-chunk PredictorCheck)."""
+    async def digest_of(self, start: int, stop: int, algorithm: int) -> bytes:
+        """The ``algorithm`` digest of layers ``[start, stop)`` of mu (the per-chunk
+        PredictorCheck: the stream version's digest, ``speckv.digests.algorithm_of``)."""
         bits = await self.upto(stop)
-        return digest(bits[start:stop])
+        return digest(bits[start:stop], algorithm=algorithm)
 
     async def done(self) -> float:
         """Wait for the whole pass; its seconds."""

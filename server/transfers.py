@@ -47,7 +47,7 @@ def check_request_id(request_id: str) -> None:
 class DecoderTransfer:
     """One request's transfer on the decoder."""
 
-    def __init__(self, request_id: str, n_layers: int, n_chunks: int, holding: Holding) -> None:
+    def __init__(self, request_id: str, n_layers: int, n_chunks: int, holding: Holding, algorithm: int) -> None:
         self.request_id = request_id
         self.n_layers, self.n_chunks = n_layers, n_chunks
         self.holding = holding
@@ -58,7 +58,7 @@ class DecoderTransfer:
         self.chunks_received = self.chunks_decoded = 0
         self.wire_bytes = self.raw_bytes = 0
         self.predictor_s = self.decode_s = self.mu_wait_s = 0.0
-        self.digest = KVDigest()  # over the decoded layers, in order
+        self.digest = KVDigest(algorithm)  # over the decoded layers, in order (the stream version's digest)
         self.verified: bytes | None = None  # the whole-transfer digest, once it matched
         self.layer_bytes = 0  # raw bytes per layer
         self.encoding = "speckv"  # or "stored" (asked for)

@@ -13,13 +13,14 @@ Assemblers are used by both sides (sidecars and clients) and raise
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, cast
 
 import grpc
 import numpy as np
 
 from speckv.v1 import common_pb2 as pb
 
+from . import frames
 from .errors import RpcError
 
 if TYPE_CHECKING:
@@ -80,6 +81,23 @@ def layer_messages(index: int, layer: np.ndarray, dtype: int, shape: pb.KVShape,
                    scales: np.ndarray | None = None) -> Iterator[pb.KVLayer]:
     """The KVLayer parts of one layer ``(2, heads, tokens, dim)`` (no copy of the array
     beyond each part's bytes)."""
+    for head, data, sp in _layer_parts(index, layer, dtype, shape, part_bytes, scales):
+        head.data = bytes(data)
+        head.fp8_scales.extend(sp)
+        yield head
+
+
+def layer_frames(index: int, layer: np.ndarray, dtype: int, shape: pb.KVShape, part_bytes: int,
+                 scales: np.ndarray | None = None) -> Iterator[frames.Pieces]:
+    """``layer_messages`` pre-serialised (``frames.layer_part``): each part's bytes are read
+    where they lie in ``layer`` and copied once, when the frame is joined."""
+    for head, data, sp in _layer_parts(index, layer, dtype, shape, part_bytes, scales):
+        yield frames.layer_part(head, data, sp)
+
+
+def _layer_parts(index: int, layer: np.ndarray, dtype: int, shape: pb.KVShape, part_bytes: int,
+                 scales: np.ndarray | None) -> Iterator[tuple[pb.KVLayer, memoryview, list[float]]]:
+    """Each part's KVLayer fields but ``data`` and ``fp8_scales``, its data (a view) and the scales."""
     _, dt = dtype_of(dtype)
     buf = np.ascontiguousarray(layer, dt).reshape(-1).data.cast("B")  # 1-D: a 0-token layer casts too
     n = buf.nbytes
@@ -88,22 +106,34 @@ def layer_messages(index: int, layer: np.ndarray, dtype: int, shape: pb.KVShape,
         raise ValueError(NAN_SCALES)
     pieces = list(parts(n, part_bytes))
     for k, (off, ln) in enumerate(pieces):
-        yield pb.KVLayer(layer=index, dtype=dtype, shape=shape, part_index=k, part_count=len(pieces),
-                         byte_offset=off, layer_bytes=n, data=bytes(buf[off:off + ln]), fp8_scales=sp)
+        yield (pb.KVLayer(layer=index, dtype=dtype, shape=shape, part_index=k, part_count=len(pieces),
+                          byte_offset=off, layer_bytes=n), buf[off:off + ln], sp)
 
 
 @dataclass
 class LayerAssembler:
-    """Rebuilds layers 0, 1, ... from KVLayer parts sent in order."""
+    """Rebuilds layers 0, 1, ... from KVLayer parts sent in order.
+
+    Where the layers go: by default each into a fresh buffer (a writable array); with
+    ``out`` (the whole KV, ``shape`` and the dtype's wire dtype), straight into
+    ``out[layer]``; with ``borrow``, a layer sent in one part is its message's own bytes
+    (a read-only array, nothing copied)."""
 
     dtype: int
     shape: tuple[int, int, int, int, int]
     next_layer: int = 0
-    _buf: bytearray | None = None
+    _buf: bytearray | bytes | memoryview | None = None
     _part: int = 0
     _count: int = 0
     _scales: tuple[int, ...] = ()  # fp32 bit patterns of the layer's fp8_scales
     _filled: int = 0
+    borrow: bool = False
+    out: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        want = (self.shape, dtype_of(self.dtype)[1])
+        if self.out is not None and (self.out.shape, self.out.dtype) != want:
+            raise ValueError(f"out must be {want}, not {(self.out.shape, self.out.dtype)}")
 
     @property
     def layer_size(self) -> int:
@@ -118,24 +148,26 @@ class LayerAssembler:
         """True when the next part must begin a new layer (nothing half-received)."""
         return self._buf is None
 
-    def add(self, m: pb.KVLayer) -> tuple[int, np.ndarray, np.ndarray | None] | None:
-        """Take one part; returns ``(layer, array (2, H, T, D), scales (2,) | None)`` when
-        the layer is complete."""
+    def add(self, m: pb.KVLayer, payload: memoryview | None = None) -> tuple[int, np.ndarray, np.ndarray | None] | None:
+        """Take one part (its data ``m.data``, or ``payload`` where the message was parsed
+        without it: ``frames.Parsed``); returns ``(layer, array (2, H, T, D), scales (2,) | None)``
+        when the layer is complete."""
         if m.dtype != self.dtype or shape_of(m.shape) != self.shape:
             raise bad(f"layer {m.layer}: dtype/shape differ from the header's")
         if m.layer != self.next_layer:
             raise bad(f"got layer {m.layer}, expected layer {self.next_layer} (layers are sent in order)")
         if m.layer_bytes != self.layer_size:
             raise bad(f"layer {m.layer}: layer_bytes {m.layer_bytes} != {self.layer_size} for this shape")
+        data = m.data if payload is None else payload  # NOTE: read once: upb copies a bytes field on every access
         if self._buf is None:
             if m.part_index != 0 or not 1 <= m.part_count <= max(1, self.layer_size):
                 raise bad(f"layer {m.layer}: first part has index {m.part_index} of {m.part_count}")
-            self._buf, self._part, self._count = bytearray(self.layer_size), 0, m.part_count
+            self._buf, self._part, self._count = self._target(m, data), 0, m.part_count
             self._filled = 0
             self._scales = scale_bits(m.fp8_scales)
             if any(v != v for v in m.fp8_scales):
                 raise bad(f"layer {m.layer}: {NAN_SCALES}")
-        filled = self._fill(m)
+        filled = self._fill(m, data)
         if filled < self.layer_size and self._part < self._count:
             return None
         if filled != self.layer_size or self._part != self._count:
@@ -143,25 +175,37 @@ class LayerAssembler:
                       f"in {self._part} of {self._count} parts")
         return self._finish()
 
-    def _fill(self, m: pb.KVLayer) -> int:
+    def _target(self, m: pb.KVLayer, data: bytes | memoryview) -> bytearray | bytes | memoryview:
+        """Where the layer's parts go (see the class docstring)."""
+        if self.out is not None:
+            return memoryview(self.out[self.next_layer].reshape(-1).view(np.uint8))
+        if self.borrow and m.part_count == 1 and m.byte_offset == 0 and len(data) == self.layer_size:
+            return data  # NOTE: the message's own bytes: no copy
+        return bytearray(self.layer_size)
+
+    def _fill(self, m: pb.KVLayer, data: bytes | memoryview) -> int:
         if m.part_index != self._part or m.part_count != self._count:
             raise bad(f"layer {m.layer}: part {m.part_index}/{m.part_count}, expected "
                       f"{self._part}/{self._count}")
-        if m.byte_offset != self._filled or m.byte_offset + len(m.data) > self.layer_size:
-            raise bad(f"layer {m.layer}: part at offset {m.byte_offset} (+{len(m.data)}) does not "
+        if m.byte_offset != self._filled or m.byte_offset + len(data) > self.layer_size:
+            raise bad(f"layer {m.layer}: part at offset {m.byte_offset} (+{len(data)}) does not "
                       f"continue the layer")
         if scale_bits(m.fp8_scales) != self._scales:
             raise bad(f"layer {m.layer}: fp8_scales differ between parts")
         assert self._buf is not None
-        self._buf[m.byte_offset:m.byte_offset + len(m.data)] = m.data
-        self._filled = m.byte_offset + len(m.data)
+        if self._buf is not data:
+            cast(bytearray, self._buf)[m.byte_offset:m.byte_offset + len(data)] = data
+        self._filled = m.byte_offset + len(data)
         self._part += 1
         return self._filled
 
     def _finish(self) -> tuple[int, np.ndarray, np.ndarray | None]:
         name, dt = dtype_of(self.dtype)
         assert self._buf is not None
-        arr = np.frombuffer(self._buf, dt).astype(dt.newbyteorder("="), copy=False).reshape(self.shape[1:])
+        if self.out is not None:
+            arr = self.out[self.next_layer]
+        else:
+            arr = np.frombuffer(self._buf, dt).astype(dt.newbyteorder("="), copy=False).reshape(self.shape[1:])
         scales = None
         if name == "fp8":
             if len(self._scales) != 2:
@@ -201,17 +245,24 @@ class RecordAssembler:
                       f"{c.record_bytes}-byte record (limit {self.max_record})")
         return int(c.record_bytes)
 
-    def add(self, c: dpb.Chunk) -> bytearray | None:
-        """Take one part (after ``first_part_size``); returns the record when complete."""
+    def add(self, c: dpb.Chunk, payload: memoryview | None = None) -> bytearray | bytes | memoryview | None:
+        """Take one part (after ``first_part_size``; its bytes ``c.record``, or ``payload``: see
+        LayerAssembler.add); returns the record when complete (a record sent in one part is
+        that part's own bytes: nothing copied)."""
+        data: bytes | memoryview = c.record if payload is None else payload  # NOTE: read once (upb copies)
         if self._buf is None:
+            whole = c.byte_offset == 0 and 0 < len(data) == c.record_bytes and c.index == self.next_index
+            if whole:
+                self.next_index += 1
+                return data
             self._buf, self._filled = bytearray(c.record_bytes), 0
         if c.index != self.next_index or c.record_bytes != len(self._buf) or c.byte_offset != self._filled:
             raise bad(f"chunk {c.index}: part at offset {c.byte_offset} does not continue record "
                       f"{self.next_index} ({self._filled} of {len(self._buf)} bytes)")
-        end = self._filled + len(c.record)
-        if end > len(self._buf) or not c.record:
+        end = self._filled + len(data)
+        if end > len(self._buf) or not data:
             raise bad(f"chunk {c.index}: part overruns its {len(self._buf)}-byte record or is empty")
-        self._buf[self._filled:end] = c.record
+        self._buf[self._filled:end] = data
         self._filled = end
         if end < len(self._buf):
             return None

@@ -246,3 +246,62 @@ def test_record_size_changes_between_parts():
 def test_record_size_limits(record_bytes):
     c = dpb.Chunk(index=0, record=b"x", byte_offset=0, record_bytes=record_bytes)
     _invalid(lambda: RecordAssembler(3, 1024).first_part_size(c), f"{record_bytes}-byte record (limit 1024)")
+
+
+# -- where the bytes go: borrowed, in place, from a payload view ---------------------------
+
+def test_borrow_keeps_a_one_part_layer_in_its_message():
+    kv = _kv()
+    asm = LayerAssembler(BF16, SHAPE, borrow=True)
+    for m in _msgs(kv, part_bytes=320):  # one part per layer: borrowed, read-only
+        k, arr, _ = asm.add(m, memoryview(m.data))
+        assert np.array_equal(arr, kv[k]) and not arr.flags.writeable
+    asm = LayerAssembler(BF16, SHAPE, borrow=True)
+    out = [r for m in _msgs(kv, part_bytes=100) if (r := asm.add(m)) is not None]  # several parts: copied
+    assert all(np.array_equal(arr, kv[k]) and arr.flags.writeable for k, arr, _ in out)
+
+
+def test_layers_land_in_out():
+    kv = _kv()
+    whole = np.zeros(SHAPE, np.dtype("<u2"))
+    asm = LayerAssembler(BF16, SHAPE, out=whole)
+    out = [r for m in _msgs(kv, part_bytes=70) if (r := asm.add(m)) is not None]
+    assert np.array_equal(whole, kv) and all(np.shares_memory(arr, whole) for _, arr, _ in out)
+    with pytest.raises(ValueError):
+        LayerAssembler(BF16, SHAPE, out=np.zeros(SHAPE, np.uint8))
+
+
+def test_a_payload_stands_for_the_data_field():
+    kv = _kv()
+    asm = LayerAssembler(BF16, SHAPE)
+    for m in _msgs(kv, part_bytes=320):
+        payload = memoryview(m.data)
+        m.data = b""  # as frames.split parses it: the field left out
+        k, arr, _ = asm.add(m, payload)
+        assert np.array_equal(arr, kv[k])
+    asm = RecordAssembler(1, 1024)
+    c = dpb.Chunk(index=0, record=b"", byte_offset=0, record_bytes=3)
+    assert asm.first_part_size(c) == 3 and bytes(asm.add(c, memoryview(b"xyz"))) == b"xyz"
+
+
+def test_a_one_part_record_is_its_own_bytes():
+    asm = RecordAssembler(1, 1024)
+    c = dpb.Chunk(index=0, record=b"abcd", byte_offset=0, record_bytes=4)
+    asm.first_part_size(c)
+    view = memoryview(b"abcd")
+    assert asm.add(c, view) is view and asm.next_index == 1 and asm.pending == 0
+
+
+def test_layer_frames_are_layer_messages_serialised():
+    from speckv import frames
+    from speckv.v1 import encoder_pb2 as epb
+    from speckv.wire import layer_frames
+
+    kv = _kv(FP8)
+    scales = np.array([[0.5, 2.0], [1e-3, 3.0], [np.float32(1 / 3), 7.25]], np.float32)
+    for part_bytes in (1, 100, 320, 10_000):
+        for k in range(SHAPE[0]):
+            msgs = list(layer_messages(k, kv[k], FP8, kv_shape(SHAPE), part_bytes, scales[k]))
+            got = [frames.join(frames.submessage(2, p)) for p in layer_frames(k, kv[k], FP8, kv_shape(SHAPE),
+                                                                             part_bytes, scales[k])]
+            assert got == [epb.SubmitRequest(layer=m).SerializeToString() for m in msgs]

@@ -17,8 +17,9 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from speckv.client.client import DecoderClient, RpcFailed
+from speckv.coder import container as ct
 from speckv.coder.codec import Codec, CodecConfig, Fp8KV, bf16_bits
-from speckv.digests import KVDigest
+from speckv.digests import KVDigest, algorithm_of
 from speckv.predictor.fp8 import kv_to_fp8
 from speckv.server.local import LocalPair
 from speckv.v1 import common_pb2 as pb
@@ -97,7 +98,7 @@ class ErrorTap(logging.Handler):
 
 
 def _trailer(bits: np.ndarray, scales: np.ndarray | None) -> dpb.TransferTrailer:
-    d = KVDigest()
+    d = KVDigest(algorithm_of(ct.FORMAT_VERSION))  # the streams here are the codec's: its version
     for layer in range(bits.shape[0]):
         d.update_layer(bits[layer], None if scales is None else scales[layer])
     return dpb.TransferTrailer(raw_digest=d.digest(), raw_bytes=d.raw_bytes)

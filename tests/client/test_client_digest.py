@@ -7,10 +7,13 @@ differ from the good ones only in that the layers sent are not the ones the dige
 (or the raw byte count) was computed over: one KV bit flipped, one FP8 scale changed,
 raw_bytes off by one. The blocking and asyncio clients must refuse them with
 DATA_LOSS from ``fetch`` and ``fetch_layers``, and return the exact bytes of the
-good ones, so it is the digest check, and nothing else, that fires."""
+good ones, so it is the digest check, and nothing else, that fires. Every stream
+comes in two styles: ``old``, a decoder before FetchKVRequest.digest (blake2b-128,
+FetchKVResponse.digest unset), and ``xxh3``, one that names XXH3-128 on every message."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -19,7 +22,7 @@ import numpy as np
 import pytest
 
 from speckv.client.client import AsyncDecoderClient, DecoderClient, RpcFailed
-from speckv.digests import KVDigest
+from speckv.digests import BLAKE2B_128, XXH3_128, KVDigest
 from speckv.kv import Fp8KV
 from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
@@ -41,10 +44,15 @@ class Stream:
     scales: np.ndarray | None
     digest: bytes
     raw_bytes: int
+    algorithm: int  # FetchKVResponse.digest on every message (0: unset, an old decoder: blake2b-128)
+    done_algorithm: int | None = None  # FetchKVDone's message, when it names another
 
 
-def _digest(bits: np.ndarray, scales: np.ndarray | None) -> tuple[bytes, int]:
-    d = KVDigest()
+STYLES = {"old": 0, "xxh3": XXH3_128}
+
+
+def _digest(bits: np.ndarray, scales: np.ndarray | None, algorithm: int) -> tuple[bytes, int]:
+    d = KVDigest(algorithm or BLAKE2B_128)
     for layer in range(bits.shape[0]):
         d.update_layer(bits[layer], None if scales is None else scales[layer])
     return d.digest(), d.raw_bytes
@@ -53,8 +61,10 @@ def _digest(bits: np.ndarray, scales: np.ndarray | None) -> tuple[bytes, int]:
 class FakeDecoder(dgrpc.DecoderServiceServicer):
     def __init__(self) -> None:
         self.streams: dict[str, Stream] = {}
+        self.asked: list[int] = []  # FetchKVRequest.digest of every call
 
     def FetchKV(self, request: dpb.FetchKVRequest, context: grpc.ServicerContext):
+        self.asked.append(request.digest)
         s = self.streams.get(request.request_id)
         if s is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no stream {request.request_id!r}")
@@ -63,8 +73,9 @@ class FakeDecoder(dgrpc.DecoderServiceServicer):
         for layer in range(s.bits.shape[0]):
             sc = None if s.scales is None else s.scales[layer]
             for part in layer_messages(layer, s.bits[layer], dtype, shape, PART_BYTES, sc):
-                yield dpb.FetchKVResponse(layer=part)
-        yield dpb.FetchKVResponse(done=dpb.FetchKVDone(raw_digest=s.digest, raw_bytes=s.raw_bytes))
+                yield dpb.FetchKVResponse(layer=part, digest=s.algorithm)
+        yield dpb.FetchKVResponse(done=dpb.FetchKVDone(raw_digest=s.digest, raw_bytes=s.raw_bytes),
+                                  digest=s.algorithm if s.done_algorithm is None else s.done_algorithm)
 
 
 def _kvs() -> dict[str, tuple[np.ndarray, np.ndarray | None]]:
@@ -78,11 +89,11 @@ def _kvs() -> dict[str, tuple[np.ndarray, np.ndarray | None]]:
 KVS = _kvs()
 
 
-def _tampered(name: str, how: str) -> Stream:
+def _tampered(name: str, how: str, style: str) -> Stream:
     """A stream of KV ``name`` whose FetchKVDone is that of the true KV, while the layers
     sent are altered by ``how`` (or the byte count is off); ``how == "none"``: all true."""
     bits, scales = KVS[name]
-    digest, raw_bytes = _digest(bits, scales)
+    digest, raw_bytes = _digest(bits, scales, STYLES[style])
     sent_bits, sent_scales = bits.copy(), None if scales is None else scales.copy()
     if how == "bit":
         sent_bits[2, 1, 0, 3, 5] ^= 0x0010  # one bit of one layer (not the first, not the last)
@@ -92,7 +103,7 @@ def _tampered(name: str, how: str) -> Stream:
         raw_bytes += 1
     else:
         assert how == "none"
-    return Stream(sent_bits, sent_scales, digest, raw_bytes)
+    return Stream(sent_bits, sent_scales, digest, raw_bytes, STYLES[style])
 
 
 BAD = [("bf16", "bit"), ("bf16", "raw_bytes"), ("fp8", "bit"), ("fp8", "scale")]
@@ -102,10 +113,13 @@ BAD = [("bf16", "bit"), ("bf16", "raw_bytes"), ("fp8", "bit"), ("fp8", "scale")]
 def fake():
     """``(servicer, address)`` of the fake decoder, serving every stream of this file."""
     servicer = FakeDecoder()
-    for name in KVS:
-        servicer.streams[f"good-{name}"] = _tampered(name, "none")
-    for name, how in BAD:
-        servicer.streams[f"bad-{name}-{how}"] = _tampered(name, how)
+    for style in STYLES:
+        for name in KVS:
+            servicer.streams[f"good-{name}-{style}"] = _tampered(name, "none", style)
+        for name, how in BAD:
+            servicer.streams[f"bad-{name}-{how}-{style}"] = _tampered(name, how, style)
+    servicer.streams["switch"] = dataclasses.replace(_tampered("bf16", "none", "xxh3"), done_algorithm=BLAKE2B_128)
+    servicer.streams["unknown"] = dataclasses.replace(_tampered("bf16", "none", "xxh3"), algorithm=9)
     server = grpc.server(ThreadPoolExecutor(4))
     dgrpc.add_DecoderServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -143,24 +157,28 @@ def _assert_digest_refused(err: RpcFailed) -> None:
 
 # -- the fake is right: the same server, streams and client calls, with a true digest -----
 
+@pytest.mark.parametrize("style", sorted(STYLES))
 @pytest.mark.parametrize("name", sorted(KVS))
-def test_true_digest_delivers_the_exact_kv(fake, name):
-    _, addr = fake
+def test_true_digest_delivers_the_exact_kv(fake, name, style):
+    servicer, addr = fake
+    del servicer.asked[:]
     with DecoderClient(addr, timeout=TIMEOUT) as dec:
-        _assert_exact(dec.fetch(f"good-{name}"), name)
-        _assert_exact(dec.fetch(f"good-{name}", verified_only=True), name)
-        _assert_layers_exact(list(dec.fetch_layers(f"good-{name}")), name)
+        _assert_exact(dec.fetch(f"good-{name}-{style}"), name)
+        _assert_exact(dec.fetch(f"good-{name}-{style}", verified_only=True), name)
+        _assert_layers_exact(list(dec.fetch_layers(f"good-{name}-{style}")), name)
+    assert servicer.asked == [XXH3_128] * 3  # the clients ask for XXH3-128 (an old decoder ignores it)
 
 
+@pytest.mark.parametrize("style", sorted(STYLES))
 @pytest.mark.parametrize("name", sorted(KVS))
-def test_true_digest_delivers_the_exact_kv_async(fake, name):
+def test_true_digest_delivers_the_exact_kv_async(fake, name, style):
     _, addr = fake
 
     async def run():
         dec = AsyncDecoderClient(addr, timeout=TIMEOUT)
         try:
-            got = await dec.fetch(f"good-{name}")
-            layers = [x async for x in dec.fetch_layers(f"good-{name}")]
+            got = await dec.fetch(f"good-{name}-{style}")
+            layers = [x async for x in dec.fetch_layers(f"good-{name}-{style}")]
         finally:
             await dec.close()
         return got, layers
@@ -172,10 +190,11 @@ def test_true_digest_delivers_the_exact_kv_async(fake, name):
 
 # -- the layers do not match the digest sent: DATA_LOSS, the KV never handed out whole ----
 
+@pytest.mark.parametrize("style", sorted(STYLES))
 @pytest.mark.parametrize("name,how", BAD)
-def test_digest_mismatch_is_data_loss(fake, name, how):
+def test_digest_mismatch_is_data_loss(fake, name, how, style):
     _, addr = fake
-    r = f"bad-{name}-{how}"
+    r = f"bad-{name}-{how}-{style}"
     with DecoderClient(addr, timeout=TIMEOUT) as dec:
         for verified_only in (False, True):
             with pytest.raises(RpcFailed) as e:
@@ -191,10 +210,11 @@ def test_digest_mismatch_is_data_loss(fake, name, how):
         assert [k for k, _, _ in layers] == list(range(SHAPE[0]))
 
 
+@pytest.mark.parametrize("style", sorted(STYLES))
 @pytest.mark.parametrize("name,how", BAD)
-def test_digest_mismatch_is_data_loss_async(fake, name, how):
+def test_digest_mismatch_is_data_loss_async(fake, name, how, style):
     _, addr = fake
-    r = f"bad-{name}-{how}"
+    r = f"bad-{name}-{how}-{style}"
 
     async def run():
         dec = AsyncDecoderClient(addr, timeout=TIMEOUT)
@@ -218,3 +238,12 @@ def test_digest_mismatch_is_data_loss_async(fake, name, how):
     for err in errors:
         _assert_digest_refused(err)
     assert [k for k, _, _ in layers] == list(range(SHAPE[0]))
+
+
+@pytest.mark.parametrize("r,words", [("switch", "digest algorithm changed"), ("unknown", "unknown digest algorithm")])
+def test_digest_algorithm_is_one_the_client_knows_and_keeps(fake, r, words):
+    _, addr = fake
+    with DecoderClient(addr, timeout=TIMEOUT) as dec:
+        with pytest.raises(RpcFailed) as e:
+            dec.fetch(r)
+    assert e.value.code == grpc.StatusCode.INTERNAL and words in e.value.details

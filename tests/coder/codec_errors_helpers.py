@@ -27,6 +27,7 @@ from speckv.coder.codec import Codec, digest, prompt_digest
 from speckv.coder.model import BF16, E4M3, FP32, context, fp8_log2_sigma, low_bits, magnitude
 from speckv.coder.rans import LANES, rans_encode
 from speckv.coder.tables import NOOP_TABLE
+from speckv.digests import algorithm_of
 from speckv.errors import IntegrityError
 
 # the messages of the checks (coder/model.py desymbolize and helpers, coder/bitpack.py)
@@ -155,7 +156,7 @@ def _craft(codec: Codec, fmt, mu_bits: np.ndarray, ids: np.ndarray, choose, bits
         raw_digest = bytes(16)
         try:
             kv[sl] = np.ascontiguousarray(_lenient(fmt, tab, ctx, j, raw).reshape(m.shape), kv.dtype)
-            raw_digest = digest(aux, kv[sl])  # what codec.verified compares
+            raw_digest = digest(aux, kv[sl], algorithm=algorithm_of(h.version))  # what codec.verified compares
         except IntegrityError:
             parsed = False
         n = h.chunk_elements(i)
@@ -166,7 +167,8 @@ def _craft(codec: Codec, fmt, mu_bits: np.ndarray, ids: np.ndarray, choose, bits
         rb = rans_encode(g.cum[idx].reshape(grid), g.freq[idx].reshape(grid))
         records.append(ct.pack_chunk(ct.Chunk(
             index=i, layer_start=start, layer_count=count, steps=h.elems_per_lane if n else 0,
-            mu_fingerprint=digest(m.tobytes()), raw_digest=raw_digest, aux=aux, states=rb.states,
+            mu_fingerprint=digest(m.tobytes(), algorithm=algorithm_of(h.version)), raw_digest=raw_digest, aux=aux,
+            states=rb.states,
             word_counts=rb.word_counts, words=rb.words, bits=raw if tamper is None else tamper(sections))))
     return records, kv if parsed else None
 

@@ -93,6 +93,12 @@ def unguarded_records(codec: Codec, kv, ids: np.ndarray, mu) -> list[bytes]:
     return [ct.pack_header(h)] + [ct.pack_chunk(c) for c in chunks]
 
 
+def without_digests(rec: bytes) -> bytes:
+    """A chunk record less its mu_fingerprint and raw_digest (offsets 32..64) and crc32: what
+    one chunk's version 2 and version 3 records share (blake2b-128 there, XXH3-128 here)."""
+    return rec[:32] + rec[64:-4]
+
+
 def recrc(rec: bytes | bytearray) -> bytes:
     """The record with its trailing crc32 recomputed over everything before it."""
     rec = bytearray(rec)

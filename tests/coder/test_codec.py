@@ -36,6 +36,7 @@ from codec_helpers import (
     shape,
     stream_bytes,
     tile,
+    without_digests,
 )
 from hypothesis import given
 from hypothesis import strategies as st
@@ -368,15 +369,17 @@ def _golden_fp8() -> tuple[Fp8KV, np.ndarray, int]:
 # again when that checkpoint was rebuilt with its numeric_env fingerprint (new pin and calibration).
 # Format version 3: the version 2 streams are unchanged (written under a version 2 header, which has
 # no size guard); the version 3 ones differ in the header and in the chunks the guard stores.
+# Version 3 again (regenerated deliberately, lengths unchanged) when its mu_fingerprint and raw_digest
+# became XXH3-128 (version 2 keeps blake2b-128; its goldens did not move).
 GOLDEN = [
     ("bf16_a", _golden_bf16_a, (4, 8),
-     ("54fe293059ebba458b77b6e5459fcd06ea055d39747a27e9f478f1a0a3eed235", 20947), [0],
+     ("0f946e66c84576bb8fc327a5728aac2644ee89fe62164801ad0e5e37dba32409", 20947), [0],
      ("67efe1742877fe0361d9b6f7b415a1c22c8280f8b80cf5d16029425842c84c65", 22871)),
     ("bf16_b", _golden_bf16_b, (5, 30),
-     ("2186e8a024510e78f0b21e8cb3e941ffaa5a45dd2fcb2551b5d0a3b876683439", 46270), [0],
+     ("e290c2e918318b84006203aa9b365661ee3cd8e1e18183ca7b81267fd8059195", 46270), [0],
      ("1f182edf649294d1da06f69d08e1580a9daa24884eced337fdaf6a9bfd5df6dc", 276421)),
     ("fp8", _golden_fp8, (3, 16),
-     ("6a79da39f8eadf7299938a2b72ce5aaa59529a9c8f2efcb0a6bd6ca4eb69e6b2", 23550), [0, 1],
+     ("2d8eed225ad5ee2ccad3e27e2cbac49abfa28a4928cf4af3362018f2b0cb3a88", 23550), [0, 1],
      ("384d64953b3374e0d288a4a87898d70803c090e4850d4fca14a65fce2caf0bc1", 34468)),
 ]
 
@@ -406,7 +409,8 @@ def test_golden_streams(make_codec, name, build, cfg, v3, stored, v2):
 @pytest.mark.parametrize("name,build,cfg,v3,stored,v2", GOLDEN, ids=[g[0] for g in GOLDEN])
 def test_golden_streams_version_2(make_codec, name, build, cfg, v3, stored, v2):
     """Under a version 2 header the codec writes the version 2 bytes (every chunk coded, no
-    size guard), and decodes them; version 3 differs only in the header and the guarded chunks."""
+    size guard, blake2b-128 digests), and decodes them; version 3 differs in the header, the
+    guarded chunks and every chunk's digests (XXH3-128)."""
     kv, mu, T = build()
     codec = make_codec(*cfg)
     ids = np.arange(100, 100 + T, dtype=np.int64)
@@ -420,6 +424,7 @@ def test_golden_streams_version_2(make_codec, name, build, cfg, v3, stored, v2):
     _check_kv(codec.decode(records, ids, bf16_tensor(mu)), kv)
     new = list(codec.encode(kv, ids, bf16_tensor(mu)))
     for i, (a, b) in enumerate(zip(new[1:], records[1:], strict=True)):
-        assert (a == b) != (i in stored)
+        assert (without_digests(a) == without_digests(b)) != (i in stored)
+        assert a[32:64] != b[32:64]  # mu_fingerprint, raw_digest: XXH3-128 in version 3, blake2b-128 in 2
 
 

@@ -100,7 +100,7 @@ def test_copied_files_build_a_complete_wheel(tmp_path):
                 if line.startswith("Requires-Dist:")]
     base = {r.split(";")[0].split("[")[0].split("<")[0].split(">")[0].split("=")[0].strip()
             for r in requires if "extra ==" not in r}
-    assert base == {"numpy", "grpcio", "grpcio-status", "protobuf"}, base
+    assert base == {"numpy", "grpcio", "grpcio-status", "protobuf", "xxhash"}, base
     assert any(r.startswith("torch") and 'extra == "server"' in r for r in requires), requires
     native = [n for n in names if n.startswith("speckv/coder/_native.") and n.endswith(".so")]
     assert native, "the wheel has no native coder"

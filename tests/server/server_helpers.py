@@ -186,9 +186,13 @@ def submit_list(request_id: str, kv: Any, ids: np.ndarray, daddr: str, model: st
 
 
 def stored_stream(codec, request_id: str, bits: np.ndarray, ids: np.ndarray, pin: bytes,
-                  layers_per_chunk: int = 2, model: str = MODEL) -> tuple[dpb.TransferRequest, list[bytes]]:
-    """A BF16 stored stream built by hand: the TransferHeader request and the chunk records."""
-    h = codec.stream_header(True, bits.shape, ids, layers_per_chunk, stored=True)
+                  layers_per_chunk: int = 2, model: str = MODEL, version: int = ct.FORMAT_VERSION
+                  ) -> tuple[dpb.TransferRequest, list[bytes]]:
+    """A BF16 stored stream (format ``version``) built by hand: the TransferHeader request and
+    the chunk records."""
+    import dataclasses
+
+    h = dataclasses.replace(codec.stream_header(True, bits.shape, ids, layers_per_chunk, stored=True), version=version)
     header = dpb.TransferRequest(header=dpb.TransferHeader(
         request_id=request_id, predictor_pin=pin, model_id=model, dtype=pb.DTYPE_BF16,
         shape=pb.KVShape(layers=bits.shape[0], kv=2, kv_heads=bits.shape[2], tokens=bits.shape[3],
@@ -201,11 +205,13 @@ def stored_stream(codec, request_id: str, bits: np.ndarray, ids: np.ndarray, pin
     return header, recs
 
 
-def trailer_request(bits: np.ndarray, digest: bytes | None = None) -> dpb.TransferRequest:
-    """The TransferTrailer of a BF16 KV (its whole-transfer digest, or the given one)."""
-    from speckv.digests import KVDigest
+def trailer_request(bits: np.ndarray, digest: bytes | None = None, version: int = ct.FORMAT_VERSION
+                    ) -> dpb.TransferRequest:
+    """The TransferTrailer of a BF16 KV (its whole-transfer digest, as a format ``version``
+    stream's, or the given one)."""
+    from speckv.digests import KVDigest, algorithm_of
 
-    d = KVDigest()
+    d = KVDigest(algorithm_of(version))
     for layer in bits:
         d.update_layer(layer)
     return dpb.TransferRequest(trailer=dpb.TransferTrailer(raw_digest=digest or d.digest(), raw_bytes=d.raw_bytes))

@@ -40,10 +40,6 @@ class WrappedPredictor:
     def device(self) -> str:
         return self.inner.device
 
-    @property
-    def device(self) -> str:  # speckv_build_info's predictor_device (server/app.py)
-        return self.inner.device
-
     def mu(self, ids, on_layer=None):
         m = self.inner.mu(ids)  # the whole pass first: no lock held while emit waits
         bits = bf16_bits(m).copy()

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from speckv.digests import digest
+from speckv.digests import BLAKE2B_128, XXH3_128, digest
 from speckv.server.layer_mu import LayerMu, PredictorStopped
 
 SHAPE = (4, 2, 1, 3, 2)  # (layers, 2, heads, tokens, dim)
@@ -49,7 +49,8 @@ def test_layers_arrive_one_by_one_and_match():
         for e in p.steps:
             e.set()
         await waiter
-        assert await mu.digest_of(2, 4) == digest(MU[2:4])
+        assert await mu.digest_of(2, 4, XXH3_128) == digest(MU[2:4], algorithm=XXH3_128)
+        assert await mu.digest_of(2, 4, BLAKE2B_128) == digest(MU[2:4], algorithm=BLAKE2B_128)
         assert await mu.done() >= 0 and np.array_equal(mu.bits, MU)
     run(go())
 

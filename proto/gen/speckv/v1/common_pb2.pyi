@@ -13,6 +13,12 @@ class Dtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_BF16: _ClassVar[Dtype]
     DTYPE_FP8_E4M3: _ClassVar[Dtype]
 
+class DigestAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DIGEST_ALGORITHM_UNSPECIFIED: _ClassVar[DigestAlgorithm]
+    DIGEST_ALGORITHM_BLAKE2B_128: _ClassVar[DigestAlgorithm]
+    DIGEST_ALGORITHM_XXH3_128: _ClassVar[DigestAlgorithm]
+
 class StatusCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     STATUS_CODE_UNSPECIFIED: _ClassVar[StatusCode]
@@ -37,6 +43,9 @@ class StatusCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 DTYPE_UNSPECIFIED: Dtype
 DTYPE_BF16: Dtype
 DTYPE_FP8_E4M3: Dtype
+DIGEST_ALGORITHM_UNSPECIFIED: DigestAlgorithm
+DIGEST_ALGORITHM_BLAKE2B_128: DigestAlgorithm
+DIGEST_ALGORITHM_XXH3_128: DigestAlgorithm
 STATUS_CODE_UNSPECIFIED: StatusCode
 STATUS_CODE_OK: StatusCode
 STATUS_CODE_INVALID_ARGUMENT: StatusCode

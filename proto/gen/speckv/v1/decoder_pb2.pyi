@@ -136,14 +136,16 @@ class TransferResponse(_message.Message):
     def __init__(self, chunk_ack: _Optional[_Union[ChunkAck, _Mapping]] = ..., result: _Optional[_Union[TransferResult, _Mapping]] = ..., predictor: _Optional[_Union[PredictorCheck, _Mapping]] = ...) -> None: ...
 
 class FetchKVRequest(_message.Message):
-    __slots__ = ("request_id", "wait_timeout_ms", "verified_only")
+    __slots__ = ("request_id", "wait_timeout_ms", "verified_only", "digest")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WAIT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_ONLY_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     wait_timeout_ms: int
     verified_only: bool
-    def __init__(self, request_id: _Optional[str] = ..., wait_timeout_ms: _Optional[int] = ..., verified_only: _Optional[bool] = ...) -> None: ...
+    digest: _common_pb2.DigestAlgorithm
+    def __init__(self, request_id: _Optional[str] = ..., wait_timeout_ms: _Optional[int] = ..., verified_only: _Optional[bool] = ..., digest: _Optional[_Union[_common_pb2.DigestAlgorithm, str]] = ...) -> None: ...
 
 class FetchKVDone(_message.Message):
     __slots__ = ("raw_digest", "raw_bytes")
@@ -154,12 +156,14 @@ class FetchKVDone(_message.Message):
     def __init__(self, raw_digest: _Optional[bytes] = ..., raw_bytes: _Optional[int] = ...) -> None: ...
 
 class FetchKVResponse(_message.Message):
-    __slots__ = ("layer", "done")
+    __slots__ = ("layer", "done", "digest")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     layer: _common_pb2.KVLayer
     done: FetchKVDone
-    def __init__(self, layer: _Optional[_Union[_common_pb2.KVLayer, _Mapping]] = ..., done: _Optional[_Union[FetchKVDone, _Mapping]] = ...) -> None: ...
+    digest: _common_pb2.DigestAlgorithm
+    def __init__(self, layer: _Optional[_Union[_common_pb2.KVLayer, _Mapping]] = ..., done: _Optional[_Union[FetchKVDone, _Mapping]] = ..., digest: _Optional[_Union[_common_pb2.DigestAlgorithm, str]] = ...) -> None: ...
 
 class TransferStatus(_message.Message):
     __slots__ = ("request_id", "state", "status", "chunks_received", "chunks_total", "chunks_decoded", "wire_bytes", "raw_bytes")
