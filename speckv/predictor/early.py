@@ -5,7 +5,7 @@ Lifecycle: ``early_state(target_state, rung)`` picks the weights the rung needs
 (all of layers < k; of each later layer only its input norm and K/V
 projections; the embeddings), all the target's BF16 tensors, so the manifest's
 weight digest covers exactly them; ``build_early_model(config, state, k)``
-builds an :class:`EarlyExitKV` from them; ``early_kv(model, ids, on_layer)`` runs
+builds the model (an ``EarlyExitKV`` torch module) from them; ``early_kv(model, ids, on_layer)`` runs
 it: layers < k exactly as ``target.py`` runs the target (so their mu is the
 target's KV bit for bit on the same machine), then for each layer l >= k (layer
 k's input is that hidden state, so its mu is exact too)::
@@ -22,6 +22,7 @@ model (calibrated like every rung) absorb the scale drift of skipping layers.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -58,7 +59,7 @@ def early_state(target_state: dict[str, "torch.Tensor"], rung: Rung) -> dict[str
     return out
 
 
-def build_early_model(config: Any, state: dict[str, "torch.Tensor"], k: int) -> "EarlyExitKV":
+def build_early_model(config: Any, state: dict[str, "torch.Tensor"], k: int) -> Any:
     """``early:k`` over ``state`` (``early_state``'s tensors) for a model of ``config``."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -92,7 +93,9 @@ def _tail_layer(config: Any, state: dict[str, "torch.Tensor"], i: int, model: An
                                 "v_proj": linear(state[names[2]].float())})
 
 
+@functools.cache
 def _module_class() -> type:
+    """EarlyExitKV, made on first use (``import speckv`` never imports torch)."""
     import torch
 
     class EarlyExitKV(torch.nn.Module):
@@ -107,14 +110,8 @@ def _module_class() -> type:
     return EarlyExitKV
 
 
-EarlyExitKV: Any = None  # the class, made on first use (torch is imported lazily)
-
-
 def _make(config: Any, head: Any, tail: list[Any]) -> Any:
-    global EarlyExitKV
-    if EarlyExitKV is None:
-        EarlyExitKV = _module_class()
-    return EarlyExitKV(config, head, tail).eval()
+    return _module_class()(config, head, tail).eval()
 
 
 def early_kv(model: Any, ids: np.ndarray, on_layer: LayerSink | None = None) -> "torch.Tensor":

@@ -32,6 +32,14 @@ class Stepped:
         return MU
 
 
+def released(p: Stepped) -> LayerMu:
+    """A pass over ``p`` with every step let through (call inside a running loop)."""
+    mu = LayerMu.start(p, np.zeros(3, np.int64), SHAPE)
+    for e in p.steps:
+        e.set()
+    return mu
+
+
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
 
@@ -57,10 +65,7 @@ def test_layers_arrive_one_by_one_and_match():
 
 def test_predictor_error_reaches_every_waiter():
     async def go():
-        p = Stepped(fail_at=2)
-        mu = LayerMu.start(p, np.zeros(3, np.int64), SHAPE)
-        for e in p.steps:
-            e.set()
+        mu = released(Stepped(fail_at=2))
         assert np.array_equal((await mu.upto(2))[:2], MU[:2])  # layers before the failure still serve
         with pytest.raises(ValueError, match="layer 2"):
             await mu.upto(3)
@@ -71,10 +76,7 @@ def test_predictor_error_reaches_every_waiter():
 
 def test_a_predictor_short_of_layers_is_an_error():
     async def go():
-        p = Stepped(layers=3)
-        mu = LayerMu.start(p, np.zeros(3, np.int64), SHAPE)
-        for e in p.steps:
-            e.set()
+        mu = released(Stepped(layers=3))
         with pytest.raises(RuntimeError, match="3 of 4 layers"):
             await mu.upto(4)
     run(go())
