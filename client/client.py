@@ -46,12 +46,13 @@ from .core import (
     submit_stub,
     tls_credentials,
 )
+from .stream import SubmitStream
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 __all__ = ["EncoderClient", "DecoderClient", "AsyncEncoderClient", "AsyncDecoderClient", "RpcFailed",
-           "SubmitResult", "submit_requests", "tls_credentials", "Fp8KV"]
+           "SubmitResult", "SubmitStream", "submit_requests", "tls_credentials", "Fp8KV"]
 
 
 # -- sync ------------------------------------------------------------------------
@@ -81,6 +82,16 @@ class EncoderClient:
             except grpc.RpcError as e:
                 time.sleep(_retry_delay(e, request_id, attempt, retries, backoff_s))
         raise AssertionError("unreachable")
+
+    def open_submit(self, request_id: str, shape: tuple[int, int, int, int, int], prompt_token_ids: Any,
+                    decoder_address: str, model_id: str, *, dtype: str = "bf16", encoding: str = "speckv",
+                    expected_pin: str | None = None, timeout: float | None = None) -> SubmitStream:
+        """Open a Submit whose layers follow one at a time (``SubmitStream.send_layer``), for an
+        engine that produces the KV layer by layer: the header goes now, so both sidecars start
+        their predictors while the engine still prefills. No retries: a failed stream raises."""
+        return SubmitStream(self._submit, request_id, shape, prompt_token_ids, decoder_address, model_id,
+                            dtype=dtype, encoding=encoding, expected_pin=expected_pin,
+                            timeout=timeout or self.timeout)
 
     def close(self) -> None:
         self.channel.close()

@@ -155,19 +155,33 @@ def submit_requests(request_id: str, kv: Any, prompt_token_ids: Any, decoder_add
 def _submit_stream(request_id: str, bits: np.ndarray, scales: np.ndarray | None, dtype: int, shape: pb.KVShape,
                    prompt_token_ids: Any, decoder_address: str, model_id: str, encoding: str,
                    expected_pin: str | None, part_bytes: int, framed: bool) -> Iterator[Any]:
-    yield epb.SubmitRequest(header=epb.SubmitHeader(
+    yield submit_header(request_id, dtype, shape, prompt_token_ids, decoder_address, model_id, encoding, expected_pin)
+    for layer in range(bits.shape[0]):
+        sc = None if scales is None else scales[layer]
+        if framed:
+            yield from submit_layer_frames(layer, bits[layer], dtype, shape, part_bytes, sc)
+        else:
+            for part in layer_messages(layer, bits[layer], dtype, shape, part_bytes, sc):
+                yield epb.SubmitRequest(layer=part)
+
+
+def submit_header(request_id: str, dtype: int, shape: pb.KVShape, prompt_token_ids: Any, decoder_address: str,
+                  model_id: str, encoding: str, expected_pin: str | None) -> epb.SubmitRequest:
+    """The first SubmitRequest of a call: what both sidecars need to start their predictors."""
+    if encoding not in ENCODINGS:
+        raise ValueError(f"encoding must be one of {sorted(ENCODINGS)}, not {encoding!r}")
+    return epb.SubmitRequest(header=epb.SubmitHeader(
         request_id=request_id, decoder_address=decoder_address, model_id=model_id, dtype=dtype,
         shape=shape, prompt_token_ids=[int(t) for t in np.asarray(prompt_token_ids).ravel()],
         expected_predictor_pin=bytes.fromhex(expected_pin) if expected_pin else b"",
         encoding=ENCODINGS[encoding]))
-    for layer in range(bits.shape[0]):
-        sc = None if scales is None else scales[layer]
-        if framed:  # NOTE: SubmitRequest.layer is field 2
-            for p in layer_frames(layer, bits[layer], dtype, shape, part_bytes, sc):
-                yield frames.join(frames.submessage(2, p))
-        else:
-            for part in layer_messages(layer, bits[layer], dtype, shape, part_bytes, sc):
-                yield epb.SubmitRequest(layer=part)
+
+
+def submit_layer_frames(layer: int, arr: np.ndarray, dtype: int, shape: pb.KVShape, part_bytes: int,
+                        scales: np.ndarray | None) -> Iterator[bytes]:
+    """One layer ``(2, heads, tokens, dim)`` as pre-serialised SubmitRequests (``submit_stub``)."""
+    for p in layer_frames(layer, arr, dtype, shape, part_bytes, scales):
+        yield frames.join(frames.submessage(2, p))  # NOTE: SubmitRequest.layer is field 2
 
 
 def _result(r: epb.SubmitResponse) -> SubmitResult:
