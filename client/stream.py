@@ -59,6 +59,9 @@ class SubmitStream:
         header = submit_header(request_id, self._dtype, self._pb_shape, prompt_token_ids, decoder_address,
                                model_id, encoding, expected_pin)
         self._future = stub.future(self._requests(header), timeout=timeout)
+        # NOTE: however the call ends, the request stream ends too: else grpc's thread that
+        # reads it stays parked in _requests for good after a call that failed mid-stream
+        self._future.add_done_callback(lambda _f: self._queue.put(_END))
 
     def _requests(self, header: Any) -> Iterator[Any]:
         yield header
@@ -76,6 +79,8 @@ class SubmitStream:
         layer or shape, RpcFailed when the call has already failed."""
         arr = self._array(kv)
         with self._lock:
+            if self._next == self.shape[0]:
+                raise ValueError(f"layer {layer}: all {self.shape[0]} layers were sent")
             if layer != self._next:
                 raise ValueError(f"layer {layer} out of order: layer {self._next} is next of {self.shape[0]}")
             if arr.shape != self.shape[1:]:
@@ -111,7 +116,9 @@ class SubmitStream:
         return sc
 
     def _raise_if_failed(self) -> None:
-        if self._future.done() and not self._future.cancelled() and self._future.exception() is not None:
+        if self._future.cancelled():
+            raise RpcFailed(grpc.StatusCode.CANCELLED, f"submit {self.request_id} was cancelled")
+        if self._future.done() and self._future.exception() is not None:
             raise _failed(self._future.exception())
 
     def result(self, timeout: float | None = None) -> SubmitResult:
@@ -135,5 +142,7 @@ class SubmitStream:
 
     def cancel(self) -> None:
         """End the call now: the encoder stops, and the decoder drops the transfer."""
-        self._queue.put(_END)
+        # NOTE: cancelled before the request stream ends: the other way round, the encoder
+        # may see a stream cut short first, and the call fail INVALID_ARGUMENT, not CANCELLED
         self._future.cancel()
+        self._queue.put(_END)
