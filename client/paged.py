@@ -25,6 +25,7 @@ import torch
 # NOTE: index-coded BF16 bit patterns start here so every probe value is a normal,
 # finite number: a kernel that flushes denormals or canonicalises NaNs still copies it
 PROBE_BASE = 0x3C00
+PROBE_DIGIT = 4096  # codes go in two passes of digits below this: PROBE_BASE + digit stays a finite BF16
 # (key, value, key_cache, value_cache, slot_mapping): the engine's cache writer
 Writer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
@@ -41,16 +42,12 @@ class PagedLayout:
 
     @classmethod
     def learn(cls, write: Writer, block_size: int, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> "PagedLayout":
-        """Probe ``write`` (the kernel that stores K/V into the paged cache) once."""
+        """Probe ``write`` (the kernel that stores K/V into the paged cache): each (token,
+        dim) gets a code ``t * head_dim + d``, written as two digits base ``PROBE_DIGIT``
+        (one pass each), and read back where it landed."""
         n = block_size * head_dim
-        if n + PROBE_BASE >= 0x7F80:
-            raise ValueError(f"a block of {block_size} x {head_dim} is too large to probe with BF16 codes")
-        cache = torch.zeros(1, 1, block_size, 2 * head_dim, dtype=dtype)
-        kc, vc = cache.view(1, 1, 2 * block_size, head_dim).chunk(2, dim=2)
-        code = torch.arange(n, dtype=torch.int32).reshape(block_size, 1, head_dim)  # (tokens, heads, dim)
-        probe = (code + PROBE_BASE).to(torch.int16).view(dtype)
-        write(probe, probe.clone(), kc, vc, torch.arange(block_size, dtype=torch.int64))
-        got = cache.reshape(-1).view(torch.int16).to(torch.int64) - PROBE_BASE  # (2n,): the code stored at each offset
+        got = sum(cls._probe(write, block_size, head_dim, dtype, place) * PROBE_DIGIT ** i
+                  for i, place in enumerate((1, PROBE_DIGIT)))
         k_pos, v_pos = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
         for pos, part, base in ((k_pos, got[:n], 0), (v_pos, got[n:], n)):
             if not torch.equal(part.sort().values, torch.arange(n)):
@@ -58,6 +55,19 @@ class PagedLayout:
                                  "and dims; speckv cannot read this paged layout")
             pos[part] = torch.arange(n) + base
         return cls(block_size, head_dim, k_pos.reshape(block_size, head_dim), v_pos.reshape(block_size, head_dim))
+
+    @staticmethod
+    def _probe(write: Writer, block_size: int, head_dim: int, dtype: torch.dtype, place: int) -> torch.Tensor:
+        """One pass: the digit ``(code // place) % PROBE_DIGIT`` found at each offset of K then V."""
+        n = block_size * head_dim
+        if n > PROBE_DIGIT ** 2:
+            raise ValueError(f"a block of {block_size} x {head_dim} is too large to probe")
+        cache = torch.zeros(1, 1, block_size, 2 * head_dim, dtype=dtype)
+        kc, vc = cache.view(1, 1, 2 * block_size, head_dim).chunk(2, dim=2)
+        code = torch.arange(n, dtype=torch.int32).reshape(block_size, 1, head_dim) // place % PROBE_DIGIT
+        probe = (code + PROBE_BASE).to(torch.int16).view(dtype)  # (tokens, heads, dim)
+        write(probe, probe.clone(), kc, vc, torch.arange(block_size, dtype=torch.int64))
+        return cache.reshape(-1).view(torch.int16).to(torch.int64) - PROBE_BASE  # (2n,)
 
     def _index(self, layer: torch.Tensor, block_ids: Sequence[int], start: int, stop: int) -> torch.Tensor:
         """Flat offsets into ``layer`` of tokens [start, stop): (2, heads, tokens, head_dim)."""

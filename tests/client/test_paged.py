@@ -112,10 +112,13 @@ def test_learn_refuses_a_writer_that_is_no_permutation(writer):
         PagedLayout.learn(writer, 16, 16)
 
 
-def test_learn_refuses_a_block_too_large_for_its_probe_codes():
+def test_learn_probes_large_blocks_in_two_digit_passes():
+    # 128 x 256 = 32768 codes: more than one BF16 probe pass can tell apart, so two passes of digits
+    lay = PagedLayout.learn(vllm_cpu_writer, 128, 256)
+    assert torch.equal(lay.k_pos, torch.arange(256)[None, :] * 128 + torch.arange(128)[:, None])
+    assert torch.equal(lay.v_pos, 128 * 256 + torch.arange(128 * 256).reshape(128, 256))
     with pytest.raises(ValueError, match="too large"):
-        PagedLayout.learn(token_major_writer, 256, 128)
-    assert PagedLayout.learn(token_major_writer, 128, 128).k_pos.shape == (128, 128)  # 16384 codes: fits
+        PagedLayout.learn(token_major_writer, 4097, 4096)  # past 4096**2 codes: refused before any write
 
 
 # -- gather / scatter --------------------------------------------------------------
