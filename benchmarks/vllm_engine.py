@@ -3,7 +3,7 @@ environment (``make test-vllm`` makes it): a single instance, or the prefill
 (producer) or decode (consumer) half of a pair joined by speckv's connector or by
 vLLM's own ExampleConnector (a shared folder), for comparison.
 
-    python benchmarks/vllm_engine.py ROLE MODEL_DIR EXTRA_CONFIG_JSON
+    python benchmarks/vllm_engine.py ROLE MODEL_DIR EXTRA_CONFIG_JSON [ENGINE_ARGS_JSON]
 
 ROLE: single | producer | consumer | example_producer | example_consumer. The engine
 loads, prints ``READY``, then runs one job per stdin line, ``{"prompts": [...],
@@ -25,11 +25,11 @@ CONNECTORS = {"producer": ("SpeckvConnector", "kv_producer"), "consumer": ("Spec
               "example_consumer": ("ExampleConnector", "kv_consumer")}
 
 
-def build(role: str, model: str, extra: dict[str, Any]) -> Any:
+def build(role: str, model: str, extra: dict[str, Any], engine_args: dict[str, Any]) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    kw: dict[str, Any] = {}
+    kw: dict[str, Any] = dict(engine_args)
     if role in CONNECTORS:
         name, kv_role = CONNECTORS[role]
         module = {"kv_connector_module_path": "speckv.client.vllm"} if name == "SpeckvConnector" else {}
@@ -52,12 +52,13 @@ def run(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     role, model, extra = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    engine_args = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
     # NOTE: the protocol keeps stdout to itself: vLLM (and the engine processes it spawns,
     # which inherit fd 1) log to stdout, and a log line could split a RESULT line
     proto = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     t0 = time.monotonic()
-    llm = build(role, model, extra)
+    llm = build(role, model, extra, engine_args)
     print(f"READY {time.monotonic() - t0:.1f}", file=proto, flush=True)
     for line in sys.stdin:
         if not line.strip():

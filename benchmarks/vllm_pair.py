@@ -49,13 +49,15 @@ PROMPT_CHARS = (200, 1200, 2600)  # ~60, ~350, ~880 tokens: one, three and seven
 class Engine:
     """One vllm_engine.py process: READY, then one RESULT per job written to its stdin."""
 
-    def __init__(self, python: str, role: str, model: str, extra: dict[str, Any], core: int, logdir: Path) -> None:
+    def __init__(self, python: str, role: str, model: str, extra: dict[str, Any], core: int, logdir: Path,
+                 engine_args: dict[str, Any] | None = None) -> None:
         self.role = role
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         self.logpath = logdir / f"vllm-{role}.log"
         self.log = open(self.logpath, "w")
-        self.proc = subprocess.Popen([python, str(ENGINE), role, model, json.dumps(extra)], stdin=subprocess.PIPE,
+        argv = [python, str(ENGINE), role, model, json.dumps(extra), json.dumps(engine_args or {})]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=ROOT)
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -135,10 +137,17 @@ def start(args: argparse.Namespace, logdir: Path, model: str) -> tuple[Sidecar, 
     dec, enc = Sidecar("decoder", env, str(logdir)), Sidecar("encoder", env, str(logdir))
     pcfg = {"speckv_encoder_address": enc.address, "speckv_decoder_service": dec.address, "speckv_model_id": MODEL_ID}
     ccfg = {"speckv_decoder_address": dec.address, "speckv_model_id": MODEL_ID}
-    engines = {"single": Engine(args.vllm_python, "single", model, {}, 1, logdir),
-               "producer": Engine(args.vllm_python, "producer", model, pcfg, 0, logdir),
-               "consumer": Engine(args.vllm_python, "consumer", model, ccfg, 1, logdir)}
+    ea = engine_args(args)
+    engines = {"single": Engine(args.vllm_python, "single", model, {}, 1, logdir, ea),
+               "producer": Engine(args.vllm_python, "producer", model, pcfg, 0, logdir, ea),
+               "consumer": Engine(args.vllm_python, "consumer", model, ccfg, 1, logdir, ea)}
     return enc, dec, engines
+
+
+def engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM engine arguments of every engine: ``--chunk`` tokens per step, so a long prompt's
+    prefill spans several steps (chunked prefill) on the producer and the single instance alike."""
+    return {"max_num_batched_tokens": args.chunk, "enable_chunked_prefill": True} if args.chunk else {}
 
 
 def measure(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
@@ -176,9 +185,10 @@ def measure(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
 def baseline(args: argparse.Namespace, logdir: Path, model: str, prompts: list[str]) -> list[dict[str, Any]]:
     """The same timings through vLLM's own ExampleConnector (raw KV in a shared local folder)."""
     extra = {"shared_storage_path": tempfile.mkdtemp(prefix="example-kv-", dir=logdir)}
-    engines = {"single": Engine(args.vllm_python, "single", model, {}, 1, logdir),
-               "producer": Engine(args.vllm_python, "example_producer", model, extra, 0, logdir),
-               "consumer": Engine(args.vllm_python, "example_consumer", model, extra, 1, logdir)}
+    ea = engine_args(args)
+    engines = {"single": Engine(args.vllm_python, "single", model, {}, 1, logdir, ea),
+               "producer": Engine(args.vllm_python, "example_producer", model, extra, 0, logdir, ea),
+               "consumer": Engine(args.vllm_python, "example_consumer", model, extra, 1, logdir, ea)}
     try:
         for e in engines.values():
             e.ready()
@@ -235,6 +245,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     ap.add_argument("--text", default=str(CORPUS))
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--chunk", type=int, default=0,
+                    help="max_num_batched_tokens of every engine (0: vLLM's default); 256 prefills the longest "
+                         "prompt in four steps")
     ap.add_argument("--ttft", action="store_true", help="also time first tokens and per-token times")
     ap.add_argument("--baseline", action="store_true", help="--ttft also through vLLM's ExampleConnector")
     ap.add_argument("--json", default=None)

@@ -4,8 +4,9 @@ leaves it out: it needs vLLM's own environment, which ``make test-vllm`` builds)
 benchmarks/vllm_pair.py starts both sidecars (``speckv serve``), a single vLLM instance,
 and a kv_producer and a kv_consumer running ``speckv.client.vllm.SpeckvConnector`` (vLLM's
 CPU backend, the embedded SmolLM2 from local files, each engine pinned to its own core).
-Checked: greedy tokens through the pair equal the single instance's token for token on
-three prompts (one, three and seven blocks); the consumer received and verified every
+Checked, with 256 tokens per engine step (so the longer prompts' prefills span two and
+four steps: chunked prefill): greedy tokens through the pair equal the single instance's
+token for token on three prompts (one, three and seven blocks); the consumer received and verified every
 transfer (whole-transfer digest) and recomputed nothing; the producer's Submits all
 succeeded; the encoder sidecar's counters show the bytes saved on vLLM's own KV.
 
@@ -32,7 +33,7 @@ def test_vllm_pair_matches_a_single_instance_token_for_token(load_script, tmp_pa
     if not python or not Path(python).exists():
         missing("VLLM", "needs vLLM's environment: SPECKV_VLLM_PYTHON (make test-vllm builds it and sets it)")
     bench = load_script("vllm_pair")
-    args = bench.parse_args(["--vllm-python", python, "--max-tokens", "16"])
+    args = bench.parse_args(["--vllm-python", python, "--max-tokens", "16", "--chunk", "256"])
     r = bench.measure(args, tmp_path)
     assert r["prompt_tokens"][0] < 128 < r["prompt_tokens"][1] < 3 * 128 < r["prompt_tokens"][2]
     assert r["tokens_equal"], (r["single_tokens"], r["pair_tokens"])
