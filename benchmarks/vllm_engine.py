@@ -35,7 +35,9 @@ def build(role: str, model: str, extra: dict[str, Any], engine_args: dict[str, A
         module = {"kv_connector_module_path": "speckv.client.vllm"} if name == "SpeckvConnector" else {}
         kw["kv_transfer_config"] = KVTransferConfig(kv_connector=name, kv_role=kv_role, kv_connector_extra_config=extra,
                                                     kv_load_failure_policy="recompute", **module)
-    return LLM(model=model, dtype="bfloat16", enforce_eager=True, max_model_len=1024, seed=0, **kw)
+    # NOTE: stats on, so the connector's counters reach vLLM's metrics (llm.get_metrics())
+    return LLM(model=model, dtype="bfloat16", enforce_eager=True, max_model_len=1024, seed=0, disable_log_stats=False,
+               **kw)
 
 
 def run(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
@@ -47,7 +49,9 @@ def run(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
     outs = llm.generate(job["prompts"], sps, use_tqdm=False)
     return {"generate_s": round(time.monotonic() - t0, 4), "prompt_tokens": [len(o.prompt_token_ids) for o in outs],
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
-            "kv_transfer_params": [o.kv_transfer_params for o in outs]}
+            "kv_transfer_params": [o.kv_transfer_params for o in outs],
+            "connector_metrics": {m.name: getattr(m, "value", None) for m in llm.get_metrics()
+                                  if m.name.startswith("vllm:speckv_")}}
 
 
 def main() -> None:

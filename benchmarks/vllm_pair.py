@@ -115,10 +115,11 @@ def prompts_from(path: Path) -> list[str]:
 
 
 def pair_run(producer: Engine, consumer: Engine, prompts: list[str], max_tokens: int,
-             decoder: str | None) -> tuple[list[list[int]], float, float]:
+             decoder: str | None) -> tuple[list[list[int]], float, float, dict[str, Any]]:
     """Prefill on the producer, then decode on the consumer with its kv_transfer_params;
-    (tokens, producer seconds, consumer seconds). ``decoder`` None: vLLM's ExampleConnector
-    pair, which matches requests by their prompt in a shared folder, without params."""
+    (tokens, producer seconds, consumer seconds, both engines' connector metrics). ``decoder``
+    None: vLLM's ExampleConnector pair, which matches requests by their prompt in a shared
+    folder, without params."""
     run = uuid.uuid4().hex[:8]
     params = [None if decoder is None else
               {"do_remote_decode": True, "speckv_decoder_address": decoder, "speckv_transfer_id": f"{run}-{i}"}
@@ -128,7 +129,8 @@ def pair_run(producer: Engine, consumer: Engine, prompts: list[str], max_tokens:
     if decoder is not None and any(h is None or not h.get("do_remote_prefill") for h in handoff):
         raise RuntimeError(f"the producer did not hand every request off: {handoff}")
     c = consumer.run(prompts, handoff, max_tokens)
-    return c["tokens"], p["wall_s"], c["wall_s"]
+    metrics = {"producer": p.get("connector_metrics"), "consumer": c.get("connector_metrics")}
+    return c["tokens"], p["wall_s"], c["wall_s"], metrics
 
 
 def start(args: argparse.Namespace, logdir: Path, model: str) -> tuple[Sidecar, Sidecar, dict[str, Engine]]:
@@ -159,8 +161,8 @@ def measure(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
     try:
         load_s = {r: e.ready() for r, e in engines.items()}
         single = engines["single"].run(prompts, [None] * len(prompts), args.max_tokens)
-        tokens, prefill_s, decode_s = pair_run(engines["producer"], engines["consumer"], prompts, args.max_tokens,
-                                               dec.address)
+        tokens, prefill_s, decode_s, metrics = pair_run(engines["producer"], engines["consumer"], prompts,
+                                                        args.max_tokens, dec.address)
         report: dict[str, Any] = {
             "prompt_tokens": single["prompt_tokens"], "max_tokens": args.max_tokens, "load_s": load_s,
             "tokens_equal": tokens == single["tokens"], "single_tokens": single["tokens"], "pair_tokens": tokens,
@@ -168,7 +170,7 @@ def measure(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
             "fetch_failed": engines["consumer"].count(r"speckv: fetch \S+ failed"),
             "submit_failed": engines["producer"].count(r"speckv: submit \S+ failed"),
             "single_s": round(single["wall_s"], 3), "pair_prefill_s": round(prefill_s, 3),
-            "pair_decode_s": round(decode_s, 3)}
+            "pair_decode_s": round(decode_s, 3), "connector_metrics": metrics}
         report["encoder"] = sidecar_counts(enc)
         if args.ttft:
             report["ttft"] = ttft(engines, prompts, dec.address, args.max_tokens)
@@ -230,8 +232,8 @@ def ttft(engines: dict[str, Engine], prompts: list[str], decoder: str | None, n:
     for p in prompts:
         r1 = engines["single"].run(fresh(p), [None], 1)
         sn = engines["single"].run(fresh(p), [None], n)["wall_s"]
-        _, pre1, dec1 = pair_run(engines["producer"], engines["consumer"], fresh(p), 1, decoder)
-        _, pren, decn = pair_run(engines["producer"], engines["consumer"], fresh(p), n, decoder)
+        _, pre1, dec1, _ = pair_run(engines["producer"], engines["consumer"], fresh(p), 1, decoder)
+        _, pren, decn, _ = pair_run(engines["producer"], engines["consumer"], fresh(p), n, decoder)
         s1 = r1["wall_s"]
         rows.append({"prompt_tokens": r1["prompt_tokens"][0], "single_ttft_s": round(s1, 3),
                      "pair_ttft_s": round(pre1 + dec1, 3), "pair_prefill_s": round(pre1, 3),

@@ -35,6 +35,10 @@ Lifecycle (a scheduler/worker split, as vLLM runs them in separate processes):
   reports the request's blocks in ``get_block_ids_with_load_errors``: with
   ``kv_load_failure_policy: recompute`` vLLM then computes them itself.
 
+Telemetry: the workers' counts (transfers sent and received, failures, bytes) go through
+vLLM's connector-stats API: logged as "KV Transfer metrics" and exported on vLLM's /metrics
+as ``vllm:speckv_*`` (``speckv.client.vllm_stats``).
+
 Not supported yet (each refused with a clear error, never a wrong KV): GPU attention
 backends' paged layouts (``speckv.client.paged``), tensor or pipeline parallelism (no
 head ranges on the wire yet), FP8 KV caches.
@@ -46,6 +50,7 @@ import logging
 import os
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -66,6 +71,7 @@ from .core import tls_credentials
 from .paged import PagedLayout
 from .pd import ConsumerPlan, ProducerPlan, StepPlan, block_span
 from .stream import SubmitStream
+from .vllm_stats import SpeckvConnectorStats, SpeckvPromMetrics
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
@@ -196,6 +202,20 @@ class SpeckvConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_errors()
 
+    def get_kv_connector_stats(self) -> SpeckvConnectorStats | None:
+        """This worker's counts since the last call (vLLM aggregates, logs and exports them)."""
+        worker = getattr(self, "_worker", None)
+        return worker.take_stats() if worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> SpeckvConnectorStats:
+        return SpeckvConnectorStats(data=data) if data is not None else SpeckvConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict[Any, Any], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> SpeckvPromMetrics:
+        return SpeckvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         if getattr(self, "_worker", None) is not None:
             self._worker.close()
@@ -217,6 +237,7 @@ class _Worker:
         self.lock = threading.Lock()
         self._opened_for: StepPlan | None = None  # the step plan whose Submits are open
         self._layout: PagedLayout | None = None
+        self.stats = SpeckvConnectorStats()
         self.received: set[str] = set()
         self.errors: set[int] = set()
         creds = _credentials()
@@ -282,10 +303,14 @@ class _Worker:
             r = stream.result(timeout=0)
             logger.info("speckv: sent %s: %d bytes of KV as %d (ratio %.2f, %d stored chunks)", tid, r.raw_bytes,
                         r.wire_bytes, r.ratio, r.stored_chunks)
+            with self.lock:
+                self.stats.add(sent=1, raw_bytes_sent=r.raw_bytes, wire_bytes_sent=r.wire_bytes)
         except RpcFailed as e:
             if e.code != grpc.StatusCode.CANCELLED:
                 logger.warning("speckv: submit %s failed: %s %s (the decode side will recompute)", tid,
                                e.code.name, e.details)
+                with self.lock:
+                    self.stats.add(send_failed=1)
 
     def save_layer(self, plan: StepPlan, name: str, layer: torch.Tensor) -> None:
         i = self.layers.index(name)
@@ -303,8 +328,10 @@ class _Worker:
     def _fetch(self, spec: Any) -> None:
         assert self.decoder is not None
         failed: list[int] = []
+        t0, raw = time.monotonic(), 0
         try:
             for i, arr, _ in self.decoder.fetch_layers(spec.transfer_id, wait=FETCH_WAIT_S):
+                raw += arr.nbytes
                 kv = torch.from_numpy(np.ascontiguousarray(arr[:, :, spec.start:spec.stop]).view(np.int16))
                 self.layout().scatter(self.caches[self.layers[i]], spec.block_ids, spec.start, kv.view(torch.bfloat16))
             logger.info("speckv: received %s: tokens [%d, %d), verified", spec.transfer_id, spec.start, spec.stop)
@@ -315,11 +342,19 @@ class _Worker:
         with self.lock:  # NOTE: together: vLLM reads a request's failed blocks no later than the request
             self.errors.update(failed)
             self.received.add(spec.req_id)
+            if failed:
+                self.stats.add(receive_failed=1)
+            else:
+                self.stats.fetched(raw, time.monotonic() - t0)
 
     def take_received(self) -> set[str]:
         with self.lock:
             out, self.received = self.received, set()
         return out
+
+    def take_stats(self) -> SpeckvConnectorStats | None:
+        with self.lock:
+            return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
     def take_errors(self) -> set[int]:
         with self.lock:

@@ -8,7 +8,8 @@ Checked, with 256 tokens per engine step (so the longer prompts' prefills span t
 four steps: chunked prefill): greedy tokens through the pair equal the single instance's
 token for token on three prompts (one, three and seven blocks); the consumer received and verified every
 transfer (whole-transfer digest) and recomputed nothing; the producer's Submits all
-succeeded; the encoder sidecar's counters show the bytes saved on vLLM's own KV.
+succeeded; the encoder sidecar's counters show the bytes saved on vLLM's own KV; the
+connector's counters reach vLLM's own metrics.
 
 It never skips silently: without ``SPECKV_VLLM_PYTHON`` it skips on a developer's machine
 and fails where ``SPECKV_REQUIRE_VLLM`` is set (``make test-vllm`` sets both).
@@ -44,3 +45,10 @@ def test_vllm_pair_matches_a_single_instance_token_for_token(load_script, tmp_pa
     # every prompt's whole KV went through the encoder: (30 layers, 2, 3 heads, tokens, 64 dims) of BF16
     assert enc["raw_bytes"] == sum(30 * 2 * 3 * n * 64 * 2 for n in r["prompt_tokens"])
     assert enc["ratio"] >= MIN_RATIO, enc
+    # the connector's own counters, read back from vLLM's metrics (llm.get_metrics()) after each engine's job
+    consumer, producer = r["connector_metrics"]["consumer"], r["connector_metrics"]["producer"]
+    assert consumer["vllm:speckv_transfers_received"] == PROMPTS
+    assert consumer["vllm:speckv_transfers_receive_failed"] == 0
+    assert consumer["vllm:speckv_raw_bytes_received"] == enc["raw_bytes"]
+    # NOTE: the producer's engine returns once its prefills ran; the last submits may still be streaming then
+    assert producer["vllm:speckv_transfers_send_failed"] == 0 and producer["vllm:speckv_transfers_sent"] <= PROMPTS
