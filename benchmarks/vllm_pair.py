@@ -43,6 +43,7 @@ CORPUS = ROOT.parent / "shared" / "corpus" / "tinyshakespeare.txt"
 MODEL_ID = "SmolLM2-135M-Instruct"
 READY_S = 600.0  # an engine loads in ~25 s alone; three at once on 2 cores take longer
 JOB_S = 300.0
+LOST_WAIT_S = 2.0  # the consumer's fetch wait: a transfer never started is given up on after this
 PROMPT_CHARS = (200, 1200, 2600)  # ~60, ~350, ~880 tokens: one, three and seven blocks of 128
 
 
@@ -133,12 +134,23 @@ def pair_run(producer: Engine, consumer: Engine, prompts: list[str], max_tokens:
     return c["tokens"], p["wall_s"], c["wall_s"], metrics
 
 
+def lost_transfer(consumer: Engine, prompt: str, expected: list[int], max_tokens: int) -> dict[str, Any]:
+    """A decode request naming a transfer its decoder sidecar never heard of: the fetch
+    fails (NOT_FOUND after the wait), the connector reports the request's blocks as load
+    errors, and vLLM (kv_load_failure_policy: recompute) computes the prompt itself."""
+    failed_before = consumer.count(r"speckv: fetch \S+ failed")
+    params = {"do_remote_prefill": True, "speckv_transfer_id": f"never-sent-{uuid.uuid4().hex[:8]}"}
+    c = consumer.run([prompt], [params], max_tokens)
+    return {"tokens_equal": c["tokens"][0] == expected, "fetch_failed": consumer.count(r"speckv: fetch \S+ failed")
+            - failed_before, "seconds": round(c["wall_s"], 3), "connector_metrics": c.get("connector_metrics")}
+
+
 def start(args: argparse.Namespace, logdir: Path, model: str) -> tuple[Sidecar, Sidecar, dict[str, Engine]]:
     # NOTE: no mu cache: every measured prompt would otherwise hit it after the correctness run
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("SPECKV_")}, "SPECKV_MU_CACHE_BYTES": "0"}
     dec, enc = Sidecar("decoder", env, str(logdir)), Sidecar("encoder", env, str(logdir))
     pcfg = {"speckv_encoder_address": enc.address, "speckv_decoder_service": dec.address, "speckv_model_id": MODEL_ID}
-    ccfg = {"speckv_decoder_address": dec.address, "speckv_model_id": MODEL_ID}
+    ccfg = {"speckv_decoder_address": dec.address, "speckv_model_id": MODEL_ID, "speckv_fetch_wait_s": LOST_WAIT_S}
     ea = engine_args(args)
     engines = {"single": Engine(args.vllm_python, "single", model, {}, 1, logdir, ea),
                "producer": Engine(args.vllm_python, "producer", model, pcfg, 0, logdir, ea),
@@ -172,6 +184,7 @@ def measure(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
             "single_s": round(single["wall_s"], 3), "pair_prefill_s": round(prefill_s, 3),
             "pair_decode_s": round(decode_s, 3), "connector_metrics": metrics}
         report["encoder"] = sidecar_counts(enc)
+        report["lost_transfer"] = lost_transfer(engines["consumer"], prompts[1], single["tokens"][1], args.max_tokens)
         if args.ttft:
             report["ttft"] = ttft(engines, prompts, dec.address, args.max_tokens)
     finally:

@@ -13,6 +13,9 @@ Enable it on both instances (the module is loaded by path, so vLLM needs no plug
                                "speckv_decoder_address": "127.0.0.1:50052",     # consumer
                                "speckv_model_id": "SmolLM2-135M-Instruct"}}'
 
+(consumer only: ``speckv_fetch_wait_s``, how long a fetch waits for a transfer its decoder
+sidecar has not heard of yet; 30 s.)
+
 The router's protocol is vLLM's own (``speckv.client.pd``): the prefill request carries
 ``kv_transfer_params={"do_remote_decode": true}``, and its output's kv_transfer_params
 go with the decode request.
@@ -23,8 +26,8 @@ Lifecycle (a scheduler/worker split, as vLLM runs them in separate processes):
   ``build_connector_meta`` tells the worker to open its Submit on the request's first
   step and to send its layers on the step that computes the prompt's last token;
   ``request_finished`` returns the params the decode request needs.
-- worker, producer: ``start_load_kv`` opens the Submit (header and prompt ids: both
-  sidecars' predictors start while the prefill runs); ``save_kv_layer`` copies the
+- worker, producer: ``bind_connector_metadata``, before the step's forward, opens the
+  Submit (header and prompt ids: both sidecars' predictors start while the prefill runs); ``save_kv_layer`` copies the
   request's tokens out of the paged layer and queues them, layer by layer, while the
   forward goes on (``speckv.client.stream``).
 - scheduler, consumer: ``get_num_new_matched_tokens`` claims the prompt's tokens past any
@@ -117,6 +120,7 @@ class SpeckvConnector(KVConnectorBase_V1):
         get = cfg.get_from_extra_config
         self.model_id = str(get("speckv_model_id", os.path.basename(vllm_config.model_config.model.rstrip("/"))))
         self.encoding = str(get("speckv_encoding", "speckv"))
+        self.fetch_wait_s = float(get("speckv_fetch_wait_s", FETCH_WAIT_S))
         self.encoder_address = get("speckv_encoder_address", os.environ.get("SPECKV_ENCODER_ADDRESS"))
         self.decoder_address = get("speckv_decoder_address", os.environ.get("SPECKV_DECODER_ADDRESS"))
         default_decoder = get("speckv_decoder_service", os.environ.get("SPECKV_DECODER_SERVICE"))
@@ -330,7 +334,7 @@ class _Worker:
         failed: list[int] = []
         t0, raw = time.monotonic(), 0
         try:
-            for i, arr, _ in self.decoder.fetch_layers(spec.transfer_id, wait=FETCH_WAIT_S):
+            for i, arr, _ in self.decoder.fetch_layers(spec.transfer_id, wait=self.conn.fetch_wait_s):
                 raw += arr.nbytes
                 kv = torch.from_numpy(np.ascontiguousarray(arr[:, :, spec.start:spec.stop]).view(np.int16))
                 self.layout().scatter(self.caches[self.layers[i]], spec.block_ids, spec.start, kv.view(torch.bfloat16))

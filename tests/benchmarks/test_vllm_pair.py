@@ -9,7 +9,9 @@ four steps: chunked prefill): greedy tokens through the pair equal the single in
 token for token on three prompts (one, three and seven blocks); the consumer received and verified every
 transfer (whole-transfer digest) and recomputed nothing; the producer's Submits all
 succeeded; the encoder sidecar's counters show the bytes saved on vLLM's own KV; the
-connector's counters reach vLLM's own metrics.
+connector's counters reach vLLM's own metrics; a decode request whose transfer was never
+sent fails its fetch and is recomputed by vLLM (kv_load_failure_policy: recompute), with
+the same tokens.
 
 It never skips silently: without ``SPECKV_VLLM_PYTHON`` it skips on a developer's machine
 and fails where ``SPECKV_REQUIRE_VLLM`` is set (``make test-vllm`` sets both).
@@ -52,3 +54,7 @@ def test_vllm_pair_matches_a_single_instance_token_for_token(load_script, tmp_pa
     assert consumer["vllm:speckv_raw_bytes_received"] == enc["raw_bytes"]
     # NOTE: the producer's engine returns once its prefills ran; the last submits may still be streaming then
     assert producer["vllm:speckv_transfers_send_failed"] == 0 and producer["vllm:speckv_transfers_sent"] <= PROMPTS
+    # a decode request naming a transfer never sent: the fetch fails, vLLM recomputes, the tokens are still right
+    lost = r["lost_transfer"]
+    assert (lost["tokens_equal"], lost["fetch_failed"]) == (True, 1), lost
+    assert lost["connector_metrics"]["vllm:speckv_transfers_receive_failed"] == 1
