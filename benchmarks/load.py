@@ -52,11 +52,13 @@ class Sidecar:
     """One ``speckv serve`` process: its gRPC and metrics ports, a drained stdout, a log
     file for stderr, and an RSS sampler (peak VmRSS)."""
 
-    def __init__(self, role: str, env: dict[str, str], logdir: str) -> None:
+    def __init__(self, role: str, env: dict[str, str], logdir: str, cpus: str | None = None) -> None:
         self.role = role
         self.log = open(os.path.join(logdir, f"{role}.log"), "w")
+        pin = ["taskset", "-c", cpus] if cpus else []  # cpus: the process's CPU list (an emulated node)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "speckv.cli.main", "serve", role, "--listen", "127.0.0.1:0", "--metrics-port", "0"],
+            pin + [sys.executable, "-m", "speckv.cli.main", "serve", role, "--listen", "127.0.0.1:0",
+                   "--metrics-port", "0"],
             stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
         self.port = self.metrics_port = None
         assert self.proc.stdout is not None

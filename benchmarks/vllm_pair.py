@@ -5,7 +5,8 @@ Processes, all real: an encoder and a decoder sidecar (``speckv serve``, this
 environment), and vLLM engines (CPU backend, the embedded SmolLM2 from local files) in
 vLLM's own environment (``--vllm-python``; ``make test-vllm`` builds it): a single
 instance, a kv_producer and a kv_consumer running ``speckv.client.vllm.SpeckvConnector``,
-the producer pinned to core 0 and the consumer and the single instance to core 1.
+two emulated nodes of one core each: the producer and the encoder sidecar on core 0, the
+consumer and the decoder sidecar on core 1 (the single instance also runs on core 1).
 
     python benchmarks/vllm_pair.py --vllm-python .venv-vllm/bin/python [--ttft] [--json F]
 
@@ -13,8 +14,9 @@ Checks: greedy tokens through the pair equal the single instance's token for tok
 every transfer was received and verified by the consumer's connector; the encoder
 sidecar's raw and wire byte counters. ``--ttft``: time to first token (a prefill on the
 producer, then the decode request's first token on the consumer) and the time per
-further token, against the single instance, on the same prompts. Timings on this 2-core
-machine share both cores with the sidecars' predictors; read them as one run's figures.
+further token, against the single instance, on the same prompts; ``--baseline`` also
+through vLLM's own ExampleConnector (raw KV through a shared local folder, no sidecars).
+On this machine a node is one core, which its engine shares with its sidecar's predictor.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ CORPUS = ROOT.parent / "shared" / "corpus" / "tinyshakespeare.txt"
 MODEL_ID = "SmolLM2-135M-Instruct"
 READY_S = 600.0  # an engine loads in ~25 s alone; three at once on 2 cores take longer
 JOB_S = 300.0
+PREFILL_CORE, DECODE_CORE = 0, 1  # one core per emulated node
 LOST_WAIT_S = 2.0  # the consumer's fetch wait: a transfer never started is given up on after this
 PROMPT_CHARS = (200, 1200, 2600)  # ~60, ~350, ~880 tokens: one, three and seven blocks of 128
 
@@ -57,7 +60,8 @@ class Engine:
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         self.logpath = logdir / f"vllm-{role}.log"
         self.log = open(self.logpath, "w")
-        argv = [python, str(ENGINE), role, model, json.dumps(extra), json.dumps(engine_args or {})]
+        argv = ["taskset", "-c", str(core), python, str(ENGINE), role, model, json.dumps(extra),
+                json.dumps(engine_args or {})]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=ROOT)
         self.lines: queue.Queue[str | None] = queue.Queue()
@@ -148,13 +152,16 @@ def lost_transfer(consumer: Engine, prompt: str, expected: list[int], max_tokens
 def start(args: argparse.Namespace, logdir: Path, model: str) -> tuple[Sidecar, Sidecar, dict[str, Engine]]:
     # NOTE: no mu cache: every measured prompt would otherwise hit it after the correctness run
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("SPECKV_")}, "SPECKV_MU_CACHE_BYTES": "0"}
-    dec, enc = Sidecar("decoder", env, str(logdir)), Sidecar("encoder", env, str(logdir))
+    # NOTE: two emulated nodes: the prefill node (producer engine + encoder sidecar) on core 0, the
+    # decode node (consumer engine + decoder sidecar) on core 1; the single instance runs on core 1
+    dec = Sidecar("decoder", env, str(logdir), cpus=str(DECODE_CORE))
+    enc = Sidecar("encoder", env, str(logdir), cpus=str(PREFILL_CORE))
     pcfg = {"speckv_encoder_address": enc.address, "speckv_decoder_service": dec.address, "speckv_model_id": MODEL_ID}
     ccfg = {"speckv_decoder_address": dec.address, "speckv_model_id": MODEL_ID, "speckv_fetch_wait_s": LOST_WAIT_S}
     ea = engine_args(args)
-    engines = {"single": Engine(args.vllm_python, "single", model, {}, 1, logdir, ea),
-               "producer": Engine(args.vllm_python, "producer", model, pcfg, 0, logdir, ea),
-               "consumer": Engine(args.vllm_python, "consumer", model, ccfg, 1, logdir, ea)}
+    engines = {"single": Engine(args.vllm_python, "single", model, {}, DECODE_CORE, logdir, ea),
+               "producer": Engine(args.vllm_python, "producer", model, pcfg, PREFILL_CORE, logdir, ea),
+               "consumer": Engine(args.vllm_python, "consumer", model, ccfg, DECODE_CORE, logdir, ea)}
     return enc, dec, engines
 
 
@@ -201,9 +208,9 @@ def baseline(args: argparse.Namespace, logdir: Path, model: str, prompts: list[s
     """The same timings through vLLM's own ExampleConnector (raw KV in a shared local folder)."""
     extra = {"shared_storage_path": tempfile.mkdtemp(prefix="example-kv-", dir=logdir)}
     ea = engine_args(args)
-    engines = {"single": Engine(args.vllm_python, "single", model, {}, 1, logdir, ea),
-               "producer": Engine(args.vllm_python, "example_producer", model, extra, 0, logdir, ea),
-               "consumer": Engine(args.vllm_python, "example_consumer", model, extra, 1, logdir, ea)}
+    engines = {"single": Engine(args.vllm_python, "single", model, {}, DECODE_CORE, logdir, ea),
+               "producer": Engine(args.vllm_python, "example_producer", model, extra, PREFILL_CORE, logdir, ea),
+               "consumer": Engine(args.vllm_python, "example_consumer", model, extra, DECODE_CORE, logdir, ea)}
     try:
         for e in engines.values():
             e.ready()
