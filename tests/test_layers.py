@@ -160,8 +160,8 @@ def test_the_checks_can_fail():
     assert "speckv.coder.tables (coder) imports speckv.predictor.store (predictor)" in v
 
 
-@pytest.mark.parametrize("module", ["speckv", "speckv.client.client", "speckv.wire", "speckv.status",
-                                    "speckv.coder.codec", "speckv.coder.backends",
+@pytest.mark.parametrize("module", ["speckv", "speckv.client.client", "speckv.client.pd", "speckv.wire",
+                                    "speckv.status", "speckv.coder.codec", "speckv.coder.backends",
                                     "speckv.coder.native"])
 def test_light_modules_never_import_torch_transformers_or_cupy(module):
     code = f"import sys, {module}; print(' '.join(m for m in {HEAVY!r} if m in sys.modules))"
