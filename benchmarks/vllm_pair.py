@@ -168,7 +168,10 @@ def start(args: argparse.Namespace, logdir: Path, model: str) -> tuple[Sidecar, 
 def engine_args(args: argparse.Namespace) -> dict[str, Any]:
     """vLLM engine arguments of every engine: ``--chunk`` tokens per step, so a long prompt's
     prefill spans several steps (chunked prefill) on the producer and the single instance alike."""
-    return {"max_num_batched_tokens": args.chunk, "enable_chunked_prefill": True} if args.chunk else {}
+    out: dict[str, Any] = {"max_num_batched_tokens": args.chunk, "enable_chunked_prefill": True} if args.chunk else {}
+    if args.kv_cache_dtype != "auto":
+        out["kv_cache_dtype"] = args.kv_cache_dtype
+    return out
 
 
 def measure(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
@@ -176,6 +179,7 @@ def measure(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
 
     model = str(_embedded_dir())
     prompts = prompts_from(Path(args.text))
+    itemsize = 1 if args.kv_cache_dtype.startswith("fp8") else 2
     enc, dec, engines = start(args, logdir, model)
     try:
         load_s = {r: e.ready() for r, e in engines.items()}
@@ -184,6 +188,8 @@ def measure(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
                                                         args.max_tokens, dec.address)
         report: dict[str, Any] = {
             "prompt_tokens": single["prompt_tokens"], "max_tokens": args.max_tokens, "load_s": load_s,
+            "kv_cache_dtype": args.kv_cache_dtype, "kv_bytes": [30 * 2 * 3 * n * 64 * itemsize
+                                                                for n in single["prompt_tokens"]],
             "tokens_equal": tokens == single["tokens"], "single_tokens": single["tokens"], "pair_tokens": tokens,
             "received_verified": engines["consumer"].count(r"speckv: received \S+: tokens \[\d+, \d+\), verified"),
             "fetch_failed": engines["consumer"].count(r"speckv: fetch \S+ failed"),
@@ -270,6 +276,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--chunk", type=int, default=0,
                     help="max_num_batched_tokens of every engine (0: vLLM's default); 256 prefills the longest "
                          "prompt in four steps")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"),
+                    help="every engine's KV cache: the model's BF16, or FP8 e4m3 codes with per-layer scales")
     ap.add_argument("--ttft", action="store_true", help="also time first tokens and per-token times")
     ap.add_argument("--baseline", action="store_true", help="--ttft also through vLLM's ExampleConnector")
     ap.add_argument("--json", default=None)

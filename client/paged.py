@@ -12,6 +12,9 @@ Rather than hard-code one kernel's interior, ``PagedLayout.learn`` asks the engi
 cache writer: it writes index-coded keys and values into a scratch block and reads back
 where each landed. The result must be a bijection, else it refuses (ValueError).
 
+A layer is BF16, or FP8 e4m3 codes (uint8: vLLM's CPU backend stores FP8 caches so),
+whose scales travel beside it; gather and scatter move its elements as they are.
+
 Imported only inside vLLM's process (it needs torch).
 """
 
@@ -25,7 +28,9 @@ import torch
 # NOTE: index-coded BF16 bit patterns start here so every probe value is a normal,
 # finite number: a kernel that flushes denormals or canonicalises NaNs still copies it
 PROBE_BASE = 0x3C00
-PROBE_DIGIT = 4096  # codes go in two passes of digits below this: PROBE_BASE + digit stays a finite BF16
+# (digit base, passes) per cache dtype: BF16 bit patterns PROBE_BASE + digit stay finite below 4096;
+# an FP8 e4m3 cache (uint8) holds the integers 0..16 exactly, so base 16
+PROBE_DIGITS = {torch.bfloat16: (4096, 2), torch.uint8: (16, 4)}
 # (key, value, key_cache, value_cache, slot_mapping): the engine's cache writer
 Writer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
@@ -42,32 +47,41 @@ class PagedLayout:
 
     @classmethod
     def learn(cls, write: Writer, block_size: int, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> "PagedLayout":
-        """Probe ``write`` (the kernel that stores K/V into the paged cache): each (token,
-        dim) gets a code ``t * head_dim + d``, written as two digits base ``PROBE_DIGIT``
-        (one pass each), and read back where it landed."""
+        """Probe ``write`` (the kernel that stores K/V into a paged cache of ``dtype``: BF16,
+        or uint8 FP8 e4m3 codes): each (token, dim) gets a code ``t * head_dim + d``,
+        written as digits (one pass each) and read back where it landed."""
+        if dtype not in PROBE_DIGITS:
+            raise ValueError(f"no probe for a {dtype} paged cache (BF16, or uint8 FP8 e4m3 codes)")
+        base, passes = PROBE_DIGITS[dtype]
         n = block_size * head_dim
-        got = sum(cls._probe(write, block_size, head_dim, dtype, place) * PROBE_DIGIT ** i
-                  for i, place in enumerate((1, PROBE_DIGIT)))
+        if n > base ** passes:
+            raise ValueError(f"a block of {block_size} x {head_dim} is too large to probe")
+        got = sum(cls._probe(write, block_size, head_dim, dtype, base, base ** i) * base ** i for i in range(passes))
         k_pos, v_pos = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
-        for pos, part, base in ((k_pos, got[:n], 0), (v_pos, got[n:], n)):
+        for pos, part, off in ((k_pos, got[:n], 0), (v_pos, got[n:], n)):
             if not torch.equal(part.sort().values, torch.arange(n)):
                 raise ValueError("the engine's cache writer does not store a block as a permutation of its tokens "
                                  "and dims; speckv cannot read this paged layout")
-            pos[part] = torch.arange(n) + base
+            pos[part] = torch.arange(n) + off
         return cls(block_size, head_dim, k_pos.reshape(block_size, head_dim), v_pos.reshape(block_size, head_dim))
 
     @staticmethod
-    def _probe(write: Writer, block_size: int, head_dim: int, dtype: torch.dtype, place: int) -> torch.Tensor:
-        """One pass: the digit ``(code // place) % PROBE_DIGIT`` found at each offset of K then V."""
+    def _probe(write: Writer, block_size: int, head_dim: int, dtype: torch.dtype, base: int,
+               place: int) -> torch.Tensor:
+        """One pass: the digit ``(code // place) % base`` found at each offset of K then V."""
         n = block_size * head_dim
-        if n > PROBE_DIGIT ** 2:
-            raise ValueError(f"a block of {block_size} x {head_dim} is too large to probe")
         cache = torch.zeros(1, 1, block_size, 2 * head_dim, dtype=dtype)
         kc, vc = cache.view(1, 1, 2 * block_size, head_dim).chunk(2, dim=2)
-        code = torch.arange(n, dtype=torch.int32).reshape(block_size, 1, head_dim) // place % PROBE_DIGIT
-        probe = (code + PROBE_BASE).to(torch.int16).view(dtype)  # (tokens, heads, dim)
-        write(probe, probe.clone(), kc, vc, torch.arange(block_size, dtype=torch.int64))
-        return cache.reshape(-1).view(torch.int16).to(torch.int64) - PROBE_BASE  # (2n,)
+        digit = torch.arange(n, dtype=torch.int32).reshape(block_size, 1, head_dim) // place % base
+        if dtype == torch.uint8:  # NOTE: the writer quantizes BF16 values to e4m3: integers 0..16 are exact
+            probe = digit.to(torch.bfloat16)
+        else:  # BF16 bit patterns, copied as they are
+            probe = (digit + PROBE_BASE).to(torch.int16).view(torch.bfloat16)
+        write(probe, probe.clone(), kc, vc, torch.arange(block_size, dtype=torch.int64))  # probe: (tokens, heads, dim)
+        flat = cache.reshape(-1)
+        if dtype == torch.uint8:
+            return flat.view(torch.float8_e4m3fn).to(torch.float32).to(torch.int64)  # (2n,)
+        return flat.view(torch.int16).to(torch.int64) - PROBE_BASE
 
     def _index(self, layer: torch.Tensor, block_ids: Sequence[int], start: int, stop: int) -> torch.Tensor:
         """Flat offsets into ``layer`` of tokens [start, stop): (2, heads, tokens, head_dim)."""

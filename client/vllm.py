@@ -44,7 +44,8 @@ as ``vllm:speckv_*`` (``speckv.client.vllm_stats``).
 
 Not supported yet (each refused with a clear error, never a wrong KV): GPU attention
 backends' paged layouts (``speckv.client.paged``), tensor or pipeline parallelism (no
-head ranges on the wire yet), FP8 KV caches.
+head ranges on the wire yet), FP8 e5m2 KV caches. FP8 e4m3 caches move as codes with
+their per-layer (k, v) scales; the decode engine refuses scales unlike its own.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ logger = logging.getLogger("vllm.speckv")
 
 FETCH_WAIT_S = 30.0  # how long FetchKV waits for a transfer the decoder has not seen yet
 TIMEOUT_S = 600.0  # one Submit or FetchKV call, end to end
+FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")  # vLLM's kv_cache_dtype names of e4m3 caches (e5m2 is refused)
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
@@ -258,16 +260,26 @@ class _Worker:
         self.caches = dict(kv_caches)
         self.layers = sorted(kv_caches, key=_layer_index)
         first = kv_caches[self.layers[0]]
-        if first.dtype != torch.bfloat16:
-            raise NotImplementedError(f"SpeckvConnector moves BF16 KV caches; this one is {first.dtype}")
+        cache_dtype = str(self.conn._vllm_config.cache_config.cache_dtype)
+        self.fp8 = first.dtype == torch.uint8 and cache_dtype in FP8_CACHE_DTYPES
+        if first.dtype != torch.bfloat16 and not self.fp8:
+            raise NotImplementedError(f"SpeckvConnector moves BF16 and FP8 e4m3 KV caches; this one is {first.dtype} "
+                                      f"(kv_cache_dtype {cache_dtype})")
         self.heads, self.head_dim = int(first.shape[1]), int(first.shape[3]) // 2
+
+    def scales(self, name: str) -> np.ndarray | None:
+        """An FP8 layer's (k, v) scales, as vLLM's attention layer applies them (None for BF16)."""
+        if not self.fp8:
+            return None
+        layer = self.conn._vllm_config.compilation_config.static_forward_context[name]
+        return np.array([layer._k_scale_float, layer._v_scale_float], np.float32)
 
     def layout(self) -> PagedLayout:
         """The CPU kernel's block interior, learned from its own cache writer on first use
         (the kernel ISA is chosen when vLLM builds its attention metadata)."""
         with self.lock:
             if self._layout is None:
-                self._layout = _learn_cpu_layout(self.conn, self.layers[0], self.head_dim)
+                self._layout = _learn_cpu_layout(self.conn, self.layers[0], self.head_dim, self.fp8)
                 logger.info("speckv: learned the paged layout of vLLM's CPU attention (block %d, head_dim %d)",
                             self.conn.block_size, self.head_dim)
             return self._layout
@@ -297,7 +309,7 @@ class _Worker:
         assert self.encoder is not None
         shape = (len(self.layers), 2, self.heads, len(prompt), self.head_dim)
         stream = self.encoder.open_submit(tid, shape, np.asarray(prompt, np.int64), decoder, self.conn.model_id,
-                                          encoding=self.conn.encoding)
+                                          dtype="fp8_e4m3" if self.fp8 else "bf16", encoding=self.conn.encoding)
         self.streams[tid] = stream
         stream.add_done_callback(lambda st: self._submitted(tid, st))
 
@@ -325,7 +337,7 @@ class _Worker:
                 continue
             kv = self.layout().gather(layer, s.block_ids, 0, s.num_tokens)
             try:
-                stream.send_layer(i, kv)
+                stream.send_layer(i, kv.numpy() if self.fp8 else kv, self.scales(name))
             except RpcFailed:
                 self.streams.pop(s.transfer_id, None)  # NOTE: its done-callback logs why
 
@@ -334,10 +346,12 @@ class _Worker:
         failed: list[int] = []
         t0, raw = time.monotonic(), 0
         try:
-            for i, arr, _ in self.decoder.fetch_layers(spec.transfer_id, wait=self.conn.fetch_wait_s):
+            for i, arr, scales in self.decoder.fetch_layers(spec.transfer_id, wait=self.conn.fetch_wait_s):
                 raw += arr.nbytes
-                kv = torch.from_numpy(np.ascontiguousarray(arr[:, :, spec.start:spec.stop]).view(np.int16))
-                self.layout().scatter(self.caches[self.layers[i]], spec.block_ids, spec.start, kv.view(torch.bfloat16))
+                self._check_scales(i, scales)
+                part = np.ascontiguousarray(arr[:, :, spec.start:spec.stop])
+                kv = torch.from_numpy(part) if self.fp8 else torch.from_numpy(part.view(np.int16)).view(torch.bfloat16)
+                self.layout().scatter(self.caches[self.layers[i]], spec.block_ids, spec.start, kv)
             logger.info("speckv: received %s: tokens [%d, %d), verified", spec.transfer_id, spec.start, spec.stop)
         except Exception as e:  # noqa: BLE001 -- any failure leaves vLLM to recompute the blocks
             logger.warning("speckv: fetch %s failed: %s (vLLM recomputes its %d tokens)", spec.transfer_id, e,
@@ -350,6 +364,16 @@ class _Worker:
                 self.stats.add(receive_failed=1)
             else:
                 self.stats.fetched(raw, time.monotonic() - t0)
+
+    def _check_scales(self, i: int, scales: np.ndarray | None) -> None:
+        """FP8 codes mean code * scale: the sender's scales must be this engine's, bit for bit."""
+        mine = self.scales(self.layers[i])
+        if (mine is None) != (scales is None):
+            raise ValueError(f"layer {i}: the transfer is {'FP8' if scales is not None else 'BF16'}, this engine's "
+                             f"cache is {'FP8' if mine is not None else 'BF16'}")
+        theirs = np.asarray(scales, np.float32)
+        if mine is not None and not np.array_equal(mine.view(np.uint32), theirs.view(np.uint32)):
+            raise ValueError(f"layer {i}: the prefill engine's FP8 scales {scales} differ from this engine's {mine}")
 
     def take_received(self) -> set[str]:
         with self.lock:
@@ -375,21 +399,22 @@ class _Worker:
                 c.close()
 
 
-def _learn_cpu_layout(conn: SpeckvConnector, layer_name: str, head_dim: int) -> PagedLayout:
+def _learn_cpu_layout(conn: SpeckvConnector, layer_name: str, head_dim: int, fp8: bool) -> PagedLayout:
     """Probe vLLM's CPU cache writer with the ISA its attention layers use."""
     from vllm import _custom_ops as ops
 
     layer = conn._vllm_config.compilation_config.static_forward_context.get(layer_name)
     isa = getattr(layer, "isa", None)
+    cache_dtype = "fp8_e4m3" if fp8 else "auto"
     if isa is None:  # NOTE: private to vLLM: the same choice its CPU backend makes
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        isa = _get_attn_isa(torch.bfloat16, conn.block_size, head_dim, "auto")
+        isa = _get_attn_isa(torch.bfloat16, conn.block_size, head_dim, cache_dtype)
 
     def write(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor) -> None:
-        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
+        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa, 1.0, 1.0, cache_dtype)
 
-    return PagedLayout.learn(write, conn.block_size, head_dim)
+    return PagedLayout.learn(write, conn.block_size, head_dim, torch.uint8 if fp8 else torch.bfloat16)
 
 
 def _layer_index(name: str) -> int:
