@@ -248,3 +248,46 @@ def test_round_trips(case):
     write(WRITERS[writer], engines, blocks, start, kv)
     assert torch.equal(bits(ours), bits(engines))
     assert torch.equal(bits(lay.gather(engines, blocks, start, stop)), bits(kv))
+
+
+# -- FP8 e4m3 caches (uint8 codes) -------------------------------------------------------
+
+def vllm_cpu_fp8_writer(key, value, key_cache, value_cache, slots):
+    """vLLM's CPU writer for an FP8 e4m3 cache (uint8): BF16 values quantized (scale 1),
+    stored in the same interior as the BF16 one."""
+    def codes(x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.float32).to(torch.float8_e4m3fn).view(torch.uint8)
+
+    nb, heads, bs, dim = key_cache.shape
+    s_block, s_head = key_cache.stride()[:2]
+    keys_t = key_cache.as_strided((nb, heads, dim, bs), (s_block, s_head, bs, 1))
+    for i, slot in enumerate(slots.tolist()):
+        block, t = divmod(slot, bs)
+        keys_t[block, :, :, t] = codes(key[i])
+        value_cache[block, :, t, :] = codes(value[i])
+
+
+def test_learn_an_fp8_cache_through_its_quantizing_writer():
+    bs, dim = 32, 16
+    fp8 = PagedLayout.learn(vllm_cpu_fp8_writer, bs, dim, torch.uint8)
+    bf16 = layout("vllm_cpu", bs, dim)
+    assert torch.equal(fp8.k_pos, bf16.k_pos) and torch.equal(fp8.v_pos, bf16.v_pos)
+
+
+def test_fp8_codes_gather_and_scatter_bit_for_bit():
+    bs, heads, dim, tokens = 32, 2, 16, 70
+    lay = PagedLayout.learn(vllm_cpu_fp8_writer, bs, dim, torch.uint8)
+    g = torch.Generator().manual_seed(5)
+    layer = torch.randint(0, 256, (6, heads, bs, 2 * dim), generator=g, dtype=torch.uint8)
+    kv = torch.randint(0, 256, (2, heads, tokens, dim), generator=g, dtype=torch.uint8)  # any code, NaN ones too
+    before = layer.clone()
+    lay.scatter(layer, [4, 0, 5], 0, kv)
+    assert torch.equal(lay.gather(layer, [4, 0, 5], 0, tokens), kv)
+    assert torch.equal(layer[[1, 2, 3]], before[[1, 2, 3]])  # no other block touched
+    with pytest.raises(TypeError):
+        lay.scatter(layer, [4, 0, 5], 0, kv.view(torch.int8))
+
+
+def test_learn_refuses_a_cache_dtype_it_cannot_probe():
+    with pytest.raises(ValueError, match="no probe"):
+        PagedLayout.learn(token_major_writer, 16, 16, torch.float16)
