@@ -31,7 +31,7 @@ from speckv import frames
 from speckv.coder import container as ct
 from speckv.digests import KVDigest, algorithm_of
 from speckv.errors import RpcError
-from speckv.status import abort, from_in_band, outcome, to_status
+from speckv.status import abort, outcome, to_status
 from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.v1 import encoder_pb2 as epb
@@ -46,6 +46,7 @@ from .layer_mu import LayerMu
 from .metrics import Metrics
 from .mu_cache import MuCache
 from .records import code_batch, store_batch
+from .replies import PIN_MISMATCH, Checks, first_reply, is_pin_mismatch, read_result
 from .runtime import Runtime
 from .tls import KEEPALIVE, channel_credentials
 from .transfers import check_request_id
@@ -72,6 +73,7 @@ class _Job:
     first_send: float | None = None
     message_bytes: int = 0  # serialized TransferRequests written
     fallback: bool = False  # a chunk went stored after a predictor mismatch on its layers
+    stream_fallback: str = ""  # why the whole stream went stored though speckv was asked (pin_mismatch)
     stored_chunks: int = 0  # chunks of a speckv stream sent stored (mismatch or size guard)
     mu_wait_s: float = 0.0  # the sender waiting for mu (ours, or the decoder's check)
     wire_wait_s: float = 0.0  # inside call.write: flow control
@@ -174,16 +176,18 @@ class EncoderService(egrpc.EncoderServiceServicer):
         mu, job.mu_hit = (None, False) if job.h.model == ct.MODEL_STORED else self.mu_cache.take(self.rt, job.ids)
         if mu is not None:
             self.metrics.mu_cache(job.mu_hit)
-        call = self._open(job, context)
         queue: asyncio.Queue[int | None] = asyncio.Queue()
-        checks = _Checks(job.h.n_chunks)  # the decoder's per-chunk mu digests
-        acks = asyncio.ensure_future(_read_result(call, checks))
-        sender = asyncio.ensure_future(self._send_loop(job, mu, call, queue, checks))
-        watch = (acks, sender)
+        call, checks, acks = await self._start_transfer(job, context)
+        sender: asyncio.Future[None] | None = None
         try:
-            await _write(job, call, dpb.TransferRequest(header=_transfer_header(job)))
-            job.wire_bytes = ct.HEADER_LEN
-            self.metrics.header(*job.labels, ct.HEADER_LEN)
+            if mu is not None and (refused := await first_reply(checks, acks)) is not None:
+                if not is_pin_mismatch(refused):
+                    raise refused
+                self.mu_cache.give_back(mu)
+                mu = None
+                call, checks, acks = await self._stored_instead(job, context, call)
+            sender = asyncio.ensure_future(self._send_loop(job, mu, call, queue, checks))
+            watch = (acks, sender)
             await self._receive(job, it, queue, watch)
             queue.put_nowait(None)
             await watched(sender, watch)
@@ -202,7 +206,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
             raise
         finally:
             for f in (sender, acks):
-                if not f.done():
+                if f is not None and not f.done():
                     f.cancel()
             if mu is not None:
                 self.mu_cache.give_back(mu)  # NOTE: a pass no transfer needs stops at its next layer
@@ -217,6 +221,35 @@ class EncoderService(egrpc.EncoderServiceServicer):
             transfer_seconds=now - (job.first_send or now), total_seconds=now - t0,
             message_bytes=job.message_bytes, encoding=job.labels[1], fallback=job.fallback,
             stored_chunks=job.stored_chunks, mu_wait_seconds=job.mu_wait_s, wire_wait_seconds=job.wire_wait_s)
+
+    async def _start_transfer(self, job: _Job, context: grpc.aio.ServicerContext):
+        """Open the Transfer call, start reading its replies, send the header."""
+        call = self._open(job, context)
+        checks = Checks(job.h.n_chunks)  # the decoder's per-chunk mu digests
+        acks = asyncio.ensure_future(read_result(call, checks))
+        try:
+            await _write(job, call, dpb.TransferRequest(header=_transfer_header(job)))
+        except BaseException:
+            acks.cancel()
+            call.cancel()
+            raise
+        job.wire_bytes = ct.HEADER_LEN
+        self.metrics.header(*job.labels, ct.HEADER_LEN)
+        return call, checks, acks
+
+    async def _stored_instead(self, job: _Job, context: grpc.aio.ServicerContext, refused_call):
+        """The decoder holds another predictor pin: the same KV as a stored stream (the
+        handshake, ``replies``), logged once per peer and counted per chunk."""
+        refused_call.cancel()
+        peer = job.header.decoder_address
+        if peer not in self._fallback_peers:
+            self._fallback_peers.add(peer)
+            logger.warning("decoder %s holds another predictor than this encoder (%s): its transfers go stored",
+                           peer, self.rt.pin[:12])
+        h = job.h
+        job.h = self.rt.codec.stream_header(h.dtype == ct.DTYPE_BF16, h.shape, job.ids, h.layers_per_chunk, True)
+        job.labels, job.fallback, job.stream_fallback = (job.labels[0], "stored"), True, PIN_MISMATCH.lower()
+        return await self._start_transfer(job, context)
 
     def _open(self, job: _Job, context: grpc.aio.ServicerContext):
         addr = job.header.decoder_address
@@ -259,7 +292,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
             raise bad(f"stream ended after {asm.next_layer} of {job.h.shape[0]} layers")
 
     async def _send_loop(self, job: _Job, mu: LayerMu | None, call, queue: asyncio.Queue,
-                         checks: "_Checks") -> None:
+                         checks: Checks) -> None:
         """Code ready chunks (what queued up, ENCODE_BATCH_BYTES at most, in one pass) and write their records."""
         lb = layer_bytes(job.h.shape, dtype_of(job.header.dtype)[1].itemsize)
         # NOTE: at most ENCODE_BATCH_BYTES coded before its records go: the decoder starts on the
@@ -288,7 +321,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
             job.predictor_s = await mu.done()  # a cached pass cost this transfer nothing
             self.metrics.seconds("predictor", job.predictor_s)
 
-    async def _mismatched(self, job: _Job, mu: LayerMu, batch: list[int], checks: "_Checks") -> set[int]:
+    async def _mismatched(self, job: _Job, mu: LayerMu, batch: list[int], checks: Checks) -> set[int]:
         """The chunks of ``batch`` whose layers' mu differs between this encoder and the decoder.
 
         NOTE: the one wait on the predictors: chunk i waits for both sides' mu of its own
@@ -322,6 +355,8 @@ class EncoderService(egrpc.EncoderServiceServicer):
         if stored_reason:
             job.stored_chunks += 1
             self.metrics.fallback(stored_reason)
+        elif job.stream_fallback:  # NOTE: a stored stream: the decoder counts no stored chunks of it
+            self.metrics.fallback(job.stream_fallback)
         self.metrics.chunk(*job.labels, raw, size, ct.HEADER_LEN if i == 0 else 0)
 
     def _gauges(self) -> None:
@@ -343,40 +378,3 @@ def _transfer_header(job: _Job) -> dpb.TransferHeader:
     return dpb.TransferHeader(request_id=hdr.request_id, predictor_pin=job.h.pin,
                               model_id=hdr.model_id, dtype=hdr.dtype, shape=hdr.shape,
                               prompt_token_ids=hdr.prompt_token_ids, header_record=ct.pack_header(job.h))
-
-
-class _Checks:
-    """The decoder's PredictorCheck digests, by chunk index, as they arrive."""
-
-    def __init__(self, n_chunks: int) -> None:
-        self.n_chunks = n_chunks
-        self._by_chunk: dict[int, asyncio.Future[bytes]] = {}
-
-    def get(self, i: int) -> "asyncio.Future[bytes]":
-        if i not in self._by_chunk:
-            self._by_chunk[i] = asyncio.get_running_loop().create_future()
-        return self._by_chunk[i]
-
-    def put(self, check: dpb.PredictorCheck) -> None:
-        i = check.chunk_index
-        if i >= self.n_chunks or self.get(i).done():
-            raise RpcError(grpc.StatusCode.INTERNAL, f"decoder sent a PredictorCheck for chunk {i} of "
-                           f"{self.n_chunks} twice or out of range")
-        self.get(i).set_result(bytes(check.mu_digest))
-
-
-async def _read_result(call, checks: _Checks) -> dpb.TransferResult:
-    """Drain the decoder's messages: its per-chunk PredictorChecks (into ``checks``), acks,
-    and its TransferResult (or its gRPC error)."""
-    result = None
-    async for resp in call:
-        kind = resp.WhichOneof("kind")
-        if kind == "predictor":
-            checks.put(resp.predictor)
-        elif kind == "result":
-            result = resp.result
-            if result.status.code != pb.STATUS_CODE_OK:  # the decoder's verdict, in-band
-                raise from_in_band(result.status)
-    if result is None:
-        raise RpcError(grpc.StatusCode.INTERNAL, "decoder ended the transfer without a result")
-    return result

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 _SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # wire bytes per scalar (x 8 = bits per scalar): 0.5 .. 17 bits
 _PER_SCALAR = tuple(b / 8 for b in (0.5, 1, 1.5, 2, 2.5, 3, 4, 5, 5.5, 6, 6.5, 7, 8, 10, 12, 16, 17))
-FALLBACK_REASONS = ("mu_mismatch", "larger_than_stored")  # why a speckv chunk goes stored
+FALLBACK_REASONS = ("mu_mismatch", "larger_than_stored", "pin_mismatch")  # why a speckv chunk goes stored
 
 
 class Metrics:

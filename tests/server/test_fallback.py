@@ -172,3 +172,52 @@ def test_chunk_zero_is_delivered_before_either_predictor_finishes(embedded_sessi
         for s, _ in made:
             loop.run(s.stop(0.1))
         loop.close()
+
+
+class OtherPin:
+    """A checkpoint under another pin (everything else delegated)."""
+
+    pin = "ab" * 32
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+class OtherPinPredictor(WrappedPredictor):
+    """The same model under another checkpoint pin, as a rolling upgrade leaves one side."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.checkpoint = OtherPin(inner.checkpoint)
+
+    @property
+    def pin(self) -> str:
+        return self.checkpoint.pin
+
+
+def test_a_decoder_under_another_pin_gets_a_stored_stream_not_a_failure(embedded_session, caplog):
+    loop = LoopThread()
+    made = _start_pair(loop, embedded_session.predictor, OtherPinPredictor(embedded_session.predictor))
+    (dec, daddr), (enc, eaddr) = made
+    target = embedded_session.target
+    try:
+        with caplog.at_level(logging.WARNING, logger="speckv"):
+            for k, text in enumerate(["A rolling upgrade: two checkpoints live.", "And a second transfer."]):
+                ids = target.tokenize(text)
+                kv = target.kv(ids)
+                res, back = _transfer(eaddr, daddr, f"pin-{k}", kv, ids)
+                assert np.array_equal(back, bf16_bits(kv))  # lossless, uncompressed
+                assert (res.fallback, res.encoding, res.stored_chunks, res.chunks) == (True, "stored", 0, 15), res
+                assert res.wire_bytes > res.raw_bytes
+        assert _metric(enc, "speckv_fallbacks_total", "pin_mismatch") == 2 * 15  # every chunk of both streams
+        assert _metric(enc, "speckv_fallbacks_total", "mu_mismatch") == 0
+        warned = [r for r in caplog.records if r.name == "speckv.server.encoder" and "another predictor" in
+                  r.getMessage()]
+        assert len(warned) == 1  # once per peer
+    finally:
+        for s, _ in made:
+            loop.run(s.stop(0.1))
+        loop.close()
