@@ -7,7 +7,8 @@ CPU backend, the embedded SmolLM2 from local files, each engine pinned to its ow
 Run with the model's BF16 KV cache and with an FP8 e4m3 one (codes and per-layer scales).
 Checked, with 256 tokens per engine step (so the longer prompts' prefills span two and
 four steps: chunked prefill): greedy tokens through the pair equal the single instance's
-token for token on three prompts (one, three and seven blocks); the consumer received and verified every
+token for token on three prompts (one, three and seven blocks; each alone, as vLLM's
+CPU kernels round differently with a batch's shape); the consumer received and verified every
 transfer (whole-transfer digest) and recomputed nothing; the producer's Submits all
 succeeded; the encoder sidecar's counters show the bytes saved on vLLM's own KV; the
 connector's counters reach vLLM's own metrics; a decode request whose transfer was never

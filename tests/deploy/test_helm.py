@@ -457,12 +457,13 @@ def test_native_sidecar(rendered, case):
 
 
 CONNECTOR_SOURCE = REPO_ROOT / "client" / "vllm.py"  # speckv.client.vllm (package-dir client/)
+WORKER_SOURCE = REPO_ROOT / "client" / "vllm_worker.py"  # its worker half (the TLS variables)
 
 
 def connector_reads() -> tuple[set[str], set[str]]:
     """(extra-config keys, environment variables) that SpeckvConnector reads, from its source
     (vLLM is not installed here, so the module is parsed rather than imported)."""
-    src = CONNECTOR_SOURCE.read_text()
+    src = CONNECTOR_SOURCE.read_text() + WORKER_SOURCE.read_text()
     keys = set(re.findall(r"""\bget\(\s*["'](speckv_\w+)["']""", src))
     env = set(re.findall(r"""os\.environ\.get\(\s*["'](SPECKV_\w+)["']""", src))
     return keys, env
