@@ -134,8 +134,14 @@ class Worker:
     def _open(self, tid: str, decoder: str, prompt: list[int]) -> None:
         assert self.encoder is not None
         shape = (len(self.layers), 2, self.heads, len(prompt), self.head_dim)
-        stream = self.encoder.open_submit(tid, shape, np.asarray(prompt, np.int64), decoder, self.conn.model_id,
-                                          dtype="fp8_e4m3" if self.fp8 else "bf16", encoding=self.conn.encoding)
+        try:
+            stream = self.encoder.open_submit(tid, shape, np.asarray(prompt, np.int64), decoder, self.conn.model_id,
+                                              dtype="fp8_e4m3" if self.fp8 else "bf16", encoding=self.conn.encoding)
+        except Exception as e:  # noqa: BLE001 -- never the engine's forward: the decode side recomputes
+            logger.warning("speckv: cannot open the submit of %s: %s", tid, e)
+            with self.lock:
+                self.stats.add(send_failed=1)
+            return
         self.streams[tid] = stream
         stream.add_done_callback(lambda st: self._submitted(tid, st))
 
@@ -161,11 +167,15 @@ class Worker:
             stream = self.streams.get(s.transfer_id)
             if not s.complete or stream is None or stream.layers_sent != i:
                 continue
-            kv = self.layout().gather(layer, s.block_ids, 0, s.num_tokens)
             try:
+                kv = self.layout().gather(layer, s.block_ids, 0, s.num_tokens)
                 stream.send_layer(i, kv.numpy() if self.fp8 else kv, self.scales(name))
             except RpcFailed:
                 self.streams.pop(s.transfer_id, None)  # NOTE: its done-callback logs why
+            except Exception as e:  # noqa: BLE001 -- never the engine's forward: the decode side recomputes
+                logger.warning("speckv: cannot send layer %d of %s: %s; its submit is cancelled", i, s.transfer_id, e)
+                self.streams.pop(s.transfer_id, None)
+                stream.cancel()
 
     def _fetch(self, spec: LoadSpec) -> None:
         assert self.decoder is not None
