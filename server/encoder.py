@@ -27,7 +27,7 @@ from typing import AsyncIterator
 import grpc
 import numpy as np
 
-from speckv import frames
+from speckv import frames, logs
 from speckv.coder import container as ct
 from speckv.digests import KVDigest, algorithm_of
 from speckv.errors import RpcError
@@ -109,6 +109,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
 
     async def Submit(self, request_iterator: AsyncIterator[epb.SubmitRequest],
                      context: grpc.aio.ServicerContext) -> epb.SubmitResponse:
+        logs.bind(peer=context.peer() or "?")  # NOTE: on every line of this call, its failure included
         await authorize(context, "Submit", self.allow)
         host = peer_host(context.peer() or "?")
         if self._per_peer.get(host, 0) >= self.config.max_transfers_per_peer:
@@ -121,16 +122,22 @@ class EncoderService(egrpc.EncoderServiceServicer):
         self.active += 1
         self._gauges()
         try:
-            job = self._start(await anext(it, None))
+            first = await anext(it, None)
+            if first is not None and first.WhichOneof("kind") == "header":
+                logs.bind(request_id=first.header.request_id or None, decoder=first.header.decoder_address or None)
+            job = self._start(first)
             resp = await self._run(job, it, context, t0)
             self.metrics.finished("ok", *job.labels, scalars=job.raw_bytes // dtype_of(job.header.dtype)[1].itemsize,
                                   wire=job.wire_bytes)
             self.metrics.seconds("transfer", time.perf_counter() - t0)
+            logger.debug("submit %s sent: %d raw bytes in %d wire bytes (%s), %.3f s", job.header.request_id,
+                         job.raw_bytes, job.wire_bytes, job.labels[1], time.perf_counter() - t0)
             return resp
         except BaseException as e:  # noqa: BLE001 -- CancelledError too
             code, msg = to_status(e)
             self.metrics.finished(outcome(code))
-            logger.info("submit %s failed: %s %s", job.header.request_id if job else "?", code.name, msg)
+            logger.warning("submit %s failed: %s %s", logs.bound().get("request_id", "?"), code.name, msg,
+                           extra={"code": code.name})
             if isinstance(e, asyncio.CancelledError):
                 raise
             await abort(context, e)

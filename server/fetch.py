@@ -9,13 +9,14 @@ metrics, budget, allow list and gauges.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import TYPE_CHECKING, AsyncIterator
 
 import grpc
 import numpy as np
 
-from speckv import frames
+from speckv import frames, logs
 from speckv.digests import ALGORITHMS, BLAKE2B_128, KVDigest
 from speckv.errors import RpcError
 from speckv.status import abort, to_status
@@ -24,6 +25,8 @@ from speckv.wire import kv_shape, layer_frames
 
 from .auth import authorize
 from .transfers import DecoderTransfer, S
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .budget import ByteBudget
@@ -46,6 +49,7 @@ class FetchService:
 
     async def FetchKV(self, request: dpb.FetchKVRequest,
                       context: grpc.aio.ServicerContext) -> AsyncIterator["dpb.FetchKVResponse | bytes"]:
+        logs.bind(request_id=request.request_id or None, peer=context.peer() or "?")
         await authorize(context, "FetchKV", self.allow)
         wait = request.wait_timeout_ms / 1000 if request.wait_timeout_ms else self.config.fetch_wait_s
         t0 = time.perf_counter()
@@ -78,6 +82,7 @@ class FetchService:
             t.holding.close()
         except BaseException as e:  # noqa: BLE001
             code, msg = to_status(e)
+            logger.warning("fetch %s failed: %s %s", request.request_id, code.name, msg, extra={"code": code.name})
             if t is not None and t.fetching and code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
                 # layers already handed out are gone. NOTE: recorded as an RpcError, never as this
                 # call's CancelledError: a live Transfer handler raises t.error when woken, and a
