@@ -32,6 +32,7 @@ from speckv.v1 import decoder_pb2 as dpb
 from speckv.v1 import decoder_pb2_grpc as dgrpc
 from speckv.wire import RecordAssembler, dtype_of, layer_bytes, shape_of
 
+from . import tracing
 from .aio import drain_batch, drain_requests, peer_host
 from .auth import authorize, parse_allow
 from .budget import ByteBudget
@@ -64,11 +65,13 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
         it = request_iterator.__aiter__()
         t: DecoderTransfer | None = None
         labels = ("?", "?")
+        span = tracing.start("speckv.decoder.Transfer", context)
         try:
             first = await anext(it, None)
             if first is None or first.WhichOneof("kind") != "header":
                 raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "the first message must carry the TransferHeader")
             logs.bind(request_id=first.header.request_id or None)
+            tracing.annotate(span, request_id=first.header.request_id)
             h, ids, labels = self._check_header(first.header)
             t = DecoderTransfer(first.header.request_id, h.shape[0], h.n_chunks, self.budget.holding(),
                                 algorithm_of(h.version))
@@ -92,8 +95,12 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
             self.metrics.seconds("transfer", time.perf_counter() - t0)
             logger.debug("transfer %s received: %d raw bytes in %d wire bytes (%s), %.3f s", t.request_id,
                          t.raw_bytes, t.wire_bytes, t.encoding, time.perf_counter() - t0)
+            tracing.end(span, raw_bytes=t.raw_bytes, wire_bytes=t.wire_bytes, chunks=t.chunks_received,
+                        encoding=t.encoding, fallback=t.fallback, predictor_seconds=t.predictor_s,
+                        decode_seconds=t.decode_s, mu_wait_seconds=t.mu_wait_s)
         except BaseException as e:  # noqa: BLE001 -- CancelledError too: the transfer must end
             code, msg = to_status(e)
+            tracing.end(span, code, msg)
             kind = integrity_kind(e)
             if kind:
                 self.metrics.integrity(kind)

@@ -23,6 +23,7 @@ from speckv.status import abort, to_status
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.wire import kv_shape, layer_frames
 
+from . import tracing
 from .auth import authorize
 from .transfers import DecoderTransfer, S
 
@@ -54,6 +55,7 @@ class FetchService:
         wait = request.wait_timeout_ms / 1000 if request.wait_timeout_ms else self.config.fetch_wait_s
         t0 = time.perf_counter()
         t = None
+        span = tracing.start("speckv.decoder.FetchKV", context, request_id=request.request_id)
         try:
             algorithm = request.digest or BLAKE2B_128  # NOTE: unset: a client before FetchKVRequest.digest
             if algorithm not in ALGORITHMS:
@@ -80,9 +82,11 @@ class FetchService:
                                                            raw_bytes=t.digest.raw_bytes), digest=algorithm)
             await t.end(S.TRANSFER_STATE_FETCHED)
             t.holding.close()
+            tracing.end(span, raw_bytes=t.digest.raw_bytes, layers=t.n_layers)
         except BaseException as e:  # noqa: BLE001
             code, msg = to_status(e)
             logger.warning("fetch %s failed: %s %s", request.request_id, code.name, msg, extra={"code": code.name})
+            tracing.end(span, code, msg)
             if t is not None and t.fetching and code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
                 # layers already handed out are gone. NOTE: recorded as an RpcError, never as this
                 # call's CancelledError: a live Transfer handler raises t.error when woken, and a
