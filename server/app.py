@@ -131,16 +131,21 @@ def create_server(config: ServerConfig, runtime: Runtime | None = None,
     budget = ByteBudget(config.max_inflight_bytes,
                         lambda used: metrics.inflight_bytes.labels(config.role, runtime.model_id).set(used))
     metrics.gauges(0, 0, config.max_inflight_bytes)
-    server = grpc.aio.server(interceptors=interceptors or None, options=[
+    # NOTE: the metrics interceptor comes first (outermost): it sees the handler the others
+    # leave and every status they end a call with
+    server = grpc.aio.server(interceptors=[metrics.grpc.interceptor(), *(interceptors or ())], options=[
         ("grpc.max_receive_message_length", config.max_receive_bytes),
         ("grpc.max_send_message_length", config.max_receive_bytes),
         *KEEPALIVE])
+    service: DecoderService | EncoderService
     if config.role == "decoder":
         service = DecoderService(config, runtime, metrics, budget)
-        add_service(server, service, decoder_pb2.DESCRIPTOR.services_by_name["DecoderService"])
+        descriptor = decoder_pb2.DESCRIPTOR.services_by_name["DecoderService"]
     else:
         service = EncoderService(config, runtime, metrics, budget)
-        add_service(server, service, encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"])
+        descriptor = encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"]
+    add_service(server, service, descriptor)
+    metrics.grpc.preregister(descriptor)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

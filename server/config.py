@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
 from speckv.coder.backends import CODERS
+from speckv.quantity import format_size, parse_size
 from speckv.wire import MAX_MESSAGE_BYTES, PART_BYTES
 
 ROLES = ("encoder", "decoder")
@@ -23,13 +24,7 @@ def _opt_str(v: str) -> str | None:
     return v or None
 
 
-def _bytes(v: str) -> int:
-    """An integer byte count, optionally with a binary suffix (``512Mi``, ``2Gi``)."""
-    v = v.strip()
-    for suffix, mult in (("Ki", 1 << 10), ("Mi", 1 << 20), ("Gi", 1 << 30), ("Ti", 1 << 40)):
-        if v.endswith(suffix):
-            return int(v[: -len(suffix)]) * mult
-    return int(v)
+_bytes = parse_size  # bytes or a Kubernetes quantity: 2Gi, 2G, 512Mi, 1.5Gi (speckv/quantity.py)
 
 
 @dataclass(frozen=True)
@@ -154,12 +149,13 @@ def _field(name: str, parse: Callable[[str], Any], help: str) -> Field:
 FIELDS = (
     _field("predictor", _opt_str, "predictor checkpoint directory (default: the shipped one)"),
     _field("pin", _opt_str, "sha256 the checkpoint must have"),
-    _field("target", str, "target model for derived predictor weights (default: embedded)"),
+    _field("target", str, "target model for derived predictor weights: 'default' (the embedded one) or a "
+                          "model directory"),
     _field("model_id", _opt_str, "model id served (default: the checkpoint's target name)"),
-    _field("listen", str, "gRPC listen address HOST:PORT (default 127.0.0.1:0)"),
+    _field("listen", str, "gRPC listen address HOST:PORT"),
     _field("metrics_port", int, "Prometheus /metrics port (0 ephemeral, -1 off)"),
     _field("metrics_host", str, "Prometheus /metrics bind address"),
-    _field("max_inflight_bytes", _bytes, "cap on buffered KV bytes (e.g. 1Gi)"),
+    _field("max_inflight_bytes", _bytes, "cap on buffered KV bytes (bytes or a quantity: 1Gi, 2G, 1.5Gi)"),
     _field("max_transfers", int, "cap on concurrent transfers"),
     _field("mu_cache_bytes", _bytes, "predictor passes kept by exact prompt for retries and repeats (e.g. "
                                      "256Mi; 0 = off)"),
@@ -183,3 +179,11 @@ FIELDS = (
     _field("max_transfers_per_peer", int, "concurrent transfers from one client host"),
 )
 assert {f.name for f in FIELDS} == {f.name for f in fields(ServerConfig)} - {"role"}
+
+
+def default_text(f: Field) -> str | None:
+    """The default of ``f`` as a flag would spell it (sizes as quantities); None when unset."""
+    default: Any = {d.name: d.default for d in fields(ServerConfig)}[f.name]
+    if default is None:
+        return None
+    return format_size(default) if f.parse is _bytes else str(default)

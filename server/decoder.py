@@ -21,7 +21,7 @@ from typing import AsyncIterator
 import grpc
 import numpy as np
 
-from speckv import frames
+from speckv import frames, logs
 from speckv.coder import container as ct
 from speckv.coder.stored import unstored_chunk
 from speckv.digests import algorithm_of
@@ -32,6 +32,7 @@ from speckv.v1 import decoder_pb2 as dpb
 from speckv.v1 import decoder_pb2_grpc as dgrpc
 from speckv.wire import RecordAssembler, dtype_of, layer_bytes, shape_of
 
+from . import tracing
 from .aio import drain_batch, drain_requests, peer_host
 from .auth import authorize, parse_allow
 from .budget import ByteBudget
@@ -58,15 +59,19 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
     # -- Transfer -----------------------------------------------------------
     async def Transfer(self, request_iterator: AsyncIterator[dpb.TransferRequest],
                        context: grpc.aio.ServicerContext) -> AsyncIterator[dpb.TransferResponse]:
+        logs.bind(peer=context.peer() or "?")  # NOTE: on every line of this call, its failure included
         await authorize(context, "Transfer", self.allow)
         t0 = time.perf_counter()
         it = request_iterator.__aiter__()
         t: DecoderTransfer | None = None
         labels = ("?", "?")
+        span = tracing.start("speckv.decoder.Transfer", context)
         try:
             first = await anext(it, None)
             if first is None or first.WhichOneof("kind") != "header":
                 raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "the first message must carry the TransferHeader")
+            logs.bind(request_id=first.header.request_id or None)
+            tracing.annotate(span, request_id=first.header.request_id)
             h, ids, labels = self._check_header(first.header)
             t = DecoderTransfer(first.header.request_id, h.shape[0], h.n_chunks, self.budget.holding(),
                                 algorithm_of(h.version))
@@ -88,8 +93,14 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
             self.metrics.finished("ok", *labels, scalars=t.raw_bytes // dtype_of(h.dtype)[1].itemsize,
                                   wire=t.wire_bytes)
             self.metrics.seconds("transfer", time.perf_counter() - t0)
+            logger.debug("transfer %s received: %d raw bytes in %d wire bytes (%s), %.3f s", t.request_id,
+                         t.raw_bytes, t.wire_bytes, t.encoding, time.perf_counter() - t0)
+            tracing.end(span, raw_bytes=t.raw_bytes, wire_bytes=t.wire_bytes, chunks=t.chunks_received,
+                        encoding=t.encoding, fallback=t.fallback, predictor_seconds=t.predictor_s,
+                        decode_seconds=t.decode_s, mu_wait_seconds=t.mu_wait_s)
         except BaseException as e:  # noqa: BLE001 -- CancelledError too: the transfer must end
             code, msg = to_status(e)
+            tracing.end(span, code, msg)
             kind = integrity_kind(e)
             if kind:
                 self.metrics.integrity(kind)
@@ -97,7 +108,8 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
                 await t.end(S.TRANSFER_STATE_CANCELLED if code == grpc.StatusCode.CANCELLED
                             else S.TRANSFER_STATE_FAILED, e)
             self.metrics.finished(outcome(code))
-            logger.info("transfer %s failed: %s %s", t.request_id if t else "?", code.name, msg)
+            logger.warning("transfer %s failed: %s %s", logs.bound().get("request_id", "?"), code.name, msg,
+                           extra={"code": code.name})
             if isinstance(e, (asyncio.CancelledError, GeneratorExit)):  # the call itself is gone
                 raise
             # NOTE: the verdict goes in-band first, then the sender's in-flight messages are
@@ -277,6 +289,7 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
     # -- status and cancel ----------------------------------------------------
     async def GetTransferStatus(self, request: dpb.GetTransferStatusRequest,
                                 context: grpc.aio.ServicerContext) -> dpb.GetTransferStatusResponse:
+        logs.bind(request_id=request.request_id or None, peer=context.peer() or "?")
         await authorize(context, "GetTransferStatus", self.allow)
         try:
             return dpb.GetTransferStatusResponse(status=self.table.get(request.request_id).status())
@@ -285,12 +298,14 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
 
     async def CancelTransfer(self, request: dpb.CancelTransferRequest,
                              context: grpc.aio.ServicerContext) -> dpb.CancelTransferResponse:
+        logs.bind(request_id=request.request_id or None, peer=context.peer() or "?")
         await authorize(context, "CancelTransfer", self.allow)
         try:
             t = self.table.get(request.request_id)
         except RpcError as e:
             await abort(context, e)
         if t.live:
+            logger.info("transfer %s cancelled by CancelTransfer", t.request_id)
             # NOTE: ending it wakes its Transfer handler, which reports CANCELLED to the sender
             await t.end(S.TRANSFER_STATE_CANCELLED, RpcError(grpc.StatusCode.CANCELLED, "cancelled by CancelTransfer"))
         self._gauges()

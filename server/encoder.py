@@ -22,12 +22,12 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import grpc
 import numpy as np
 
-from speckv import frames
+from speckv import frames, logs
 from speckv.coder import container as ct
 from speckv.digests import KVDigest, algorithm_of
 from speckv.errors import RpcError
@@ -38,6 +38,7 @@ from speckv.v1 import encoder_pb2 as epb
 from speckv.v1 import encoder_pb2_grpc as egrpc
 from speckv.wire import LayerAssembler, bad, dtype_of, layer_bytes, shape_of
 
+from . import tracing
 from .aio import drain_batch, peer_host, watched
 from .auth import authorize, parse_allow
 from .budget import ByteBudget, Holding
@@ -78,6 +79,7 @@ class _Job:
     mu_wait_s: float = 0.0  # the sender waiting for mu (ours, or the decoder's check)
     wire_wait_s: float = 0.0  # inside call.write: flow control
     mu_hit: bool = False  # mu came from the cache (or a pass another transfer started)
+    span: Any = None  # its OpenTelemetry span (server/tracing.py), None when tracing is off
     digest: KVDigest = field(init=False)  # whole-transfer digest, layer by layer
 
     def __post_init__(self) -> None:
@@ -111,6 +113,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
 
     async def Submit(self, request_iterator: AsyncIterator[epb.SubmitRequest],
                      context: grpc.aio.ServicerContext) -> epb.SubmitResponse:
+        logs.bind(peer=context.peer() or "?")  # NOTE: on every line of this call, its failure included
         await authorize(context, "Submit", self.allow)
         host = peer_host(context.peer() or "?")
         if self._per_peer.get(host, 0) >= self.config.max_transfers_per_peer:
@@ -122,17 +125,31 @@ class EncoderService(egrpc.EncoderServiceServicer):
         job: _Job | None = None
         self.active += 1
         self._gauges()
+        span = tracing.start("speckv.encoder.Submit", context)
         try:
-            job = self._start(await anext(it, None))
+            first = await anext(it, None)
+            if first is not None and first.WhichOneof("kind") == "header":
+                logs.bind(request_id=first.header.request_id or None, decoder=first.header.decoder_address or None)
+                tracing.annotate(span, request_id=first.header.request_id, decoder=first.header.decoder_address)
+            job = self._start(first)
+            job.span = span
             resp = await self._run(job, it, context, t0)
             self.metrics.finished("ok", *job.labels, scalars=job.raw_bytes // dtype_of(job.header.dtype)[1].itemsize,
                                   wire=job.wire_bytes)
             self.metrics.seconds("transfer", time.perf_counter() - t0)
+            logger.debug("submit %s sent: %d raw bytes in %d wire bytes (%s), %.3f s", job.header.request_id,
+                         job.raw_bytes, job.wire_bytes, job.labels[1], time.perf_counter() - t0)
+            tracing.end(span, raw_bytes=resp.raw_bytes, wire_bytes=resp.wire_bytes, chunks=resp.chunks,
+                        encoding=resp.encoding, fallback=resp.fallback, predictor_seconds=resp.predictor_seconds,
+                        encode_seconds=resp.encode_seconds, mu_wait_seconds=resp.mu_wait_seconds,
+                        wire_wait_seconds=resp.wire_wait_seconds)
             return resp
         except BaseException as e:  # noqa: BLE001 -- CancelledError too
             code, msg = to_status(e)
+            tracing.end(span, code, msg)
             self.metrics.finished(outcome(code))
-            logger.info("submit %s failed: %s %s", job.header.request_id if job else "?", code.name, msg)
+            logger.warning("submit %s failed: %s %s", logs.bound().get("request_id", "?"), code.name, msg,
+                           extra={"code": code.name})
             if isinstance(e, asyncio.CancelledError):
                 raise
             await abort(context, e)
@@ -267,7 +284,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
         # NOTE: DecoderService.Transfer with a serializer that passes the pre-serialised chunk parts through
         return self._channels[addr].stream_stream(TRANSFER, request_serializer=frames.serialize,
                                                   response_deserializer=dpb.TransferResponse.FromString)(
-            timeout=timeout)
+            timeout=timeout, metadata=tracing.outgoing(job.span))
 
     async def _receive(self, job: _Job, it: AsyncIterator, queue: asyncio.Queue, watch) -> None:
         """Reassemble raw layers; queue each chunk once its layers are all in."""

@@ -9,21 +9,25 @@ metrics, budget, allow list and gauges.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import TYPE_CHECKING, AsyncIterator
 
 import grpc
 import numpy as np
 
-from speckv import frames
+from speckv import frames, logs
 from speckv.digests import ALGORITHMS, BLAKE2B_128, KVDigest
 from speckv.errors import RpcError
 from speckv.status import abort, to_status
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.wire import kv_shape, layer_frames
 
+from . import tracing
 from .auth import authorize
 from .transfers import DecoderTransfer, S
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .budget import ByteBudget
@@ -46,10 +50,12 @@ class FetchService:
 
     async def FetchKV(self, request: dpb.FetchKVRequest,
                       context: grpc.aio.ServicerContext) -> AsyncIterator["dpb.FetchKVResponse | bytes"]:
+        logs.bind(request_id=request.request_id or None, peer=context.peer() or "?")
         await authorize(context, "FetchKV", self.allow)
         wait = request.wait_timeout_ms / 1000 if request.wait_timeout_ms else self.config.fetch_wait_s
         t0 = time.perf_counter()
         t = None
+        span = tracing.start("speckv.decoder.FetchKV", context, request_id=request.request_id)
         try:
             algorithm = request.digest or BLAKE2B_128  # NOTE: unset: a client before FetchKVRequest.digest
             if algorithm not in ALGORITHMS:
@@ -76,8 +82,11 @@ class FetchService:
                                                            raw_bytes=t.digest.raw_bytes), digest=algorithm)
             await t.end(S.TRANSFER_STATE_FETCHED)
             t.holding.close()
+            tracing.end(span, raw_bytes=t.digest.raw_bytes, layers=t.n_layers)
         except BaseException as e:  # noqa: BLE001
             code, msg = to_status(e)
+            logger.warning("fetch %s failed: %s %s", request.request_id, code.name, msg, extra={"code": code.name})
+            tracing.end(span, code, msg)
             if t is not None and t.fetching and code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
                 # layers already handed out are gone. NOTE: recorded as an RpcError, never as this
                 # call's CancelledError: a live Transfer handler raises t.error when woken, and a

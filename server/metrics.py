@@ -8,7 +8,8 @@ do not mix their series) served on ``/metrics`` by ``start_http``.
 Besides the ``speckv_*`` families: the standard process (``process_*``),
 platform (``python_info``) and GC (``python_gc_*``) collectors, and
 ``speckv_build_info`` (1, labelled with version, predictor pin, coder backend,
-predictor device and stream format version).
+predictor device and stream format version), and the gRPC server families of
+go-grpc-prometheus (``grpc_server_*``, server/grpc_metrics.py).
 
 Labels: ``role`` (encoder | decoder), ``model`` (the served model id),
 ``dtype`` (bf16 | fp8), ``encoding`` (speckv | stored), ``outcome`` (a lower-case
@@ -30,6 +31,8 @@ from prometheus_client import (
     Histogram,
     start_http_server,
 )
+
+from .grpc_metrics import GrpcMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +100,7 @@ class Metrics:
                                     ("role", "model"), registry=r)
         self.inflight_limit = Gauge("speckv_inflight_limit_bytes", "Cap on buffered KV bytes.",
                                     ("role", "model"), registry=r)
+        self.grpc = GrpcMetrics(r)
         self._http: Any = None
 
     # -- recording helpers (labels bound) -----------------------------------

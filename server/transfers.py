@@ -201,7 +201,8 @@ class TransferTable:
             if now - t.touched < self.lease_s:
                 continue
             if t.live:
-                logger.warning("transfer %s expired after %.0f s idle (lease)", rid, now - t.touched)
+                logger.warning("transfer %s expired after %.0f s idle (lease)", rid, now - t.touched,
+                               extra={"request_id": rid, "peer": t.peer})
                 await t.end(S.TRANSFER_STATE_FAILED,
                             RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "lease expired before FetchKV"))
             else:

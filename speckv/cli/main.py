@@ -16,9 +16,56 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from speckv import logs
 from speckv.coder.backends import CODERS
 
 logger = logging.getLogger(__name__)
+DEFAULT_LEVEL = {"serve": "info"}  # other commands: warning (their progress goes to stderr)
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none to show (None, a switch) or
+    the help already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default is None or isinstance(action.default, bool) or "(default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+class _Version(argparse.Action):
+    """``--version``: the package, its stream format and the shipped predictor's pin."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kw: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        print(version_text())
+        parser.exit()
+
+
+def version_text() -> str:
+    from speckv import __version__
+    from speckv.coder import container as ct
+    from speckv.predictor.store import MANIFEST, SHIPPED_RUNG, default_checkpoint_dir, sha256_file
+
+    pin = sha256_file(default_checkpoint_dir() / MANIFEST)  # NOTE: the pin is the manifest's sha256
+    return (f"speckv {__version__}\nstream format version {ct.FORMAT_VERSION}\n"
+            f"shipped predictor pin {pin} ({SHIPPED_RUNG})")
+
+
+def _add_log_args(p: argparse.ArgumentParser, level: str = "warning") -> None:
+    """-v, --log-format, --log-level; SUPPRESS defaults: given before the subcommand or after, both count."""
+    g = p.add_argument_group("logging")
+    g.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="debug logging on stderr, every library's too")
+    g.add_argument("--log-format", type=str.lower, choices=logs.FORMATS, default=argparse.SUPPRESS,
+                   help=f"log lines as text or JSON objects [{logs.FORMAT_ENV}] (default: text)")
+    g.add_argument("--log-level", type=str.lower, choices=logs.LEVELS, default=argparse.SUPPRESS,
+                   help=f"level of speckv's own log lines; other libraries log warning and up "
+                        f"[{logs.LEVEL_ENV}] (default: {level})")
+
 
 def _positive(text: str) -> int:
     value = int(text)
@@ -37,17 +84,43 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "kernels, opt-in), or auto: native, else numpy (default: %(default)s)")
 
 
+def _arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` whose ValueError argparse shows as is (not "invalid _bytes value")."""
+    def typed(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return typed
+
+
 def _add_server_args(p: argparse.ArgumentParser) -> None:
-    from speckv.server.config import FIELDS
+    from speckv.server.config import FIELDS, default_text
 
     for f in FIELDS:
-        p.add_argument(f.flag, dest=f.name, type=f.parse, default=None, help=f"{f.help} [{f.env}]")
+        default = default_text(f)
+        shown = f" (default: {default})" if default is not None and "(default" not in f.help else ""
+        p.add_argument(f.flag, dest=f.name, type=_arg_type(f.parse), default=None,
+                       help=f"{f.help} [{f.env}]{shown}")
+
+
+def _with_formatter(add_parser: Callable[..., argparse.ArgumentParser]) -> Callable[..., argparse.ArgumentParser]:
+    """A subcommand's parser shows defaults and takes the logging options too."""
+    def add(name: str, **kw: Any) -> argparse.ArgumentParser:
+        p = add_parser(name, formatter_class=_Formatter, **kw)
+        _add_log_args(p, DEFAULT_LEVEL.get(name, "warning"))
+        return p
+    return add
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="speckv", description="Lossless compressed KV-cache transfer.")
-    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+    ap = argparse.ArgumentParser(prog="speckv", description="Lossless compressed KV-cache transfer.",
+                                 formatter_class=_Formatter)
+    ap.add_argument("--version", action=_Version, help="print the version, stream format version and the "
+                    "shipped predictor's pin, and exit")
+    _add_log_args(ap)
     sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser = _with_formatter(sub.add_parser)  # type: ignore[method-assign]
 
     demo = sub.add_parser("demo", help="run speckv on a built-in prompt with the embedded model")
     demo.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -56,20 +129,20 @@ def _parser() -> argparse.ArgumentParser:
     ent = sub.add_parser("entropy", help="ideal bits/scalar of a text's KV under the predictor")
     ent.add_argument("--text", required=True, help="UTF-8 text file")
     ent.add_argument("--tokens", type=_positive, default=2048, help="prompt length in tokens")
-    ent.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
-    ent.add_argument("--json", action="store_true")
+    ent.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="KV dtype")
+    ent.add_argument("--json", action="store_true", help="print the figures as JSON")
     _add_model_args(ent)
 
     bench = sub.add_parser("bench", help="coder figures on a real KV, against zstd/lz4/byte-split peers")
     bench.add_argument("--text", default=None, help="text file (default: ../shared/corpus/tinyshakespeare.txt "
                        "if present, else a built-in text)")
-    bench.add_argument("--tokens", type=_positive, default=2048)
-    bench.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
+    bench.add_argument("--tokens", type=_positive, default=2048, help="prompt length in tokens")
+    bench.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="KV dtype")
     bench.add_argument("--engine", choices=("sdpa", "eager"), default="sdpa",
                        help="where the coded KV comes from: sdpa (the sidecars' own kernels) or eager "
                             "(eager attention: KV differing in its last bits, as another engine's would); "
                             "the predictor stays as shipped")
-    bench.add_argument("--json", action="store_true")
+    bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--model", choices=("auto", "seed", "tuned"), default="auto",
                        help="residual model: seed (the published static mixture), tuned (affine mu "
                             "correction, refit sigma, escape 1e-4), auto (the best the checkpoint has)")
@@ -82,21 +155,23 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run an encoder or decoder sidecar (gRPC) until SIGTERM",
                            description="Every flag can also be set by its SPECKV_* environment variable "
                                        "(e.g. --listen / SPECKV_LISTEN); flags win.")
-    serve.add_argument("role", choices=("encoder", "decoder"))
+    serve.add_argument("role", choices=("encoder", "decoder"), help="which sidecar")
     _add_server_args(serve)
 
     hc = sub.add_parser("health", help="gRPC health check of a sidecar (exit 0 SERVING, 1 not, 2 error)")
     hc.add_argument("address", help="HOST:PORT (the main port, or the plaintext --health-listen port)")
     hc.add_argument("--service", default="", help="service name ('' = the whole sidecar)")
-    hc.add_argument("--timeout", type=float, default=5.0)
+    hc.add_argument("--timeout", type=float, default=5.0, help="seconds")
     hc.add_argument("--tls-ca", default=None, help="verify the sidecar with this CA (TLS)")
     hc.add_argument("--tls-cert", default=None, help="client certificate (mTLS)")
     hc.add_argument("--tls-key", default=None, help="client key (mTLS)")
 
     pred = sub.add_parser("predictor", help="build or inspect a pinned predictor checkpoint")
     psub = pred.add_subparsers(dest="pcmd", required=True)
+    psub.add_parser = _with_formatter(psub.add_parser)  # type: ignore[method-assign]
     build = psub.add_parser("build", help="predictor (FP8 copy by default) + calibration -> checkpoint dir")
-    build.add_argument("--target", default="default")
+    build.add_argument("--target", default="default",
+                       help="'default' (embedded SmolLM2-135M-Instruct) or a local Hugging Face model directory")
     build.add_argument("--calib", required=True, help="calibration text file")
     build.add_argument("--out", required=True, help="output directory")
     build.add_argument("--tokens", type=_positive, default=None, help="calibration tokens (default 4096)")
@@ -108,9 +183,9 @@ def _parser() -> argparse.ArgumentParser:
                             "each later layer's K/V projected from layer K's hidden state) or none "
                             "(per-channel calibration means)")
     info = psub.add_parser("info", help="verify a checkpoint and print its pin")
-    info.add_argument("dir")
-    info.add_argument("--pin", default=None)
-    info.add_argument("--json", action="store_true")
+    info.add_argument("dir", help="checkpoint directory")
+    info.add_argument("--pin", default=None, help="expected sha256 pin")
+    info.add_argument("--json", action="store_true", help="print the description as JSON")
     return ap
 
 
@@ -195,7 +270,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from speckv.server.config import FIELDS, ServerConfig
 
     config = ServerConfig.from_env(args.role, **{f.name: getattr(args, f.name) for f in FIELDS})
-    logging.getLogger("speckv").setLevel(logging.INFO)
     asyncio.run(serve(config))
     return 0
 
@@ -247,8 +321,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from speckv.errors import SpeckvError
 
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        fmt = logs.resolve(getattr(args, "log_format", None), logs.FORMAT_ENV, "text", logs.FORMATS)
+        level = logs.resolve(getattr(args, "log_level", None), logs.LEVEL_ENV, DEFAULT_LEVEL.get(args.cmd, "warning"),
+                             logs.LEVELS)
+    except ValueError as e:
+        print(f"speckv: error: {e}", file=sys.stderr)
+        return 2
+    logs.configure(fmt, level, verbose=getattr(args, "verbose", False))
     try:
         return COMMANDS[args.cmd](args)
     except ModuleNotFoundError as e:

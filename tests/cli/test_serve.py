@@ -37,7 +37,8 @@ def _wait_line(proc, pattern, timeout):
 
 @pytest.mark.parametrize("role", ["decoder"])
 def test_serve_process_health_env_and_sigterm(role, embedded_session):
-    env = {**os.environ, "SPECKV_MAX_INFLIGHT_BYTES": "48Mi", "SPECKV_GRACE_S": "3",
+    env = {**os.environ, "SPECKV_MAX_INFLIGHT_BYTES": "50.331648M",  # 48Mi as a decimal quantity
+           "SPECKV_GRACE_S": "3",
            "SPECKV_LISTEN": "127.0.0.1:1"}  # the flag below must win over this variable
     proc = subprocess.Popen([sys.executable, "-m", "speckv.cli.main", "serve", role,
                              "--listen", "127.0.0.1:0", "--metrics-port", "0"],

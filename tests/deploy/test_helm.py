@@ -706,6 +706,8 @@ BAD_VALUES = {
     "bad quantity": ({"encoder": {"resources": {"limits": {"memory": "8 GB"}}}},
                      {"encoder": {"resources": {"limits": {"memory": "8G"}}}}),
     "bad byte size": ({"config": {"maxInflightBytes": "2GB"}}, {"config": {"maxInflightBytes": "2Gi"}}),
+    "byte size not a quantity": ({"config": {"muCacheBytes": "1.5 Gi"}}, {"config": {"muCacheBytes": "1.5Gi"}}),
+    "decimal byte size": ({"config": {"maxInflightBytes": "2K"}}, {"config": {"maxInflightBytes": "2G"}}),
     "tls without secret": ({"tls": {"enabled": True}}, {"tls": {"enabled": True, "secretName": "s"}}),
     "image variant": ({"image": {"variant": "rocm"}}, {"image": {"variant": "cuda"}}),
     "sidecar without connector": ({"mode": "sidecar", "vllm": {"kvConnector": ""}}, {"mode": "sidecar"}),

@@ -16,7 +16,7 @@ from prom_helpers import METRIC_RE, binary
 RULES = CHART_DIR / "rules" / "speckv.rules.yaml"
 RULES_TEST = Path(__file__).resolve().parent / "rules_test.yaml"
 ALERTS = {"SpeckvIntegrityFailures", "SpeckvPredictorMismatch", "SpeckvTransferErrors", "SpeckvSavedRatioLow",
-          "SpeckvInflightBytesNearCap"}
+          "SpeckvInflightBytesNearCap", "SpeckvGrpcServerErrors"}
 
 
 def _groups() -> list[dict]:

@@ -58,14 +58,34 @@ def test_empty_variable_means_not_given():
 
 
 @pytest.mark.parametrize("text,n", [("0", 0), ("65536", 65536), ("64Ki", 64 << 10), ("512Mi", 512 << 20),
-                                    ("2Gi", 2 << 30), ("1Ti", 1 << 40), (" 3Mi ", 3 << 20)])
+                                    ("2Gi", 2 << 30), ("1Ti", 1 << 40), (" 3Mi ", 3 << 20),
+                                    # Kubernetes quantities: decimal suffixes, fractions, exponents
+                                    ("2G", 2_000_000_000), ("500M", 500_000_000), ("64k", 64_000),
+                                    ("1.5Gi", 3 << 29), (".5Ki", 512), ("1e9", 10**9), ("2E", 2 * 10**18)])
 def test_byte_sizes(text, n):
     assert _bytes(text) == n
 
 
+@pytest.mark.parametrize("text,words", [("2GB", "not a size"), ("2K", "not a size"), ("-1", "not a size"),
+                                        ("1m", "not a size"), ("", "not a size"), ("Gi", "not a size"),
+                                        ("0.1Ki", "not a whole number of bytes (102.4)"),
+                                        ("1.5", "not a whole number of bytes")])
+def test_bad_byte_sizes_say_what_is_accepted(text, words):
+    with pytest.raises(ValueError) as ei:
+        _bytes(text)
+    assert words in str(ei.value) and repr(text) in str(ei.value)
+    if words == "not a size":
+        assert "512Mi, 2Gi, 1.5Gi, 2G" in str(ei.value)
+
+
+def test_quantities_from_the_environment():
+    c = ServerConfig.from_env("decoder", {"SPECKV_MAX_INFLIGHT_BYTES": "2G", "SPECKV_MU_CACHE_BYTES": "1.5Gi"})
+    assert (c.max_inflight_bytes, c.mu_cache_bytes) == (2_000_000_000, 3 << 29)
+
+
 @pytest.mark.parametrize("var,text", [
     ("SPECKV_MAX_INFLIGHT_BYTES", "512MB"),
-    ("SPECKV_MAX_INFLIGHT_BYTES", "1.5Gi"),
+    ("SPECKV_MAX_INFLIGHT_BYTES", "1.5"),
     ("SPECKV_MESSAGE_BYTES", "lots"),
     ("SPECKV_MAX_TRANSFERS", "eight"),
     ("SPECKV_METRICS_PORT", "9090.0"),
