@@ -12,9 +12,11 @@ residuals that escape at ~15 bits a scalar; a shift of ~+12 octaves codes them i
 The choice (deterministic: the same shifts, so the same bytes, on every backend):
 
 1. every group's exact coded cost at shift 0 (integer 1/256 bits: the rANS symbol's
-   ``15 - log2 freq`` plus its raw bits) on a sample of its tokens, and its escapes;
-2. groups whose sample escapes more than 1 in ``SEARCH_ESCAPES`` (the model's sigma is
-   far too small for this KV) are searched: the costs at every ``SEARCH_SHIFTS`` value,
+   ``15 - log2 freq`` plus its raw bits) on a sample of its tokens, and its *surprises*:
+   escapes, and symbols of probability below 2^-SURPRISE_BITS (under a calibrated sigma
+   they are the Gaussian's tail beyond ~3 sigma, ~0.3% of the scalars);
+2. groups whose sample has more than 1 surprise in ``SEARCH_SURPRISES`` (the model's
+   sigma is far too small for this KV) are searched: the costs at every ``SEARCH_SHIFTS`` value,
    then at the best one ``+- REFINE``; the cheapest wins (ties: the earlier candidate,
    0 first). Other groups keep 0: on same-kernel KV a per-group fine search gains
    ~0.002 bits a scalar (the calibration is already close), not worth its time.
@@ -34,7 +36,8 @@ from .rans import PROB_BITS, PROB_SCALE
 from .tables import SHIFT_MAX, CodingTables
 
 SAMPLE_TOKENS = 32  # tokens per group the cost sample takes (every stride-th token)
-SEARCH_ESCAPES = 64  # a group whose sample escapes more than 1 in this many is searched
+SURPRISE_BITS = 12  # a symbol costing this many bits or more (or escaped) is a surprise
+SEARCH_SURPRISES = 64  # a group whose sample has more than 1 surprise in this many is searched
 SEARCH_SHIFTS = tuple(range(8, 121, 8))  # coarse candidates (1/8 octaves) of a searched group
 REFINE = 4  # then the best coarse candidate +- this
 COST_FRAC_BITS = 8  # costs in 1/256 bits
@@ -53,8 +56,9 @@ def symbol_cost() -> np.ndarray:
 
 
 def element_costs(fx: FloatFormat, tab: CodingTables, ctx: Context, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(cost in 1/256 bits, escaped) of coding each element ``x`` in context ``ctx``: what
-    ``model.symbolize`` would emit, priced (rANS symbol plus raw LOW / ZMAN + UNARY / ESC bits)."""
+    """(cost in 1/256 bits, surprise) of coding each element ``x`` in context ``ctx``: what
+    ``model.symbolize`` would emit, priced (rANS symbol plus raw LOW / ZMAN + UNARY / ESC bits);
+    a surprise is an escape or a symbol costing SURPRISE_BITS or more."""
     c, _ = bin_index(fx, x, ctx.k)
     d = c - ctx.c_mu
     radius = tab.radius[ctx.t]
@@ -66,7 +70,8 @@ def element_costs(fx: FloatFormat, tab: CodingTables, ctx: Context, x: np.ndarra
     e_x = (x.astype(np.int32) >> fx.mant) & fx.exp_mask
     raw = np.where(esc, fx.bits, np.where(zero, fx.mant + ctx.k + fx.bias - e_x,  # mant + delta + 1
                                           np.maximum(low_bits(fx, np.maximum(mag, 1)), 0)))
-    return symbol_cost()[freq] + (raw.astype(np.int64) << COST_FRAC_BITS), esc
+    sym = symbol_cost()[freq]
+    return sym + (raw.astype(np.int64) << COST_FRAC_BITS), esc | (sym >= SURPRISE_BITS << COST_FRAC_BITS)
 
 
 def sample_tokens(tokens: int) -> slice:
@@ -76,12 +81,12 @@ def sample_tokens(tokens: int) -> slice:
 
 def _group_costs(fx: FloatFormat, fm: FloatFormat, tab: CodingTables, x: np.ndarray, mu: np.ndarray,
                  log2_sigma: np.ndarray, shifts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per group (rows of ``x``: ``(groups, tokens, dim)``), the summed cost and escapes under
+    """Per group (rows of ``x``: ``(groups, tokens, dim)``), the summed cost and surprises under
     ``log2_sigma + shifts`` (``log2_sigma``: ``(groups, dim)``, ``shifts``: ``(groups,)``)."""
     L = np.broadcast_to((log2_sigma + shifts[:, None])[:, None, :], x.shape)
     ctx = context(fx, fm, mu.ravel(), L.ravel())
-    cost, esc = element_costs(fx, tab, ctx, x.ravel())
-    return cost.reshape(len(x), -1).sum(axis=1), esc.reshape(len(x), -1).sum(axis=1)
+    cost, surprise = element_costs(fx, tab, ctx, x.ravel())
+    return cost.reshape(len(x), -1).sum(axis=1), surprise.reshape(len(x), -1).sum(axis=1)
 
 
 def choose_shifts(fx: FloatFormat, fm: FloatFormat, tab: CodingTables, x: np.ndarray, mu: np.ndarray,
@@ -98,8 +103,8 @@ def choose_shifts(fx: FloatFormat, fm: FloatFormat, tab: CodingTables, x: np.nda
     ms = mu[:, :, :, tok].reshape(xs.shape)
     lg = np.asarray(log2_sigma, np.int64).reshape(-1, x.shape[4])
     n = np.zeros(len(xs), np.int64)
-    cost0, esc0 = _group_costs(fx, fm, tab, xs, ms, lg, n)
-    hot = np.flatnonzero(esc0 * SEARCH_ESCAPES > xs.shape[1] * xs.shape[2])
+    cost0, surprises = _group_costs(fx, fm, tab, xs, ms, lg, n)
+    hot = np.flatnonzero(surprises * SEARCH_SURPRISES > xs.shape[1] * xs.shape[2])
     if not len(hot):
         return out
     xs, ms, lg = xs[hot], ms[hot], lg[hot]

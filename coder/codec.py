@@ -27,8 +27,8 @@ from speckv.errors import IntegrityError, MuMismatchError, PinMismatchError, Pro
 from speckv.kv import Fp8KV, bf16_bits
 
 from . import container as ct
-from .backends import select_backend
 from .adapt import choose_shifts
+from .backends import select_backend
 from .config import MAX_ELEMS_PER_LANE, CodecConfig
 from .integrity import verified
 from .interfaces import CheckpointLike, MuSource
@@ -209,7 +209,7 @@ class Codec:
                       bits: bytes) -> ct.Chunk:
         sl = plan.chunk_slice(h, i)
         assert plan.x is not None  # an encoding plan
-        aux = plan.aux(sl)
+        aux = plan.aux(sl, blocks=len(rb.word_counts) > 0)
         start, count = h.chunk_layers(i)
         algorithm = algorithm_of(h.version)  # the stream version's digest (FORMAT.md)
         c = ct.Chunk(index=i, layer_start=start, layer_count=count,

@@ -46,10 +46,13 @@ class Plan:
         start, count = h.chunk_layers(i)
         return slice(start - self.layer0, start - self.layer0 + count)
 
-    def aux(self, sl: slice) -> bytes:
-        """A coded chunk's aux (FORMAT.md): FP8 scales, then (version 4) its sigma shifts."""
+    def aux(self, sl: slice, blocks: bool = True) -> bytes:
+        """A coded chunk's aux (FORMAT.md): FP8 scales, then (version 4, a chunk with rANS
+        ``blocks``) its sigma shifts."""
         scales = b"" if self.scales is None else self.scales[sl].astype("<f4").tobytes()
-        return scales + (b"" if self.shifts is None else self.shifts[sl].astype(np.int8).tobytes())
+        if self.shifts is None or not blocks or not self.shifts[sl].any():  # all 0: none written
+            return scales
+        return scales + self.shifts[sl].astype(np.int8).tobytes()
 
     def shifted(self, shifts: np.ndarray) -> "Plan":
         """This plan coding with ``log2_sigma + shifts`` (int8 ``(layers, 2, heads)``, one per
@@ -111,20 +114,23 @@ def chunk_rel(h: ct.StreamHeader, i: int, start: int) -> slice:
 def chunk_aux(h: ct.StreamHeader, c: ct.Chunk) -> tuple[np.ndarray | None, np.ndarray | None]:
     """(FP8 scales ``(layer_count, 2)`` float32 or None for BF16, sigma shifts ``(layer_count,
     2, kv_heads)`` int8 or None) of chunk ``c``'s ``aux`` (FORMAT.md): the scales of an FP8
-    stream, then in a version 4 stream's coded chunks one shift per (layer, kv, head).
-    IntegrityError unless ``aux`` has exactly that length and every shift is within
+    stream, then in a version 4 stream's chunks with rANS blocks (``n_blocks > 0``: neither
+    stored nor empty) either nothing (every shift 0) or one shift per (layer, kv, head).
+    IntegrityError unless ``aux`` has exactly one of those lengths and every shift is within
     ``+-SHIFT_MAX``."""
     n = c.layer_count
     n_scales = 8 * n if h.dtype == ct.DTYPE_FP8 else 0
-    has_shifts = h.version >= 4 and not ct.is_stored_chunk(h, c)
-    n_shifts = n * 2 * h.shape[2] if has_shifts else 0
-    if len(c.aux) != n_scales + n_shifts:
-        what = " and ".join(w for w, k in (("FP8 scales", n_scales), ("sigma shifts", n_shifts)) if k) or "nothing"
-        raise IntegrityError(f"chunk {c.index}: aux holds {what} ({n_scales + n_shifts} bytes), not {len(c.aux)} bytes")
+    n_shifts = n * 2 * h.shape[2] if h.version >= 4 and c.n_blocks > 0 else 0
+    if len(c.aux) not in (n_scales, n_scales + n_shifts):
+        what = f"{n_scales} bytes of FP8 scales" if n_scales else "no FP8 scales"
+        extra = f", then nothing or {n_shifts} bytes of sigma shifts" if n_shifts else ""
+        raise IntegrityError(f"chunk {c.index}: aux holds {what}{extra}, not {len(c.aux)} bytes")
     aux = bytes(c.aux)
     scales = np.frombuffer(aux, "<f4", count=2 * n).astype(np.float32).reshape(n, 2) if n_scales else None
-    if not has_shifts:
+    if not n_shifts:
         return scales, None
+    if len(aux) == n_scales:  # every shift 0
+        return scales, np.zeros((n, 2, h.shape[2]), np.int8)
     shifts = np.frombuffer(aux, np.int8, offset=n_scales).reshape(n, 2, h.shape[2])
     if (shifts < -SHIFT_MAX).any():
         raise IntegrityError(f"chunk {c.index}: a sigma shift outside +-{SHIFT_MAX}")
@@ -140,9 +146,9 @@ def chunk_scales(h: ct.StreamHeader, chunks: Sequence[ct.Chunk]) -> np.ndarray:
 def chunk_shifts(h: ct.StreamHeader, chunks: Sequence[ct.Chunk]) -> np.ndarray | None:
     """The sigma shifts ``(layers, 2, kv_heads)`` of consecutive chunks' layers (zero for a
     stored chunk's), or None for a stream before version 4."""
+    parts = [chunk_aux(h, c)[1] for c in chunks]  # NOTE: checks every version's aux (BF16: empty before 4)
     if h.version < 4:
         return None
-    parts = [chunk_aux(h, c)[1] for c in chunks]
     return np.concatenate([np.zeros((c.layer_count, 2, h.shape[2]), np.int8) if p is None else p
                            for c, p in zip(chunks, parts, strict=True)])
 
