@@ -236,9 +236,14 @@ def test_stored_chunk_in_a_version_2_stream_is_rejected(make_codec):
         codec.decode([v2] + records[1:], ids_for(T), bf16_tensor(mu))
     # a version 3 stream without stored chunks under a version 2 header fails its digests
     # (version 2's are blake2b-128, version 3's XXH3-128); written as version 2, it decodes
-    full = list(codec.encode(kv, ids_for(T), bf16_tensor(mu)))
+    full = versioned_records(codec, kv, ids_for(T), bf16_tensor(mu), 3)
     with pytest.raises(MuMismatchError):
         codec.decode([v2] + full[1:], ids_for(T), bf16_tensor(mu))
+    # a version 4 stream whose chunks carry sigma shifts: their aux is too long for version 2
+    v4 = list(codec.encode(kv, ids_for(T), bf16_tensor(mu)))
+    assert any(len(ct.unpack_chunk(r, h)[0].aux) for r in v4[1:])
+    with pytest.raises(IntegrityError, match="aux"):
+        codec.decode([v2] + v4[1:], ids_for(T), bf16_tensor(mu))
     h2 = dataclasses.replace(h, version=2)
     old = [ct.pack_chunk(c) for c in codec.encode_chunks(h2, range(h2.n_chunks), kv, mu)]
     assert _same_kv(codec.decode([v2] + old, ids_for(T), bf16_tensor(mu)), kv)
