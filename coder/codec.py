@@ -27,6 +27,7 @@ from speckv.errors import IntegrityError, MuMismatchError, PinMismatchError, Pro
 from speckv.kv import Fp8KV, bf16_bits
 
 from . import container as ct
+from .adapt import choose_shifts
 from .backends import select_backend
 from .config import MAX_ELEMS_PER_LANE, CodecConfig
 from .integrity import verified
@@ -36,6 +37,7 @@ from .plan import (
     Plan,
     bf16_context_table,
     chunk_scales,
+    chunk_shifts,
     fp8_codes,
     mu_float32,
     plan_context,
@@ -106,6 +108,7 @@ class Codec:
         """Header record, then one record per chunk (a chunk larger coded than stored is stored)."""
         plan = self._plan(kv, ids, mu)
         header = self.stream_header(plan.fmt is BF16, plan.mu.shape, ids)
+        plan = self._adapted(plan, header)
         yield ct.pack_header(header)
         for chunk in self._encode_chunks(plan, header, range(header.n_chunks)):
             yield ct.pack_chunk(chunk)
@@ -154,6 +157,7 @@ class Codec:
             part = slice(h.chunk_layers(coded[0])[0] - start, sum(h.chunk_layers(coded[-1])) - start)
             kv = Fp8KV(x[part], scales[part]) if fp8 and scales is not None else x[part]  # fp8: checked above
             plan = self._plan(kv, None, mu, layers=slice(part.start + start, part.stop + start), model_id=h.model)
+            plan = self._adapted(plan, h)
             out.update((c.index, c) for c in self._encode_chunks(plan, h, coded))
         return [out[i] for i in idx]
 
@@ -205,7 +209,7 @@ class Codec:
                       bits: bytes) -> ct.Chunk:
         sl = plan.chunk_slice(h, i)
         assert plan.x is not None  # an encoding plan
-        aux = plan.aux(sl)
+        aux = plan.aux(sl, blocks=len(rb.word_counts) > 0)
         start, count = h.chunk_layers(i)
         algorithm = algorithm_of(h.version)  # the stream version's digest (FORMAT.md)
         c = ct.Chunk(index=i, layer_start=start, layer_count=count,
@@ -216,6 +220,15 @@ class Codec:
         if h.version >= 3 and c.record_len > stored_record_len(h, i):  # the size guard (FORMAT.md)
             return stored_chunk(h, i, plan.x[sl], None if plan.scales is None else plan.scales[sl])
         return c
+
+    def _adapted(self, plan: Plan, h: ct.StreamHeader) -> Plan:
+        """An encoding plan with the sigma shifts of a version 4 stream, chosen by
+        ``adapt.choose_shifts`` (numpy, whatever the backend: every backend writes the same bytes)."""
+        if h.version < 4:
+            return plan
+        assert plan.x is not None  # an encoding plan
+        return plan.shifted(choose_shifts(plan.fmt, plan.fmt_mu, plan.model.tables, plan.x, plan.mu,
+                                          plan.log2_sigma))
 
     def _plan(self, kv, ids, mu, fmt: FloatFormat | None = None, scales=None,
               layers: slice | None = None, model_id: int | None = None) -> Plan:
@@ -284,7 +297,7 @@ class Codec:
         if [c.index for c in chunks] != list(range(h.n_chunks)):
             raise IntegrityError(f"stream has chunks {[c.index for c in chunks]}, "
                                  f"expected 0..{h.n_chunks - 1}")
-        scales = chunk_scales(chunks) if h.dtype == ct.DTYPE_FP8 else None
+        scales = chunk_scales(h, chunks) if h.dtype == ct.DTYPE_FP8 else None
         out = self._decode_layers(h, chunks, ids, mu)
         return out if scales is None else Fp8KV(out, scales)  # scales: FP8 streams only
 
@@ -315,9 +328,12 @@ class Codec:
                 raise ValueError(f"chunks {[c.index for c in coded]} are coded: decoding them needs mu")
             fmt = BF16 if h.dtype == ct.DTYPE_BF16 else E4M3
             span = [c for c in chunks if coded[0].index <= c.index <= coded[-1].index]
-            scales = chunk_scales(span) if fmt is E4M3 else None
+            scales = chunk_scales(h, span) if fmt is E4M3 else None
+            shifts = chunk_shifts(h, span)  # checked before anything is decoded
             layers = slice(h.chunk_layers(coded[0].index)[0], sum(h.chunk_layers(coded[-1].index)))
             plan = self._plan(None, ids, mu, fmt, scales, layers=layers, model_id=h.model)
+            if shifts is not None:
+                plan = plan.shifted(shifts)
             self._check_mu(plan, h, coded)
             out.update(zip([c.index for c in coded], self._verified(h, coded, self._decode_batch(plan, h, coded)),
                            strict=True))
@@ -388,7 +404,7 @@ class Codec:
         return [p.ravel() for p in np.split(js, np.cumsum([c.n_blocks for c in live])[:-1])]
 
     def _context(self, plan: Plan, sl: slice) -> Context:
-        if plan.fmt is BF16:
+        if plan.fmt is BF16 and plan.unshifted(sl):  # NOTE: shifted levels: computed, not tabulated
             table = self._bf16_table(plan.model)
             ab = slice(sl.start + plan.layer0, sl.stop + plan.layer0)  # level_index holds all layers
             lidx = table.level_index[ab][:, :, :, None, :]  # (n, 2, heads, 1, dim)

@@ -61,7 +61,7 @@ def constants() -> dict[str, int]:
         raise NativeUnavailable(IMPORT_ERROR)
     names = ("PROB_BITS", "LANES", "WORD_BITS", "RANS_L", "X_MAX_SHIFT", "SIGMA_FRAC_BITS", "GRID_BELOW_SIGMA",
              "LAMBDA_MIN", "LAMBDA_MAX", "OFFSET_BITS", "LAMBDA_OFFSET", "N_GAUSS", "NOOP_TABLE", "MAX_BIN",
-             "NEAR_TOP_Q8")
+             "NEAR_TOP_Q8", "SHIFT_MAX")
     return {n: int(getattr(_native, n)) for n in names}
 
 
@@ -101,16 +101,24 @@ class ContextRows:
     NOTE: one gather instead of ~40 operations per scalar on both sides; the rows are the
     native model's own contexts (tests check them against numpy's on every pattern)."""
 
+    MAX_ROWS = 256  # 64 MB
+
     def __init__(self) -> None:
         self.rows: dict[int, int] = {}
         self.table = np.zeros(0, np.uint32)
+        # NOTE: format 4's sigma shifts (and untrusted streams) add levels: the table is capped
+        # (256 KB a row), levels beyond it are coded with computed contexts
         self._lock = threading.Lock()
 
-    def index(self, log2_sigma: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(row of each channel's level, int32, same shape; the table that holds them)."""
+    def index(self, log2_sigma: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(row of each channel's level, int32, same shape; the table that holds them), or None
+        when that would take more than MAX_ROWS rows (the coder then computes the contexts:
+        the same ones, and the same bytes)."""
         levels, inverse = np.unique(np.asarray(log2_sigma, np.int64), return_inverse=True)
         with self._lock:
             new = [int(v) for v in levels if int(v) not in self.rows]
+            if len(self.rows) + len(new) > self.MAX_ROWS:
+                return None
             if new:
                 self._grow(new)
             rows = np.array([self.rows[int(v)] for v in levels], np.int32)
@@ -194,8 +202,9 @@ class NativeCoder:
         """BF16: each channel's row of the context table, and the table; FP8: the levels."""
         if fp8 or np.size(log2_sigma) == 0:
             return _levels(log2_sigma), None
-        _levels(log2_sigma)  # range check
-        return self.contexts.index(log2_sigma)
+        lv = _levels(log2_sigma)  # range check
+        found = self.contexts.index(log2_sigma)
+        return (lv, None) if found is None else found
 
 
 def _levels(log2_sigma: np.ndarray) -> np.ndarray:

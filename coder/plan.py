@@ -9,6 +9,7 @@ for the contexts of one chunk's layers.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -21,6 +22,7 @@ from speckv.errors import IntegrityError
 from . import container as ct
 from .model import BF16, Context, ContextTable, FloatFormat, context
 from .residual import ResidualModel
+from .tables import SHIFT_MAX
 
 
 @dataclass
@@ -35,14 +37,32 @@ class Plan:
     scales: np.ndarray | None  # (layers, 2) float32 for fp8
     model: ResidualModel  # tables, sigma and mu correction of the stream's model id
     layer0: int = 0  # absolute index of the plan's first layer (arrays hold a layer range)
+    # format 4: int8 sigma shifts per (layer, kv, head), already added into log2_sigma
+    # (None: a version 2/3 stream, whose aux carries none)
+    shifts: np.ndarray | None = None
 
     def chunk_slice(self, h: ct.StreamHeader, i: int) -> slice:
         """Chunk i's layers, relative to the plan's arrays."""
         start, count = h.chunk_layers(i)
         return slice(start - self.layer0, start - self.layer0 + count)
 
-    def aux(self, sl: slice) -> bytes:
-        return b"" if self.scales is None else self.scales[sl].astype("<f4").tobytes()
+    def aux(self, sl: slice, blocks: bool = True) -> bytes:
+        """A coded chunk's aux (FORMAT.md): FP8 scales, then (version 4, a chunk with rANS
+        ``blocks``) its sigma shifts."""
+        scales = b"" if self.scales is None else self.scales[sl].astype("<f4").tobytes()
+        if self.shifts is None or not blocks or not self.shifts[sl].any():  # all 0: none written
+            return scales
+        return scales + self.shifts[sl].astype(np.int8).tobytes()
+
+    def shifted(self, shifts: np.ndarray) -> "Plan":
+        """This plan coding with ``log2_sigma + shifts`` (int8 ``(layers, 2, heads)``, one per
+        group, recorded for ``aux``): shift 0 leaves a group's L as it is."""
+        lg = self.log2_sigma + np.asarray(shifts, np.int64)[:, :, :, None]
+        return dataclasses.replace(self, log2_sigma=lg, shifts=np.asarray(shifts, np.int8))
+
+    def unshifted(self, sl: slice) -> bool:
+        """Whether every group of ``sl`` codes with the checkpoint's own L (shift 0)."""
+        return self.shifts is None or not self.shifts[sl].any()
 
 
 TABLES: dict[bytes, ContextTable] = {}  # by sigma digest: codecs of one checkpoint share one
@@ -91,14 +111,46 @@ def chunk_rel(h: ct.StreamHeader, i: int, start: int) -> slice:
     return slice(s - start, s - start + n)
 
 
-def chunk_scales(chunks: Sequence[ct.Chunk]) -> np.ndarray:
-    """The FP8 scales ``(layers, 2)`` the chunks carry in ``aux``."""
-    parts = []
-    for c in chunks:
-        if len(c.aux) != 8 * c.layer_count:
-            raise IntegrityError(f"chunk {c.index}: FP8 scales take {8 * c.layer_count} bytes, not {len(c.aux)}")
-        parts.append(np.frombuffer(c.aux, "<f4").astype(np.float32).reshape(c.layer_count, 2))
-    return np.concatenate(parts) if parts else np.zeros((0, 2), np.float32)
+def chunk_aux(h: ct.StreamHeader, c: ct.Chunk) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(FP8 scales ``(layer_count, 2)`` float32 or None for BF16, sigma shifts ``(layer_count,
+    2, kv_heads)`` int8 or None) of chunk ``c``'s ``aux`` (FORMAT.md): the scales of an FP8
+    stream, then in a version 4 stream's chunks with rANS blocks (``n_blocks > 0``: neither
+    stored nor empty) either nothing (every shift 0) or one shift per (layer, kv, head).
+    IntegrityError unless ``aux`` has exactly one of those lengths and every shift is within
+    ``+-SHIFT_MAX``."""
+    n = c.layer_count
+    n_scales = 8 * n if h.dtype == ct.DTYPE_FP8 else 0
+    n_shifts = n * 2 * h.shape[2] if h.version >= 4 and c.n_blocks > 0 else 0
+    if len(c.aux) not in (n_scales, n_scales + n_shifts):
+        what = f"{n_scales} bytes of FP8 scales" if n_scales else "no FP8 scales"
+        extra = f", then nothing or {n_shifts} bytes of sigma shifts" if n_shifts else ""
+        raise IntegrityError(f"chunk {c.index}: aux holds {what}{extra}, not {len(c.aux)} bytes")
+    aux = bytes(c.aux)
+    scales = np.frombuffer(aux, "<f4", count=2 * n).astype(np.float32).reshape(n, 2) if n_scales else None
+    if not n_shifts:
+        return scales, None
+    if len(aux) == n_scales:  # every shift 0
+        return scales, np.zeros((n, 2, h.shape[2]), np.int8)
+    shifts = np.frombuffer(aux, np.int8, offset=n_scales).reshape(n, 2, h.shape[2])
+    if (shifts < -SHIFT_MAX).any():
+        raise IntegrityError(f"chunk {c.index}: a sigma shift outside +-{SHIFT_MAX}")
+    return scales, shifts
+
+
+def chunk_scales(h: ct.StreamHeader, chunks: Sequence[ct.Chunk]) -> np.ndarray:
+    """The FP8 scales ``(layers, 2)`` the chunks carry in ``aux`` (checked by ``chunk_aux``)."""
+    parts = [chunk_aux(h, c)[0] for c in chunks]
+    return np.concatenate(parts) if parts else np.zeros((0, 2), np.float32)  # type: ignore[arg-type]
+
+
+def chunk_shifts(h: ct.StreamHeader, chunks: Sequence[ct.Chunk]) -> np.ndarray | None:
+    """The sigma shifts ``(layers, 2, kv_heads)`` of consecutive chunks' layers (zero for a
+    stored chunk's), or None for a stream before version 4."""
+    parts = [chunk_aux(h, c)[1] for c in chunks]  # NOTE: checks every version's aux (BF16: empty before 4)
+    if h.version < 4:
+        return None
+    return np.concatenate([np.zeros((c.layer_count, 2, h.shape[2]), np.int8) if p is None else p
+                           for c, p in zip(chunks, parts, strict=True)])
 
 
 def runs(indices: Sequence[int]) -> list[slice]:

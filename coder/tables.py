@@ -35,6 +35,9 @@ LAMBDA_OFFSET = 1 * SIGMA_ONE  # ... matters while sigma_b < 2 bins; above, mu s
 N_GAUSS = (LAMBDA_OFFSET - LAMBDA_MIN) * OFFSETS + (LAMBDA_MAX - LAMBDA_OFFSET + 1)
 TAIL_SIGMAS = 4.0  # the window reaches 4 sigma of the wide Gaussian
 NOOP_TABLE = N_GAUSS  # the row after the Gaussian ones: padding no-op
+# Forward-adaptive sigma (format version 4): a coded chunk's aux carries one signed shift of
+# L per (layer, kv, head), in 1/8 octaves (one i8 each); the model codes with L + shift.
+SHIFT_MAX = 127  # |shift| <= SHIFT_MAX (the i8 -128 is rejected: the set is symmetric)
 
 
 def quantize_freqs(p: np.ndarray) -> np.ndarray:

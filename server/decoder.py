@@ -23,6 +23,7 @@ import numpy as np
 
 from speckv import frames, logs
 from speckv.coder import container as ct
+from speckv.coder.plan import chunk_aux
 from speckv.coder.stored import unstored_chunk
 from speckv.digests import algorithm_of
 from speckv.errors import RpcError, TransferDigestError
@@ -260,8 +261,7 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
             for (c, wire), bits in zip(batch, await self._decode(t, h, mu, chunks), strict=True):
                 raw = lb * c.layer_count  # reserved with the record; FetchKV releases it per layer
                 t.holding.release(wire)
-                scales = (np.frombuffer(c.aux, "<f4").reshape(-1, 2).astype(np.float32)
-                          if h.dtype == ct.DTYPE_FP8 else None)
+                scales = chunk_aux(h, c)[0]  # FP8 scales (aux also holds a format 4 chunk's sigma shifts)
                 await t.publish(c.layer_start, bits, scales)
                 t.raw_bytes += raw
                 self.metrics.chunk(*labels, raw, wire, ct.HEADER_LEN if c.index == 0 else 0)

@@ -27,6 +27,7 @@
 #define SPK_LAMBDA_OFFSET (1 << SPK_SIGMA_FRAC_BITS)  // offsets matter below this lambda
 #define SPK_N_GAUSS ((SPK_LAMBDA_OFFSET - SPK_LAMBDA_MIN) * SPK_OFFSETS + (SPK_LAMBDA_MAX - SPK_LAMBDA_OFFSET + 1))
 #define SPK_NOOP_TABLE SPK_N_GAUSS              // the padding op's row (one symbol, freq = scale)
+#define SPK_SHIFT_MAX 127                       // format 4: |sigma shift| per (layer, kv, head), 1/8 octaves
 
 // -- probability model (coder/model.py) ----------------------------------------
 #define SPK_MAX_BIN 4095                        // bins beyond this escape

@@ -7,6 +7,11 @@
 // d = c_x - c_mu under Gaussian table t, and raw bits (LOW, ZMAN, ESC, UNARY) for
 // the rest. Integer arithmetic on bit patterns, except a handful of IEEE float32
 // operations that are exact or correctly rounded on every backend.
+// Forward-adaptive sigma (format version 4): every L this code receives is already the
+// coded level L' = L + shift, the checkpoint's per-channel log2 sigma plus its (layer, kv,
+// head) group's signed shift from the chunk's aux (|shift| <= SPK_SHIFT_MAX, 1/8 octaves),
+// one integer addition done once per channel on the host (coder/plan.py Plan.shifted) for
+// every backend alike; nothing below depends on whether L was shifted (shift 0: L' = L).
 // NOTE: those float operations must be neither fused (FMA) nor flushed to zero:
 // the host build uses -ffp-contract=off without -ffast-math, the device code the
 // explicit round-to-nearest intrinsics below.

@@ -290,6 +290,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         {"GRID_BELOW_SIGMA", SPK_GRID_BELOW_SIGMA}, {"LAMBDA_MIN", SPK_LAMBDA_MIN}, {"LAMBDA_MAX", SPK_LAMBDA_MAX},
         {"OFFSET_BITS", SPK_OFFSET_BITS}, {"LAMBDA_OFFSET", SPK_LAMBDA_OFFSET}, {"N_GAUSS", SPK_N_GAUSS},
         {"NOOP_TABLE", SPK_NOOP_TABLE}, {"MAX_BIN", SPK_MAX_BIN}, {"NEAR_TOP_Q8", SPK_NEAR_TOP_Q8},
+        {"SHIFT_MAX", SPK_SHIFT_MAX},
     };
     for (const auto& c : consts)
         if (PyModule_AddIntConstant(m, c.name, c.value) != 0) return nullptr;

@@ -84,13 +84,18 @@ def round_trip_fp8(codec: Codec, codes: np.ndarray, scales: np.ndarray, mu_bits:
     return records
 
 
+def versioned_records(codec: Codec, kv, ids: np.ndarray, mu, version: int) -> list[bytes]:
+    """``kv``'s stream under a header of format ``version`` (the bytes that version's writers wrote)."""
+    x, scales = (kv.codes, kv.scales) if isinstance(kv, Fp8KV) else (bf16_bits(kv), None)
+    h = dataclasses.replace(codec.stream_header(scales is None, x.shape, ids), version=version)
+    chunks = codec.encode_chunks(h, range(h.n_chunks), x, mu, scales)
+    return [ct.pack_header(h)] + [ct.pack_chunk(c) for c in chunks]
+
+
 def unguarded_records(codec: Codec, kv, ids: np.ndarray, mu) -> list[bytes]:
     """``kv``'s stream under a version 2 header: every chunk coded, even one larger than its
     stored form (version 3's size guard would store it). The bytes version 2 writers wrote."""
-    x, scales = (kv.codes, kv.scales) if isinstance(kv, Fp8KV) else (bf16_bits(kv), None)
-    h = dataclasses.replace(codec.stream_header(scales is None, x.shape, ids), version=2)
-    chunks = codec.encode_chunks(h, range(h.n_chunks), x, mu, scales)
-    return [ct.pack_header(h)] + [ct.pack_chunk(c) for c in chunks]
+    return versioned_records(codec, kv, ids, mu, 2)
 
 
 def without_digests(rec: bytes) -> bytes:

@@ -1,4 +1,4 @@
-"""Tests for speckv.coder.container (format versions 2 and 3, see coder/FORMAT.md)."""
+"""Tests for speckv.coder.container (format versions 2 to 4, see coder/FORMAT.md)."""
 
 from __future__ import annotations
 
@@ -135,11 +135,13 @@ GOLDEN = bytes.fromhex(
 
 # the same stream in format version 2: version 2 and its header crc (the chunk is unchanged)
 GOLDEN_V2 = GOLDEN[:4] + b"\x02\x00" + GOLDEN[6:106] + bytes.fromhex("d3b1efec") + GOLDEN[110:]
+# ... and in format version 4 (the container treats aux as opaque in every version)
+GOLDEN_V4 = GOLDEN[:4] + b"\x04\x00" + GOLDEN[6:106] + bytes.fromhex("ffe87fec") + GOLDEN[110:]
 
 
 def golden_objects():
     h = StreamHeader(dtype=C.DTYPE_FP8, model=7, pin=bytes(range(32)), shape=(1, 2, 1, 1, 2),
-                     prompt_digest=bytes(range(32, 64)), elems_per_lane=1, layers_per_chunk=1)
+                     prompt_digest=bytes(range(32, 64)), elems_per_lane=1, layers_per_chunk=1, version=3)
     c = Chunk(index=0, layer_start=0, layer_count=1, steps=1, mu_fingerprint=b"\x11" * 16,
               raw_digest=b"\x22" * 16, aux=b"\xab\xcd",
               states=(0x10000 + np.arange(32, dtype=np.uint32))[None, :],
@@ -178,11 +180,20 @@ def test_golden_bytes():
 def test_golden_bytes_version_2():
     """A version 2 stream still reads, keeps its version and re-packs to the same bytes."""
     h, c = golden_objects()
-    assert h.version == C.FORMAT_VERSION == 3 and C.READ_VERSIONS == (2, 3)
+    assert C.FORMAT_VERSION == 4 and C.READ_VERSIONS == (2, 3, 4)
     h2, chunks = unpack_stream(GOLDEN_V2)
     assert h2.version == 2 and h2 == dataclasses.replace(h, version=2) and chunks == [c]
     assert pack_stream(h2, chunks) == GOLDEN_V2 and pack_header(h2) == GOLDEN_V2[:110]
     assert struct.unpack_from("<I", GOLDEN_V2, 106)[0] == zlib.crc32(GOLDEN_V2[:106])
+
+
+def test_golden_bytes_version_4():
+    """A version 4 stream (what writers write) reads, keeps its version and re-packs to the same bytes."""
+    h, c = golden_objects()
+    assert StreamHeader(**{**h.__dict__, "version": C.FORMAT_VERSION}).version == 4
+    h4, chunks = unpack_stream(GOLDEN_V4)
+    assert h4.version == 4 and h4 == dataclasses.replace(h, version=4) and chunks == [c]
+    assert pack_stream(h4, chunks) == GOLDEN_V4
 
 
 # ----------------------------------------------------- corruption, truncation
@@ -243,7 +254,7 @@ def test_bad_magic_and_version():
         unpack_stream(b"XPKV" + GOLDEN[4:])
     with pytest.raises(TruncatedError):
         unpack_header(b"SP")
-    for bad in (0, 1, 4, 0xFFFF):
+    for bad in (0, 1, 5, 0xFFFF):
         with pytest.raises(FormatError, match=f"unsupported format version {bad}$"):
             unpack_header(fix_crcs(GOLDEN[:4] + struct.pack("<H", bad) + GOLDEN[6:]))
         with pytest.raises(FormatError, match=f"unsupported format version {bad}$"):

@@ -34,7 +34,7 @@ from native_helpers import MODELS, assert_same_kv, both_ways, realistic_pair
 from speckv.coder import container as ct
 from speckv.coder.codec import Codec, Fp8KV
 from speckv.coder.model import BF16, E4M3
-from speckv.coder.plan import chunk_scales
+from speckv.coder.plan import chunk_scales, chunk_shifts
 from speckv.errors import RansDecodeError, SpeckvError
 
 # NaN / Inf / overflowing inputs are the point here: numpy's warnings are noise
@@ -62,8 +62,10 @@ def _raw_outcome(codec: Codec, records: list[bytes], ids: np.ndarray, mu):
         if [c.index for c in chunks] != list(range(h.n_chunks)):
             return "indices", [c.index for c in chunks]  # decode_chunks' own check, before any backend
         fmt = BF16 if h.dtype == ct.DTYPE_BF16 else E4M3
-        scales = chunk_scales(chunks) if fmt is E4M3 else None
+        scales = chunk_scales(h, chunks) if fmt is E4M3 else None
+        shifts = chunk_shifts(h, chunks)
         plan = codec._plan(None, ids, mu, fmt, scales, model_id=h.model)
+        plan = plan if shifts is None else plan.shifted(shifts)
         coded = [c for c in chunks if not ct.is_stored_chunk(h, c)]  # stored chunks meet no backend
         return "ok", [np.asarray(b).astype(np.int64).ravel() for b in codec._decode_batch(plan, h, coded)]
     except SpeckvError as e:

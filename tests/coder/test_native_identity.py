@@ -70,6 +70,7 @@ def test_constants_match_the_python_reference():
         "LAMBDA_MAX": tables.LAMBDA_MAX, "OFFSET_BITS": tables.OFFSET_BITS,
         "LAMBDA_OFFSET": tables.LAMBDA_OFFSET, "N_GAUSS": tables.N_GAUSS, "NOOP_TABLE": tables.NOOP_TABLE,
         "MAX_BIN": model.MAX_BIN, "NEAR_TOP_Q8": model.NEAR_TOP_Q8,
+        "SHIFT_MAX": tables.SHIFT_MAX,
     }
     assert native.constants() == want
     assert ct.LANES == rans.LANES  # the container's block geometry is the coder's

@@ -25,6 +25,7 @@ from codec_helpers import (
     shape,
     tile,
     unguarded_records,
+    versioned_records,
     without_digests,
 )
 from container_helpers import make_chunk, make_header
@@ -104,7 +105,8 @@ def _stored_like(h: ct.StreamHeader, i: int, steps: int = 0) -> ct.Chunk:
 
 def test_container_accepts_stored_chunks_in_version_3_coded_streams_only():
     h = make_header(model=3)  # version 3, coded: chunk_blocks > 0
-    assert h.version == ct.FORMAT_VERSION == 3 and h.chunk_blocks(1) > 0
+    h = dataclasses.replace(h, version=3)
+    assert ct.FORMAT_VERSION == 4 and h.chunk_blocks(1) > 0
     chunks = [make_chunk(h, 0), _stored_like(h, 1)]
     h2, back = ct.unpack_stream(ct.pack_stream(h, chunks))
     assert h2 == h and back == chunks
@@ -234,9 +236,14 @@ def test_stored_chunk_in_a_version_2_stream_is_rejected(make_codec):
         codec.decode([v2] + records[1:], ids_for(T), bf16_tensor(mu))
     # a version 3 stream without stored chunks under a version 2 header fails its digests
     # (version 2's are blake2b-128, version 3's XXH3-128); written as version 2, it decodes
-    full = list(codec.encode(kv, ids_for(T), bf16_tensor(mu)))
+    full = versioned_records(codec, kv, ids_for(T), bf16_tensor(mu), 3)
     with pytest.raises(MuMismatchError):
         codec.decode([v2] + full[1:], ids_for(T), bf16_tensor(mu))
+    # a version 4 stream whose chunks carry sigma shifts: their aux is too long for version 2
+    v4 = list(codec.encode(kv, ids_for(T), bf16_tensor(mu)))
+    assert any(len(ct.unpack_chunk(r, h)[0].aux) for r in v4[1:])
+    with pytest.raises(IntegrityError, match="aux"):
+        codec.decode([v2] + v4[1:], ids_for(T), bf16_tensor(mu))
     h2 = dataclasses.replace(h, version=2)
     old = [ct.pack_chunk(c) for c in codec.encode_chunks(h2, range(h2.n_chunks), kv, mu)]
     assert _same_kv(codec.decode([v2] + old, ids_for(T), bf16_tensor(mu)), kv)
@@ -287,7 +294,7 @@ def test_guard_stores_incompressible_chunks(make_codec, dtype):
     records = list(codec.encode(kv, ids, bf16_tensor(mu)))
     assert records == list(ref.encode(kv, ids, bf16_tensor(mu)))
     h, _ = ct.unpack_header(records[0])
-    assert h.version == 3 and h.model != ct.MODEL_STORED and all(_stored_flags(h, records))
+    assert h.version == 4 and h.model != ct.MODEL_STORED and all(_stored_flags(h, records))
     coded = unguarded_records(codec, kv, ids, bf16_tensor(mu))  # what version 2 wrote: larger
     for i in range(h.n_chunks):
         assert len(records[1 + i]) == stored_record_len(h, i) < len(coded[1 + i])
@@ -315,7 +322,9 @@ def test_guard_on_half_incompressible_kv(make_codec, dtype):
     h, _ = ct.unpack_header(records[0])
     assert _stored_flags(h, records) == [False] * 4 + [True] * 4
     coded = unguarded_records(codec, kv, ids, bf16_tensor(mu))  # version 2: its digests are blake2b-128
-    assert [without_digests(r) for r in records[1:5]] == [without_digests(r) for r in coded[1:5]]
+    v3 = versioned_records(codec, kv, ids, bf16_tensor(mu), 3)  # version 3: no sigma shifts
+    assert _stored_flags(h, v3) == [False] * 4 + [True] * 4
+    assert [without_digests(r) for r in v3[1:5]] == [without_digests(r) for r in coded[1:5]]
     assert _same_kv(codec.decode(records, ids, bf16_tensor(mu)), kv)
 
 

@@ -1,0 +1,125 @@
+"""Forward-adaptive sigma (format version 4): the encoder's choice of each chunk's
+sigma shifts, computed here only, in numpy, whatever backend codes the chunk.
+
+A coded chunk of a version 4 stream carries one signed shift per (layer, kv, head)
+in its ``aux`` (FORMAT.md); both sides code the group's scalars with the fixed-point
+``L + shift`` (1/8 octaves) in place of the checkpoint's ``L``. Shift 0 codes exactly
+as version 3 does. Why: when the engine's KV is not bit-equal to the sidecar's own
+recomputation (other kernels: eager attention, vLLM), layers the predictor computes
+exactly (``hybrid:K``, sigma calibrated to a residual of ~0) see rounding-level
+residuals that escape at ~15 bits a scalar; a shift of ~+12 octaves codes them in ~3.
+
+The choice (deterministic: the same shifts, so the same bytes, on every backend):
+
+1. every group's exact coded cost at shift 0 (integer 1/256 bits: the rANS symbol's
+   ``15 - log2 freq`` plus its raw bits) on a sample of its tokens, and its *surprises*:
+   escapes, and symbols of probability below 2^-SURPRISE_BITS (under a calibrated sigma
+   they are the Gaussian's tail beyond ~3 sigma, ~0.3% of the scalars);
+2. groups whose sample has more than 1 surprise in ``SEARCH_SURPRISES`` (the model's
+   sigma is far too small for this KV) are searched: the costs at every ``SEARCH_SHIFTS`` value,
+   then at the best one ``+- REFINE``; the cheapest wins (ties: the earlier candidate,
+   0 first). Other groups keep 0: on same-kernel KV a per-group fine search gains
+   ~0.002 bits a scalar (the calibration is already close), not worth its time.
+
+The search set is the encoder's policy, not the format: a decoder accepts any shift
+with ``|shift| <= SHIFT_MAX``.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+
+from .model import MAX_BIN, Context, FloatFormat, bin_index, context, low_bits, magnitude
+from .rans import PROB_BITS, PROB_SCALE
+from .tables import SHIFT_MAX, CodingTables
+
+SAMPLE_TOKENS = 32  # tokens per group the cost sample takes (every stride-th token)
+SURPRISE_BITS = 12  # a symbol costing this many bits or more (or escaped) is a surprise
+SEARCH_SURPRISES = 64  # a group whose sample has more than 1 surprise in this many is searched
+SEARCH_SHIFTS = tuple(range(8, 121, 8))  # coarse candidates (1/8 octaves) of a searched group
+REFINE = 4  # then the best coarse candidate +- this
+COST_FRAC_BITS = 8  # costs in 1/256 bits
+assert max(SEARCH_SHIFTS) + REFINE <= SHIFT_MAX
+
+
+@cache
+def symbol_cost() -> np.ndarray:
+    """Integer cost of a symbol of frequency f: ``PROB_BITS - log2 f`` in 1/256 bits, exactly
+    rounded down from integers alone (``floor(256 log2 f)`` is the bit length of f^256, less 1),
+    so every machine computes the same table."""
+    one = 1 << COST_FRAC_BITS
+    out = np.zeros(PROB_SCALE + 1, np.int64)
+    out[1:] = [PROB_BITS * one - ((f ** one).bit_length() - 1) for f in range(1, PROB_SCALE + 1)]
+    return out
+
+
+def element_costs(fx: FloatFormat, tab: CodingTables, ctx: Context, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(cost in 1/256 bits, surprise) of coding each element ``x`` in context ``ctx``: what
+    ``model.symbolize`` would emit, priced (rANS symbol plus raw LOW / ZMAN + UNARY / ESC bits);
+    a surprise is an escape or a symbol costing SURPRISE_BITS or more."""
+    c, _ = bin_index(fx, x, ctx.k)
+    d = c - ctx.c_mu
+    radius = tab.radius[ctx.t]
+    mag = magnitude(c)
+    esc = ~fx.finite(x) | ~ctx.mu_ok | (np.abs(d) > radius) | (mag >= MAX_BIN)
+    zero = (mag == 0) & ~esc
+    j = np.where(esc, 2 * radius + 1, d + radius)
+    freq = tab.gauss.freq[tab.gauss.offset[ctx.t] + j]
+    e_x = (x.astype(np.int32) >> fx.mant) & fx.exp_mask
+    raw = np.where(esc, fx.bits, np.where(zero, fx.mant + ctx.k + fx.bias - e_x,  # mant + delta + 1
+                                          np.maximum(low_bits(fx, np.maximum(mag, 1)), 0)))
+    sym = symbol_cost()[freq]
+    return sym + (raw.astype(np.int64) << COST_FRAC_BITS), esc | (sym >= SURPRISE_BITS << COST_FRAC_BITS)
+
+
+def sample_tokens(tokens: int) -> slice:
+    """The tokens the chooser prices: every stride-th, about SAMPLE_TOKENS of them."""
+    return slice(0, tokens, max(1, tokens // SAMPLE_TOKENS))
+
+
+def _group_costs(fx: FloatFormat, fm: FloatFormat, tab: CodingTables, x: np.ndarray, mu: np.ndarray,
+                 log2_sigma: np.ndarray, shifts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per group (rows of ``x``: ``(groups, tokens, dim)``), the summed cost and surprises under
+    ``log2_sigma + shifts`` (``log2_sigma``: ``(groups, dim)``, ``shifts``: ``(groups,)``)."""
+    L = np.broadcast_to((log2_sigma + shifts[:, None])[:, None, :], x.shape)
+    ctx = context(fx, fm, mu.ravel(), L.ravel())
+    cost, surprise = element_costs(fx, tab, ctx, x.ravel())
+    return cost.reshape(len(x), -1).sum(axis=1), surprise.reshape(len(x), -1).sum(axis=1)
+
+
+def choose_shifts(fx: FloatFormat, fm: FloatFormat, tab: CodingTables, x: np.ndarray, mu: np.ndarray,
+                  log2_sigma: np.ndarray) -> np.ndarray:
+    """The shift of each (layer, kv, head) group: int8 ``(layers, 2, heads)`` for KV bit
+    patterns ``x`` ``(layers, 2, heads, tokens, dim)``, mu as coded (``fm``) and the model's
+    ``log2_sigma`` ``(layers, 2, heads, dim)`` (in x's units)."""
+    groups = x.shape[:3]
+    out = np.zeros(groups, np.int8)
+    if x.size == 0:
+        return out
+    tok = sample_tokens(x.shape[3])
+    xs = x[:, :, :, tok].reshape(-1, len(range(*tok.indices(x.shape[3]))), x.shape[4])
+    ms = mu[:, :, :, tok].reshape(xs.shape)
+    lg = np.asarray(log2_sigma, np.int64).reshape(-1, x.shape[4])
+    n = np.zeros(len(xs), np.int64)
+    cost0, surprises = _group_costs(fx, fm, tab, xs, ms, lg, n)
+    hot = np.flatnonzero(surprises * SEARCH_SURPRISES > xs.shape[1] * xs.shape[2])
+    if not len(hot):
+        return out
+    xs, ms, lg = xs[hot], ms[hot], lg[hot]
+    best, best_cost = np.zeros(len(hot), np.int64), cost0[hot]
+
+    def consider(cand: np.ndarray) -> None:
+        nonlocal best, best_cost
+        cost, _ = _group_costs(fx, fm, tab, xs, ms, lg, cand)
+        better = cost < best_cost  # NOTE: strict: ties keep the earlier candidate
+        best, best_cost = np.where(better, cand, best), np.where(better, cost, best_cost)
+
+    for s in SEARCH_SHIFTS:
+        consider(np.full(len(hot), s, np.int64))
+    coarse = best.copy()
+    for r in (-REFINE, REFINE):
+        consider(np.where(coarse != 0, coarse + r, 0))
+    out.reshape(-1)[hot] = best
+    return out

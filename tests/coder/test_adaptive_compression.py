@@ -1,0 +1,112 @@
+"""What forward-adaptive sigma (format version 4) buys on the embedded model's real KV:
+wire bits per scalar when the KV comes from another engine configuration (eager
+attention: ~80% of the scalars differ in their last bits from the sidecar's own sdpa
+recomputation) and when it comes from the sidecar's own kernels, against the same
+stream written as format version 3 (no shifts), BF16 and FP8.
+
+The shipped hybrid:4 checkpoint's exact layers 0-3 have sigma calibrated to a residual
+of ~0; in version 3 their rounding-level differences cost ~15 bits a scalar and their
+chunks go stored. Version 4's shifts widen those groups' sigma.
+
+Figures: ``WIRE_BITS`` below, measured on this repository's build machine with
+
+    .venv/bin/python -m pytest -q -p no:cacheprovider tests/coder/test_adaptive_compression.py -s
+
+(each figure is printed before its assertion); the windows are 0.5%.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from codec_helpers import stream_bytes
+
+from speckv.cli.bench import other_engine_kv
+from speckv.coder import container as ct
+from speckv.coder.codec import Codec, CodecConfig, Fp8KV, bf16_bits
+from speckv.predictor.calibrate import read_text
+from speckv.predictor.fp8 import kv_to_fp8
+
+TEXT = "tinyshakespeare.txt"  # ../shared/corpus/
+TOKENS = 512
+REL = 0.005  # the figures move far less between CPUs (test_compression.py); a chooser regression more
+
+# (dtype, engine, format version) -> wire bits per scalar, default CodecConfig
+WIRE_BITS = {
+    ("bf16", "sdpa", 4): 5.453298611111111,
+    ("bf16", "sdpa", 3): 5.453298611111111,
+    ("bf16", "eager", 4): 5.792225477430556,
+    ("bf16", "eager", 3): 6.819283040364583,
+    ("fp8", "sdpa", 4): 2.169284396701389,
+    ("fp8", "sdpa", 3): 2.169284396701389,
+    ("fp8", "eager", 4): 2.2420694986979166,
+    ("fp8", "eager", 3): 2.348139105902778,
+}
+
+
+@pytest.fixture(scope="module")
+def engine_kv(embedded_session, corpus_file):
+    """(ids, mu, {engine: BF16 KV}) of the text's first TOKENS tokens."""
+    text = read_text(corpus_file(TEXT), chars=TOKENS * 32)
+    ids = embedded_session.target.tokenize(text, TOKENS)
+    pre = embedded_session.prefill(ids)
+    eager = other_engine_kv(embedded_session.target, ids, "eager")
+    return ids, pre.mu, {"sdpa": pre.kv, "eager": eager}
+
+
+@pytest.fixture(scope="module")
+def wire_bits(engine_kv, ckpt, embedded_session):
+    assert ckpt.pin == embedded_session.pin
+    ids, mu, kvs = engine_kv
+    codec = Codec.from_checkpoint(ckpt, CodecConfig())
+    cache: dict[tuple[str, str, int], float] = {}
+
+    def measure(dtype: str, engine: str, version: int) -> float:
+        key = (dtype, engine, version)
+        if key not in cache:
+            kv = kvs[engine]
+            if dtype == "fp8":
+                q, s = kv_to_fp8(kv)
+                x, scales, want = q.numpy(), s.numpy(), Fp8KV(q.numpy(), s.numpy())
+            else:
+                x, scales, want = bf16_bits(kv), None, bf16_bits(kv)
+            h = dataclasses.replace(codec.stream_header(dtype == "bf16", x.shape, ids), version=version)
+            records = [ct.pack_header(h)] + [ct.pack_chunk(c) for c in
+                                             codec.encode_chunks(h, range(h.n_chunks), x, mu, scales)]
+            if version == ct.FORMAT_VERSION:
+                assert records == list(codec.encode(want, ids, mu))  # what a writer writes
+            out = codec.decode(records, ids, mu)
+            if dtype == "fp8":
+                assert np.array_equal(out.codes, want.codes) and np.array_equal(out.scales, want.scales)
+            else:
+                assert np.array_equal(out, want)
+            cache[key] = 8 * stream_bytes(records) / x.size
+            print(f"\n{TOKENS} tokens of {TEXT}, {dtype}, {engine}, format {version}: {cache[key]!r} bits/scalar")
+        return cache[key]
+
+    return measure
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("engine", ["sdpa", "eager"])
+def test_bits_per_scalar(wire_bits, dtype, engine):
+    for version in (4, 3):
+        assert wire_bits(dtype, engine, version) == pytest.approx(WIRE_BITS[dtype, engine, version], rel=REL)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_same_kernel_kv_is_never_worse(wire_bits, dtype):
+    """Same kernels: version 4 codes within 0.001 bits of version 3 (its groups keep shift 0)."""
+    assert wire_bits(dtype, "sdpa", 4) <= wire_bits(dtype, "sdpa", 3) + 0.001
+
+
+def test_other_engine_kv_gains(wire_bits):
+    """Eager KV: version 4 saves ~1 bit a BF16 scalar (0.1 an FP8 element) over version 3 (measured
+    1.027 and 0.106), and stays within 0.34 bits (BF16) of same-kernel KV; the issue's bar: BF16 <= 6.2,
+    FP8 <= 2.5."""
+    assert wire_bits("bf16", "eager", 4) <= wire_bits("bf16", "eager", 3) - 0.95
+    assert wire_bits("fp8", "eager", 4) <= wire_bits("fp8", "eager", 3) - 0.09
+    assert wire_bits("bf16", "eager", 4) <= wire_bits("bf16", "sdpa", 4) + 0.36
+    assert wire_bits("bf16", "eager", 4) <= 6.2 and wire_bits("fp8", "eager", 4) <= 2.5
