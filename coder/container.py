@@ -35,7 +35,7 @@ from typing import Iterable, Sequence, cast
 
 import numpy as np
 
-from speckv.errors import ChecksumError, FormatError, TruncatedError
+from speckv.errors import ChecksumError, FormatError, TruncatedError, UnsupportedVersionError
 
 from . import framing as fr
 from .framing import CHUNK_MAGIC, CHUNK_OVERHEAD, Buffer, flat, record_pieces
@@ -130,7 +130,7 @@ class StreamHeader:
 def _check_version(version: object) -> int:
     v = _uint("version", version, 0, _U16_MAX)
     if v not in READ_VERSIONS:
-        raise FormatError(f"unsupported format version {v}")
+        raise UnsupportedVersionError(f"unsupported format version {v} (this reader reads {READ_VERSIONS})")
     return v
 
 

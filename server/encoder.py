@@ -21,15 +21,15 @@ import asyncio
 import logging
 import re
 import time
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from dataclasses import replace
+from typing import AsyncIterator
 
 import grpc
 import numpy as np
 
 from speckv import frames, logs
 from speckv.coder import container as ct
-from speckv.digests import KVDigest, algorithm_of
+from speckv.digests import algorithm_of
 from speckv.errors import RpcError
 from speckv.status import abort, outcome, to_status
 from speckv.v1 import common_pb2 as pb
@@ -41,49 +41,20 @@ from speckv.wire import LayerAssembler, bad, dtype_of, layer_bytes, shape_of
 from . import tracing
 from .aio import drain_batch, peer_host, watched
 from .auth import authorize, parse_allow
-from .budget import ByteBudget, Holding
+from .budget import ByteBudget
 from .config import ServerConfig
+from .encoder_job import STORED_VERSION, TRANSFER, Job, transfer_header, write
 from .layer_mu import LayerMu
 from .metrics import Metrics
 from .mu_cache import MuCache
 from .records import code_batch, store_batch
-from .replies import PIN_MISMATCH, Checks, first_reply, is_pin_mismatch, read_result
+from .replies import PIN_MISMATCH, Checks, first_reply, is_pin_mismatch, older_version, read_result
 from .runtime import Runtime
 from .tls import KEEPALIVE, channel_credentials
 from .transfers import check_request_id
 
 logger = logging.getLogger(__name__)
 ENCODE_BATCH_BYTES = 4 << 20  # raw KV coded in one pass at most (a chunk at least)
-
-
-@dataclass
-class _Job:
-    """One Submit in progress."""
-
-    header: epb.SubmitHeader
-    h: ct.StreamHeader
-    ids: np.ndarray
-    labels: tuple[str, str]  # (dtype, encoding)
-    holding: Holding
-    layers: dict[int, tuple[np.ndarray, np.ndarray | None]] = field(default_factory=dict)
-    raw_bytes: int = 0
-    wire_bytes: int = 0
-    chunks: int = 0
-    predictor_s: float = 0.0
-    encode_s: float = 0.0
-    first_send: float | None = None
-    message_bytes: int = 0  # serialized TransferRequests written
-    fallback: bool = False  # a chunk went stored after a predictor mismatch on its layers
-    stream_fallback: str = ""  # why the whole stream went stored though speckv was asked (pin_mismatch)
-    stored_chunks: int = 0  # chunks of a speckv stream sent stored (mismatch or size guard)
-    mu_wait_s: float = 0.0  # the sender waiting for mu (ours, or the decoder's check)
-    wire_wait_s: float = 0.0  # inside call.write: flow control
-    mu_hit: bool = False  # mu came from the cache (or a pass another transfer started)
-    span: Any = None  # its OpenTelemetry span (server/tracing.py), None when tracing is off
-    digest: KVDigest = field(init=False)  # whole-transfer digest, layer by layer
-
-    def __post_init__(self) -> None:
-        self.digest = KVDigest(algorithm_of(self.h.version))  # the stream version's digest
 
 
 # HOST:PORT: a DNS name or IPv4 address, or a bracketed IPv6 address; grpc would fail
@@ -122,7 +93,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
         self._per_peer[host] = self._per_peer.get(host, 0) + 1
         t0 = time.perf_counter()
         it = request_iterator.__aiter__()
-        job: _Job | None = None
+        job: Job | None = None
         self.active += 1
         self._gauges()
         span = tracing.start("speckv.encoder.Submit", context)
@@ -160,7 +131,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
             self._per_peer[host] -= 1
             self._gauges()
 
-    def _start(self, first: epb.SubmitRequest | None) -> _Job:
+    def _start(self, first: epb.SubmitRequest | None) -> Job:
         if first is None or first.WhichOneof("kind") != "header":
             raise bad("the first message must carry the SubmitHeader")
         hdr = first.header
@@ -186,9 +157,11 @@ class EncoderService(egrpc.EncoderServiceServicer):
                            f"one layer ({lb} bytes) needs more than half the in-flight cap ({self.budget.limit})")
         lpc = max(1, min(self.config.layers_per_chunk, self.budget.limit // (2 * max(lb, 1))))
         h = self.rt.codec.stream_header(name == "bf16", shape, ids, lpc, stored)
-        return _Job(hdr, h, ids, (name, "stored" if stored else "speckv"), self.budget.holding())
+        if stored:  # NOTE: a stored stream is the same in every version since 3: any such decoder reads it
+            h = replace(h, version=min(h.version, STORED_VERSION))
+        return Job(hdr, h, ids, (name, "stored" if stored else "speckv"), self.budget.holding())
 
-    async def _run(self, job: _Job, it: AsyncIterator, context: grpc.aio.ServicerContext,
+    async def _run(self, job: Job, it: AsyncIterator, context: grpc.aio.ServicerContext,
                    t0: float) -> epb.SubmitResponse:
         mu, job.mu_hit = (None, False) if job.h.model == ct.MODEL_STORED else self.mu_cache.take(self.rt, job.ids)
         if mu is not None:
@@ -197,18 +170,13 @@ class EncoderService(egrpc.EncoderServiceServicer):
         call, checks, acks = await self._start_transfer(job, context)
         sender: asyncio.Future[None] | None = None
         try:
-            if mu is not None and (refused := await first_reply(checks, acks)) is not None:
-                if not is_pin_mismatch(refused):
-                    raise refused
-                self.mu_cache.give_back(mu)
-                mu = None
-                call, checks, acks = await self._stored_instead(job, context, call)
+            call, checks, acks, mu = await self._handshake(job, context, mu, call, checks, acks)
             sender = asyncio.ensure_future(self._send_loop(job, mu, call, queue, checks))
             watch = (acks, sender)
             await self._receive(job, it, queue, watch)
             queue.put_nowait(None)
             await watched(sender, watch)
-            await _write(job, call, dpb.TransferRequest(trailer=dpb.TransferTrailer(
+            await write(job, call, dpb.TransferRequest(trailer=dpb.TransferTrailer(
                 raw_digest=job.digest.digest(), raw_bytes=job.digest.raw_bytes)))
             await call.done_writing()
             result = await watched(acks, watch)
@@ -239,13 +207,13 @@ class EncoderService(egrpc.EncoderServiceServicer):
             message_bytes=job.message_bytes, encoding=job.labels[1], fallback=job.fallback,
             stored_chunks=job.stored_chunks, mu_wait_seconds=job.mu_wait_s, wire_wait_seconds=job.wire_wait_s)
 
-    async def _start_transfer(self, job: _Job, context: grpc.aio.ServicerContext):
+    async def _start_transfer(self, job: Job, context: grpc.aio.ServicerContext):
         """Open the Transfer call, start reading its replies, send the header."""
         call = self._open(job, context)
         checks = Checks(job.h.n_chunks)  # the decoder's per-chunk mu digests
         acks = asyncio.ensure_future(read_result(call, checks))
         try:
-            await _write(job, call, dpb.TransferRequest(header=_transfer_header(job)))
+            await write(job, call, dpb.TransferRequest(header=transfer_header(job)))
         except BaseException:
             acks.cancel()
             call.cancel()
@@ -254,21 +222,39 @@ class EncoderService(egrpc.EncoderServiceServicer):
         self.metrics.header(*job.labels, ct.HEADER_LEN)
         return call, checks, acks
 
-    async def _stored_instead(self, job: _Job, context: grpc.aio.ServicerContext, refused_call):
-        """The decoder holds another predictor pin: the same KV as a stored stream (the
-        handshake, ``replies``), logged once per peer and counted per chunk."""
-        refused_call.cancel()
-        peer = job.header.decoder_address
-        if peer not in self._fallback_peers:
-            self._fallback_peers.add(peer)
-            logger.warning("decoder %s holds another predictor than this encoder (%s): its transfers go stored",
-                           peer, self.rt.pin[:12])
-        h = job.h
-        job.h = self.rt.codec.stream_header(h.dtype == ct.DTYPE_BF16, h.shape, job.ids, h.layers_per_chunk, True)
-        job.labels, job.fallback, job.stream_fallback = (job.labels[0], "stored"), True, PIN_MISMATCH.lower()
-        return await self._start_transfer(job, context)
+    async def _handshake(self, job: Job, context: grpc.aio.ServicerContext, mu: LayerMu | None, call,
+                         checks: Checks, acks):
+        """A speckv stream waits for the decoder's first reply (``replies``): a refusal of its
+        format version gets the stream again one version older, one of its predictor pin gets
+        it stored (both logged once per peer); any other refusal fails the transfer."""
+        while mu is not None and (refused := await first_reply(checks, acks)) is not None:
+            call.cancel()
+            if (older := older_version(refused, job.h.version)) is not None:
+                self._once(job, "version", f"reads stream format {older} at most: its streams are written so")
+                job.h = replace(job.h, version=older)
+            elif is_pin_mismatch(refused):
+                self._once(job, "pin", f"holds another predictor than this encoder ({self.rt.pin[:12]}): "
+                                       "its transfers go stored")
+                self.mu_cache.give_back(mu)
+                mu = None
+                h = job.h
+                stored = self.rt.codec.stream_header(h.dtype == ct.DTYPE_BF16, h.shape, job.ids, h.layers_per_chunk,
+                                                     True)
+                job.h = replace(stored, version=min(h.version, STORED_VERSION))
+                job.labels, job.fallback, job.stream_fallback = (job.labels[0], "stored"), True, PIN_MISMATCH.lower()
+            else:
+                raise refused
+            call, checks, acks = await self._start_transfer(job, context)
+        return call, checks, acks, mu
 
-    def _open(self, job: _Job, context: grpc.aio.ServicerContext):
+    def _once(self, job: Job, kind: str, what: str) -> None:
+        """Log a peer's handshake outcome once per peer (it is counted per chunk)."""
+        key = f"{kind} {job.header.decoder_address}"
+        if key not in self._fallback_peers:
+            self._fallback_peers.add(key)
+            logger.warning("decoder %s %s", job.header.decoder_address, what)
+
+    def _open(self, job: Job, context: grpc.aio.ServicerContext):
         addr = job.header.decoder_address
         if addr not in self._channels:
             options = [("grpc.max_receive_message_length", self.config.max_receive_bytes),
@@ -286,7 +272,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
                                                   response_deserializer=dpb.TransferResponse.FromString)(
             timeout=timeout, metadata=tracing.outgoing(job.span))
 
-    async def _receive(self, job: _Job, it: AsyncIterator, queue: asyncio.Queue, watch) -> None:
+    async def _receive(self, job: Job, it: AsyncIterator, queue: asyncio.Queue, watch) -> None:
         """Reassemble raw layers; queue each chunk once its layers are all in."""
         asm = LayerAssembler(job.header.dtype, job.h.shape, borrow=True)  # NOTE: one-part layers: no copy
         next_chunk = 0
@@ -308,7 +294,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
         if not asm.done:
             raise bad(f"stream ended after {asm.next_layer} of {job.h.shape[0]} layers")
 
-    async def _send_loop(self, job: _Job, mu: LayerMu | None, call, queue: asyncio.Queue,
+    async def _send_loop(self, job: Job, mu: LayerMu | None, call, queue: asyncio.Queue,
                          checks: Checks) -> None:
         """Code ready chunks (what queued up, ENCODE_BATCH_BYTES at most, in one pass) and write their records."""
         lb = layer_bytes(job.h.shape, dtype_of(job.header.dtype)[1].itemsize)
@@ -338,7 +324,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
             job.predictor_s = await mu.done()  # a cached pass cost this transfer nothing
             self.metrics.seconds("predictor", job.predictor_s)
 
-    async def _mismatched(self, job: _Job, mu: LayerMu, batch: list[int], checks: Checks) -> set[int]:
+    async def _mismatched(self, job: Job, mu: LayerMu, batch: list[int], checks: Checks) -> set[int]:
         """The chunks of ``batch`` whose layers' mu differs between this encoder and the decoder.
 
         NOTE: the one wait on the predictors: chunk i waits for both sides' mu of its own
@@ -357,14 +343,14 @@ class EncoderService(egrpc.EncoderServiceServicer):
                                "they go stored", peer, self.rt.pin[:12], sorted(bad))
         return bad
 
-    async def _send(self, job: _Job, call, i: int, rec: list[memoryview], raw: int, stored_reason: str) -> None:
+    async def _send(self, job: Job, call, i: int, rec: list[memoryview], raw: int, stored_reason: str) -> None:
         """Write chunk i's record (as buffers: ``ct.chunk_pieces``) in parts, each framed once."""
         size = sum(len(p) for p in rec)
         keep = min(raw, size)  # the record inherits its layers' reservation
         job.holding.release(raw - keep)
         job.first_send = job.first_send or time.perf_counter()
         for off, _, views in frames.record_slices(rec, self.config.message_bytes):
-            await _write(job, call, frames.chunk_part(i, views, off, size, stored_reason if off == 0 else ""))
+            await write(job, call, frames.chunk_part(i, views, off, size, stored_reason if off == 0 else ""))
         job.holding.release(keep)
         job.raw_bytes += raw
         job.wire_bytes += size
@@ -378,20 +364,3 @@ class EncoderService(egrpc.EncoderServiceServicer):
 
     def _gauges(self) -> None:
         self.metrics.gauges(self.active, self.budget.used, self.budget.limit)
-
-
-async def _write(job: _Job, call, req: "dpb.TransferRequest | bytes") -> None:
-    job.message_bytes += len(req) if isinstance(req, bytes) else req.ByteSize()
-    t0 = time.perf_counter()
-    await call.write(req)  # NOTE: awaits HTTP/2 flow control: the decoder's backpressure
-    job.wire_wait_s += time.perf_counter() - t0
-
-
-TRANSFER = "/speckv.v1.DecoderService/Transfer"
-
-
-def _transfer_header(job: _Job) -> dpb.TransferHeader:
-    hdr = job.header
-    return dpb.TransferHeader(request_id=hdr.request_id, predictor_pin=job.h.pin,
-                              model_id=hdr.model_id, dtype=hdr.dtype, shape=hdr.shape,
-                              prompt_token_ids=hdr.prompt_token_ids, header_record=ct.pack_header(job.h))

@@ -4,9 +4,11 @@ PredictorChecks, its acks and its verdict; and the handshake a speckv stream wai
 Handshake: a speckv chunk is sent only once the decoder's check of its layers arrived,
 so the encoder loses nothing by waiting for the first reply before it starts: either
 chunk 0's check (the decoder took the header: same format, pin and model) or the
-decoder's refusal. A refusal for a predictor pin the decoder does not hold
-(PIN_MISMATCH: a rolling upgrade, two checkpoints live at once) is answered with a
-stored stream, which needs no predictor, instead of a failed transfer.
+decoder's refusal. A rolling upgrade leaves the two sides on different releases for a
+while, and neither refusal it causes fails the transfer: a stream format version the
+decoder does not read (UNSUPPORTED_VERSION) is answered with the same stream one
+version older, a predictor pin the decoder does not hold (PIN_MISMATCH) with a stored
+stream, which needs no predictor.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
 
 PIN_MISMATCH = "PIN_MISMATCH"  # the decoder's ErrorInfo reason for a header under another predictor pin
+UNSUPPORTED_VERSION = "UNSUPPORTED_VERSION"  # ... for a stream format version it does not read
+# NOTE: decoders before UNSUPPORTED_VERSION refused a newer version as a malformed stream, saying so
+LEGACY_VERSION_REFUSAL = ("MALFORMED_STREAM", "unsupported format version")
+OLDEST_WRITTEN = 3  # the oldest version the encoder writes again (version 2 has no stored chunks)
 
 
 class Checks:
@@ -70,8 +76,25 @@ async def first_reply(checks: Checks, acks: "asyncio.Future[dpb.TransferResult]"
     return acks.exception() or RpcError(grpc.StatusCode.INTERNAL, "decoder ended the transfer before any check")
 
 
-def is_pin_mismatch(err: BaseException) -> bool:
-    """The decoder refused the header for its predictor pin (in-band verdict or call status)."""
+def _reason(err: BaseException) -> tuple[str, str]:
+    """(ErrorInfo reason, message) of a refusal: an in-band verdict or a call's status."""
     if isinstance(err, RpcError):
-        return err.reason == PIN_MISMATCH
-    return isinstance(err, grpc.RpcError) and error_details(err)[0] == PIN_MISMATCH
+        return err.reason, str(err)
+    if isinstance(err, grpc.RpcError):
+        details = getattr(err, "details", None)
+        return error_details(err)[0], str(details() if callable(details) else err)
+    return "", str(err)
+
+
+def is_pin_mismatch(err: BaseException) -> bool:
+    """The decoder refused the header for its predictor pin."""
+    return _reason(err)[0] == PIN_MISMATCH
+
+
+def older_version(err: BaseException, version: int) -> int | None:
+    """The version to write the stream in again after the decoder refused ``version`` as
+    one it does not read (None: not that refusal, or no older version to write)."""
+    reason, message = _reason(err)
+    refused = reason == UNSUPPORTED_VERSION or (reason == LEGACY_VERSION_REFUSAL[0]
+                                                 and LEGACY_VERSION_REFUSAL[1] in message)
+    return version - 1 if refused and version > OLDEST_WRITTEN else None

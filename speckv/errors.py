@@ -52,6 +52,11 @@ class FormatError(SpeckvError, ValueError):
     """The bytes (or the values to be written) do not form a valid stream."""
 
 
+class UnsupportedVersionError(FormatError):
+    """A stream of a format version this reader does not read (a newer writer): the
+    encoder's handshake answers it with a stream of an older version."""
+
+
 class TruncatedError(FormatError):
     """The input ends before the record it describes does."""
 

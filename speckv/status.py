@@ -38,6 +38,7 @@ from speckv.errors import (
     RansDecodeError,
     RpcError,
     TransferDigestError,
+    UnsupportedVersionError,
 )
 from speckv.v1 import common_pb2 as pb
 
@@ -61,6 +62,7 @@ class Row:
 
 TABLE: tuple[Row, ...] = (
     Row(ChecksumError, C.DATA_LOSS, "CHECKSUM_MISMATCH", pb.STATUS_CODE_CHECKSUM_ERROR, "crc32"),
+    Row(UnsupportedVersionError, C.INVALID_ARGUMENT, "UNSUPPORTED_VERSION", pb.STATUS_CODE_FORMAT_ERROR),
     Row(FormatError, C.INVALID_ARGUMENT, "MALFORMED_STREAM", pb.STATUS_CODE_FORMAT_ERROR),
     Row(PinMismatchError, C.FAILED_PRECONDITION, "PIN_MISMATCH", pb.STATUS_CODE_PIN_MISMATCH),
     Row(MuMismatchError, C.FAILED_PRECONDITION, "MU_MISMATCH", pb.STATUS_CODE_MU_MISMATCH, "mu_fingerprint"),

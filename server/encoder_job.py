@@ -1,0 +1,66 @@
+"""One Submit in progress on the encoder (``Job``), and what it writes on its Transfer
+call: the TransferHeader and each message, timed (flow control is the decoder's
+backpressure)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from speckv.coder import container as ct
+from speckv.digests import KVDigest, algorithm_of
+from speckv.v1 import decoder_pb2 as dpb
+from speckv.v1 import encoder_pb2 as epb
+
+from .budget import Holding
+
+
+@dataclass
+class Job:
+    """One Submit in progress."""
+
+    header: epb.SubmitHeader
+    h: ct.StreamHeader
+    ids: np.ndarray
+    labels: tuple[str, str]  # (dtype, encoding)
+    holding: Holding
+    layers: dict[int, tuple[np.ndarray, np.ndarray | None]] = field(default_factory=dict)
+    raw_bytes: int = 0
+    wire_bytes: int = 0
+    chunks: int = 0
+    predictor_s: float = 0.0
+    encode_s: float = 0.0
+    first_send: float | None = None
+    message_bytes: int = 0  # serialized TransferRequests written
+    fallback: bool = False  # a chunk went stored after a predictor mismatch on its layers
+    stream_fallback: str = ""  # why the whole stream went stored though speckv was asked (pin_mismatch)
+    stored_chunks: int = 0  # chunks of a speckv stream sent stored (mismatch or size guard)
+    mu_wait_s: float = 0.0  # the sender waiting for mu (ours, or the decoder's check)
+    wire_wait_s: float = 0.0  # inside call.write: flow control
+    mu_hit: bool = False  # mu came from the cache (or a pass another transfer started)
+    span: Any = None  # its OpenTelemetry span (server/tracing.py), None when tracing is off
+    digest: KVDigest = field(init=False)  # whole-transfer digest, layer by layer
+
+    def __post_init__(self) -> None:
+        self.digest = KVDigest(algorithm_of(self.h.version))  # the stream version's digest
+
+
+async def write(job: Job, call, req: "dpb.TransferRequest | bytes") -> None:
+    job.message_bytes += len(req) if isinstance(req, bytes) else req.ByteSize()
+    t0 = time.perf_counter()
+    await call.write(req)  # NOTE: awaits HTTP/2 flow control: the decoder's backpressure
+    job.wire_wait_s += time.perf_counter() - t0
+
+
+TRANSFER = "/speckv.v1.DecoderService/Transfer"
+STORED_VERSION = 3  # the version stored streams are written in (versions 3 and 4 read them alike)
+
+
+def transfer_header(job: Job) -> dpb.TransferHeader:
+    hdr = job.header
+    return dpb.TransferHeader(request_id=hdr.request_id, predictor_pin=job.h.pin,
+                              model_id=hdr.model_id, dtype=hdr.dtype, shape=hdr.shape,
+                              prompt_token_ids=hdr.prompt_token_ids, header_record=ct.pack_header(job.h))
