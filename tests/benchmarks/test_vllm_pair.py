@@ -28,9 +28,10 @@ from require import missing
 
 pytestmark = pytest.mark.vllm
 PROMPTS = 3
-# speckv's ratio on vLLM's CPU-backend KV (benchmarks/vllm_pair.py --chunk 256, 2026-12-01): BF16 2.27, FP8 e4m3
-# 1.82. The sidecars' predictor is calibrated on transformers' KV, and vLLM's kernels round differently.
-MIN_RATIO = {"auto": 2.2, "fp8_e4m3": 1.75}
+# speckv's ratio on vLLM's CPU-backend KV (benchmarks/vllm_pair.py --chunk 256 [--kv-cache-dtype fp8_e4m3],
+# 2026-12-01, stream format 4): BF16 2.742, FP8 e4m3 2.181 (format 3: 2.27 and 1.82). The sidecars' predictor
+# is calibrated on transformers' KV, and vLLM's kernels round differently; the sigma shifts absorb most of it.
+MIN_RATIO = {"auto": 2.68, "fp8_e4m3": 2.13}
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
