@@ -130,7 +130,7 @@ class StreamHeader:
 def _check_version(version: object) -> int:
     v = _uint("version", version, 0, _U16_MAX)
     if v not in READ_VERSIONS:
-        raise UnsupportedVersionError(f"unsupported format version {v} (this reader reads {READ_VERSIONS})")
+        raise UnsupportedVersionError(f"unsupported format version {v}")
     return v
 
 

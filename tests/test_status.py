@@ -19,6 +19,7 @@ from speckv.errors import (
     PinMismatchError,
     PromptMismatchError,
     RpcError,
+    UnsupportedVersionError,
 )
 from speckv.status import in_band, integrity_kind, outcome, to_status
 from speckv.v1 import common_pb2 as pb
@@ -87,6 +88,9 @@ def test_every_row_has_a_distinct_reason_and_codes_agree():
     (RpcError(C.FAILED_PRECONDITION, "pin", reason="PIN_MISMATCH"), pb.STATUS_CODE_PIN_MISMATCH, "PIN_MISMATCH"),
     (CheckpointError("bad tables"), pb.STATUS_CODE_FAILED_PRECONDITION, "CHECKPOINT_ERROR"),
     (RpcError(C.NOT_FOUND, "no such id"), pb.STATUS_CODE_NOT_FOUND, "NOT_FOUND"),
+    # the encoder's handshake tells a newer format from a malformed stream by this reason (server/replies.py)
+    (UnsupportedVersionError("unsupported format version 5"), pb.STATUS_CODE_FORMAT_ERROR, "UNSUPPORTED_VERSION"),
+    (ct.FormatError("bad magic"), pb.STATUS_CODE_FORMAT_ERROR, "MALFORMED_STREAM"),
 ])
 def test_in_band_follows_the_reason(exc, in_band_code, reason):
     from speckv.status import from_in_band
