@@ -31,7 +31,7 @@ from functools import cache
 
 import numpy as np
 
-from .model import MAX_BIN, Context, FloatFormat, bin_index, context, low_bits, magnitude
+from .model import Context, FloatFormat, classify, context, low_bits
 from .rans import PROB_BITS, PROB_SCALE
 from .tables import SHIFT_MAX, CodingTables
 
@@ -59,12 +59,7 @@ def element_costs(fx: FloatFormat, tab: CodingTables, ctx: Context, x: np.ndarra
     """(cost in 1/256 bits, surprise) of coding each element ``x`` in context ``ctx``: what
     ``model.symbolize`` would emit, priced (rANS symbol plus raw LOW / ZMAN + UNARY / ESC bits);
     a surprise is an escape or a symbol costing SURPRISE_BITS or more."""
-    c, _ = bin_index(fx, x, ctx.k)
-    d = c - ctx.c_mu
-    radius = tab.radius[ctx.t]
-    mag = magnitude(c)
-    esc = ~fx.finite(x) | ~ctx.mu_ok | (np.abs(d) > radius) | (mag >= MAX_BIN)
-    zero = (mag == 0) & ~esc
+    _, d, radius, mag, esc, zero = classify(fx, tab, ctx, x)
     j = np.where(esc, 2 * radius + 1, d + radius)
     freq = tab.gauss.freq[tab.gauss.offset[ctx.t] + j]
     e_x = (x.astype(np.int32) >> fx.mant) & fx.exp_mask

@@ -225,14 +225,22 @@ def low_bits(fx: FloatFormat, mag: np.ndarray) -> np.ndarray:
     return fx.mant - FLOG2[np.minimum(mag, MAX_BIN)]
 
 
-def symbolize(fx: FloatFormat, tab: CodingTables, ctx: Context, x: np.ndarray) -> Symbols:
-    """Encoder side: bins, escapes and raw bits of every element (chunk order)."""
+def classify(fx: FloatFormat, tab: CodingTables, ctx: Context,
+             x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(bin c, d = c - c_mu, radius, |bin|, escaped, zero-bin) of every element: the one
+    decision ``symbolize`` codes and ``adapt.element_costs`` prices."""
     c, _ = bin_index(fx, x, ctx.k)
     d = c - ctx.c_mu
     radius = tab.radius[ctx.t]
     mag = magnitude(c)
     esc = ~fx.finite(x) | ~ctx.mu_ok | (np.abs(d) > radius) | (mag >= MAX_BIN)
     zero = (mag == 0) & ~esc
+    return c, d, radius, mag, esc, zero
+
+
+def symbolize(fx: FloatFormat, tab: CodingTables, ctx: Context, x: np.ndarray) -> Symbols:
+    """Encoder side: bins, escapes and raw bits of every element (chunk order)."""
+    c, d, radius, mag, esc, zero = classify(fx, tab, ctx, x)
     normal = ~(esc | zero)
     width = np.where(normal, np.maximum(low_bits(fx, mag), 0), 0)
     # NOTE: normal values are normal floats, so their low nb <= mant bits are the

@@ -7,6 +7,7 @@ whole-mu gate: chunk 0 reaches the decode engine while both predictors are still
 short of their last layers."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import urllib.request
@@ -84,6 +85,21 @@ def _start_pair(loop: LoopThread, enc_predictor, dec_predictor):
             return s, f"127.0.0.1:{port}"
         made.append(loop.run(make()))
     return made
+
+
+@contextlib.contextmanager
+def running_pair(enc_predictor, dec_predictor):
+    """An in-process encoder and decoder around these predictors: ((enc, eaddr), (dec, daddr)),
+    both stopped on exit."""
+    loop = LoopThread()
+    made = _start_pair(loop, enc_predictor, dec_predictor)
+    (dec, daddr), (enc, eaddr) = made
+    try:
+        yield (enc, eaddr), (dec, daddr)
+    finally:
+        for s, _ in made:
+            loop.run(s.stop(0.1))
+        loop.close()
 
 
 @pytest.fixture(scope="module")
@@ -199,11 +215,9 @@ class OtherPinPredictor(WrappedPredictor):
 
 
 def test_a_decoder_under_another_pin_gets_a_stored_stream_not_a_failure(embedded_session, caplog):
-    loop = LoopThread()
-    made = _start_pair(loop, embedded_session.predictor, OtherPinPredictor(embedded_session.predictor))
-    (dec, daddr), (enc, eaddr) = made
     target = embedded_session.target
-    try:
+    with running_pair(embedded_session.predictor, OtherPinPredictor(embedded_session.predictor)) as (
+            (enc, eaddr), (dec, daddr)):
         with caplog.at_level(logging.WARNING, logger="speckv"):
             for k, text in enumerate(["A rolling upgrade: two checkpoints live.", "And a second transfer."]):
                 ids = target.tokenize(text)
@@ -217,7 +231,3 @@ def test_a_decoder_under_another_pin_gets_a_stored_stream_not_a_failure(embedded
         warned = [r for r in caplog.records if r.name == "speckv.server.encoder" and "another predictor" in
                   r.getMessage()]
         assert len(warned) == 1  # once per peer
-    finally:
-        for s, _ in made:
-            loop.run(s.stop(0.1))
-        loop.close()

@@ -10,8 +10,7 @@ import logging
 
 import numpy as np
 import pytest
-from sidecars import LoopThread
-from test_fallback import _metric, _start_pair, _transfer
+from test_fallback import _metric, _transfer, running_pair
 
 from speckv.client.client import DecoderClient, EncoderClient
 from speckv.coder import container as ct
@@ -39,11 +38,8 @@ def _refuse_newer(exc: type[FormatError]):
 def test_a_decoder_reading_older_versions_gets_an_older_coded_stream(embedded_session, monkeypatch, caplog, exc):
     check, seen = _refuse_newer(exc)
     monkeypatch.setattr(DecoderService, "_check_header", check)
-    loop = LoopThread()
-    made = _start_pair(loop, embedded_session.predictor, embedded_session.predictor)
-    (dec, daddr), (enc, eaddr) = made
-    target = embedded_session.target
-    try:
+    target, p = embedded_session.target, embedded_session.predictor
+    with running_pair(p, p) as ((enc, eaddr), (dec, daddr)):
         with caplog.at_level(logging.WARNING, logger="speckv"):
             for k, text in enumerate(["A decoder one release behind.", "And its second transfer."]):
                 ids = target.tokenize(text)
@@ -57,19 +53,13 @@ def test_a_decoder_reading_older_versions_gets_an_older_coded_stream(embedded_se
         warned = [r for r in caplog.records if r.name == "speckv.server.encoder" and "reads stream format 3" in
                   r.getMessage()]
         assert len(warned) == 1  # once per peer
-    finally:
-        for s, _ in made:
-            loop.run(s.stop(0.1))
-        loop.close()
 
 
 def test_a_stored_stream_is_written_in_version_3(embedded_session, monkeypatch):
     check, seen = _refuse_newer(UnsupportedVersionError)
     monkeypatch.setattr(DecoderService, "_check_header", check)
-    loop = LoopThread()
-    made = _start_pair(loop, embedded_session.predictor, embedded_session.predictor)
-    (_, daddr), (_, eaddr) = made
-    try:
+    p = embedded_session.predictor
+    with running_pair(p, p) as ((_, eaddr), (_, daddr)):
         ids = embedded_session.target.tokenize("Stored, for any decoder since version 3.")
         kv = embedded_session.target.kv(ids)
         with EncoderClient(eaddr) as e, DecoderClient(daddr) as d:
@@ -77,7 +67,3 @@ def test_a_stored_stream_is_written_in_version_3(embedded_session, monkeypatch):
             back = d.fetch("ver-stored", 30, 60)
         assert np.array_equal(back, bf16_bits(kv)) and res.encoding == "stored"
         assert seen == [OLD]  # taken at once: no refusal, no second call
-    finally:
-        for s, _ in made:
-            loop.run(s.stop(0.1))
-        loop.close()
