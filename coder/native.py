@@ -16,7 +16,6 @@ Lifecycle::
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -45,6 +44,14 @@ _VALUE_STATUS = {4: "bit sections need more than the {0} bytes present",
                  9: "unary codes: {0} bytes for {1} bits",
                  10: "zero-bin exponent distance out of range",
                  11: "an element with a non-finite mu was not escaped"}
+
+
+PATHS = {"auto": -1, "computed": 0, "lookup": 1, "vector": 2}  # spk_native.cpp's PATH_*
+
+
+def vector_path() -> bool:
+    """Whether the extension runs its AVX2 stages on this CPU (path "auto" picks them)."""
+    return _native is not None and bool(_native.AVX2)
 
 
 class NativeUnavailable(RuntimeError):
@@ -94,57 +101,23 @@ class EncodedChunk:
     bits: bytes
 
 
-class ContextRows:
-    """BF16 contexts tabulated per sigma level: row r holds ``spk_context`` of all 65536 mu
-    patterns at level ``levels[r]`` (256 KB a row), grown as new levels appear.
-
-    NOTE: one gather instead of ~40 operations per scalar on both sides; the rows are the
-    native model's own contexts (tests check them against numpy's on every pattern)."""
-
-    MAX_ROWS = 256  # 64 MB
-
-    def __init__(self) -> None:
-        self.rows: dict[int, int] = {}
-        self.table = np.zeros(0, np.uint32)
-        # NOTE: format 4's sigma shifts (and untrusted streams) add levels: the table is capped
-        # (256 KB a row), levels beyond it are coded with computed contexts
-        self._lock = threading.Lock()
-
-    def index(self, log2_sigma: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """(row of each channel's level, int32, same shape; the table that holds them), or None
-        when that would take more than MAX_ROWS rows (the coder then computes the contexts:
-        the same ones, and the same bytes)."""
-        levels, inverse = np.unique(np.asarray(log2_sigma, np.int64), return_inverse=True)
-        with self._lock:
-            new = [int(v) for v in levels if int(v) not in self.rows]
-            if len(self.rows) + len(new) > self.MAX_ROWS:
-                return None
-            if new:
-                self._grow(new)
-            rows = np.array([self.rows[int(v)] for v in levels], np.int32)
-            return rows[inverse.reshape(np.shape(log2_sigma))], self.table
-
-    def _grow(self, new: list[int]) -> None:
-        mu = np.tile(np.arange(1 << 16, dtype=np.uint16), len(new))
-        lv = np.repeat(_levels(np.array(new)), 1 << 16)
-        out = np.empty(len(mu), np.uint32)
-        assert _native is not None
-        _native.contexts(False, mu, lv, out, False)
-        for v in new:
-            self.rows[v] = len(self.rows)
-        self.table = np.concatenate([self.table, out])  # NOTE: a new array: calls under way keep theirs
-
-
 class NativeCoder:
     """The extension with a thread count; arrays in canonical (layers, 2, heads, tokens, dim) order."""
 
     name = "native"
-    contexts = ContextRows()  # shared by the process's coders (a row per sigma level ever seen)
 
-    def __init__(self, threads: int = 1) -> None:
+    def __init__(self, threads: int = 1, path: str = "auto") -> None:
+        """``path`` of the BF16 per-element stages, all writing the same bytes: "vector" (AVX2,
+        spk_simd.h), "lookup" (scalar, contexts from a table), "computed" (scalar), or "auto"
+        (vector where the CPU has AVX2, else lookup)."""
         if _native is None:
             raise NativeUnavailable(IMPORT_ERROR)
         self.threads = threads
+        if path not in PATHS:
+            raise ValueError(f"unknown native path {path!r}; choose from {sorted(PATHS)}")
+        if path == "vector" and not _native.AVX2:
+            raise NativeUnavailable("the vector path needs a CPU with AVX2")
+        self.path = path
         self._flat: dict[int, FlatTables] = {}
 
     def flat(self, tables: CodingTables) -> FlatTables:
@@ -173,9 +146,9 @@ class NativeCoder:
         patterns, mu from ``prepare_mu``, log2_sigma ``(layers, 2, heads, dim)`` per channel."""
         fp8 = x.dtype == np.uint8
         _, _, heads, tokens, dim = x.shape
-        lv, table = self._channel_levels(fp8, log2_sigma)
-        parts = _native.encode(fp8, np.ascontiguousarray(x), np.ascontiguousarray(mu), lv, heads, tokens, dim,
-                               elems_per_lane, list(layer_counts), *self.flat(tables).args(), self.threads, table)
+        parts = _native.encode(fp8, np.ascontiguousarray(x), np.ascontiguousarray(mu), _levels(log2_sigma), heads,
+                               tokens, dim, elems_per_lane, list(layer_counts), *self.flat(tables).args(),
+                               self.threads, PATHS[self.path])
         return [EncodedChunk(RansBlocks(np.frombuffer(s, np.uint32).reshape(-1, LANES), np.frombuffer(c, np.uint32),
                                         np.frombuffer(w, np.uint16)), bits) for s, c, w, bits in parts]
 
@@ -191,20 +164,12 @@ class NativeCoder:
             states, counts, words = _check_blocks(blocks)
             args.append((np.ascontiguousarray(states), np.ascontiguousarray(counts), np.ascontiguousarray(words),
                          bytes(bits)))
-        lv, table = self._channel_levels(fp8, log2_sigma)
-        err = _native.decode(fp8, np.ascontiguousarray(mu), lv, heads, tokens, dim, elems_per_lane,
-                             list(layer_counts), args, *self.flat(tables).args(), out, self.threads, table)
+        err = _native.decode(fp8, np.ascontiguousarray(mu), _levels(log2_sigma), heads, tokens, dim, elems_per_lane,
+                             list(layer_counts), args, *self.flat(tables).args(), out, self.threads, PATHS[self.path])
         if err is not None:
             _raise(*err)
 
 
-    def _channel_levels(self, fp8: bool, log2_sigma: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        """BF16: each channel's row of the context table, and the table; FP8: the levels."""
-        if fp8 or np.size(log2_sigma) == 0:
-            return _levels(log2_sigma), None
-        lv = _levels(log2_sigma)  # range check
-        found = self.contexts.index(log2_sigma)
-        return (lv, None) if found is None else found
 
 
 def _levels(log2_sigma: np.ndarray) -> np.ndarray:

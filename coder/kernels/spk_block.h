@@ -5,10 +5,11 @@
 // block codes its elements l, l + 32, ... (step s = element 32 s + l).
 #pragma once
 #include <cstring>
+#include <algorithm>
 #include <functional>
 #include <vector>
 
-#include "spk_model.cuh"
+#include "spk_simd.h"
 
 namespace spk {
 
@@ -76,6 +77,18 @@ struct Cursor {
         d = e % g.dim, tok = (e / g.dim) % g.tokens, ch = e / (g.dim * g.tokens) * g.dim + d;
     }
     int64_t channel() const { return ch; }
+    // the levels of the next n elements (then stepped past them), copied a row of dims at a time
+    void fill_levels(const int32_t* __restrict L, int64_t n, int32_t* __restrict out) {
+        for (int64_t e = 0; e < n;) {
+            const int64_t run = std::min<int64_t>(dim - d, n - e);
+            std::memcpy(out + e, L + ch, (size_t)run * sizeof(int32_t));
+            e += run, d += run, ch += run;
+            if (d == dim) {
+                d = 0, ch -= dim;
+                if (++tok == tokens) tok = 0, ch += dim;
+            }
+        }
+    }
     void next() {
         ++ch;
         if (++d == dim) {
@@ -152,10 +165,20 @@ inline uint32_t read_bits(const uint8_t* buf, uint64_t pos, uint32_t w) {
     return (uint32_t)((uint64_t)(v << (pos & 7)) >> (32 - w));  // NOTE: u64: w = 0 shifts by 32
 }
 
+// The BF16 context table of spk_context_bf16_lookup, built once per process (~1 ms).
+inline const uint32_t* bf16_context_table() {
+    struct Table {
+        std::vector<uint32_t> v;
+        Table() : v(SPK_CTX_ENTRIES) { for (int32_t i = 0; i < SPK_CTX_ENTRIES; ++i) v[(size_t)i] = spk_ctx_entry(i); }
+    };
+    static const Table t;  // NOTE: thread-safe initialisation (C++11 statics)
+    return t.v.data();
+}
+
 // The context of mu at level lv: looked up in the table (BF16) or computed.
 template <class FX, class FM, bool TAB>
 inline SpkContext context_of(const uint32_t* __restrict tab, uint32_t mu, int32_t lv) {
-    if (TAB) return spk_unpack_context(tab[(uint32_t)lv << 16 | mu]);
+    if (TAB) return spk_context_bf16_lookup(tab, mu, lv);
     return spk_context<FX, FM>(mu, lv);
 }
 

@@ -25,6 +25,7 @@ struct DecodeJob {
     bool fp8;
     const std::vector<ChunkStream>& streams;
     const uint32_t* ctx_table = nullptr;  // as in EncodeJob
+    const SimdTables* simd = nullptr;     // as in EncodeJob
 };
 
 struct BlockTally {  // what a decoded block puts in each section
@@ -32,7 +33,52 @@ struct BlockTally {  // what a decoded block puts in each section
     uint32_t mu_bad = 0;
 };
 
-// rANS steps of one block: each element's packed info; status SPK_ERR_WORDS_* or FINAL_STATE
+// Stage 0: the packed contexts (spk_pack_context) of a block's n elements.
+template <class FX, class FM, bool TAB>
+void block_contexts(const DecodeJob& J, int64_t e0, int64_t n, uint32_t* __restrict ctx) {
+    thread_local std::vector<int32_t> lev_buf;
+    lev_buf.resize((size_t)n);
+    int32_t* __restrict lev = lev_buf.data();
+    Cursor(J.g, e0).fill_levels(J.L, n, lev);
+    if (!FX::fp8 && J.simd) {
+        contexts_bf16_avx2(static_cast<const uint16_t*>(J.mu) + e0, lev, n, J.simd->log2q8, ctx);
+        return;
+    }
+    for (int64_t e = 0; e < n; ++e)
+        ctx[e] = spk_pack_context(context_of<FX, FM, TAB>(J.ctx_table, load<FM>(J.mu, e0 + e), lev[e]));
+}
+
+// Stage 2: each element's packed info from its symbol and context, and the block's tallies.
+template <class FX>
+void block_classify(const DecodeJob& J, const uint32_t* __restrict js, const uint32_t* __restrict ctx, int64_t n,
+                    uint32_t* __restrict info, BlockTally& tally) {
+    const int32_t* __restrict trad = J.t.radius;
+    if (!FX::fp8 && J.simd) {
+        Tallies32 t;
+        classify_bf16_avx2(js, ctx, n, trad, info, t);
+        tally.low_bits = t.low_bits, tally.n_zero = t.n_zero, tally.n_esc = t.n_esc;
+        tally.unary_bound = t.unary_bound, tally.mu_bad = t.mu_bad != 0;
+        return;
+    }
+    uint64_t low_bits = 0, n_zero = 0, n_esc = 0, unary_bound = 0;
+    uint32_t mu_bad = 0;
+    for (int64_t e = 0; e < n; ++e) {
+        const SpkContext c = spk_unpack_context(ctx[e]);
+        const SpkClass k = spk_classify<FX>(js[e], c, trad[c.t]);
+        info[e] = pack_info(k.c, c.k, k.kind, !c.mu_ok);
+        // NOTE: branch-free tallies: an element's kind is data, not a predictable branch
+        const uint32_t normal = k.kind == SPK_KIND_NORMAL, zero = k.kind == SPK_KIND_ZERO;
+        mu_bad |= !c.mu_ok & (k.kind != SPK_KIND_ESC);
+        low_bits += normal * k.width;
+        n_zero += zero, n_esc += k.kind == SPK_KIND_ESC;
+        unary_bound += zero * (uint64_t)(c.k + FX::bias);
+    }
+    tally.low_bits = low_bits, tally.n_zero = n_zero, tally.n_esc = n_esc;
+    tally.unary_bound = unary_bound, tally.mu_bad = mu_bad;
+}
+
+// The rANS steps of one block (stage 1 between the two above): each element's packed
+// info and the block's tallies; status SPK_ERR_WORDS_* or FINAL_STATE.
 template <class FX, class FM, bool TAB>
 int decode_block_rans(const DecodeJob& J, int64_t b, uint32_t* __restrict info, BlockTally& tally) {
     const Geometry& g = J.g;
@@ -42,45 +88,29 @@ int decode_block_rans(const DecodeJob& J, int64_t b, uint32_t* __restrict info, 
     int64_t lo = 0;
     for (int64_t i = 0; i < lb; ++i) lo += cs.counts[i];
     int64_t end = lo + cs.counts[lb];
-    // NOTE: locals and __restrict: info's u32 stores could otherwise alias every i32 table
+    thread_local std::vector<uint32_t> ctx_buf, j_buf;
+    ctx_buf.resize((size_t)n), j_buf.resize((size_t)n);
+    uint32_t* __restrict ctx = ctx_buf.data();
+    uint32_t* __restrict js = j_buf.data();
+    block_contexts<FX, FM, TAB>(J, e0, n, ctx);
+    // NOTE: locals and __restrict: the u32 stores could otherwise alias every table
     const int32_t* __restrict toff = J.t.off;
-    const int32_t* __restrict trad = J.t.radius;
-    const int32_t* __restrict lev = J.L;
     const uint16_t* __restrict cum = J.t.cum;
     const uint16_t* __restrict freq = J.t.freq;
     const uint16_t* __restrict cum_pad = J.t.cum_pad;
     const uint16_t* __restrict bucket = J.t.bucket;
     const uint16_t* __restrict words = cs.words;
-    const void* mu = J.mu;
-    uint64_t low_bits = 0, n_zero = 0, n_esc = 0, unary_bound = 0;
-    uint32_t mu_bad = 0;
     uint32_t x[SPK_LANES];
     std::memcpy(x, cs.states + lb * SPK_LANES, sizeof x);
-    Cursor cur(g, e0);
-    SpkContext ctx[SPK_LANES];
-    uint32_t j[SPK_LANES];
     int status = SPK_OK;
     for (int64_t s = 0, e0s = 0; s < steps; ++s, e0s += SPK_LANES) {
-        // NOTE: in stages over the 32 lanes (contexts, then table walks, then kinds): each
-        // stage's lanes are independent, so their loads overlap instead of chaining
         const uint32_t live = (uint32_t)std::min<int64_t>(SPK_LANES, std::max<int64_t>(n - e0s, 0));
-        for (uint32_t l = 0; l < live; ++l, cur.next())
-            ctx[l] = context_of<FX, FM, TAB>(J.ctx_table, load<FM>(mu, e0 + e0s + l), lev[cur.channel()]);
-        for (uint32_t l = 0; l < live; ++l) {
-            const int32_t t = ctx[l].t, off = toff[t];
-            j[l] = dec_find_bucketed(cum_pad + off + t, bucket + (size_t)t * SPK_BUCKETS, dec_get(x[l]));
-            dec_advance(&x[l], cum[off + j[l]], freq[off + j[l]]);
+        for (uint32_t l = 0; l < live; ++l) {  // NOTE: the lanes are independent: their loads overlap
+            const int32_t t = (int32_t)(ctx[e0s + l] & 0x3FFu), off = toff[t];
+            const uint32_t j = dec_find_bucketed(cum_pad + off + t, bucket + (size_t)t * SPK_BUCKETS, dec_get(x[l]));
+            dec_advance(&x[l], cum[off + j], freq[off + j]);
+            js[e0s + l] = j;
         }  // padding lanes (l >= live): the no-op leaves the state as it is
-        for (uint32_t l = 0; l < live; ++l) {
-            const SpkClass k = spk_classify<FX>(j[l], ctx[l], trad[ctx[l].t]);
-            info[e0s + l] = pack_info(k.c, ctx[l].k, k.kind, !ctx[l].mu_ok);
-            // NOTE: branch-free tallies: an element's kind is data, not a predictable branch
-            const uint32_t normal = k.kind == SPK_KIND_NORMAL, zero = k.kind == SPK_KIND_ZERO;
-            mu_bad |= !ctx[l].mu_ok & (k.kind != SPK_KIND_ESC);
-            low_bits += normal * k.width;
-            n_zero += zero, n_esc += k.kind == SPK_KIND_ESC;
-            unary_bound += zero * (uint64_t)(ctx[l].k + FX::bias);
-        }
         uint32_t ballot = 0;
         for (uint32_t l = 0; l < SPK_LANES; ++l) ballot |= dec_needs(x[l]) << l;
         if (!ballot) continue;
@@ -93,9 +123,8 @@ int decode_block_rans(const DecodeJob& J, int64_t b, uint32_t* __restrict info, 
             x[l] = dec_put_word(x[l], *w);
         }
     }
-    tally.low_bits = low_bits, tally.n_zero = n_zero, tally.n_esc = n_esc;
-    tally.unary_bound = unary_bound, tally.mu_bad = mu_bad;
-    if (status) return status;
+    if (status) return status;  // NOTE: the tallies of a block that failed here are never read
+    block_classify<FX>(J, js, ctx, n, info, tally);
     if (end != lo) return SPK_ERR_WORDS_LEFT;
     for (uint32_t l = 0; l < SPK_LANES; ++l)
         if (x[l] != SPK_RANS_L) return SPK_ERR_FINAL_STATE;

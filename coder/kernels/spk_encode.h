@@ -12,9 +12,10 @@ struct EncodeJob {
     const Tables& t;
     const void* x;     // u16 BF16 / u8 e4m3 bit patterns
     const void* mu;    // u16 BF16 mu' / u32 fp32 mu' / scale
-    const int32_t* L;  // log2 sigma per channel (1/8 octave, in x's units), or its row of ctx_table
+    const int32_t* L;  // log2 sigma per channel (1/8 octave, in x's units)
     bool fp8;
-    const uint32_t* ctx_table = nullptr;  // BF16: packed contexts, 65536 per sigma level (or null)
+    const uint32_t* ctx_table = nullptr;  // BF16: bf16_context_table() (or null: computed)
+    const SimdTables* simd = nullptr;     // BF16 on an AVX2 CPU: the vector stages' tables (or null)
 };
 
 struct EncodedBlock {
@@ -23,32 +24,42 @@ struct EncodedBlock {
     BitWriter sec[4];             // LOW, ZMAN, ESC, UNARY
 };
 
+// Stage A, scalar (any format; the fallback of the vector stages): ops and bit descriptors
 template <class FX, class FM, bool TAB>
-void encode_block_t(const EncodeJob& J, int64_t b, EncodedBlock& o) {
-    const int64_t e0 = J.g.block_e0[b], n = J.g.block_n[b], steps = J.g.epl;
-    // NOTE: per-thread scratch, kept across calls (fresh pages would fault every call), and
-    // __restrict locals: the u32 op stores could otherwise alias every i32 table
-    thread_local std::vector<uint32_t> ops_buf;    // (start | freq << 16) per element, block order
-    thread_local std::vector<uint16_t> words_buf;  // at most one word per op
-    ops_buf.assign((size_t)(steps * SPK_LANES), SPK_PROB_SCALE << 16);  // padding: the no-op
-    words_buf.resize((size_t)(steps * SPK_LANES) + 1);
-    uint32_t* __restrict ops = ops_buf.data();
-    uint16_t* __restrict words = words_buf.data();
+void symbols_scalar(const EncodeJob& J, int64_t e0, int64_t n, const int32_t* __restrict lev,
+                    uint32_t* __restrict ops, uint32_t* __restrict desc) {
     const int32_t* __restrict toff = J.t.off;
     const int32_t* __restrict trad = J.t.radius;
-    const int32_t* __restrict lev = J.L;
     const uint16_t* __restrict cum = J.t.cum;
     const uint16_t* __restrict freq = J.t.freq;
-    Cursor cur(J.g, e0);
-    for (int64_t e = 0; e < n; ++e, cur.next()) {
-        const SpkContext ctx = context_of<FX, FM, TAB>(J.ctx_table, load<FM>(J.mu, e0 + e), lev[cur.channel()]);
+    for (int64_t e = 0; e < n; ++e) {
+        const SpkContext ctx = context_of<FX, FM, TAB>(J.ctx_table, load<FM>(J.mu, e0 + e), lev[e]);
         const SpkSymbol s = spk_symbolize<FX>(load<FX>(J.x, e0 + e), ctx, trad[ctx.t]);
         const int64_t idx = toff[ctx.t] + s.j;
         ops[e] = cum[idx] | (uint32_t)freq[idx] << 16;
-        o.sec[s.kind].put(s.field, (int)s.width);
-        if (s.kind == SPK_KIND_ZERO) o.sec[3].put_unary(s.delta);
+        desc[e] = pack_desc(s.field, s.width, s.kind, ctx.k);
+    }
+}
+
+// Stage B: the block's raw bit sections, in element order.
+template <class FX>
+void put_bits(const uint32_t* __restrict desc, const void* x, int64_t e0, int64_t n, EncodedBlock& o) {
+    for (int64_t e = 0; e < n; ++e) {
+        const uint32_t d = desc[e], kind = d >> 21 & 3u;
+        o.sec[kind].put(d & 0xFFFFu, (int)(d >> 16 & 31u));
+        if (kind == SPK_KIND_ZERO) {  // unary exponent distance below the grid: k + bias - 1 - e
+            const int32_t k = (int32_t)(d >> 23) - 128;
+            o.sec[3].put_unary((uint32_t)(k + FX::bias - 1 - (int32_t)((load<FX>(x, e0 + e) >> FX::mant) & FX::exp_mask)));
+        }
     }
     for (auto& s : o.sec) s.finish();
+}
+
+// Stage C: the block's 32 lanes' rANS steps, last op first.
+inline void rans_block(const uint32_t* __restrict ops, int64_t steps, EncodedBlock& o) {
+    thread_local std::vector<uint16_t> words_buf;  // at most one word per op
+    words_buf.resize((size_t)(steps * SPK_LANES) + 1);
+    uint16_t* __restrict words = words_buf.data();
     uint32_t* x = o.states;
     for (uint32_t l = 0; l < SPK_LANES; ++l) x[l] = SPK_RANS_L;
     size_t count = 0;
@@ -62,6 +73,24 @@ void encode_block_t(const EncodeJob& J, int64_t b, EncodedBlock& o) {
         }
     }
     o.words.assign(words, words + count);
+}
+
+template <class FX, class FM, bool TAB>
+void encode_block_t(const EncodeJob& J, int64_t b, EncodedBlock& o) {
+    const int64_t e0 = J.g.block_e0[b], n = J.g.block_n[b], steps = J.g.epl;
+    // NOTE: per-thread scratch, kept across calls (fresh pages would fault every call)
+    thread_local std::vector<uint32_t> ops_buf, desc_buf;
+    thread_local std::vector<int32_t> lev_buf;
+    ops_buf.resize((size_t)(steps * SPK_LANES)), desc_buf.resize((size_t)n), lev_buf.resize((size_t)n);
+    std::fill(ops_buf.begin() + n, ops_buf.end(), SPK_PROB_SCALE << 16);  // padding: the no-op
+    Cursor(J.g, e0).fill_levels(J.L, n, lev_buf.data());
+    if (!FX::fp8 && J.simd)
+        symbols_bf16_avx2(static_cast<const uint16_t*>(J.x) + e0, static_cast<const uint16_t*>(J.mu) + e0,
+                          lev_buf.data(), n, *J.simd, ops_buf.data(), desc_buf.data());
+    else
+        symbols_scalar<FX, FM, TAB>(J, e0, n, lev_buf.data(), ops_buf.data(), desc_buf.data());
+    put_bits<FX>(desc_buf.data(), J.x, e0, n, o);
+    rans_block(ops_buf.data(), steps, o);
 }
 
 inline void encode_block(const EncodeJob& J, int64_t b, EncodedBlock& o) {

@@ -229,6 +229,43 @@ SPK_HD SpkContext spk_unpack_context(uint32_t p) {
     return c;
 }
 
+// -- BF16 contexts looked up (the CPU coder) ------------------------------------------
+// NOTE: a BF16 context is invariant under scaling: mu 2^s at level L + 8s has the context
+// of mu at level L with k + s (near, nb, bin, offset and table row depend only on mu's
+// mantissa, sign and exponent relative to L >> 3). So one table of the levels 0..7 and
+// exponents within SPK_CTX_SPAN binades of sigma serves every level: 256 KB, cache
+// resident, where a row per level (256 KB each) was not. Outside it - mu zero,
+// subnormal, non-finite or far from sigma, or k clamped - the context is computed.
+#define SPK_CTX_EXP_BITS 5                      // mu's binade relative to sigma: [-16, 16)
+#define SPK_CTX_SPAN (1 << SPK_CTX_EXP_BITS)
+#define SPK_CTX_ENTRIES (SPK_SIGMA_ONE * 2 * SPK_CTX_SPAN * 128)
+
+// the entry of (L mod 8, mu's sign, its binade relative to L >> 3, mantissa); -1: none
+SPK_HD int32_t spk_ctx_slot(uint32_t mu, int32_t L) {
+    const int32_t e_mu = (int32_t)((mu >> 7) & 0xFFu);
+    const int32_t rel = e_mu - 127 - (L >> SPK_SIGMA_FRAC_BITS) + SPK_CTX_SPAN / 2;  // NOTE: >> floors negatives
+    if (e_mu == 0 || e_mu == 0xFF || (uint32_t)rel >= (uint32_t)SPK_CTX_SPAN) return -1;
+    return (((L & (SPK_SIGMA_ONE - 1)) << 1 | (int32_t)(mu >> 15)) << SPK_CTX_EXP_BITS | rel) << 7 | (int32_t)(mu & 0x7Fu);
+}
+
+// the table's entry i: spk_context_bf16 of its mu at its level in 0..7 (packed)
+SPK_HD uint32_t spk_ctx_entry(int32_t i) {
+    const int32_t man = i & 0x7F, rel = (i >> 7) & (SPK_CTX_SPAN - 1), sign = (i >> (7 + SPK_CTX_EXP_BITS)) & 1;
+    const int32_t L = i >> (8 + SPK_CTX_EXP_BITS);
+    const uint32_t mu = (uint32_t)sign << 15 | (uint32_t)(127 + rel - SPK_CTX_SPAN / 2) << 7 | (uint32_t)man;
+    return spk_pack_context(spk_context_bf16(mu, L));
+}
+
+SPK_HD SpkContext spk_context_bf16_lookup(const uint32_t* tab, uint32_t mu, int32_t L) {
+    const int32_t i = spk_ctx_slot(mu, L);
+    if (i >= 0) {
+        SpkContext c = spk_unpack_context(tab[i]);
+        c.k += L >> SPK_SIGMA_FRAC_BITS;
+        if (c.k >= SpkBF16::k_min && c.k <= SpkBF16::k_max) return c;
+    }
+    return spk_context_bf16(mu, L);
+}
+
 // |bin| in the symmetric tiling (c for c >= 0, -1 - c for c < 0)
 SPK_HD int32_t spk_magnitude(int32_t c) { return c ^ (c >> 31); }
 

@@ -19,6 +19,7 @@
 #include <atomic>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -98,37 +99,33 @@ bool parse_geometry(PyObject* layer_counts, long long heads, long long tokens, l
     return true;
 }
 
-// ctx_table (optional): BF16 contexts, 65536 per sigma level; L then holds level rows,
-// each checked to lie inside the table (it indexes it)
-bool get_ctx_table(PyObject* o, Buf& b, int fp8, const Buf& L, const uint32_t** table) {
-    *table = nullptr;
-    if (o == nullptr || o == Py_None) return true;
-    if (fp8) return PyErr_SetString(PyExc_ValueError, "context tables are for BF16 KV"), false;
-    if (!get_buf(o, b, -1, "ctx_table")) return false;
-    const int64_t rows = b.count(4) >> 16;
-    if (rows < 1 || b.count(4) != rows << 16) return PyErr_SetString(PyExc_ValueError, "ctx_table: 65536 per row"), false;
-    for (int64_t i = 0; i < L.count(4); ++i)
-        if (L.as<int32_t>()[i] < 0 || L.as<int32_t>()[i] >= rows)
-            return PyErr_SetString(PyExc_ValueError, "L: a level row outside ctx_table"), false;
-    *table = b.as<uint32_t>();
-    return true;
-}
+enum { PATH_AUTO = -1, PATH_COMPUTED = 0, PATH_LOOKUP = 1, PATH_VECTOR = 2 };
 
 // What encode and decode both take: the geometry, the model's tables, mu, L and the
 // optional context table, each checked against the geometry.
 struct Batch {
     spk::Geometry g;
-    Buf tb[5], mu, L, tab;
+    Buf tb[5], mu, L;
     spk::Tables t;
-    const uint32_t* table = nullptr;
+    const uint32_t* table = nullptr;  // BF16, scalar path: the context table (or null: computed)
+    std::unique_ptr<spk::SimdTableData> simd;  // BF16, vector path: its tables (or null)
 
+    // path: PATH_COMPUTED, PATH_LOOKUP, PATH_VECTOR (AVX2 only) or PATH_AUTO (the fastest here)
     bool parse(int fp8, PyObject* lc, long long heads, long long tokens, long long dim, long long epl,
-               PyObject* const tables[5], PyObject* mu_o, PyObject* l_o, PyObject* tab_o) {
-        return parse_geometry(lc, heads, tokens, dim, epl, g) &&
-               parse_tables(tables[0], tables[1], tables[2], tables[3], tables[4], tb, t) &&
-               get_buf(mu_o, mu, g.n_elements * (fp8 ? 4 : 2), "mu") && get_buf(l_o, L, g.n_rows * dim * 4, "L") &&
-               get_ctx_table(tab_o, tab, fp8, L, &table);
+               PyObject* const tables[5], PyObject* mu_o, PyObject* l_o, int path) {
+        if (path == PATH_AUTO) path = spk::cpu_has_avx2() ? PATH_VECTOR : PATH_LOOKUP;
+        if (path == PATH_VECTOR && !spk::cpu_has_avx2())
+            return PyErr_SetString(PyExc_ValueError, "the vector path needs a CPU with AVX2"), false;
+        if (path < PATH_AUTO || path > PATH_VECTOR) return PyErr_SetString(PyExc_ValueError, "bad path"), false;
+        table = !fp8 && path == PATH_LOOKUP ? spk::bf16_context_table() : nullptr;
+        if (!(parse_geometry(lc, heads, tokens, dim, epl, g) &&
+              parse_tables(tables[0], tables[1], tables[2], tables[3], tables[4], tb, t) &&
+              get_buf(mu_o, mu, g.n_elements * (fp8 ? 4 : 2), "mu") && get_buf(l_o, L, g.n_rows * dim * 4, "L")))
+            return false;
+        if (!fp8 && path == PATH_VECTOR) simd = std::make_unique<spk::SimdTableData>(t.cum, t.freq, t.n_symbols, t.off, t.radius);
+        return true;
     }
+    const spk::SimdTables* vector_tables() const { return simd ? &simd->view : nullptr; }
 };
 
 PyObject* bytes_of(const void* p, size_t n) { return PyBytes_FromStringAndSize((const char*)p, (Py_ssize_t)n); }
@@ -157,23 +154,23 @@ PyObject* py_prepare_mu(PyObject*, PyObject* args) {
     Py_RETURN_NONE;
 }
 
-// encode(fp8, x, mu, L, heads, tokens, dim, epl, layer_counts, cum, freq, off, size, radius, threads)
+// encode(fp8, x, mu, L, heads, tokens, dim, epl, layer_counts, cum, freq, off, size, radius, threads[, path])
 //   -> [(states, word_counts, words, bits) per chunk] as bytes
 PyObject* py_encode(PyObject*, PyObject* args) {
-    int fp8, threads;
+    int fp8, threads, path = PATH_AUTO;
     long long heads, tokens, dim, epl;
-    PyObject *x_o, *mu_o, *l_o, *lc_o, *cum_o, *freq_o, *off_o, *size_o, *rad_o, *tab_o = nullptr;
-    if (!PyArg_ParseTuple(args, "pOOOLLLLOOOOOOi|O", &fp8, &x_o, &mu_o, &l_o, &heads, &tokens, &dim, &epl, &lc_o,
-                          &cum_o, &freq_o, &off_o, &size_o, &rad_o, &threads, &tab_o))
+    PyObject *x_o, *mu_o, *l_o, *lc_o, *cum_o, *freq_o, *off_o, *size_o, *rad_o;
+    if (!PyArg_ParseTuple(args, "pOOOLLLLOOOOOOi|i", &fp8, &x_o, &mu_o, &l_o, &heads, &tokens, &dim, &epl, &lc_o,
+                          &cum_o, &freq_o, &off_o, &size_o, &rad_o, &threads, &path))
         return nullptr;
     Batch B;
     PyObject* const tables[5] = {cum_o, freq_o, off_o, size_o, rad_o};
     Buf x;
-    if (!B.parse(fp8, lc_o, heads, tokens, dim, epl, tables, mu_o, l_o, tab_o) ||
+    if (!B.parse(fp8, lc_o, heads, tokens, dim, epl, tables, mu_o, l_o, path) ||
         !get_buf(x_o, x, B.g.n_elements * (fp8 ? 1 : 2), "x"))
         return nullptr;
     const spk::Geometry& g = B.g;
-    spk::EncodeJob job{g, B.t, x.v.buf, B.mu.v.buf, B.L.as<int32_t>(), fp8 != 0, B.table};
+    spk::EncodeJob job{g, B.t, x.v.buf, B.mu.v.buf, B.L.as<int32_t>(), fp8 != 0, B.table, B.vector_tables()};
     std::vector<spk::EncodedBlock> blocks(g.n_blocks);
     std::vector<spk::EncodedChunk> chunks(g.chunk_layers.size());
     Py_BEGIN_ALLOW_THREADS
@@ -195,18 +192,18 @@ PyObject* py_encode(PyObject*, PyObject* args) {
 }
 
 // decode(fp8, mu, L, heads, tokens, dim, epl, layer_counts, [(states, counts, words, bits)], cum, freq, off,
-//        size, radius, out, threads) -> None, or (status, chunk, block, fig1, fig2) on a corrupt stream
+//        size, radius, out, threads[, path]) -> None, or (status, chunk, block, fig1, fig2) on a corrupt stream
 PyObject* py_decode(PyObject*, PyObject* args) {
-    int fp8, threads;
+    int fp8, threads, path = PATH_AUTO;
     long long heads, tokens, dim, epl;
-    PyObject *mu_o, *l_o, *lc_o, *streams_o, *cum_o, *freq_o, *off_o, *size_o, *rad_o, *out_o, *tab_o = nullptr;
-    if (!PyArg_ParseTuple(args, "pOOLLLLOOOOOOOOi|O", &fp8, &mu_o, &l_o, &heads, &tokens, &dim, &epl, &lc_o,
-                          &streams_o, &cum_o, &freq_o, &off_o, &size_o, &rad_o, &out_o, &threads, &tab_o))
+    PyObject *mu_o, *l_o, *lc_o, *streams_o, *cum_o, *freq_o, *off_o, *size_o, *rad_o, *out_o;
+    if (!PyArg_ParseTuple(args, "pOOLLLLOOOOOOOOi|i", &fp8, &mu_o, &l_o, &heads, &tokens, &dim, &epl, &lc_o,
+                          &streams_o, &cum_o, &freq_o, &off_o, &size_o, &rad_o, &out_o, &threads, &path))
         return nullptr;
     Batch B;
     PyObject* const tables[5] = {cum_o, freq_o, off_o, size_o, rad_o};
     Buf out;
-    if (!B.parse(fp8, lc_o, heads, tokens, dim, epl, tables, mu_o, l_o, tab_o) ||
+    if (!B.parse(fp8, lc_o, heads, tokens, dim, epl, tables, mu_o, l_o, path) ||
         !get_buf(out_o, out, B.g.n_elements * (fp8 ? 1 : 2), "out", true))
         return nullptr;
     const spk::Geometry& g = B.g;
@@ -236,7 +233,8 @@ PyObject* py_decode(PyObject*, PyObject* args) {
     }
     const spk::DecodeTables dt(t);
     t.bucket = dt.bucket.data(), t.cum_pad = dt.cum_pad.data();
-    spk::DecodeJob job{g, t, B.mu.v.buf, B.L.as<int32_t>(), out.v.buf, fp8 != 0, streams, B.table};
+    spk::DecodeJob job{g, t, B.mu.v.buf, B.L.as<int32_t>(), out.v.buf, fp8 != 0, streams, B.table,
+                       B.vector_tables()};
     spk::Decoder dec(job);
     int64_t where[4] = {-1, -1, 0, 0};  // chunk, block, figures for the message
     int status = SPK_OK;
@@ -248,21 +246,25 @@ PyObject* py_decode(PyObject*, PyObject* args) {
                          (long long)where[3]);
 }
 
-// contexts(fp8, mu, L, out, float_path): packed context of each (mu, L) pair, as
-// model.ContextTable packs it (tests compare the native model with numpy's)
+// contexts(fp8, mu, L, out, path): packed context of each (mu, L) pair, as model.ContextTable
+// packs it, on the BF16 path 0 (integer), 1 (float, as the CUDA kernels) or 2 (the CPU coder's
+// table lookup); tests compare the native model with numpy's
 PyObject* py_contexts(PyObject*, PyObject* args) {
-    int fp8, float_path;
+    int fp8, path;
     PyObject *mu_o, *l_o, *out_o;
-    if (!PyArg_ParseTuple(args, "pOOOp", &fp8, &mu_o, &l_o, &out_o, &float_path)) return nullptr;
+    if (!PyArg_ParseTuple(args, "pOOOi", &fp8, &mu_o, &l_o, &out_o, &path)) return nullptr;
     Buf mu, L, out;
     if (!get_buf(mu_o, mu, -1, "mu")) return nullptr;
     const int64_t n = mu.count(fp8 ? 4 : 2);
     if (!get_buf(l_o, L, 4 * n, "L") || !get_buf(out_o, out, 4 * n, "out", true)) return nullptr;
+    const uint32_t* tab = spk::bf16_context_table();
     for (int64_t i = 0; i < n; ++i) {
         const int32_t l = L.as<int32_t>()[i];
-        const SpkContext c = fp8 ? spk_context<SpkE4M3, SpkFP32>(mu.as<uint32_t>()[i], l)
-                             : float_path ? spk_context_float<SpkBF16, SpkBF16>(mu.as<uint16_t>()[i], l)
-                                          : spk_context<SpkBF16, SpkBF16>(mu.as<uint16_t>()[i], l);
+        const uint32_t m = fp8 ? mu.as<uint32_t>()[i] : mu.as<uint16_t>()[i];
+        const SpkContext c = fp8 ? spk_context<SpkE4M3, SpkFP32>(m, l)
+                             : path == 1 ? spk_context_float<SpkBF16, SpkBF16>(m, l)
+                             : path == 2 ? spk_context_bf16_lookup(tab, m, l)
+                                         : spk_context<SpkBF16, SpkBF16>(m, l);
         out.as<uint32_t>()[i] = spk_pack_context(c);
     }
     Py_RETURN_NONE;
@@ -294,5 +296,6 @@ PyMODINIT_FUNC PyInit__native(void) {
     };
     for (const auto& c : consts)
         if (PyModule_AddIntConstant(m, c.name, c.value) != 0) return nullptr;
+    if (PyModule_AddIntConstant(m, "AVX2", spk::cpu_has_avx2()) != 0) return nullptr;  // the vector path runs here
     return m;
 }

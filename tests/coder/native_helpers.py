@@ -131,7 +131,21 @@ def both_ways(codecs, kv, ids, mu, epl=7, lpc=4, model="tuned", threads=(2,)) ->
         out_np = ref_codec.decode(records, ids, mu)
         assert_same_kv(out_nat, out_np)
         assert_same_kv(out_nat, want)
+    if native.vector_path() and not isinstance(kv, Fp8KV):
+        scalar_path_too(nat_codec, kv, ids, mu, ref, want)
     return ref
+
+
+def scalar_path_too(nat_codec, kv, ids, mu, ref: list[bytes], want) -> None:
+    """The native coder's scalar BF16 path (the fallback of CPUs without AVX2) on the same
+    input: the same records, the same decode."""
+    backend = nat_codec.backend
+    backend.path = "lookup"
+    try:
+        assert_same_records(ref, list(nat_codec.encode(kv, ids, mu)))
+        assert_same_kv(nat_codec.decode(ref, ids, mu), want)
+    finally:
+        backend.path = "auto"
 
 
 def fp8_kv(codes: np.ndarray, scale_bits: np.ndarray) -> Fp8KV:

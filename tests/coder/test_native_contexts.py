@@ -1,7 +1,7 @@
 """The native model's contexts against numpy's ``model.context`` (through
 ``ContextTable``, which tabulates it): every BF16 mu pattern at every sigma level in a
 wide range, on the integer path the CPU coder runs, on the float reference path the
-CUDA kernels run, and in the per-level rows ``NativeCoder`` looks contexts up in."""
+CUDA kernels run, and through the scale-invariant table the CPU coder looks them up in."""
 from __future__ import annotations
 
 import numpy as np
@@ -20,38 +20,30 @@ def reference():
     return ContextTable(BF16, BF16, LEVELS[None, :])
 
 
-@pytest.mark.parametrize("float_path", [False, True], ids=["integer", "float"])
-def test_every_bf16_pattern_at_every_level(reference, float_path):
+@pytest.mark.parametrize("path", [0, 1, 2], ids=["integer", "float", "lookup"])
+def test_every_bf16_pattern_at_every_level(reference, path):
     mu = np.tile(np.arange(1 << 16, dtype=np.uint16), len(reference.levels))
     L = np.repeat(reference.levels, 1 << 16).astype(np.int32)
     out = np.empty(len(mu), np.uint32)
-    native._native.contexts(False, mu, L, out, float_path)
+    native._native.contexts(False, mu, L, out, path)
     bad = np.flatnonzero(out != reference.packed)
     assert len(bad) == 0, f"{len(bad)} contexts differ, first mu {mu[bad[0]]:#06x} at level {L[bad[0]]}"
 
 
-def test_context_rows_index_and_grow(reference):
-    rows = native.ContextRows()
-    lg = np.array([[5, -30], [5, 7]])
-    idx, table = rows.index(lg)
-    assert idx.shape == lg.shape and idx.dtype == np.int32 and len(table) == 3 << 16
-    for level, r in ((5, idx[0, 0]), (-30, idx[0, 1]), (7, idx[1, 1])):
-        want = reference.packed[int(np.flatnonzero(reference.levels == level)[0]) << 16:][:1 << 16]
-        assert np.array_equal(table[r << 16:(r + 1) << 16], want), level
-    assert idx[0, 0] == idx[1, 0]
-    idx2, table2 = rows.index(np.array([-30, 9]))  # one new level: one new row, old rows kept
-    assert len(table2) == 4 << 16 and idx2[0] == idx[0, 1] and np.array_equal(table2[:3 << 16], table)
-
-
-def test_a_row_outside_the_table_is_refused(ckpt):
+def test_every_native_path_codes_the_same_bytes(ckpt):
+    """The coder's paths (vector where the CPU has AVX2, table lookup, computed): same streams."""
     need_native()
-    nat = native.NativeCoder(1)
-    model_tables = ckpt.tables
-    x = np.zeros((1, 2, 3, 1, 64), np.uint16)
-    bad_rows = np.full((1, 2, 3, 64), 1, np.int32)  # the table below has one row
-    table = np.zeros(1 << 16, np.uint32)
-    with pytest.raises(ValueError, match="outside ctx_table"):
-        native._native.encode(False, x, x, bad_rows, 3, 1, 64, 8, [1], *nat.flat(model_tables).args(), 1, table)
-    with pytest.raises(ValueError, match="65536 per row"):
-        native._native.encode(False, x, x, bad_rows * 0, 3, 1, 64, 8, [1], *nat.flat(model_tables).args(), 1,
-                              table[:100])
+    rng = np.random.default_rng(5)
+    shape = (2, 2, 3, 40, 64)
+    x = rng.integers(0, 1 << 16, shape).astype(np.uint16)
+    mu = (x.astype(np.int64) + rng.integers(-300, 300, shape)).clip(0, 0xFFFF).astype(np.uint16)
+    lg = rng.integers(-200, 60, (2, 2, 3, 64)).astype(np.int32)  # beyond the table's binades too
+    outs = []
+    for path in ("lookup", "computed") + (("vector",) if native.vector_path() else ()):
+        nat = native.NativeCoder(1, path=path)
+        parts = nat.encode(x, mu, lg, [1, 1], 8, ckpt.tables)
+        back = np.empty_like(x)
+        nat.decode(mu, lg, [1, 1], 8, [(p.blocks, p.bits) for p in parts], ckpt.tables, back)
+        assert back.tobytes() == x.tobytes()
+        outs.append([(p.blocks.states.tobytes(), p.blocks.words.tobytes(), p.bits) for p in parts])
+    assert all(o == outs[0] for o in outs[1:])

@@ -1,0 +1,182 @@
+// The CPU coder's vector stages: the per-element model of spk_model.cuh (context,
+// symbol, table op; the decoder's classification) over a whole block at once, written
+// branch-free so that the compiler vectorises each loop (AVX2: 8 lanes, gathers for the
+// table reads). They compute the very integers of spk_context_bf16, spk_symbolize and
+// spk_classify: tests/coder/test_native_simd.py checks every BF16 mu pattern at every
+// level, every x pattern at every grid exponent, and whole streams against the scalar
+// path (which stays the fallback on CPUs without AVX2, chosen at run time).
+// NOTE: no floating point here: a vectorised float loop could round differently only
+// through contraction, but integers need no such care.
+#pragma once
+#include <vector>
+
+#include "spk_model.cuh"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define SPK_HAVE_AVX2_BUILD 1
+#define SPK_AVX2 __attribute__((target("avx2")))
+#else
+#define SPK_HAVE_AVX2_BUILD 0
+#define SPK_AVX2
+#endif
+#define SPK_INLINE static inline __attribute__((always_inline))
+
+namespace spk {
+
+// c ? a : b on all-ones / all-zeros masks (a select, not a branch)
+SPK_INLINE int32_t sel(int32_t c, int32_t a, int32_t b) { return b ^ ((a ^ b) & -c); }
+SPK_INLINE int32_t imin(int32_t a, int32_t b) { return a < b ? a : b; }
+SPK_INLINE int32_t imax(int32_t a, int32_t b) { return a > b ? a : b; }
+
+struct SimdTables {
+    const uint32_t* op;     // per symbol: cum | freq << 16 (the encoder's rANS op)
+    const int32_t* off;     // per table row: its first symbol
+    const int32_t* radius;  // per table row: R (ESC = 2R + 1)
+    const int32_t* log2q8;  // spk_log2q8 of 0..255 (int32: the vectoriser gathers 32-bit words)
+};
+
+// Owns SimdTables' arrays for one model's Tables.
+struct SimdTableData {
+    std::vector<uint32_t> op;
+    std::vector<int32_t> log2q8;
+    SimdTables view{};
+    SimdTableData(const uint16_t* cum, const uint16_t* freq, int64_t n_symbols, const int32_t* off,
+                  const int32_t* radius)
+        : op((size_t)n_symbols), log2q8(256) {
+        for (int64_t i = 0; i < n_symbols; ++i) op[(size_t)i] = cum[i] | (uint32_t)freq[i] << 16;
+        for (uint32_t n = 0; n < 256; ++n) log2q8[n] = n ? spk_log2q8(n) : 0;
+        view = SimdTables{op.data(), off, radius, log2q8.data()};
+    }
+};
+
+// What the encoder's bit pass needs of an element: raw field (16 bits), its width (5),
+// kind (2) and k + 128 (8, for a zero-bin element's unary exponent distance).
+SPK_INLINE uint32_t pack_desc(uint32_t field, uint32_t width, uint32_t kind, int32_t k) {
+    return field | width << 16 | kind << 21 | (uint32_t)(k + 128) << 23;
+}
+
+// spk_context_bf16, branch-free: (k, table row, c_mu, mu finite)
+SPK_INLINE void context_bf16(int32_t mu, int32_t L, const int32_t* __restrict lg8, int32_t& k, int32_t& t,
+                             int32_t& c_mu, int32_t& mu_ok) {
+    const int32_t e_mu = (mu >> 7) & 0xFF, man = mu & 0x7F, neg = mu >> 15;
+    const int32_t e_unb = imax(e_mu, 1) - 127;
+    const int32_t near = lg8[128 - man] + (e_unb - 7) * SPK_SIGMA_ONE < L + SPK_NEAR_TOP_Q8;
+    const int32_t k_s = (L >> SPK_SIGMA_FRAC_BITS) - SPK_GRID_BELOW_SIGMA;  // NOTE: >> floors negatives
+    k = imax(SpkBF16::k_min, imin(imax(k_s, e_unb - 7 + near), SpkBF16::k_max));
+    const int32_t nb = k - (e_unb - 7);
+    const int32_t sig = man | sel(e_mu != 0, 128, 0), v = 2 * sig + 1, sh = imin(imax(nb + 1, 0), 31);
+    const int32_t inside = (nb >= 0) & (nb < 25);
+    int32_t mag = sel(nb < 0, sig << imin(imax(-nb, 0), 31), sel(inside, v >> sh, 0));
+    int32_t frac = sel(inside, (int32_t)((((uint32_t)v & ((1u << sh) - 1u)) << SPK_OFFSET_BITS) >> sh), 0);
+    mag = sel(e_mu == 0xFF, sel(man != 0, 0, SPK_MAX_BIN), mag);  // NaN: bin 0; inf: the last bin
+    frac = sel(e_mu == 0xFF, 0, frac);
+    c_mu = mag ^ -neg;
+    const int32_t lam = imax(SPK_LAMBDA_MIN, imin(L - k * SPK_SIGMA_ONE, SPK_LAMBDA_MAX));
+    const int32_t offs = frac ^ ((SPK_OFFSETS - 1) & -neg);
+    t = sel(lam < SPK_LAMBDA_OFFSET, (lam - SPK_LAMBDA_MIN) * SPK_OFFSETS + offs,
+            (SPK_LAMBDA_OFFSET - SPK_LAMBDA_MIN) * SPK_OFFSETS + lam - SPK_LAMBDA_OFFSET);
+    mu_ok = e_mu != 0xFF;
+}
+
+// spk_bin<SpkBF16> in integers: |x| 2^-k floored and clamped to MAX_BIN (NaN: 0), signed
+// NOTE: the float path's product is exact or underflows below 1, so both floor alike
+SPK_INLINE int32_t bin_bf16(int32_t x, int32_t k, int32_t& mag) {
+    const int32_t e_x = (x >> 7) & 0xFF, sx = (x & 0x7F) | sel(e_x != 0, 128, 0);
+    const int32_t sh = imax(e_x, 1) - 134 - k;  // |x| = sx 2^(max(e, 1) - 134)
+    mag = sel(sh >= 0, imin(sx << imin(imax(sh, 0), 12), SPK_MAX_BIN), sx >> imin(imax(-sh, 0), 31));
+    mag = sel(e_x == 0xFF, sel((x & 0x7F) != 0, 0, SPK_MAX_BIN), mag);
+    return mag ^ -(x >> 15);
+}
+
+// LOW width of a NORMAL bin: max(mant - floor(log2 mag), 0) by comparisons (no clz in AVX2)
+SPK_INLINE int32_t low_width_bf16(int32_t mag) {
+    return (mag < 2) + (mag < 4) + (mag < 8) + (mag < 16) + (mag < 32) + (mag < 64) + (mag < 128);
+}
+
+// Encoder stage A of n BF16 elements: each one's rANS op and bit descriptor.
+SPK_INLINE void symbols_bf16_body(const uint16_t* __restrict xs, const uint16_t* __restrict mus,
+                                  const int32_t* __restrict lev, int64_t n, const SimdTables& T,
+                                  uint32_t* __restrict ops, uint32_t* __restrict desc) {
+    const uint32_t* __restrict op = T.op;
+    const int32_t* __restrict toff = T.off;
+    const int32_t* __restrict trad = T.radius;
+    const int32_t* __restrict lg8 = T.log2q8;
+#pragma GCC ivdep  // NOTE: the outputs never alias the tables (restrict is lost through inlining)
+    for (int64_t e = 0; e < n; ++e) {
+        const int32_t x = xs[e];
+        int32_t k, t, c_mu, mu_ok, mag;
+        context_bf16(mus[e], lev[e], lg8, k, t, c_mu, mu_ok);
+        const int32_t d = bin_bf16(x, k, mag) - c_mu, R = trad[t];
+        const int32_t esc = (((x >> 7) & 0xFF) == 0xFF) | !mu_ok | (d > R) | (d < -R) | (mag >= SPK_MAX_BIN);
+        const int32_t kind = sel(esc, SPK_KIND_ESC, sel(mag == 0, SPK_KIND_ZERO, SPK_KIND_NORMAL));
+        const int32_t width = sel(esc, SpkBF16::bits, sel(mag == 0, SpkBF16::mant, low_width_bf16(mag)));
+        ops[e] = op[toff[t] + sel(esc, 2 * R + 1, d + R)];
+        desc[e] = pack_desc((uint32_t)(x & ((1 << width) - 1)), (uint32_t)width, (uint32_t)kind, k);
+    }
+}
+
+// Decoder stage 0: the packed contexts (spk_pack_context) of n BF16 elements.
+SPK_INLINE void contexts_bf16_body(const uint16_t* __restrict mus, const int32_t* __restrict lev, int64_t n,
+                                   const int32_t* __restrict lg8, uint32_t* __restrict out) {
+#pragma GCC ivdep
+    for (int64_t e = 0; e < n; ++e) {
+        int32_t k, t, c_mu, mu_ok;
+        context_bf16(mus[e], lev[e], lg8, k, t, c_mu, mu_ok);
+        out[e] = (uint32_t)t | (uint32_t)(k + 128) << 10 | (uint32_t)(c_mu + 4096) << 18 | (uint32_t)mu_ok << 31;
+    }
+}
+
+// Decoder stage 2: each element's packed info (pack_info) from its symbol j and packed
+// context, as spk_classify does, and the block's tallies (uint32: a block holds at most
+// 2^21 elements, each adding at most 254 to a tally).
+struct Tallies32 {
+    uint32_t low_bits = 0, n_zero = 0, n_esc = 0, unary_bound = 0, mu_bad = 0;
+};
+
+SPK_INLINE void classify_bf16_body(const uint32_t* __restrict js, const uint32_t* __restrict ctx, int64_t n,
+                                   const int32_t* __restrict trad, uint32_t* __restrict info, Tallies32& tl) {
+    uint32_t low_bits = 0, n_zero = 0, n_esc = 0, unary_bound = 0, mu_bad = 0;
+#pragma GCC ivdep
+    for (int64_t e = 0; e < n; ++e) {
+        const uint32_t p = ctx[e];
+        const int32_t t = (int32_t)(p & 0x3FFu), k = (int32_t)((p >> 10) & 0xFFu) - 128;
+        const int32_t c_mu = (int32_t)((p >> 18) & 0x1FFFu) - 4096, mu_ok = (int32_t)(p >> 31);
+        const int32_t j = (int32_t)js[e], R = trad[t];
+        const int32_t c = c_mu + j - R, mag = c ^ (c >> 31);
+        const int32_t esc = j == 2 * R + 1, zero = !esc & (mag == 0), normal = !esc & (mag != 0);
+        const int32_t kind = sel(esc, SPK_KIND_ESC, sel(zero, SPK_KIND_ZERO, SPK_KIND_NORMAL));
+        info[e] = (uint32_t)(c + 8192) | (uint32_t)(k + 128) << 14 | (uint32_t)kind << 22 | (uint32_t)!mu_ok << 24;
+        low_bits += (uint32_t)(normal * low_width_bf16(mag));
+        n_zero += (uint32_t)zero, n_esc += (uint32_t)esc;
+        unary_bound += (uint32_t)(zero * (k + SpkBF16::bias));
+        mu_bad += (uint32_t)(!mu_ok & !esc);
+    }
+    tl.low_bits = low_bits, tl.n_zero = n_zero, tl.n_esc = n_esc, tl.unary_bound = unary_bound, tl.mu_bad = mu_bad;
+}
+
+SPK_AVX2 inline void classify_bf16_avx2(const uint32_t* js, const uint32_t* ctx, int64_t n, const int32_t* trad,
+                                        uint32_t* info, Tallies32& tl) {
+    classify_bf16_body(js, ctx, n, trad, info, tl);
+}
+
+SPK_AVX2 inline void symbols_bf16_avx2(const uint16_t* xs, const uint16_t* mus, const int32_t* lev, int64_t n,
+                                       const SimdTables& T, uint32_t* ops, uint32_t* desc) {
+    symbols_bf16_body(xs, mus, lev, n, T, ops, desc);
+}
+
+SPK_AVX2 inline void contexts_bf16_avx2(const uint16_t* mus, const int32_t* lev, int64_t n, const int32_t* lg8,
+                                        uint32_t* out) {
+    contexts_bf16_body(mus, lev, n, lg8, out);
+}
+
+// Whether this CPU runs the AVX2 stages (checked once; SPECKV's tests force either path).
+inline bool cpu_has_avx2() {
+#if SPK_HAVE_AVX2_BUILD
+    static const bool yes = __builtin_cpu_supports("avx2");
+    return yes;
+#else
+    return false;
+#endif
+}
+
+}  // namespace spk
