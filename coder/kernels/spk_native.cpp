@@ -247,8 +247,8 @@ PyObject* py_decode(PyObject*, PyObject* args) {
 }
 
 // contexts(fp8, mu, L, out, path): packed context of each (mu, L) pair, as model.ContextTable
-// packs it, on the BF16 path 0 (integer), 1 (float, as the CUDA kernels) or 2 (the CPU coder's
-// table lookup); tests compare the native model with numpy's
+// packs it, on the BF16 path 0 (integer), 1 (float, as the CUDA kernels), 2 (the CPU coder's
+// table lookup) or 3 (its AVX2 stage); tests compare the native model with numpy's
 PyObject* py_contexts(PyObject*, PyObject* args) {
     int fp8, path;
     PyObject *mu_o, *l_o, *out_o;
@@ -258,6 +258,12 @@ PyObject* py_contexts(PyObject*, PyObject* args) {
     const int64_t n = mu.count(fp8 ? 4 : 2);
     if (!get_buf(l_o, L, 4 * n, "L") || !get_buf(out_o, out, 4 * n, "out", true)) return nullptr;
     const uint32_t* tab = spk::bf16_context_table();
+    if (path == 3) {  // the vector stage, as the coder runs it on a block
+        if (fp8 || !spk::cpu_has_avx2()) return PyErr_Format(PyExc_ValueError, "no vector path here");
+        const spk::SimdTableData simd(nullptr, nullptr, 0, nullptr, nullptr);
+        spk::contexts_bf16_avx2(mu.as<uint16_t>(), L.as<int32_t>(), n, simd.view.log2q8, out.as<uint32_t>());
+        Py_RETURN_NONE;
+    }
     for (int64_t i = 0; i < n; ++i) {
         const int32_t l = L.as<int32_t>()[i];
         const uint32_t m = fp8 ? mu.as<uint32_t>()[i] : mu.as<uint16_t>()[i];

@@ -20,8 +20,10 @@ def reference():
     return ContextTable(BF16, BF16, LEVELS[None, :])
 
 
-@pytest.mark.parametrize("path", [0, 1, 2], ids=["integer", "float", "lookup"])
+@pytest.mark.parametrize("path", [0, 1, 2, 3], ids=["integer", "float", "lookup", "vector"])
 def test_every_bf16_pattern_at_every_level(reference, path):
+    if path == 3 and not native.vector_path():
+        pytest.skip("the vector path needs a CPU with AVX2")
     mu = np.tile(np.arange(1 << 16, dtype=np.uint16), len(reference.levels))
     L = np.repeat(reference.levels, 1 << 16).astype(np.int32)
     out = np.empty(len(mu), np.uint32)
