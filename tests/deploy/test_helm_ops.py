@@ -14,6 +14,8 @@ import pytest
 from helm_helpers import (
     CHART_DIR,
     EXAMPLES_DIR,
+    NAMESPACE,
+    RELEASE,
     all_containers,
     env_map,
     hook_pods,
@@ -110,7 +112,10 @@ def test_helm_test_pod_checks_each_role_through_its_service(chart, values):
 
 
 def test_helm_test_pod_can_be_switched_off(chart):
-    assert hook_pods(objects(render(chart, {"helmTest": {"enabled": False}}))) == []
+    notes = "speckv/templates/NOTES.txt"
+    assert f"helm test {RELEASE} -n {NAMESPACE}" in render(chart, {})[notes]
+    off = render(chart, {"helmTest": {"enabled": False}})
+    assert hook_pods(objects(off)) == [] and "helm test" not in off[notes]
     assert hook_pods(objects(render(chart, {"encoder": {"enabled": False}, "decoder": {"enabled": False}}))) == []
 
 
