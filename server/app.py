@@ -150,8 +150,8 @@ def create_server(config: ServerConfig, runtime: Runtime | None = None,
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAMES[config.role], health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    creds = server_credentials(config)
-    port = server.add_secure_port(config.listen, creds) if creds else server.add_insecure_port(config.listen)
+    tls = server_credentials(config)  # NOTE: re-reads the files when they change (server/tls.py)
+    port = server.add_secure_port(config.listen, tls[0]) if tls else server.add_insecure_port(config.listen)
     if port == 0:
         raise OSError(f"could not bind {config.listen}")
     health_server, health_port = None, None
@@ -161,7 +161,7 @@ def create_server(config: ServerConfig, runtime: Runtime | None = None,
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
         health_port = health_server.add_insecure_port(config.health_listen)
     logger.info("%s sidecar on %s (port %d, %s), predictor %s", config.role, config.listen, port,
-                "mTLS" if config.tls_ca else "TLS" if creds else "plaintext", runtime.pin)
+                "mTLS" if config.tls_ca else "TLS" if tls else "plaintext", runtime.pin)
     return Sidecar(config, server, service, metrics, health_servicer, health_server, health_port), port
 
 

@@ -42,6 +42,7 @@ from . import tracing
 from .aio import drain_batch, peer_host, watched
 from .auth import authorize, parse_allow
 from .budget import ByteBudget
+from .channels import DecoderChannels
 from .config import ServerConfig
 from .encoder_job import STORED_VERSION, TRANSFER, Job, transfer_header, write
 from .layer_mu import LayerMu
@@ -50,7 +51,6 @@ from .mu_cache import MuCache
 from .records import code_batch, store_batch
 from .replies import PIN_MISMATCH, Checks, first_reply, is_pin_mismatch, older_version, read_result
 from .runtime import Runtime
-from .tls import KEEPALIVE, channel_credentials
 from .transfers import check_request_id
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def valid_address(addr: str) -> bool:
 class EncoderService(egrpc.EncoderServiceServicer):
     def __init__(self, config: ServerConfig, runtime: Runtime, metrics: Metrics, budget: ByteBudget) -> None:
         self.config, self.rt, self.metrics, self.budget = config, runtime, metrics, budget
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = DecoderChannels(config)
         self._fallback_peers: set[str] = set()
         self._per_peer: dict[str, int] = {}
         self.allow = parse_allow(config.allow)
@@ -78,9 +78,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
         self.active = 0
 
     async def close(self) -> None:
-        for ch in self._channels.values():
-            await ch.close()
-        self._channels.clear()
+        await self._channels.close()
 
     async def Submit(self, request_iterator: AsyncIterator[epb.SubmitRequest],
                      context: grpc.aio.ServicerContext) -> epb.SubmitResponse:
@@ -255,20 +253,11 @@ class EncoderService(egrpc.EncoderServiceServicer):
             logger.warning("decoder %s %s", job.header.decoder_address, what)
 
     def _open(self, job: Job, context: grpc.aio.ServicerContext):
-        addr = job.header.decoder_address
-        if addr not in self._channels:
-            options = [("grpc.max_receive_message_length", self.config.max_receive_bytes),
-                       ("grpc.max_send_message_length", self.config.max_receive_bytes),
-                       # a restarted decoder is reached again within ~0.1-1 s, not gRPC's 1-120 s backoff
-                       ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                       ("grpc.max_reconnect_backoff_ms", 1000), *KEEPALIVE]
-            creds = channel_credentials(self.config)
-            self._channels[addr] = (grpc.aio.secure_channel(addr, creds, options=options) if creds
-                                    else grpc.aio.insecure_channel(addr, options=options))
+        channel = self._channels.get(job.header.decoder_address)
         remaining = context.time_remaining()
         timeout = min(self.config.transfer_timeout_s, remaining if remaining is not None else float("inf"))
         # NOTE: DecoderService.Transfer with a serializer that passes the pre-serialised chunk parts through
-        return self._channels[addr].stream_stream(TRANSFER, request_serializer=frames.serialize,
+        return channel.stream_stream(TRANSFER, request_serializer=frames.serialize,
                                                   response_deserializer=dpb.TransferResponse.FromString)(
             timeout=timeout, metadata=tracing.outgoing(job.span))
 

@@ -173,3 +173,30 @@ def crd_validate(obj: dict[str, Any], crd: Path = SERVICEMONITOR_CRD) -> None:
 
 def dashboard_json() -> Any:
     return json.loads((CHART_DIR / "dashboards" / "speckv.json").read_text())
+
+
+def validate_all(objs: list[dict[str, Any]], versions: tuple[str, ...]) -> None:
+    """Every built-in object of a render, strictly, for each Kubernetes version."""
+    builtin = [o for o in objs if o["kind"] not in ("ServiceMonitor", "PrometheusRule")]
+    assert builtin, "nothing rendered"
+    for version in versions:
+        for obj in builtin:
+            assert k8s_validate(obj, version) == version, obj["metadata"]["name"]
+
+
+def lint_clean(chart_dir: Path, values: dict[str, Any], namespace: str = NAMESPACE) -> None:
+    """`helm lint --strict` with these values: no error and no warning."""
+    report = helm_python.lint(chart_dir, values, strict=True, namespace=namespace)
+    assert report["errors"] == [], report["errors"]
+    assert [m for m in report["messages"] if m["severity"] >= 2] == [], report["messages"]
+
+
+def hook_pods(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The `helm test` hook Pods of a render."""
+    return [o for o in of_kind(objs, "Pod")
+            if (o["metadata"].get("annotations") or {}).get("helm.sh/hook") == "test"]
+
+
+def every_pod_spec(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The pod spec of every Deployment and of every bare Pod (the test hook)."""
+    return [spec for _, spec in pod_specs(objs)] + [p["spec"] for p in of_kind(objs, "Pod")]

@@ -222,7 +222,7 @@ def test_workloads_per_mode_and_role(rendered, case):
         assert sorted(d["metadata"]["name"] for d in deps) == sorted(names[r] for r in roles)
         assert of_kind(objs, "PodDisruptionBudget") == []
     assert {o["kind"] for o in objs} <= {"Deployment", "Service", "PodDisruptionBudget", "ConfigMap",
-                                          "ServiceMonitor"}
+                                          "ServiceMonitor", "ServiceAccount", "Pod"}
 
 
 @pytest.mark.parametrize("case", list(CASES))

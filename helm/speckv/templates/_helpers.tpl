@@ -76,29 +76,6 @@ app.kubernetes.io/part-of: speckv
 {{- if eq .role "encoder" -}}speckv.v1.EncoderService{{- else -}}speckv.v1.DecoderService{{- end -}}
 {{- end -}}
 
-{{/* The restricted container securityContext used by every container. */}}
-{{- define "speckv.containerSecurityContext" -}}
-runAsNonRoot: true
-runAsUser: 10001
-runAsGroup: 10001
-readOnlyRootFilesystem: true
-allowPrivilegeEscalation: false
-capabilities:
-  drop:
-    - ALL
-seccompProfile:
-  type: RuntimeDefault
-{{- end -}}
-
-{{- define "speckv.podSecurityContext" -}}
-runAsNonRoot: true
-runAsUser: 10001
-runAsGroup: 10001
-fsGroup: 10001
-seccompProfile:
-  type: RuntimeDefault
-{{- end -}}
-
 {{/* Fails the render on inconsistent values the schema cannot express. */}}
 {{- define "speckv.checks" -}}
 {{- $v := .values | default .root.Values -}}
@@ -110,6 +87,9 @@ seccompProfile:
 {{- if eq $v.mode "sidecar" }}{{ $ports = append $ports (int $v.vllm.port) }}{{ end -}}
 {{- if ne (len $ports) (len (uniq $ports)) -}}
 {{- fail (printf "speckv: ports must differ within a pod, got %v" $ports) -}}
+{{- end -}}
+{{- if and (hasPrefix "cuda" $v.predictor.device) (eq $v.image.variant "cpu") -}}
+{{- fail (printf "speckv: predictor.device %s needs image.variant cuda (the cpu image has no CUDA torch)" $v.predictor.device) -}}
 {{- end -}}
 {{- end -}}
 
@@ -136,6 +116,8 @@ seccompProfile:
   value: {{ $v.config.graceSeconds | toString | quote }}
 - name: SPECKV_LEASE_S
   value: {{ $v.config.leaseSeconds | toString | quote }}
+- name: SPECKV_PREDICTOR_DEVICE
+  value: {{ $v.predictor.device | quote }}
 {{- with $v.config.modelId }}
 - name: SPECKV_MODEL_ID
   value: {{ . | quote }}
@@ -184,6 +166,9 @@ seccompProfile:
 - name: speckv-tls
   mountPath: /etc/speckv/tls
   readOnly: true
+{{- end }}
+{{- with $v.extraVolumeMounts }}
+{{ toYaml . }}
 {{- end }}
 {{- end -}}
 
@@ -255,8 +240,7 @@ volumes. Example (a chart with speckv as a dependency):
   resources:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  securityContext:
-    {{- include "speckv.containerSecurityContext" . | nindent 4 }}
+  {{- include "speckv.containerSecurityContext" $scope | nindent 2 }}
   volumeMounts:
     {{- include "speckv.volumeMounts" $scope | nindent 4 }}
 {{- end -}}
@@ -298,8 +282,7 @@ the resources of .role's sidecar). Same scope dict as speckv.sidecarContainer.
   resources:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  securityContext:
-    {{- include "speckv.containerSecurityContext" . | nindent 4 }}
+  {{- include "speckv.containerSecurityContext" $scope | nindent 2 }}
   volumeMounts:
     - name: speckv-predictor
       mountPath: {{ $v.predictor.mountPath }}
@@ -319,8 +302,7 @@ the resources of .role's sidecar). Same scope dict as speckv.sidecarContainer.
   resources:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  securityContext:
-    {{- include "speckv.containerSecurityContext" . | nindent 4 }}
+  {{- include "speckv.containerSecurityContext" $scope | nindent 2 }}
   volumeMounts:
     - name: speckv-predictor
       mountPath: {{ $v.predictor.mountPath }}
@@ -357,30 +339,7 @@ the resources of .role's sidecar). Same scope dict as speckv.sidecarContainer.
     secretName: {{ required "speckv: tls.secretName is required when tls.enabled" $v.tls.secretName }}
     defaultMode: 0440
 {{- end }}
-{{- end -}}
-
-{{/* Pod-level fields shared by every pod of the chart. */}}
-{{- define "speckv.podCommon" -}}
-{{- $v := .values | default .root.Values -}}
-automountServiceAccountToken: false
-enableServiceLinks: false
-terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds | int }}
-securityContext:
-  {{- include "speckv.podSecurityContext" . | nindent 2 }}
-{{- with $v.imagePullSecrets }}
-imagePullSecrets:
-  {{- toYaml . | nindent 2 }}
-{{- end }}
-{{- with .placement.nodeSelector }}
-nodeSelector:
-  {{- toYaml . | nindent 2 }}
-{{- end }}
-{{- with .placement.tolerations }}
-tolerations:
-  {{- toYaml . | nindent 2 }}
-{{- end }}
-{{- with .placement.affinity }}
-affinity:
-  {{- toYaml . | nindent 2 }}
+{{- with $v.extraVolumes }}
+{{ toYaml . }}
 {{- end }}
 {{- end -}}
