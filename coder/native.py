@@ -137,7 +137,8 @@ class NativeCoder:
             a, b = np.ascontiguousarray(a, np.float32), np.ascontiguousarray(b, np.float32)
         if scales is not None:
             scales = np.ascontiguousarray(scales, np.float32)
-        _native.prepare_mu(scales is not None, mu, a, b, scales, layers, heads, tokens, dim, out, self.threads)
+        _native.prepare_mu(scales is not None, mu, a, b, scales, layers, heads, tokens, dim, out, self.threads,
+                           PATHS[self.path])
         return out
 
     def encode(self, x: np.ndarray, mu: np.ndarray, log2_sigma: np.ndarray, layer_counts: Sequence[int],

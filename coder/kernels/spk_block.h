@@ -105,11 +105,28 @@ struct MuJob {
     const float* scales; // FP8: per (layer, kv), or null (BF16 KV)
     int64_t heads, tokens, dim;
     void* out;           // u16 BF16 mu' (BF16 KV) or u32 fp32 mu' / scale (FP8 KV)
+    bool vector = false; // the AVX2 loops (cpu_has_avx2)
 };
 
 inline void prepare_mu_row(const MuJob& j, int64_t row) {  // row = (layer, kv, head)
     const int64_t e0 = row * j.tokens * j.dim;
     const float scale = j.scales ? j.scales[row / j.heads] : 1.0f;
+    if (j.vector) {  // the same bits, a token's dim channels at a time (spk_simd.h)
+        thread_local std::vector<uint16_t> tmp;
+        tmp.resize((size_t)j.dim);
+        for (int64_t tok = 0, e = e0; tok < j.tokens; ++tok, e += j.dim) {
+            const uint16_t* m = j.mu + e;
+            if (j.a) {
+                uint16_t* dst = j.scales ? tmp.data() : static_cast<uint16_t*>(j.out) + e;
+                affine_bf16_avx2(m, j.a + row * j.dim, j.b + row * j.dim, j.dim, dst);
+                m = dst;
+            } else if (!j.scales) {
+                std::memcpy(static_cast<uint16_t*>(j.out) + e, m, (size_t)j.dim * 2);
+            }
+            if (j.scales) fp8_mu_avx2(m, scale, j.dim, static_cast<uint32_t*>(j.out) + e);
+        }
+        return;
+    }
     for (int64_t tok = 0; tok < j.tokens; ++tok)
         for (int64_t d = 0; d < j.dim; ++d) {
             const int64_t e = e0 + tok * j.dim + d, c = row * j.dim + d;

@@ -130,14 +130,15 @@ struct Batch {
 
 PyObject* bytes_of(const void* p, size_t n) { return PyBytes_FromStringAndSize((const char*)p, (Py_ssize_t)n); }
 
-// prepare_mu(fp8, mu, a|None, b|None, scales|None, layers, heads, tokens, dim, out, threads)
+// prepare_mu(fp8, mu, a|None, b|None, scales|None, layers, heads, tokens, dim, out, threads[, path])
 PyObject* py_prepare_mu(PyObject*, PyObject* args) {
-    int fp8, threads;
+    int fp8, threads, path = PATH_AUTO;
     long long layers, heads, tokens, dim;
     PyObject *mu_o, *a_o, *b_o, *s_o, *out_o;
-    if (!PyArg_ParseTuple(args, "pOOOOLLLLOi", &fp8, &mu_o, &a_o, &b_o, &s_o, &layers, &heads, &tokens, &dim, &out_o,
-                          &threads))
+    if (!PyArg_ParseTuple(args, "pOOOOLLLLOi|i", &fp8, &mu_o, &a_o, &b_o, &s_o, &layers, &heads, &tokens, &dim,
+                          &out_o, &threads, &path))
         return nullptr;
+    const bool vector = spk::cpu_has_avx2() && (path == PATH_AUTO || path == PATH_VECTOR);
     Buf mu, a, b, s, out;
     const int64_t rows = layers * 2 * heads, n = rows * tokens * dim;
     if (layers < 0 || heads < 1 || tokens < 0 || dim < 1) return PyErr_Format(PyExc_ValueError, "mu: bad shape");
@@ -147,7 +148,7 @@ PyObject* py_prepare_mu(PyObject*, PyObject* args) {
     if (fp8 && !get_buf(s_o, s, rows / heads * 4, "scales")) return nullptr;
     if (!get_buf(out_o, out, n * (fp8 ? 4 : 2), "out", true)) return nullptr;
     spk::MuJob job{mu.as<uint16_t>(), affine ? a.as<float>() : nullptr, affine ? b.as<float>() : nullptr,
-                   fp8 ? s.as<float>() : nullptr, heads, tokens, dim, out.v.buf};
+                   fp8 ? s.as<float>() : nullptr, heads, tokens, dim, out.v.buf, vector};
     Py_BEGIN_ALLOW_THREADS
     parallel_for(rows, threads, [&](int64_t r) { spk::prepare_mu_row(job, r); });
     Py_END_ALLOW_THREADS

@@ -169,6 +169,35 @@ SPK_AVX2 inline void contexts_bf16_avx2(const uint16_t* mus, const int32_t* lev,
     contexts_bf16_body(mus, lev, n, lg8, out);
 }
 
+// -- mu correction (spk_affine_bf16, spk_fp8_mu) over a row of tokens -------------------
+SPK_INLINE float f32_of(uint32_t u) { return __builtin_bit_cast(float, u); }
+SPK_INLINE uint32_t u32_of(float f) { return __builtin_bit_cast(uint32_t, f); }
+
+// mu' = bf16(a mu + b) of dim channels: spk_affine_bf16 branch-free (one fp32 multiply,
+// then one add: -ffp-contract=off keeps them apart in vector code as in scalar code)
+SPK_INLINE void affine_bf16_body(const uint16_t* __restrict mu, const float* __restrict a, const float* __restrict b,
+                                 int64_t dim, uint16_t* __restrict out) {
+    for (int64_t d = 0; d < dim; ++d) {
+        const uint32_t m = mu[d];
+        const uint32_t u = u32_of(f32_of(m << 16) * a[d] + b[d]);
+        const uint32_t r = (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : ((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) & 0xFFFFu;
+        out[d] = (uint16_t)(a[d] == 1.0f && b[d] == 0.0f ? m : r);
+    }
+}
+
+// FP8 KV: mu' / scale in fp32 (one correctly rounded division each), as bits
+SPK_INLINE void fp8_mu_body(const uint16_t* __restrict mu, float scale, int64_t n, uint32_t* __restrict out) {
+    for (int64_t e = 0; e < n; ++e) out[e] = u32_of(f32_of((uint32_t)mu[e] << 16) / scale);
+}
+
+SPK_AVX2 inline void affine_bf16_avx2(const uint16_t* mu, const float* a, const float* b, int64_t dim, uint16_t* out) {
+    affine_bf16_body(mu, a, b, dim, out);
+}
+
+SPK_AVX2 inline void fp8_mu_avx2(const uint16_t* mu, float scale, int64_t n, uint32_t* out) {
+    fp8_mu_body(mu, scale, n, out);
+}
+
 // Whether this CPU runs the AVX2 stages (checked once; SPECKV's tests force either path).
 inline bool cpu_has_avx2() {
 #if SPK_HAVE_AVX2_BUILD
