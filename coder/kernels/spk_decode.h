@@ -40,8 +40,8 @@ void block_contexts(const DecodeJob& J, int64_t e0, int64_t n, uint32_t* __restr
     lev_buf.resize((size_t)n);
     int32_t* __restrict lev = lev_buf.data();
     Cursor(J.g, e0).fill_levels(J.L, n, lev);
-    if (!FX::fp8 && J.simd) {
-        contexts_bf16_avx2(static_cast<const uint16_t*>(J.mu) + e0, lev, n, J.simd->log2q8, ctx);
+    if (J.simd) {
+        contexts_avx2<FX>(static_cast<const typename Io<FX>::Mu*>(J.mu) + e0, lev, n, J.simd->log2q8, ctx);
         return;
     }
     for (int64_t e = 0; e < n; ++e)
@@ -53,9 +53,9 @@ template <class FX>
 void block_classify(const DecodeJob& J, const uint32_t* __restrict js, const uint32_t* __restrict ctx, int64_t n,
                     uint32_t* __restrict info, BlockTally& tally) {
     const int32_t* __restrict trad = J.t.radius;
-    if (!FX::fp8 && J.simd) {
+    if (J.simd) {
         Tallies32 t;
-        classify_bf16_avx2(js, ctx, n, trad, info, t);
+        classify_avx2<FX>(js, ctx, n, trad, info, t);
         tally.low_bits = t.low_bits, tally.n_zero = t.n_zero, tally.n_esc = t.n_esc;
         tally.unary_bound = t.unary_bound, tally.mu_bad = t.mu_bad != 0;
         return;

@@ -15,7 +15,7 @@ struct EncodeJob {
     const int32_t* L;  // log2 sigma per channel (1/8 octave, in x's units)
     bool fp8;
     const uint32_t* ctx_table = nullptr;  // BF16: bf16_context_table() (or null: computed)
-    const SimdTables* simd = nullptr;     // BF16 on an AVX2 CPU: the vector stages' tables (or null)
+    const SimdTables* simd = nullptr;     // on an AVX2 CPU: the vector stages' tables (or null)
 };
 
 struct EncodedBlock {
@@ -84,9 +84,10 @@ void encode_block_t(const EncodeJob& J, int64_t b, EncodedBlock& o) {
     ops_buf.resize((size_t)(steps * SPK_LANES)), desc_buf.resize((size_t)n), lev_buf.resize((size_t)n);
     std::fill(ops_buf.begin() + n, ops_buf.end(), SPK_PROB_SCALE << 16);  // padding: the no-op
     Cursor(J.g, e0).fill_levels(J.L, n, lev_buf.data());
-    if (!FX::fp8 && J.simd)
-        symbols_bf16_avx2(static_cast<const uint16_t*>(J.x) + e0, static_cast<const uint16_t*>(J.mu) + e0,
-                          lev_buf.data(), n, *J.simd, ops_buf.data(), desc_buf.data());
+    if (J.simd)
+        symbols_avx2<FX>(static_cast<const typename Io<FX>::X*>(J.x) + e0,
+                         static_cast<const typename Io<FX>::Mu*>(J.mu) + e0, lev_buf.data(), n, *J.simd,
+                         ops_buf.data(), desc_buf.data());
     else
         symbols_scalar<FX, FM, TAB>(J, e0, n, lev_buf.data(), ops_buf.data(), desc_buf.data());
     put_bits<FX>(desc_buf.data(), J.x, e0, n, o);

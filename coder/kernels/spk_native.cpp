@@ -122,7 +122,7 @@ struct Batch {
               parse_tables(tables[0], tables[1], tables[2], tables[3], tables[4], tb, t) &&
               get_buf(mu_o, mu, g.n_elements * (fp8 ? 4 : 2), "mu") && get_buf(l_o, L, g.n_rows * dim * 4, "L")))
             return false;
-        if (!fp8 && path == PATH_VECTOR) simd = std::make_unique<spk::SimdTableData>(t.cum, t.freq, t.n_symbols, t.off, t.radius);
+        if (path == PATH_VECTOR) simd = std::make_unique<spk::SimdTableData>(t.cum, t.freq, t.n_symbols, t.off, t.radius);
         return true;
     }
     const spk::SimdTables* vector_tables() const { return simd ? &simd->view : nullptr; }
@@ -260,9 +260,10 @@ PyObject* py_contexts(PyObject*, PyObject* args) {
     if (!get_buf(l_o, L, 4 * n, "L") || !get_buf(out_o, out, 4 * n, "out", true)) return nullptr;
     const uint32_t* tab = spk::bf16_context_table();
     if (path == 3) {  // the vector stage, as the coder runs it on a block
-        if (fp8 || !spk::cpu_has_avx2()) return PyErr_Format(PyExc_ValueError, "no vector path here");
+        if (!spk::cpu_has_avx2()) return PyErr_Format(PyExc_ValueError, "no vector path here");
         const spk::SimdTableData simd(nullptr, nullptr, 0, nullptr, nullptr);
-        spk::contexts_bf16_avx2(mu.as<uint16_t>(), L.as<int32_t>(), n, simd.view.log2q8, out.as<uint32_t>());
+        if (fp8) spk::contexts_avx2<SpkE4M3>(mu.v.buf, L.as<int32_t>(), n, simd.view.log2q8, out.as<uint32_t>());
+        else spk::contexts_avx2<SpkBF16>(mu.v.buf, L.as<int32_t>(), n, simd.view.log2q8, out.as<uint32_t>());
         Py_RETURN_NONE;
     }
     for (int64_t i = 0; i < n; ++i) {

@@ -78,25 +78,87 @@ SPK_INLINE void context_bf16(int32_t mu, int32_t L, const int32_t* __restrict lg
     mu_ok = e_mu != 0xFF;
 }
 
-// spk_bin<SpkBF16> in integers: |x| 2^-k floored and clamped to MAX_BIN (NaN: 0), signed
+// spk_context_float<SpkE4M3, SpkFP32> (FP8 KV: mu' / scale in fp32), branch-free; its
+// float operations are the scalar path's, one by one (no contraction: -ffp-contract=off)
+SPK_INLINE float f32_of(uint32_t u) { return __builtin_bit_cast(float, u); }
+SPK_INLINE uint32_t u32_of(float f) { return __builtin_bit_cast(uint32_t, f); }
+
+SPK_INLINE void context_fp8(uint32_t mu, int32_t L, const int32_t* __restrict lg8, int32_t& k, int32_t& t,
+                            int32_t& c_mu, int32_t& mu_ok) {
+    typedef SpkE4M3 FX;
+    const int32_t e_mu = (int32_t)((mu >> 23) & 0xFFu), neg = (int32_t)(mu >> 31);
+    const int32_t e_unb = imax(imax(e_mu, 1) - 127, 1 - FX::bias);
+    const int32_t top = (1 << FX::mant) - (int32_t)((mu & 0x7FFFFFu) >> (23 - FX::mant));
+    const int32_t near = lg8[top] + (e_unb - FX::mant) * SPK_SIGMA_ONE < L + SPK_NEAR_TOP_Q8;
+    const int32_t k_s = (L >> SPK_SIGMA_FRAC_BITS) - SPK_GRID_BELOW_SIGMA;  // NOTE: >> floors negatives
+    k = imax(FX::k_min, imin(imax(k_s, e_unb - FX::mant + near), FX::k_max));
+    const int32_t nb_mu = imin(k - (e_unb - FX::mant), 24);
+    const float half = f32_of((uint32_t)sel(nb_mu >= 0, (126 - nb_mu) << 23, 0));
+    // NOTE: g and v are >= 0 (or NaN), whose order is their bit patterns' order: integer
+    // compares and selects, which vectorise where float ones (which may trap) do not
+    const int32_t top_bin = (int32_t)u32_of((float)SPK_MAX_BIN);
+    const int32_t gb = (int32_t)u32_of(f32_of(mu & 0x7FFFFFFFu) * f32_of((uint32_t)(127 - k) << 23));  // exact
+    const float g = f32_of((uint32_t)sel(gb > 0x7F800000, 0, imin(gb, top_bin)));  // NaN -> 0; clamp
+    const int32_t vb = (int32_t)u32_of(g + half);
+    const float v = f32_of((uint32_t)imin(vb, top_bin));
+    const int32_t mag = (int32_t)v;  // floor: v in [0, MAX_BIN]
+    const int32_t frac = (int32_t)((v - (float)mag) * (float)SPK_OFFSETS);
+    c_mu = mag ^ -neg;
+    const int32_t lam = imax(SPK_LAMBDA_MIN, imin(L - k * SPK_SIGMA_ONE, SPK_LAMBDA_MAX));
+    const int32_t offs = frac ^ ((SPK_OFFSETS - 1) & -neg);
+    t = sel(lam < SPK_LAMBDA_OFFSET, (lam - SPK_LAMBDA_MIN) * SPK_OFFSETS + offs,
+            (SPK_LAMBDA_OFFSET - SPK_LAMBDA_MIN) * SPK_OFFSETS + lam - SPK_LAMBDA_OFFSET);
+    mu_ok = e_mu != 0xFF;
+}
+
+// The element types of a format's x and mu' (BF16: u16, u16; FP8: u8 codes, u32 fp32 bits).
+template <class FX> struct Io {
+    typedef uint16_t X;
+    typedef uint16_t Mu;
+};
+template <> struct Io<SpkE4M3> {
+    typedef uint8_t X;
+    typedef uint32_t Mu;
+};
+
+template <class FX>
+SPK_INLINE void context_of_fx(uint32_t mu, int32_t L, const int32_t* __restrict lg8, int32_t& k, int32_t& t,
+                              int32_t& c_mu, int32_t& mu_ok) {
+    if (FX::fp8) context_fp8(mu, L, lg8, k, t, c_mu, mu_ok);
+    else context_bf16((int32_t)mu, L, lg8, k, t, c_mu, mu_ok);
+}
+
+template <class FX> SPK_INLINE int32_t finite_fx(int32_t x) {
+    if (FX::fp8) return (x & 0x7F) != 0x7F;
+    return ((x >> FX::mant) & (int32_t)FX::exp_mask) != (int32_t)FX::exp_mask;
+}
+
+// spk_bin<FX> in integers: |x| 2^-k floored and clamped to MAX_BIN (NaN: 0), signed
 // NOTE: the float path's product is exact or underflows below 1, so both floor alike
-SPK_INLINE int32_t bin_bf16(int32_t x, int32_t k, int32_t& mag) {
-    const int32_t e_x = (x >> 7) & 0xFF, sx = (x & 0x7F) | sel(e_x != 0, 128, 0);
-    const int32_t sh = imax(e_x, 1) - 134 - k;  // |x| = sx 2^(max(e, 1) - 134)
+template <class FX>
+SPK_INLINE int32_t bin_fx(int32_t x, int32_t k, int32_t& mag) {
+    const int32_t e_x = (x >> FX::mant) & (int32_t)FX::exp_mask, m = x & (int32_t)FX::mant_mask;
+    const int32_t sx = m | sel(e_x != 0, 1 << FX::mant, 0);
+    const int32_t sh = imax(e_x, 1) - FX::bias - FX::mant - k;  // |x| = sx 2^(max(e, 1) - bias - mant)
     mag = sel(sh >= 0, imin(sx << imin(imax(sh, 0), 12), SPK_MAX_BIN), sx >> imin(imax(-sh, 0), 31));
-    mag = sel(e_x == 0xFF, sel((x & 0x7F) != 0, 0, SPK_MAX_BIN), mag);
-    return mag ^ -(x >> 15);
+    if (FX::fp8) mag = sel((x & 0x7F) == 0x7F, 0, mag);  // e4m3fn's NaN
+    else mag = sel(e_x == (int32_t)FX::exp_mask, sel(m != 0, 0, SPK_MAX_BIN), mag);  // NaN: 0; inf: the last bin
+    return mag ^ -(x >> (FX::bits - 1));
 }
 
 // LOW width of a NORMAL bin: max(mant - floor(log2 mag), 0) by comparisons (no clz in AVX2)
-SPK_INLINE int32_t low_width_bf16(int32_t mag) {
-    return (mag < 2) + (mag < 4) + (mag < 8) + (mag < 16) + (mag < 32) + (mag < 64) + (mag < 128);
+template <class FX>
+SPK_INLINE int32_t low_width(int32_t mag) {
+    int32_t w = 0;
+    for (int i = 1; i <= FX::mant; ++i) w += mag < (1 << i);
+    return w;
 }
 
-// Encoder stage A of n BF16 elements: each one's rANS op and bit descriptor.
-SPK_INLINE void symbols_bf16_body(const uint16_t* __restrict xs, const uint16_t* __restrict mus,
-                                  const int32_t* __restrict lev, int64_t n, const SimdTables& T,
-                                  uint32_t* __restrict ops, uint32_t* __restrict desc) {
+// Encoder stage A of n elements: each one's rANS op and bit descriptor.
+template <class FX>
+SPK_INLINE void symbols_body(const typename Io<FX>::X* __restrict xs, const typename Io<FX>::Mu* __restrict mus,
+                             const int32_t* __restrict lev, int64_t n, const SimdTables& T,
+                             uint32_t* __restrict ops, uint32_t* __restrict desc) {
     const uint32_t* __restrict op = T.op;
     const int32_t* __restrict toff = T.off;
     const int32_t* __restrict trad = T.radius;
@@ -105,23 +167,24 @@ SPK_INLINE void symbols_bf16_body(const uint16_t* __restrict xs, const uint16_t*
     for (int64_t e = 0; e < n; ++e) {
         const int32_t x = xs[e];
         int32_t k, t, c_mu, mu_ok, mag;
-        context_bf16(mus[e], lev[e], lg8, k, t, c_mu, mu_ok);
-        const int32_t d = bin_bf16(x, k, mag) - c_mu, R = trad[t];
-        const int32_t esc = (((x >> 7) & 0xFF) == 0xFF) | !mu_ok | (d > R) | (d < -R) | (mag >= SPK_MAX_BIN);
+        context_of_fx<FX>(mus[e], lev[e], lg8, k, t, c_mu, mu_ok);
+        const int32_t d = bin_fx<FX>(x, k, mag) - c_mu, R = trad[t];
+        const int32_t esc = !finite_fx<FX>(x) | !mu_ok | (d > R) | (d < -R) | (mag >= SPK_MAX_BIN);
         const int32_t kind = sel(esc, SPK_KIND_ESC, sel(mag == 0, SPK_KIND_ZERO, SPK_KIND_NORMAL));
-        const int32_t width = sel(esc, SpkBF16::bits, sel(mag == 0, SpkBF16::mant, low_width_bf16(mag)));
+        const int32_t width = sel(esc, FX::bits, sel(mag == 0, FX::mant, low_width<FX>(mag)));
         ops[e] = op[toff[t] + sel(esc, 2 * R + 1, d + R)];
         desc[e] = pack_desc((uint32_t)(x & ((1 << width) - 1)), (uint32_t)width, (uint32_t)kind, k);
     }
 }
 
-// Decoder stage 0: the packed contexts (spk_pack_context) of n BF16 elements.
-SPK_INLINE void contexts_bf16_body(const uint16_t* __restrict mus, const int32_t* __restrict lev, int64_t n,
-                                   const int32_t* __restrict lg8, uint32_t* __restrict out) {
+// Decoder stage 0: the packed contexts (spk_pack_context) of n elements.
+template <class FX>
+SPK_INLINE void contexts_body(const typename Io<FX>::Mu* __restrict mus, const int32_t* __restrict lev, int64_t n,
+                              const int32_t* __restrict lg8, uint32_t* __restrict out) {
 #pragma GCC ivdep
     for (int64_t e = 0; e < n; ++e) {
         int32_t k, t, c_mu, mu_ok;
-        context_bf16(mus[e], lev[e], lg8, k, t, c_mu, mu_ok);
+        context_of_fx<FX>(mus[e], lev[e], lg8, k, t, c_mu, mu_ok);
         out[e] = (uint32_t)t | (uint32_t)(k + 128) << 10 | (uint32_t)(c_mu + 4096) << 18 | (uint32_t)mu_ok << 31;
     }
 }
@@ -133,8 +196,9 @@ struct Tallies32 {
     uint32_t low_bits = 0, n_zero = 0, n_esc = 0, unary_bound = 0, mu_bad = 0;
 };
 
-SPK_INLINE void classify_bf16_body(const uint32_t* __restrict js, const uint32_t* __restrict ctx, int64_t n,
-                                   const int32_t* __restrict trad, uint32_t* __restrict info, Tallies32& tl) {
+template <class FX>
+SPK_INLINE void classify_body(const uint32_t* __restrict js, const uint32_t* __restrict ctx, int64_t n,
+                              const int32_t* __restrict trad, uint32_t* __restrict info, Tallies32& tl) {
     uint32_t low_bits = 0, n_zero = 0, n_esc = 0, unary_bound = 0, mu_bad = 0;
 #pragma GCC ivdep
     for (int64_t e = 0; e < n; ++e) {
@@ -146,32 +210,33 @@ SPK_INLINE void classify_bf16_body(const uint32_t* __restrict js, const uint32_t
         const int32_t esc = j == 2 * R + 1, zero = !esc & (mag == 0), normal = !esc & (mag != 0);
         const int32_t kind = sel(esc, SPK_KIND_ESC, sel(zero, SPK_KIND_ZERO, SPK_KIND_NORMAL));
         info[e] = (uint32_t)(c + 8192) | (uint32_t)(k + 128) << 14 | (uint32_t)kind << 22 | (uint32_t)!mu_ok << 24;
-        low_bits += (uint32_t)(normal * low_width_bf16(mag));
+        low_bits += (uint32_t)(normal * low_width<FX>(mag));
         n_zero += (uint32_t)zero, n_esc += (uint32_t)esc;
-        unary_bound += (uint32_t)(zero * (k + SpkBF16::bias));
+        unary_bound += (uint32_t)(zero * (k + FX::bias));
         mu_bad += (uint32_t)(!mu_ok & !esc);
     }
     tl.low_bits = low_bits, tl.n_zero = n_zero, tl.n_esc = n_esc, tl.unary_bound = unary_bound, tl.mu_bad = mu_bad;
 }
 
-SPK_AVX2 inline void classify_bf16_avx2(const uint32_t* js, const uint32_t* ctx, int64_t n, const int32_t* trad,
-                                        uint32_t* info, Tallies32& tl) {
-    classify_bf16_body(js, ctx, n, trad, info, tl);
+template <class FX>
+SPK_AVX2 void classify_avx2(const uint32_t* js, const uint32_t* ctx, int64_t n, const int32_t* trad, uint32_t* info,
+                            Tallies32& tl) {
+    classify_body<FX>(js, ctx, n, trad, info, tl);
 }
 
-SPK_AVX2 inline void symbols_bf16_avx2(const uint16_t* xs, const uint16_t* mus, const int32_t* lev, int64_t n,
-                                       const SimdTables& T, uint32_t* ops, uint32_t* desc) {
-    symbols_bf16_body(xs, mus, lev, n, T, ops, desc);
+template <class FX>
+SPK_AVX2 void symbols_avx2(const void* xs, const void* mus, const int32_t* lev, int64_t n, const SimdTables& T,
+                           uint32_t* ops, uint32_t* desc) {
+    symbols_body<FX>(static_cast<const typename Io<FX>::X*>(xs), static_cast<const typename Io<FX>::Mu*>(mus), lev, n,
+                     T, ops, desc);
 }
 
-SPK_AVX2 inline void contexts_bf16_avx2(const uint16_t* mus, const int32_t* lev, int64_t n, const int32_t* lg8,
-                                        uint32_t* out) {
-    contexts_bf16_body(mus, lev, n, lg8, out);
+template <class FX>
+SPK_AVX2 void contexts_avx2(const void* mus, const int32_t* lev, int64_t n, const int32_t* lg8, uint32_t* out) {
+    contexts_body<FX>(static_cast<const typename Io<FX>::Mu*>(mus), lev, n, lg8, out);
 }
 
 // -- mu correction (spk_affine_bf16, spk_fp8_mu) over a row of tokens -------------------
-SPK_INLINE float f32_of(uint32_t u) { return __builtin_bit_cast(float, u); }
-SPK_INLINE uint32_t u32_of(float f) { return __builtin_bit_cast(uint32_t, f); }
 
 // mu' = bf16(a mu + b) of dim channels: spk_affine_bf16 branch-free (one fp32 multiply,
 // then one add: -ffp-contract=off keeps them apart in vector code as in scalar code)

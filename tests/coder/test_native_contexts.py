@@ -49,3 +49,22 @@ def test_every_native_path_codes_the_same_bytes(ckpt):
         assert back.tobytes() == x.tobytes()
         outs.append([(p.blocks.states.tobytes(), p.blocks.words.tobytes(), p.bits) for p in parts])
     assert all(o == outs[0] for o in outs[1:])
+
+
+def test_fp8_contexts_vector_path_on_spread_fp32_patterns():
+    """FP8 KV's mu' is fp32 (mu / scale): the AVX2 context stage against the scalar one on
+    every high half-word with spread low halves (NaN, inf, subnormals, zeros included) at
+    levels far beyond any calibration."""
+    need_native()
+    if not native.vector_path():
+        pytest.skip("the vector path needs a CPU with AVX2")
+    hi = np.arange(1 << 16, dtype=np.uint32) << 16
+    lo = np.array([0, 1, 0x7FFF, 0x8000, 0xFFFF, 0x1234], np.uint32)
+    mu = (hi[:, None] | lo[None, :]).ravel()
+    for level in range(-120, 60, 7):
+        L = np.full(len(mu), level, np.int32)
+        want, got = np.empty(len(mu), np.uint32), np.empty(len(mu), np.uint32)
+        native._native.contexts(True, mu, L, want, 0)
+        native._native.contexts(True, mu, L, got, 3)
+        bad = np.flatnonzero(want != got)
+        assert len(bad) == 0, f"{len(bad)} differ at level {level}, first mu {mu[bad[0]]:#010x}"
