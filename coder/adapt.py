@@ -28,6 +28,7 @@ with ``|shift| <= SHIFT_MAX``.
 from __future__ import annotations
 
 from functools import cache
+from typing import Protocol
 
 import numpy as np
 
@@ -74,21 +75,33 @@ def sample_tokens(tokens: int) -> slice:
     return slice(0, tokens, max(1, tokens // SAMPLE_TOKENS))
 
 
+class GroupCoster(Protocol):
+    """A backend's ``group_costs``: the numbers ``_group_costs`` computes, natively."""
+
+    def group_costs(self, x: np.ndarray, mu: np.ndarray, levels: np.ndarray,
+                    tables: CodingTables) -> tuple[np.ndarray, np.ndarray]: ...
+
+
 def _group_costs(fx: FloatFormat, fm: FloatFormat, tab: CodingTables, x: np.ndarray, mu: np.ndarray,
-                 log2_sigma: np.ndarray, shifts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                 log2_sigma: np.ndarray, shifts: np.ndarray,
+                 backend: GroupCoster | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per group (rows of ``x``: ``(groups, tokens, dim)``), the summed cost and surprises under
-    ``log2_sigma + shifts`` (``log2_sigma``: ``(groups, dim)``, ``shifts``: ``(groups,)``)."""
+    ``log2_sigma + shifts`` (``log2_sigma``: ``(groups, dim)``, ``shifts``: ``(groups,)``), in numpy
+    or by ``backend`` (the same integers)."""
     L = np.broadcast_to((log2_sigma + shifts[:, None])[:, None, :], x.shape)
+    if backend is not None:
+        return backend.group_costs(x, mu, L, tab)
     ctx = context(fx, fm, mu.ravel(), L.ravel())
     cost, surprise = element_costs(fx, tab, ctx, x.ravel())
     return cost.reshape(len(x), -1).sum(axis=1), surprise.reshape(len(x), -1).sum(axis=1)
 
 
 def choose_shifts(fx: FloatFormat, fm: FloatFormat, tab: CodingTables, x: np.ndarray, mu: np.ndarray,
-                  log2_sigma: np.ndarray) -> np.ndarray:
+                  log2_sigma: np.ndarray, backend: GroupCoster | None = None) -> np.ndarray:
     """The shift of each (layer, kv, head) group: int8 ``(layers, 2, heads)`` for KV bit
     patterns ``x`` ``(layers, 2, heads, tokens, dim)``, mu as coded (``fm``) and the model's
-    ``log2_sigma`` ``(layers, 2, heads, dim)`` (in x's units)."""
+    ``log2_sigma`` ``(layers, 2, heads, dim)`` (in x's units); costs priced in numpy, or by a
+    native ``backend`` (the same integers, so the same shifts)."""
     groups = x.shape[:3]
     out = np.zeros(groups, np.int8)
     if x.size == 0:
@@ -98,7 +111,7 @@ def choose_shifts(fx: FloatFormat, fm: FloatFormat, tab: CodingTables, x: np.nda
     ms = mu[:, :, :, tok].reshape(xs.shape)
     lg = np.asarray(log2_sigma, np.int64).reshape(-1, x.shape[4])
     n = np.zeros(len(xs), np.int64)
-    cost0, surprises = _group_costs(fx, fm, tab, xs, ms, lg, n)
+    cost0, surprises = _group_costs(fx, fm, tab, xs, ms, lg, n, backend)
     hot = np.flatnonzero(surprises * SEARCH_SURPRISES > xs.shape[1] * xs.shape[2])
     if not len(hot):
         return out
@@ -107,7 +120,7 @@ def choose_shifts(fx: FloatFormat, fm: FloatFormat, tab: CodingTables, x: np.nda
 
     def consider(cand: np.ndarray) -> None:
         nonlocal best, best_cost
-        cost, _ = _group_costs(fx, fm, tab, xs, ms, lg, cand)
+        cost, _ = _group_costs(fx, fm, tab, xs, ms, lg, cand, backend)
         better = cost < best_cost  # NOTE: strict: ties keep the earlier candidate
         best, best_cost = np.where(better, cand, best), np.where(better, cost, best_cost)
 

@@ -223,12 +223,14 @@ class Codec:
 
     def _adapted(self, plan: Plan, h: ct.StreamHeader) -> Plan:
         """An encoding plan with the sigma shifts of a version 4 stream, chosen by
-        ``adapt.choose_shifts`` (numpy, whatever the backend: every backend writes the same bytes)."""
+        ``adapt.choose_shifts``, its costs priced by the native backend where it runs (the same
+        integers as numpy's, so the same shifts and bytes on every backend)."""
         if h.version < 4:
             return plan
         assert plan.x is not None  # an encoding plan
+        coster = self.backend if hasattr(self.backend, "group_costs") else None
         return plan.shifted(choose_shifts(plan.fmt, plan.fmt_mu, plan.model.tables, plan.x, plan.mu,
-                                          plan.log2_sigma))
+                                          plan.log2_sigma, coster))
 
     def _plan(self, kv, ids, mu, fmt: FloatFormat | None = None, scales=None,
               layers: slice | None = None, model_id: int | None = None) -> Plan:

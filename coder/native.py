@@ -17,6 +17,7 @@ Lifecycle::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from typing import Any, Sequence
 
 import numpy as np
@@ -153,6 +154,23 @@ class NativeCoder:
         return [EncodedChunk(RansBlocks(np.frombuffer(s, np.uint32).reshape(-1, LANES), np.frombuffer(c, np.uint32),
                                         np.frombuffer(w, np.uint16)), bits) for s, c, w, bits in parts]
 
+    def group_costs(self, x: np.ndarray, mu: np.ndarray, levels: np.ndarray,
+                    tables: CodingTables) -> tuple[np.ndarray, np.ndarray]:
+        """``adapt``'s exact coded cost (1/256 bits) and surprises of each group: rows of x
+        ``(groups, ...)`` (u16 BF16 / u8 e4m3 patterns), mu as coded and per-element levels
+        alike; the numbers ``adapt.element_costs`` sums, computed natively."""
+        from .adapt import COST_FRAC_BITS, SURPRISE_BITS
+
+        groups = len(x)
+        cost, hits = np.zeros(groups, np.int64), np.zeros(groups, np.int64)
+        if x.size == 0:
+            return cost, hits
+        _native.group_costs(x.dtype == np.uint8, np.ascontiguousarray(x), np.ascontiguousarray(mu),
+                            np.ascontiguousarray(levels, np.int32), x.size // groups, _symbol_cost32(),
+                            SURPRISE_BITS << COST_FRAC_BITS, *self.flat(tables).args(), cost, hits, self.threads,
+                            PATHS[self.path])
+        return cost, hits
+
     def decode(self, mu: np.ndarray, log2_sigma: np.ndarray, layer_counts: Sequence[int], elems_per_lane: int,
                streams: Sequence[tuple[RansBlocks, bytes]], tables: CodingTables, out: np.ndarray) -> None:
         """Decode consecutive chunks into ``out`` (their layers' bit patterns, u16 or u8).
@@ -171,6 +189,13 @@ class NativeCoder:
             _raise(*err)
 
 
+
+
+@cache
+def _symbol_cost32() -> np.ndarray:
+    from .adapt import symbol_cost
+
+    return np.ascontiguousarray(symbol_cost(), np.int32)
 
 
 def _levels(log2_sigma: np.ndarray) -> np.ndarray:

@@ -180,6 +180,32 @@ void decode_block_values(const DecodeJob& J, int64_t b, const uint32_t* info, co
     f.normal_bad = normal_bad, f.zero_bad = zero_bad;
 }
 
+// decode_block_values on the vector path (spk_simd.h, stage C); the same values and flags.
+template <class FX>
+void decode_block_values_vector(const DecodeJob& J, int64_t b, const uint32_t* info, const ChunkSections& cs,
+                                BlockFlags& f) {
+    const Geometry& g = J.g;
+    const int64_t lb = b - g.chunk_b0[g.block_chunk[b]], e0 = g.block_e0[b], n = g.block_n[b];
+    thread_local std::vector<uint32_t> wk_buf, pos_buf, zi_buf;
+    wk_buf.resize((size_t)n), pos_buf.resize((size_t)n), zi_buf.resize((size_t)n);
+    uint32_t* __restrict wk = wk_buf.data();
+    uint32_t* __restrict pos = pos_buf.data();
+    uint32_t* __restrict zi = zi_buf.data();
+    field_widths_avx2<FX>(info, n, wk);
+    // C2: each field's start, a running sum per section (selects, not branches)
+    uint32_t low = (uint32_t)cs.low[lb], zman = (uint32_t)cs.zman[lb], esc = (uint32_t)cs.esc[lb];
+    uint32_t z = (uint32_t)cs.zero0[lb];
+    for (int64_t e = 0; e < n; ++e) {
+        const uint32_t kind = wk[e] >> 8, w = wk[e] & 0xFFu;
+        const uint32_t normal = kind == SPK_KIND_NORMAL, zero = kind == SPK_KIND_ZERO;
+        pos[e] = normal ? low : zero ? zman : esc;
+        zi[e] = z;
+        low += normal ? w : 0, zman += zero ? w : 0, esc += kind == SPK_KIND_ESC ? w : 0, z += zero;
+    }
+    compose_avx2<FX>(info, wk, pos, zi, n, cs.padded.data(), cs.deltas.data(), static_cast<uint8_t*>(J.out) +
+                     e0 * (FX::bits / 8), f.normal_bad, f.zero_bad);
+}
+
 using ParallelFor = void (*)(int64_t, int, const std::function<void(int64_t)>&);
 
 struct Decoder {
@@ -219,7 +245,10 @@ struct Decoder {
         std::vector<BlockFlags> flags((size_t)g.n_blocks);
         pfor(g.n_blocks, threads, [&](int64_t b) {
             const ChunkSections& cs = secs[g.block_chunk[b]];
-            if (!cs.early) decode_block_values<FX>(J, b, info + g.block_e0[b], cs, flags[b]);
+            if (cs.early) return;
+            // NOTE: the vector pass keeps bit positions in uint32 (spk_simd.h)
+            if (J.simd && cs.padded.size() < (1u << 28)) decode_block_values_vector<FX>(J, b, info + g.block_e0[b], cs, flags[b]);
+            else decode_block_values<FX>(J, b, info + g.block_e0[b], cs, flags[b]);
         });
         for (int64_t c = 0; c < nc; ++c) {
             BlockFlags f;
@@ -285,7 +314,7 @@ inline void chunk_sections(const DecodeJob& J, int64_t c, const std::vector<Bloc
             if (o.deltas.size() < nz) o.deltas.push_back((uint32_t)std::min<uint64_t>(pos - prev - 1, 1u << 30));
             prev = pos, ++o.ones, o.unary_bits = pos + 1;
         }
-    o.deltas.resize(std::max<uint64_t>(nz, 1), 0);  // NOTE: >= 1 entry: the value pass reads one always
+    o.deltas.resize(nz + 1, 0);  // NOTE: one past the last: the vector value pass reads it for later elements
     o.n_zero = nz, o.unary_bytes = s_un;
     o.padded.assign(cs.bits, cs.bits + len);
     o.padded.resize(len + 8, 0);

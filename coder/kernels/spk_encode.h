@@ -94,6 +94,48 @@ void encode_block_t(const EncodeJob& J, int64_t b, EncodedBlock& o) {
     rans_block(ops_buf.data(), steps, o);
 }
 
+// -- the encoder's cost sample (coder/adapt.py element_costs) -------------------------------
+// Exact coded cost (1/256 bits: sym_cost[freq] plus the raw bits) and surprises (escapes,
+// and symbols costing >= surprise) of one group's n elements at levels lev (one a scalar).
+struct CostJob {
+    const EncodeJob& J;      // x, mu and tables; J.L unused (levels come per element)
+    const int32_t* lev;      // (groups, n) levels, shifts applied
+    const int32_t* sym_cost; // per frequency 0..PROB_SCALE
+    int32_t surprise;        // a symbol costing this much or more is a surprise
+    int64_t n;               // elements per group
+};
+
+template <class FX, class FM, bool TAB>
+void group_cost_t(const CostJob& C, int64_t g, int64_t* cost, int64_t* surprises) {
+    const int64_t e0 = g * C.n, n = C.n;
+    thread_local std::vector<uint32_t> ops_buf, desc_buf;
+    ops_buf.resize((size_t)n), desc_buf.resize((size_t)n);
+    uint32_t* ops = ops_buf.data();
+    uint32_t* desc = desc_buf.data();
+    if (C.J.simd)
+        symbols_avx2<FX>(static_cast<const typename Io<FX>::X*>(C.J.x) + e0,
+                         static_cast<const typename Io<FX>::Mu*>(C.J.mu) + e0, C.lev + e0, n, *C.J.simd, ops, desc);
+    else
+        symbols_scalar<FX, FM, TAB>(C.J, e0, n, C.lev + e0, ops, desc);
+    int64_t total = 0, hits = 0;
+    for (int64_t e = 0; e < n; ++e) {
+        const uint32_t d = desc[e], kind = d >> 21 & 3u;
+        const int32_t sym = C.sym_cost[ops[e] >> 16];
+        int32_t raw = (int32_t)(d >> 16 & 31u);
+        if (kind == SPK_KIND_ZERO)  // the unary code too: delta zeros and a one
+            raw += (int32_t)(d >> 23) - 128 + FX::bias - (int32_t)((load<FX>(C.J.x, e0 + e) >> FX::mant) & FX::exp_mask);
+        total += sym + ((int64_t)raw << 8);
+        hits += (kind == SPK_KIND_ESC) | (sym >= C.surprise);
+    }
+    cost[g] = total, surprises[g] = hits;
+}
+
+inline void group_cost(const CostJob& C, int64_t g, int64_t* cost, int64_t* surprises) {
+    if (C.J.fp8) group_cost_t<SpkE4M3, SpkFP32, false>(C, g, cost, surprises);
+    else if (C.J.ctx_table) group_cost_t<SpkBF16, SpkBF16, true>(C, g, cost, surprises);
+    else group_cost_t<SpkBF16, SpkBF16, false>(C, g, cost, surprises);
+}
+
 inline void encode_block(const EncodeJob& J, int64_t b, EncodedBlock& o) {
     if (J.fp8) encode_block_t<SpkE4M3, SpkFP32, false>(J, b, o);
     else if (J.ctx_table) encode_block_t<SpkBF16, SpkBF16, true>(J, b, o);

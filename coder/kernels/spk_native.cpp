@@ -247,6 +247,41 @@ PyObject* py_decode(PyObject*, PyObject* args) {
                          (long long)where[3]);
 }
 
+// group_costs(fp8, x, mu, lev, n, sym_cost, surprise, cum, freq, off, size, radius, cost, surprises, threads[, path]):
+// per group of n consecutive elements (x, mu as coded, lev per element), its exact coded cost
+// and surprises (coder/adapt.py's element_costs, summed) into the int64 arrays cost, surprises
+PyObject* py_group_costs(PyObject*, PyObject* args) {
+    int fp8, threads, surprise, path = PATH_AUTO;
+    long long n;
+    PyObject *x_o, *mu_o, *l_o, *sc_o, *cum_o, *freq_o, *off_o, *size_o, *rad_o, *cost_o, *hit_o;
+    if (!PyArg_ParseTuple(args, "pOOOLOiOOOOOOOi|i", &fp8, &x_o, &mu_o, &l_o, &n, &sc_o, &surprise, &cum_o, &freq_o,
+                          &off_o, &size_o, &rad_o, &cost_o, &hit_o, &threads, &path))
+        return nullptr;
+    if (path == PATH_AUTO) path = spk::cpu_has_avx2() ? PATH_VECTOR : PATH_LOOKUP;
+    if (n < 1 || path < PATH_COMPUTED || path > PATH_VECTOR || (path == PATH_VECTOR && !spk::cpu_has_avx2()))
+        return PyErr_Format(PyExc_ValueError, "group_costs: bad group size or path");
+    Buf tb[5], x, mu, L, sc, cost, hit;
+    spk::Tables t;
+    if (!parse_tables(cum_o, freq_o, off_o, size_o, rad_o, tb, t) || !get_buf(cost_o, cost, -1, "cost", true))
+        return nullptr;
+    const int64_t groups = cost.count(8), total = groups * n;
+    if (!get_buf(x_o, x, total * (fp8 ? 1 : 2), "x") || !get_buf(mu_o, mu, total * (fp8 ? 4 : 2), "mu") ||
+        !get_buf(l_o, L, total * 4, "lev") || !get_buf(sc_o, sc, (SPK_PROB_SCALE + 1) * 4, "sym_cost") ||
+        !get_buf(hit_o, hit, groups * 8, "surprises", true))
+        return nullptr;
+    // NOTE: the symbol lookups index the tables by context: the same checks as encode's
+    std::unique_ptr<spk::SimdTableData> simd;
+    if (path == PATH_VECTOR) simd = std::make_unique<spk::SimdTableData>(t.cum, t.freq, t.n_symbols, t.off, t.radius);
+    const uint32_t* table = !fp8 && path == PATH_LOOKUP ? spk::bf16_context_table() : nullptr;
+    spk::Geometry g;  // unused by the cost pass
+    spk::EncodeJob job{g, t, x.v.buf, mu.v.buf, nullptr, fp8 != 0, table, simd ? &simd->view : nullptr};
+    spk::CostJob cj{job, L.as<int32_t>(), sc.as<int32_t>(), surprise, n};
+    Py_BEGIN_ALLOW_THREADS
+    parallel_for(groups, threads, [&](int64_t i) { spk::group_cost(cj, i, cost.as<int64_t>(), hit.as<int64_t>()); });
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 // contexts(fp8, mu, L, out, path): packed context of each (mu, L) pair, as model.ContextTable
 // packs it, on the BF16 path 0 (integer), 1 (float, as the CUDA kernels), 2 (the CPU coder's
 // table lookup) or 3 (its AVX2 stage); tests compare the native model with numpy's
@@ -282,6 +317,7 @@ PyMethodDef methods[] = {
     {"contexts", py_contexts, METH_VARARGS, "packed contexts of (mu, L) pairs (tests)"},
     {"prepare_mu", py_prepare_mu, METH_VARARGS, "mu correction (model 2) and the FP8 division, threaded"},
     {"encode", py_encode, METH_VARARGS, "code a batch of consecutive chunks"},
+    {"group_costs", py_group_costs, METH_VARARGS, "exact coded cost and surprises per group (adapt.py)"},
     {"decode", py_decode, METH_VARARGS, "decode a batch of consecutive chunks into a buffer"},
     {nullptr, nullptr, 0, nullptr},
 };

@@ -236,6 +236,74 @@ SPK_AVX2 void contexts_avx2(const void* mus, const int32_t* lev, int64_t n, cons
     contexts_body<FX>(static_cast<const typename Io<FX>::Mu*>(mus), lev, n, lg8, out);
 }
 
+// -- decoder stage C: bit patterns from bins and raw fields (decode_block_values) ---------
+// C1 (vector): each element's raw field width and kind; C2 (scalar scan): where its field
+// starts in its section; C3 (vector): the fields read (gathers) and the values composed as
+// spk_normal_value / spk_zero_value do, with their checks.
+// NOTE: bit positions are uint32 here: the caller takes this path only for chunks whose
+// bit sections hold fewer than 2^31 bits.
+template <class FX> SPK_INLINE int32_t flog2_bin(int32_t m) {  // floor(log2 m), 1 <= m <= MAX_BIN
+    int32_t f = 0;
+    for (int i = 1; i < 12; ++i) f += m >= (1 << i);
+    return f;
+}
+
+template <class FX>
+SPK_INLINE void field_widths_body(const uint32_t* __restrict info, int64_t n, uint32_t* __restrict wk) {
+#pragma GCC ivdep
+    for (int64_t e = 0; e < n; ++e) {
+        const int32_t kind = (int32_t)(info[e] >> 22 & 3u), c = (int32_t)(info[e] & 0x3FFFu) - 8192;
+        const int32_t w = sel(kind == SPK_KIND_NORMAL, low_width<FX>(c ^ (c >> 31)),
+                              sel(kind == SPK_KIND_ZERO, FX::mant, FX::bits));
+        wk[e] = (uint32_t)w | (uint32_t)kind << 8;
+    }
+}
+
+template <class FX>
+SPK_INLINE void compose_body(const uint32_t* __restrict info, const uint32_t* __restrict wk,
+                             const uint32_t* __restrict pos, const uint32_t* __restrict zi, int64_t n,
+                             const uint8_t* __restrict buf, const uint32_t* __restrict deltas,
+                             typename Io<FX>::X* __restrict out, uint32_t& normal_bad, uint32_t& zero_bad) {
+    uint32_t nbad = 0, zbad = 0;
+#pragma GCC ivdep
+    for (int64_t e = 0; e < n; ++e) {
+        const int32_t kind = (int32_t)(wk[e] >> 8), w = (int32_t)(wk[e] & 0xFFu);
+        uint32_t raw;
+        std::memcpy(&raw, buf + (pos[e] >> 3), 4);  // NOTE: MSB first: a big-endian load (read_bits)
+        raw = __builtin_bswap32(raw) << (pos[e] & 7u);
+        raw = (uint32_t)sel(w != 0, (int32_t)(raw >> ((32 - w) & 31)), 0);
+        const uint32_t in = info[e];
+        const int32_t c = (int32_t)(in & 0x3FFFu) - 8192, k = (int32_t)(in >> 14 & 0xFFu) - 128;
+        const int32_t mag = c ^ (c >> 31), sign = (int32_t)((uint32_t)(c < 0) << (FX::bits - 1));
+        // NORMAL (spk_normal_value)
+        const int32_t f = flog2_bin<FX>(imin(mag, SPK_MAX_BIN)), nb = FX::mant - f;
+        const int32_t ex = k + f + FX::bias, down = imin(imax(-nb, 0), 30);
+        const int32_t sig = sel(nb >= 0, (mag << imax(nb, 0)) | (int32_t)raw, mag >> down);
+        int32_t bad_n = (ex < 1) | (ex > FX::max_field) | (mag >= SPK_MAX_BIN) | ((mag & ((1 << down) - 1)) != 0);
+        if (FX::fp8) bad_n |= (ex == FX::max_field) & ((sig & 7) == 7);  // e4m3fn's NaN
+        const int32_t v_n = sign | (imax(imin(ex, 255), 0) << FX::mant) | (sig & (int32_t)FX::mant_mask);
+        // ZERO (spk_zero_value)
+        const uint32_t delta = deltas[zi[e]];
+        const int32_t dl = (int32_t)(delta > (1u << 20) ? (1u << 20) : delta);
+        const int32_t ez = k + FX::bias - 1 - dl;
+        const int32_t v_z = sign | (imax(ez, 0) << FX::mant) | (int32_t)raw;
+        const int32_t normal = kind == SPK_KIND_NORMAL, zero = kind == SPK_KIND_ZERO;
+        nbad |= (uint32_t)(normal & bad_n), zbad |= (uint32_t)(zero & (ez < 0));
+        out[e] = (typename Io<FX>::X)sel(normal, v_n, sel(zero, v_z, (int32_t)raw));
+    }
+    normal_bad = nbad, zero_bad = zbad;
+}
+
+template <class FX>
+SPK_AVX2 void field_widths_avx2(const uint32_t* info, int64_t n, uint32_t* wk) { field_widths_body<FX>(info, n, wk); }
+
+template <class FX>
+SPK_AVX2 void compose_avx2(const uint32_t* info, const uint32_t* wk, const uint32_t* pos, const uint32_t* zi, int64_t n,
+                           const uint8_t* buf, const uint32_t* deltas, void* out, uint32_t& normal_bad,
+                           uint32_t& zero_bad) {
+    compose_body<FX>(info, wk, pos, zi, n, buf, deltas, static_cast<typename Io<FX>::X*>(out), normal_bad, zero_bad);
+}
+
 // -- mu correction (spk_affine_bf16, spk_fp8_mu) over a row of tokens -------------------
 
 // mu' = bf16(a mu + b) of dim channels: spk_affine_bf16 branch-free (one fp32 multiply,
