@@ -100,6 +100,7 @@ int decode_block_rans(const DecodeJob& J, int64_t b, uint32_t* __restrict info, 
     const uint16_t* __restrict cum_pad = J.t.cum_pad;
     const uint16_t* __restrict bucket = J.t.bucket;
     const uint16_t* __restrict words = cs.words;
+    const uint32_t* __restrict op = J.simd ? J.simd->op : nullptr;
     uint32_t x[SPK_LANES];
     std::memcpy(x, cs.states + lb * SPK_LANES, sizeof x);
     int status = SPK_OK;
@@ -108,7 +109,8 @@ int decode_block_rans(const DecodeJob& J, int64_t b, uint32_t* __restrict info, 
         for (uint32_t l = 0; l < live; ++l) {  // NOTE: the lanes are independent: their loads overlap
             const int32_t t = (int32_t)(ctx[e0s + l] & 0x3FFu), off = toff[t];
             const uint32_t j = dec_find_bucketed(cum_pad + off + t, bucket + (size_t)t * SPK_BUCKETS, dec_get(x[l]));
-            dec_advance(&x[l], cum[off + j], freq[off + j]);
+            if (op) dec_advance(&x[l], op[off + j] & 0xFFFFu, op[off + j] >> 16);  // one load for both
+            else dec_advance(&x[l], cum[off + j], freq[off + j]);
             js[e0s + l] = j;
         }  // padding lanes (l >= live): the no-op leaves the state as it is
         uint32_t ballot = 0;
