@@ -47,7 +47,7 @@ def section(rows: list[dict[str, Any]], tokens: int) -> str:
              f"{time.strftime('%Y-%m-%d')}: `speckv bench` ({tokens} tokens of Tiny Shakespeare, shipped "
              "checkpoint, coder alone with mu given, best of 2) once per row, on this 2-core CPU; zstd-3 on the "
              "same raw bytes in the same run. MB/s of raw KV (BF16: 2 bytes, FP8: 1 byte per scalar). digest s: "
-             "the format's two blake2b-128 digests (raw KV, mu) on one thread, which every encode and every "
+             "the format's two xxh3-128 digests (raw KV, mu) on one thread, which every encode and every "
              "decode computes.", "",
              "| dtype | coder | threads | coded bytes | encode MB/s | decode MB/s | x zstd-3 encode | "
              "x zstd-3 decode | zstd-3 MB/s (enc / dec) | digest s |",

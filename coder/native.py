@@ -121,6 +121,11 @@ class NativeCoder:
         self.path = path
         self._flat: dict[int, FlatTables] = {}
 
+    @property
+    def simd(self) -> str:
+        """The instruction set of the per-element stages this coder runs: "avx2" or "none"."""
+        return "avx2" if self.path == "vector" or (self.path == "auto" and vector_path()) else "none"
+
     def flat(self, tables: CodingTables) -> FlatTables:
         key = id(tables)  # NOTE: CodingTables live as long as their checkpoint's codecs
         if key not in self._flat:

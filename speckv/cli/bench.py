@@ -144,7 +144,8 @@ def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf
             "fp8_copy_cost": (fp8_s if fp8_s is not None else predictor_s) / max(target_s, 1e-12),
             "rung": sess.predictor.checkpoint.rung.name, "pin": sess.pin, "peers": peer_rows,
             "coder": backend_name(codec.backend), "threads": codec.config.threads,
-            # where the time goes: the format's two blake2b digests (raw KV, mu) that every encode
+            "simd": getattr(codec.backend, "simd", "none"),
+            # where the time goes: the format's two digests (raw KV, mu) that every encode
             # and every decode computes, on one thread, against the whole encode / decode
             "digest_s": digest_s, "encode_s": te, "decode_s": td,
             "vs_zstd3": _vs(mb / te, mb / td, peer_rows)}
@@ -172,12 +173,15 @@ def other_engine_kv(target: Any, ids: np.ndarray, engine: str) -> Any:
 
 
 def digest_time(raw: bytes, mu: bytes) -> float:
-    """Seconds to blake2b-128 the raw KV and mu once (one thread): a floor of both sides."""
-    import hashlib
+    """Seconds to digest the raw KV and mu once (one thread) with the digest of the streams the
+    codec writes (coder/FORMAT.md: xxh3-128 from version 3): a floor of both sides."""
+    from speckv.coder import container as ct
+    from speckv.digests import algorithm_of, digest
 
+    algorithm = algorithm_of(ct.FORMAT_VERSION)
     t0 = time.perf_counter()
     for b in (raw, mu):
-        hashlib.blake2b(b, digest_size=16).digest()
+        digest(b, algorithm=algorithm)
     return time.perf_counter() - t0
 
 
@@ -261,7 +265,7 @@ def print_report(r: dict[str, Any]) -> None:
     if r.get("vs_zstd3"):
         Console().print(f"speckv at {r['vs_zstd3']['encode']:.2f}x / {r['vs_zstd3']['decode']:.2f}x zstd-3's encode / "
                         f"decode speed; of its {r['encode_s']:.3f} s encode and {r['decode_s']:.3f} s decode, the "
-                        f"format's blake2b digests take {r['digest_s']:.3f} s on one thread")
+                        f"format's digests (xxh3-128) take {r['digest_s']:.3f} s on one thread")
     Console().print(f"model {r['model']}; predictor ({r['rung']}) {r['predictor_s']:.2f} s = "
                     f"{r['predictor_cost']:.2f} x the target prefill {r['target_s']:.2f} s "
                     f"(medians of {r['timing_runs']}), pin {r['pin'][:16]}")
