@@ -6,12 +6,19 @@ correction, contexts, symbols, bit sections and the rANS lanes - in the
 per-element code the CUDA kernels share (``spk_model.cuh``), on threads with the
 GIL released, and writes the numpy reference's streams byte for byte.
 
+Paths (``path``): on a CPU with AVX2 the per-element stages run a block at a time in
+branch-free loops the compiler vectorises (``spk_simd.h``: contexts, symbols and table
+ops; the decoder's classification and value composition; the mu correction), chosen at
+run time; elsewhere the scalar code of ``spk_model.cuh``, with BF16 contexts from one
+256 KB scale-invariant table. Every path writes the same bytes (tests run both).
+
 Lifecycle::
 
     nat = NativeCoder(threads=2)                       # raises NativeUnavailable when not built
     mu2 = nat.prepare_mu(mu, a, b, scales)             # corrected mu (BF16) or mu'/scale (fp32 bits)
     parts = nat.encode(x, mu2, L, layer_counts, epl, tables)   # per chunk: RansBlocks, bits
     nat.decode(mu2, L, layer_counts, epl, streams, tables, out)  # out: bit patterns, checked
+    cost, hits = nat.group_costs(x, mu2, levels, tables)  # adapt's cost sample, natively
 """
 
 from __future__ import annotations
