@@ -41,17 +41,34 @@ void symbols_scalar(const EncodeJob& J, int64_t e0, int64_t n, const int32_t* __
     }
 }
 
-// Stage B: the block's raw bit sections, in element order.
+// Stage B: the block's raw bit sections, in element order. NOTE: LOW (most elements) is
+// written from registers, the rare kinds through their BitWriters.
 template <class FX>
 void put_bits(const uint32_t* __restrict desc, const void* x, int64_t e0, int64_t n, EncodedBlock& o) {
+    BitWriter& low = o.sec[SPK_KIND_NORMAL];
+    low.bytes.resize(low.len + (size_t)(n * FX::mant / 8 + 8));  // room for every LOW field
+    uint8_t* out = low.bytes.data() + low.len;
+    uint64_t acc = low.acc, total = 0;
+    int k = low.nacc;
     for (int64_t e = 0; e < n; ++e) {
-        const uint32_t d = desc[e], kind = d >> 21 & 3u;
-        o.sec[kind].put(d & 0xFFFFu, (int)(d >> 16 & 31u));
+        const uint32_t d = desc[e], kind = d >> 21 & 3u, w = d >> 16 & 31u;
+        if (kind == SPK_KIND_NORMAL) {  // NOTE: a well-predicted branch
+            acc = (acc << w) | (d & 0xFFFFu), k += (int)w, total += w;
+            if (k >= 32) {
+                k -= 32;
+                const uint32_t be = __builtin_bswap32((uint32_t)(acc >> k));  // MSB first
+                std::memcpy(out, &be, 4);
+                out += 4;
+            }
+            continue;
+        }
+        o.sec[kind].put(d & 0xFFFFu, (int)w);
         if (kind == SPK_KIND_ZERO) {  // unary exponent distance below the grid: k + bias - 1 - e
-            const int32_t k = (int32_t)(d >> 23) - 128;
-            o.sec[3].put_unary((uint32_t)(k + FX::bias - 1 - (int32_t)((load<FX>(x, e0 + e) >> FX::mant) & FX::exp_mask)));
+            const int32_t kk = (int32_t)(d >> 23) - 128;
+            o.sec[3].put_unary((uint32_t)(kk + FX::bias - 1 - (int32_t)((load<FX>(x, e0 + e) >> FX::mant) & FX::exp_mask)));
         }
     }
+    low.acc = acc, low.nacc = k, low.nbits += total, low.len = (size_t)(out - low.bytes.data());
     for (auto& s : o.sec) s.finish();
 }
 

@@ -645,16 +645,21 @@ def test_schema_accepts_every_case(chart):
 
 # --- images ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("image, want", [
-    ({}, "ghcr.io/speckv/speckv:0.1.0-cpu"),
-    ({"variant": "cuda"}, "ghcr.io/speckv/speckv:0.1.0-cuda"),
-    ({"tag": "0.2.0"}, "ghcr.io/speckv/speckv:0.2.0-cpu"),
-    ({"repository": "registry.example.com/speckv-cuda", "variant": "", "tag": "0.1.0"},
+MOUNTED = {"source": "pvc", "pin": "ab" * 32, "pvc": {"claimName": "ckpt"}}  # a mounted checkpoint
+
+
+@pytest.mark.parametrize("image, predictor, want", [
+    ({}, {}, "ghcr.io/speckv/speckv:0.1.0-cpu-demo"),  # the shipped checkpoint needs the demo model
+    ({}, MOUNTED, "ghcr.io/speckv/speckv:0.1.0-cpu"),
+    ({"variant": "cuda"}, MOUNTED, "ghcr.io/speckv/speckv:0.1.0-cuda"),
+    ({"variant": "cuda"}, {}, "ghcr.io/speckv/speckv:0.1.0-cuda-demo"),
+    ({"tag": "0.2.0"}, MOUNTED, "ghcr.io/speckv/speckv:0.2.0-cpu"),
+    ({"repository": "registry.example.com/speckv-cuda", "variant": "", "tag": "0.1.0"}, {},
      "registry.example.com/speckv-cuda:0.1.0"),
-    ({"digest": "sha256:" + "ab" * 32}, "ghcr.io/speckv/speckv@sha256:" + "ab" * 32),
+    ({"digest": "sha256:" + "ab" * 32}, {}, "ghcr.io/speckv/speckv@sha256:" + "ab" * 32),
 ])
-def test_image_reference(chart, image, want):
-    objs = objects(render(chart, {"image": image}))
+def test_image_reference(chart, image, predictor, want):
+    objs = objects(render(chart, {"image": image, "predictor": predictor}))
     imgs = {c["image"] for _, spec in pod_specs(objs) for _, c in serve_containers(spec)}
     assert imgs == {want}
 
@@ -714,7 +719,7 @@ def test_named_templates_from_a_parent_chart(tmp_path):
     assert [c["name"] for c in spec["initContainers"]] == [FETCH, VERIFY, SERVE["encoder"]]
     sidecar = spec["initContainers"][2]
     assert sidecar["restartPolicy"] == "Always"
-    assert sidecar["image"] == "ghcr.io/speckv/speckv:0.1.0-cpu"  # speckv's appVersion, not the parent's
+    assert sidecar["image"].startswith("ghcr.io/speckv/speckv:0.1.0-cpu")  # speckv's appVersion, not the parent's
     assert spec["initContainers"][1]["args"][-1] == values["predictor"]["pin"]
     assert sidecar["resources"] == values["encoder"]["resources"]
     assert {m["name"] for c in spec["initContainers"] for m in c["volumeMounts"]} <= set(volumes(spec))

@@ -50,7 +50,11 @@ with its own root and `.Values.speckv`:
 {{- printf "%s@%s" $v.image.repository $v.image.digest -}}
 {{- else -}}
 {{- $tag := include "speckv.version" . -}}
-{{- if $v.image.variant -}}{{- $tag = printf "%s-%s" $tag $v.image.variant -}}{{- end -}}
+{{- if $v.image.variant -}}{{- $tag = printf "%s-%s" $tag $v.image.variant -}}
+{{- /* NOTE: the shipped default checkpoint (predictor.source image) is built from the embedded
+demo model, which only the demo images carry (docker/Dockerfile's demo target) */ -}}
+{{- if eq $v.predictor.source "image" -}}{{- $tag = printf "%s-demo" $tag -}}{{- end -}}
+{{- end -}}
 {{- printf "%s:%s" $v.image.repository $tag -}}
 {{- end -}}
 {{- end -}}
