@@ -100,13 +100,15 @@ class Bench:
         serve = [sys.executable, "-m", "speckv.cli.main", "serve"]
         env = {"SPECKV_MAX_INFLIGHT_BYTES": "1Gi"}
         dec = self.child("b", [*serve, "decoder", "--listen", "0.0.0.0:0", "--metrics-port", "0"], "decoder", env)
-        enc = self.child("a", [*serve, "encoder", "--listen", "127.0.0.1:0", "--metrics-port", "-1"], "encoder", env)
+        sock = ["--local-socket", str(self.logdir / "encoder.sock")] if self.args.local_handoff else []
+        enc = self.child("a", [*serve, "encoder", "--listen", "127.0.0.1:0", "--metrics-port", "-1", *sock],
+                         "encoder", env)
         m = dec.wait_line(r"listening on port (\d+), metrics on port (\d+)", 300)
         dport, mport = m.group(1), m.group(2)
         eport = enc.wait_line(r"listening on port (\d+)", 300).group(1)
         common = ["--tokens", str(self.args.tokens), "--text", self.args.text]
         self.prefill = self.child("a", [sys.executable, ENGINE, "prefill", "--encoder", f"127.0.0.1:{eport}",
-                                        "--decoder", f"{ADDR['b']}:{dport}", *common], "prefill-engine")
+                                        "--decoder", f"{ADDR['b']}:{dport}", *common, *sock], "prefill-engine")
         self.fetch = self.child("b", [sys.executable, ENGINE, "fetch", "--decoder", f"127.0.0.1:{dport}",
                                       "--metrics-port", mport, *common], "fetch-engine")
         self.decoder = dec
@@ -118,7 +120,8 @@ class Bench:
     def decode_cpu(self) -> float:
         return sum(cpu_seconds(c.proc.pid) for c in (self.decoder, self.fetch))
 
-    def transfer(self, link: str, encoding: str, stream: bool = True, variant: int | None = None) -> dict[str, Any]:
+    def transfer(self, link: str, encoding: str, stream: bool = True, variant: int | None = None,
+                 local: bool = False) -> dict[str, Any]:
         """One transfer; ``variant`` None: a prompt no transfer used before (cold mu caches)."""
         n = next(self.ids)
         rid = f"{link}-{encoding}-{n}"
@@ -126,8 +129,8 @@ class Bench:
         expect = str(self.logdir / f"{rid}.kvhash")
         cpu0 = self.decode_cpu()
         self.fetch.ask({"op": "fetch", "rid": rid, "expect": expect}, 60)  # FetchKV is waiting
-        p = self.prefill.ask({"rid": rid, "encoding": encoding, "stream": stream, "expect": expect, "variant": v},
-                             ROW_TIMEOUT)
+        p = self.prefill.ask({"rid": rid, "encoding": encoding, "stream": stream, "expect": expect, "variant": v,
+                              "local": local}, ROW_TIMEOUT)
         f = self.fetch.ask(None, ROW_TIMEOUT)
         return {"p": p, "f": f, "cpu": self.decode_cpu() - cpu0, "expect": expect, "variant": v}
 
@@ -200,15 +203,19 @@ def measure(bench: Bench, net: Net, args: argparse.Namespace) -> dict[str, Any]:
         bench.transfer("warmup", enc, stream=False, variant=0)
     loopback: dict[str, Any] = {}
     # speckv: prompt 0 again, its mu cached on both sides (the service alone); speckv_cold: a new prompt
-    for key, enc, v in (("stored", "stored", 0), ("speckv", "speckv", 0), ("speckv_cold", "speckv", None)):
-        t = bench.transfer("loopback", enc, stream=False, variant=v)
+    runs = [("stored", "stored", 0, False), ("speckv", "speckv", 0, False), ("speckv_cold", "speckv", None, False)]
+    if args.local_handoff:  # the same, the KV handed to the encoder as a sealed memfd (--local-socket)
+        bench.transfer("warmup", "stored", stream=False, variant=0, local=True)
+        runs += [("stored_local", "stored", 0, True), ("speckv_local", "speckv", 0, True)]
+    for key, enc, v, local in runs:
+        t = bench.transfer("loopback", enc, stream=False, variant=v, local=local)
         loopback[f"{key}_raw_MBps"] = t["p"]["raw_bytes"] / (t["f"]["done"] - t["p"]["t0"]) / 1e6
         loopback[f"{key}_lossless"] = bool(t["f"]["lossless"])
         if enc == "speckv":  # no predictor pass on either side <=> both caches hit
             loopback[f"{key}_mu_cached"] = t["p"]["predictor_s"] == 0 and t["f"].get("decoder_predictor_s", 0) == 0
     rows: list[dict[str, Any]] = []
     cal: dict[str, dict[str, float]] = {}
-    for link in args.links:
+    for link in [] if args.loopback_only else args.links:
         netem = net.shape(link, args.rtt_ms)
         if not netem:
             print(f"e2e: WARNING: no sch_netem in this kernel: {link} shaped by tbf alone, "
@@ -220,7 +227,8 @@ def measure(bench: Bench, net: Net, args: argparse.Namespace) -> dict[str, Any]:
         rows.append(transfer_row(link, "speckv", rung, bench.transfer(link, "speckv"), goodput))
         rows.append(recompute_row(link, bench.recompute(stored["expect"], stored["variant"])))
         print(f"e2e: {link} done", file=sys.stderr, flush=True)
-    return {"rows": rows, "loopback": loopback, "break_even_mbit": break_even(rows, cal), "calibration": cal,
+    return {"rows": rows, "loopback": loopback, "break_even_mbit": break_even(rows, cal) if rows else None,
+            "calibration": cal,
             "rtt_emulated": all(c["netem_delay"] for c in cal.values())}
 
 
@@ -261,6 +269,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=int, default=3600, help="whole-run limit, seconds")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep-logs", action="store_true", help="keep the children's logs after a clean run")
+    ap.add_argument("--local-handoff", action="store_true",
+                    help="loopback block: also hand the KV to the encoder as a sealed memfd (*_local keys)")
+    ap.add_argument("--loopback-only", action="store_true", help="the loopback block alone, no shaped links")
     args = ap.parse_args(argv)
     args.links = [s.strip() for s in args.links.split(",") if s.strip()]
     for link in args.links:

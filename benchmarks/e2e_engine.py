@@ -38,6 +38,7 @@ import xxhash
 from speckv import frames
 from speckv.client.client import DecoderClient, EncoderClient
 from speckv.client.core import ENCODINGS, submit_stub
+from speckv.client.local import LocalHandoff, local_submit_requests
 from speckv.kv import bf16_bits
 from speckv.predictor.target import Target, extract_kv, load_target
 from speckv.v1 import common_pb2 as pb
@@ -85,6 +86,7 @@ class Prefill:
     def __init__(self, args: argparse.Namespace, target: Target, ids: np.ndarray) -> None:
         self.args, self.target, self.ids = args, target, ids
         self.enc = EncoderClient(args.encoder, timeout=TIMEOUT)
+        self.handoff = LocalHandoff(args.local_socket) if args.local_socket else None
         self.submit = submit_stub(self.enc.channel)
         self.pool = ThreadPoolExecutor(1)
         self.kvs = {0: hooked_prefill(target, ids, lambda i, b: None)}  # by variant, for stream=False
@@ -109,8 +111,15 @@ class Prefill:
         reqs = submit_stream(self.header(cmd["rid"], cmd["encoding"], shape, ids), L, layers, shape)
         out: dict[str, Any] = {}
         t0 = time.monotonic()
+        if cmd.get("local"):  # the whole prefilled KV as one sealed memfd (client/local.py), timed from here
+            assert self.handoff is not None and not cmd["stream"], "local: --local-socket, stream=False"
+            header = epb.SubmitRequest(header=self.header(cmd["rid"], cmd["encoding"], shape, ids))
+            reqs = local_submit_requests(self.handoff, header, self.kvs[cmd.get("variant", 0)], None)
+            layers.put(np.empty(0))  # NOTE: unused: the queue below is never read
         fut = self.pool.submit(self.submit, reqs, timeout=TIMEOUT)  # header goes out now
-        if cmd["stream"]:
+        if cmd.get("local"):
+            kv = self.kvs[cmd.get("variant", 0)]
+        elif cmd["stream"]:
             def put(i: int, bits: np.ndarray) -> None:
                 out.setdefault("first_layer_out", time.monotonic())
                 layers.put(bits)
@@ -191,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--encoder", default="")
     ap.add_argument("--decoder", required=True)
     ap.add_argument("--metrics-port", type=int, default=-1)
+    ap.add_argument("--local-socket", default="", help="the encoder's local hand-off socket (prefill)")
     ap.add_argument("--tokens", type=int, required=True)
     ap.add_argument("--text", required=True)
     args = ap.parse_args(argv)

@@ -46,6 +46,7 @@ from .core import (
     submit_stub,
     tls_credentials,
 )
+from .local import LocalHandoff
 from .stream import SubmitStream
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -58,14 +59,17 @@ __all__ = ["EncoderClient", "DecoderClient", "AsyncEncoderClient", "AsyncDecoder
 # -- sync ------------------------------------------------------------------------
 
 class EncoderClient:
-    """Blocking client of an encoder sidecar."""
+    """Blocking client of an encoder sidecar. ``local_socket``: the encoder's local
+    hand-off socket (same host): the KV goes as sealed memfds, not as bytes on the
+    gRPC stream (``client/local.py``); without it, the bytes path."""
 
     def __init__(self, address: str, timeout: float = 600.0, channel: grpc.Channel | None = None,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, local_socket: str | None = None) -> None:
         self.channel = channel or _channel(address, credentials)
         self.stub = egrpc.EncoderServiceStub(self.channel)
         self._submit = submit_stub(self.channel)  # takes the pre-serialised layer parts
         self.timeout = timeout
+        self.handoff = None if local_socket is None else LocalHandoff(local_socket)
 
     def submit(self, request_id: str, kv: Any, prompt_token_ids: Any, decoder_address: str, model_id: str,
                *, encoding: str = "speckv", expected_pin: str | None = None,
@@ -76,7 +80,7 @@ class EncoderClient:
         transfer whose call ended, so a retry starts afresh."""
         for attempt in range(retries + 1):
             reqs = submit_requests(request_id, kv, prompt_token_ids, decoder_address, model_id, encoding,
-                                   expected_pin, framed=True)
+                                   expected_pin, framed=True, handoff=self.handoff)
             try:
                 return _result(self._submit(reqs, timeout=timeout or self.timeout))
             except grpc.RpcError as e:
@@ -91,10 +95,12 @@ class EncoderClient:
         their predictors while the engine still prefills. No retries: a failed stream raises."""
         return SubmitStream(self._submit, request_id, shape, prompt_token_ids, decoder_address, model_id,
                             dtype=dtype, encoding=encoding, expected_pin=expected_pin,
-                            timeout=timeout or self.timeout)
+                            timeout=timeout or self.timeout, handoff=self.handoff)
 
     def close(self) -> None:
         self.channel.close()
+        if self.handoff is not None:
+            self.handoff.close()
 
     def __enter__(self) -> "EncoderClient":
         return self
@@ -171,19 +177,21 @@ class AsyncEncoderClient:
     """asyncio client of an encoder sidecar."""
 
     def __init__(self, address: str, timeout: float = 600.0,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, local_socket: str | None = None) -> None:
         self.channel = _channel(address, credentials, aio=True)
         self.stub = egrpc.EncoderServiceStub(self.channel)
         self._submit = submit_stub(self.channel)  # takes the pre-serialised layer parts
         self.timeout = timeout
+        self.handoff = None if local_socket is None else LocalHandoff(local_socket)
 
     async def submit(self, request_id: str, kv: Any, prompt_token_ids: Any, decoder_address: str,
                      model_id: str, *, encoding: str = "speckv", expected_pin: str | None = None,
                      timeout: float | None = None, retries: int = 0, backoff_s: float = 0.5) -> SubmitResult:
         """As the blocking client's ``submit`` (the same retries)."""
         for attempt in range(retries + 1):
-            reqs = submit_requests(request_id, kv, prompt_token_ids, decoder_address, model_id, encoding,
-                                   expected_pin, framed=True)
+            # NOTE: the memfd is written off the loop (a copy of the whole KV)
+            reqs = await asyncio.to_thread(submit_requests, request_id, kv, prompt_token_ids, decoder_address,
+                                           model_id, encoding, expected_pin, framed=True, handoff=self.handoff)
             try:
                 # NOTE: grpc.aio takes a plain iterator for a request stream
                 return _result(await self._submit(reqs, timeout=timeout or self.timeout))
@@ -193,6 +201,8 @@ class AsyncEncoderClient:
 
     async def close(self) -> None:
         await self.channel.close()
+        if self.handoff is not None:
+            self.handoff.close()
 
 
 class AsyncDecoderClient:

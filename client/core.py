@@ -36,6 +36,8 @@ from speckv.wire import (
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from .local import LocalHandoff
+
 logger = logging.getLogger(__name__)
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -136,11 +138,14 @@ def _as_kv(kv: Any) -> tuple[int, np.ndarray, np.ndarray | None]:
 
 def submit_requests(request_id: str, kv: Any, prompt_token_ids: Any, decoder_address: str,
                     model_id: str, encoding: str = "speckv", expected_pin: str | None = None,
-                    part_bytes: int = PART_BYTES, *, framed: bool = False) -> Iterator[Any]:
+                    part_bytes: int = PART_BYTES, *, framed: bool = False,
+                    handoff: "LocalHandoff | None" = None) -> Iterator[Any]:
     """The SubmitRequest stream: header, then every layer in parts. The KV is checked
     here, before any call starts (ValueError / TypeError). ``framed``: the layer parts
     come pre-serialised (bytes, each part's data copied once: ``speckv.frames``), for a
-    stub whose serializer passes them through (``submit_stub``)."""
+    stub whose serializer passes them through (``submit_stub``). ``handoff``: the KV goes
+    as one sealed memfd over the encoder's local socket, shared here (``client/local.py``),
+    and the stream names it in one LocalLayer per layer."""
     dtype, bits, scales = _as_kv(kv)
     if bits.ndim != 5 or bits.shape[1] != 2:
         raise ValueError(f"KV must be (layers, 2, kv_heads, tokens, head_dim), not {bits.shape}")
@@ -148,6 +153,12 @@ def submit_requests(request_id: str, kv: Any, prompt_token_ids: Any, decoder_add
         raise ValueError(f"encoding must be one of {sorted(ENCODINGS)}, not {encoding!r}")
     if scales is not None and np.isnan(scales).any():
         raise ValueError(NAN_SCALES)
+    if handoff is not None:
+        from .local import local_submit_requests
+
+        header = submit_header(request_id, dtype, kv_shape(bits.shape), prompt_token_ids, decoder_address, model_id,
+                               encoding, expected_pin)
+        return local_submit_requests(handoff, header, bits, scales)
     return _submit_stream(request_id, bits, scales, dtype, kv_shape(bits.shape), prompt_token_ids,
                           decoder_address, model_id, encoding, expected_pin, part_bytes, framed)
 

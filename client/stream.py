@@ -33,6 +33,7 @@ from speckv.v1 import common_pb2 as pb
 from speckv.wire import NAN_SCALES, PART_BYTES, kv_shape
 
 from .core import SubmitResult, _failed, _result, submit_header, submit_layer_frames
+from .local import LocalHandoff, local_layers
 
 _END = None  # the queue's end-of-stream mark
 DTYPES = {"bf16": pb.DTYPE_BF16, "fp8_e4m3": pb.DTYPE_FP8_E4M3}
@@ -43,7 +44,8 @@ class SubmitStream:
 
     def __init__(self, stub: Any, request_id: str, shape: tuple[int, int, int, int, int], prompt_token_ids: Any,
                  decoder_address: str, model_id: str, *, dtype: str = "bf16", encoding: str = "speckv",
-                 expected_pin: str | None = None, timeout: float = 600.0, part_bytes: int = PART_BYTES) -> None:
+                 expected_pin: str | None = None, timeout: float = 600.0, part_bytes: int = PART_BYTES,
+                 handoff: LocalHandoff | None = None) -> None:
         if len(shape) != 5 or shape[1] != 2 or min(shape) < 0:
             raise ValueError(f"shape must be (layers, 2, kv_heads, tokens, head_dim), not {shape}")
         if dtype not in DTYPES:
@@ -54,7 +56,8 @@ class SubmitStream:
         self._pb_shape = kv_shape(self.shape)
         self._part_bytes = part_bytes
         self._next = 0  # the next layer send_layer takes
-        self._queue: queue.Queue[bytes | pb.KVShape | None] = queue.Queue()
+        self._handoff = handoff  # NOTE: each layer then goes as its own sealed memfd
+        self._queue: queue.Queue[Any] = queue.Queue()
         self._lock = threading.Lock()
         header = submit_header(request_id, self._dtype, self._pb_shape, prompt_token_ids, decoder_address,
                                model_id, encoding, expected_pin)
@@ -87,8 +90,12 @@ class SubmitStream:
                 raise ValueError(f"layer {layer} has shape {arr.shape}, the stream's layers are {self.shape[1:]}")
             sc = self._scales(scales)
             self._raise_if_failed()
-            for frame in submit_layer_frames(layer, arr, self._dtype, self._pb_shape, self._part_bytes, sc):
-                self._queue.put(frame)
+            if self._handoff is not None:
+                handle, _ = self._handoff.share([arr])
+                self._queue.put(next(local_layers(handle, arr[None], None if sc is None else sc[None], layer)))
+            else:
+                for frame in submit_layer_frames(layer, arr, self._dtype, self._pb_shape, self._part_bytes, sc):
+                    self._queue.put(frame)
             self._next += 1
             if self._next == self.shape[0]:
                 self._queue.put(_END)

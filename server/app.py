@@ -66,6 +66,8 @@ class Sidecar:
 
     async def start(self) -> None:
         await self.server.start()
+        if isinstance(self.service, EncoderService) and self.service.handoffs is not None:
+            self.service.handoffs.start()
         if self.health_server is not None:
             await self.health_server.start()
         if self.config.metrics_port >= 0:
@@ -95,7 +97,7 @@ class Sidecar:
             if self._reaper is not None:
                 self._reaper.cancel()
             if isinstance(self.service, EncoderService):
-                await self.service.close()
+                await self.service.close()  # NOTE: its local hand-off socket too
             self.metrics.stop_http()
         except Exception:
             logger.exception("%s: error while stopping", self.config.role)

@@ -59,6 +59,10 @@ class ServerConfig:
     health_listen: str | None = None  # extra plaintext health-only port (probes while mTLS is on)
     allow: str | None = None  # per-RPC allow-list of client certificate names (server/auth.py), needs mTLS
     max_transfers_per_peer: int = 16  # concurrent transfers from one client host
+    local_socket: str | None = None  # encoder: Unix socket for sealed-memfd KV hand-offs (server/handoff.py)
+    local_uids: str | None = None  # uids allowed on local_socket (SO_PEERCRED); None = this process's uid
+    local_handle_ttl_s: float = 30.0  # a handed-off memfd no Submit claimed is closed after this
+    local_max_handles: int = 256  # memfds mapped at once (each holds one fd)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -99,7 +103,13 @@ class ServerConfig:
             raise ValueError("max_transfers_per_peer must be >= 1")
         if self.health_listen is not None and ":" not in self.health_listen:
             raise ValueError(f"health_listen must be HOST:PORT, not {self.health_listen!r}")
-        for name in ("grace_s", "fetch_wait_s", "lease_s", "transfer_timeout_s"):
+        if self.local_uids is not None:
+            from .handoff import parse_uids
+
+            parse_uids(self.local_uids)  # ValueError names the bad value
+        if self.local_max_handles < 1:
+            raise ValueError("local_max_handles must be >= 1")
+        for name in ("grace_s", "fetch_wait_s", "lease_s", "transfer_timeout_s", "local_handle_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
 
@@ -177,6 +187,11 @@ FIELDS = (
     _field("health_listen", _opt_str, "extra plaintext health-only HOST:PORT (probes under mTLS)"),
     _field("allow", _opt_str, "per-RPC allow-list of client cert names: RPC=ID,ID;RPC=ID (needs mTLS)"),
     _field("max_transfers_per_peer", int, "concurrent transfers from one client host"),
+    _field("local_socket", _opt_str, "encoder: Unix socket path for sealed-memfd KV hand-offs from engines on "
+                                     "this host (off when unset)"),
+    _field("local_uids", _opt_str, "uids allowed on local_socket, comma-separated (default: the sidecar's own)"),
+    _field("local_handle_ttl_s", float, "seconds a handed-off memfd waits for its Submit before it is closed"),
+    _field("local_max_handles", int, "handed-off memfds mapped at once"),
 )
 assert {f.name for f in FIELDS} == {f.name for f in fields(ServerConfig)} - {"role"}
 

@@ -44,7 +44,8 @@ from .auth import authorize, parse_allow
 from .budget import ByteBudget
 from .channels import DecoderChannels
 from .config import ServerConfig
-from .encoder_job import STORED_VERSION, TRANSFER, Job, transfer_header, write
+from .encoder_job import STORED_VERSION, TRANSFER, Job, local_part, transfer_header, write
+from .handoff import Handoffs, parse_uids
 from .layer_mu import LayerMu
 from .metrics import Metrics
 from .mu_cache import MuCache
@@ -76,9 +77,14 @@ class EncoderService(egrpc.EncoderServiceServicer):
         self.allow = parse_allow(config.allow)
         self.mu_cache = MuCache(config.mu_cache_bytes)
         self.active = 0
+        self.handoffs = None if config.local_socket is None else Handoffs(
+            config.local_socket, parse_uids(config.local_uids), config.local_handle_ttl_s,
+            config.local_max_handles, config.max_inflight_bytes)
 
     async def close(self) -> None:
         await self._channels.close()
+        if self.handoffs is not None:
+            self.handoffs.stop()
 
     async def Submit(self, request_iterator: AsyncIterator[epb.SubmitRequest],
                      context: grpc.aio.ServicerContext) -> epb.SubmitResponse:
@@ -125,6 +131,8 @@ class EncoderService(egrpc.EncoderServiceServicer):
         finally:
             if job is not None:
                 job.holding.close()
+                if self.handoffs is not None:
+                    self.handoffs.release(job)  # NOTE: the memfds this call claimed are closed now
             self.active -= 1
             self._per_peer[host] -= 1
             self._gauges()
@@ -266,11 +274,19 @@ class EncoderService(egrpc.EncoderServiceServicer):
         asm = LayerAssembler(job.header.dtype, job.h.shape, borrow=True)  # NOTE: one-part layers: no copy
         next_chunk = 0
         while (req := await watched(anext(it, None), watch)) is not None:
-            if req.WhichOneof("kind") != "layer":
+            kind = req.WhichOneof("kind")
+            if kind not in ("layer", "local_layer"):
                 raise bad("only layer messages may follow the header")
             if asm.starting:
                 await watched(job.holding.acquire(asm.layer_size), watch)  # backpressure on the engine
-            done = asm.add(req.layer, frames.payload_of(req))  # NOTE: the payload: a view of the bytes received
+            if kind == "local_layer":  # NOTE: a view of the client's sealed memfd: nothing copied
+                if self.handoffs is None:
+                    raise bad("LocalLayer needs an encoder with a local socket (local_socket)")
+                if not asm.starting:
+                    raise bad(f"LocalLayer {req.local_layer.layer} inside layer {asm.next_layer}'s parts")
+                done = asm.add(*local_part(job, req.local_layer, self.handoffs))
+            else:
+                done = asm.add(req.layer, frames.payload_of(req))  # NOTE: the payload: a view of the bytes received
             if done is None:
                 continue
             layer, arr, scales = done

@@ -12,10 +12,12 @@ import numpy as np
 
 from speckv.coder import container as ct
 from speckv.digests import KVDigest, algorithm_of
+from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.v1 import encoder_pb2 as epb
 
 from .budget import Holding
+from .handoff import Handoffs
 
 
 @dataclass
@@ -53,6 +55,15 @@ async def write(job: Job, call, req: "dpb.TransferRequest | bytes") -> None:
     t0 = time.perf_counter()
     await call.write(req)  # NOTE: awaits HTTP/2 flow control: the decoder's backpressure
     job.wire_wait_s += time.perf_counter() - t0
+
+
+def local_part(job: Job, m: epb.LocalLayer, handoffs: Handoffs) -> tuple[pb.KVLayer, memoryview]:
+    """A LocalLayer as the one-part KVLayer it stands for, and its bytes: a view of the
+    claimed memfd (the assembler checks layer, size and scales as for any part)."""
+    view = handoffs.claim(m.handle, job).view(m.byte_offset, m.layer_bytes)
+    hdr = job.header
+    return pb.KVLayer(layer=m.layer, dtype=hdr.dtype, shape=hdr.shape, part_index=0, part_count=1,
+                      byte_offset=0, layer_bytes=m.layer_bytes, fp8_scales=m.fp8_scales), view
 
 
 TRANSFER = "/speckv.v1.DecoderService/Transfer"

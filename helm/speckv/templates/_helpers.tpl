@@ -228,6 +228,15 @@ volumes. Example (a chart with speckv as a dependency):
     {{- end }}
   env:
     {{- include "speckv.env" $scope | nindent 4 }}
+    {{- with .localSocket }}
+    # the local KV hand-off (sealed memfds over a Unix socket in the shared speckv-local volume)
+    - name: SPECKV_LOCAL_SOCKET
+      value: {{ .path | quote }}
+    {{- with .uids }}
+    - name: SPECKV_LOCAL_UIDS
+      value: {{ . | quote }}
+    {{- end }}
+    {{- end }}
   startupProbe:
     {{- include "speckv.probeAction" (merge (dict "service" (include "speckv.healthService" $scope)) $scope) | nindent 4 }}
     periodSeconds: {{ $v.probes.startup.periodSeconds | int }}
@@ -247,6 +256,10 @@ volumes. Example (a chart with speckv as a dependency):
   {{- include "speckv.containerSecurityContext" $scope | nindent 2 }}
   volumeMounts:
     {{- include "speckv.volumeMounts" $scope | nindent 4 }}
+    {{- with .localSocket }}
+    - name: speckv-local
+      mountPath: {{ .dir }}
+    {{- end }}
 {{- end -}}
 
 {{/*

@@ -40,12 +40,28 @@ class SubmitHeader(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., decoder_address: _Optional[str] = ..., model_id: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ..., shape: _Optional[_Union[_common_pb2.KVShape, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., fp8_scales: _Optional[_Iterable[float]] = ..., expected_predictor_pin: _Optional[bytes] = ..., encoding: _Optional[_Union[Encoding, str]] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("header", "layer")
+    __slots__ = ("header", "layer", "local_layer")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_LAYER_FIELD_NUMBER: _ClassVar[int]
     header: SubmitHeader
     layer: _common_pb2.KVLayer
-    def __init__(self, header: _Optional[_Union[SubmitHeader, _Mapping]] = ..., layer: _Optional[_Union[_common_pb2.KVLayer, _Mapping]] = ...) -> None: ...
+    local_layer: LocalLayer
+    def __init__(self, header: _Optional[_Union[SubmitHeader, _Mapping]] = ..., layer: _Optional[_Union[_common_pb2.KVLayer, _Mapping]] = ..., local_layer: _Optional[_Union[LocalLayer, _Mapping]] = ...) -> None: ...
+
+class LocalLayer(_message.Message):
+    __slots__ = ("handle", "layer", "byte_offset", "layer_bytes", "fp8_scales")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    BYTE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FP8_SCALES_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    layer: int
+    byte_offset: int
+    layer_bytes: int
+    fp8_scales: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, handle: _Optional[str] = ..., layer: _Optional[int] = ..., byte_offset: _Optional[int] = ..., layer_bytes: _Optional[int] = ..., fp8_scales: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("status", "raw_bytes", "wire_bytes", "chunks", "predictor_seconds", "encode_seconds", "transfer_seconds", "total_seconds", "message_bytes", "encoding", "fallback", "stored_chunks", "mu_wait_seconds", "wire_wait_seconds")

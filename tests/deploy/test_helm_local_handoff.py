@@ -1,0 +1,43 @@
+"""The chart's local KV hand-off option (vllm.localHandoff, mode: sidecar): off by default;
+on, the prefill pod gets a memory emptyDir mounted at the same directory in the vLLM
+container and the encoder sidecar, the sidecar SPECKV_LOCAL_SOCKET (and SPECKV_LOCAL_UIDS
+when set), the decode pod nothing; every object validates (kubernetes-validate)."""
+from __future__ import annotations
+
+from helm_helpers import all_containers, env_map, mounts, objects, of_kind, render, validate_all, volumes
+from test_helm import K8S_VERSIONS, chart  # noqa: F401 -- chart is a fixture
+
+SIDECAR = {"mode": "sidecar", "encoder": {"enabled": True}, "decoder": {"enabled": True}}
+
+
+def _pods(chart, local: dict | None) -> dict[str, dict]:  # noqa: F811
+    values = {**SIDECAR, **({"vllm": {"localHandoff": local}} if local is not None else {})}
+    objs = objects(render(chart, values))
+    validate_all(objs, K8S_VERSIONS)
+    return {d["metadata"]["name"].rsplit("-", 1)[-1]: d["spec"]["template"]["spec"]
+            for d in of_kind(objs, "Deployment")}
+
+
+def _by_name(spec: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in all_containers(spec)}
+
+
+def test_off_by_default(chart):  # noqa: F811
+    for spec in _pods(chart, None).values():
+        assert "speckv-local" not in volumes(spec)
+        for c in all_containers(spec):
+            assert "SPECKV_LOCAL_SOCKET" not in env_map(c)
+            assert all(m["name"] != "speckv-local" for m in mounts(c).values())
+
+
+def test_prefill_pod_shares_the_socket_dir(chart):  # noqa: F811
+    pods = _pods(chart, {"enabled": True, "dir": "/run/kv", "uids": "10001,1000"})
+    prefill, decode = pods["prefill"], pods["decode"]
+    assert volumes(prefill)["speckv-local"]["emptyDir"]["medium"] == "Memory"
+    c = _by_name(prefill)
+    assert mounts(c["vllm"])["/run/kv"]["name"] == "speckv-local"
+    assert mounts(c["speckv-encoder"])["/run/kv"]["name"] == "speckv-local"
+    env = env_map(c["speckv-encoder"])
+    assert (env["SPECKV_LOCAL_SOCKET"], env["SPECKV_LOCAL_UIDS"]) == ("/run/kv/encoder.sock", "10001,1000")
+    assert "speckv-local" not in volumes(decode)
+    assert all("SPECKV_LOCAL_SOCKET" not in env_map(x) for x in all_containers(decode))
