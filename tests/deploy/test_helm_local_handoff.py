@@ -6,8 +6,20 @@ when set), and the vLLM container the same socket path as the connector's speckv
 decode pod nothing; every object validates (kubernetes-validate)."""
 from __future__ import annotations
 
-from helm_helpers import all_containers, env_map, mounts, objects, of_kind, render, validate_all, volumes
-from test_helm import K8S_VERSIONS, chart, kv_transfer_config  # noqa: F401 -- chart is a fixture
+import yaml
+from helm_helpers import (
+    EXAMPLES_DIR,
+    all_containers,
+    env_map,
+    load_example,
+    mounts,
+    objects,
+    of_kind,
+    render,
+    validate_all,
+    volumes,
+)
+from test_helm import K8S_VERSIONS, chart, kv_transfer_config, readme_block  # noqa: F401 -- chart is a fixture
 from test_helm_vllm import connector_reads
 
 SIDECAR = {"mode": "sidecar", "encoder": {"enabled": True}, "decoder": {"enabled": True}}
@@ -60,3 +72,18 @@ def test_prefill_connector_finds_the_socket(chart):  # noqa: F811
     assert path.rsplit("/", 1)[0] in mounts(vllm)  # the shared directory, mounted in vLLM too
     keys, env = connector_reads()
     assert "speckv_local_socket" in keys and "SPECKV_LOCAL_SOCKET" in env
+
+
+def test_readme_example(chart):  # noqa: F811
+    """The README's vllm.localHandoff values, over the sidecar example it says they go on top of."""
+    local = yaml.safe_load(readme_block("helm-local-handoff"))["vllm"]["localHandoff"]
+    values = load_example(EXAMPLES_DIR / "vllm-sidecar.yaml")
+    values["vllm"] = {**values.get("vllm", {}), "localHandoff": local}
+    objs = objects(render(chart, values))
+    validate_all(objs, K8S_VERSIONS)
+    (prefill,) = [d["spec"]["template"]["spec"] for d in of_kind(objs, "Deployment")
+                  if d["metadata"]["name"].endswith("-prefill")]
+    c = _by_name(prefill)
+    path = f"{local['dir']}/encoder.sock"
+    assert env_map(c["speckv-encoder"])["SPECKV_LOCAL_SOCKET"] == path
+    assert kv_transfer_config(c["vllm"])["kv_connector_extra_config"]["speckv_local_socket"] == path
