@@ -13,7 +13,7 @@ import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import grpc
 import numpy as np
@@ -46,6 +46,7 @@ class Settings(Protocol):
     consumer: bool
     encoder_address: str | None
     decoder_address: str | None
+    local_socket: str | None  # producer: the encoder's local hand-off socket (``local_socket``)
     model_id: str
     encoding: str
     fetch_wait_s: float
@@ -55,6 +56,15 @@ def _credentials() -> grpc.ChannelCredentials | None:
     """mTLS from the chart's SPECKV_TLS_CA / _CERT / _KEY, when set."""
     ca = os.environ.get("SPECKV_TLS_CA")
     return tls_credentials(ca, os.environ.get("SPECKV_TLS_CERT"), os.environ.get("SPECKV_TLS_KEY")) if ca else None
+
+
+def local_socket(get: Callable[[str, Any], Any]) -> str | None:
+    """The encoder sidecar's local hand-off socket (``speckv.client.local``) for a producer,
+    from ``get`` (vLLM's ``get_from_extra_config``): the ``speckv_local_socket`` key of
+    kv_connector_extra_config, else SPECKV_LOCAL_SOCKET (the variable the encoder listens
+    by); neither, or empty: None, the KV goes as bytes on the Submit stream."""
+    path = get("speckv_local_socket", os.environ.get("SPECKV_LOCAL_SOCKET"))
+    return str(path) if path else None
 
 
 class Worker:
@@ -73,7 +83,10 @@ class Worker:
         self.errors: set[int] = set()
         creds = _credentials()
         # NOTE: the connector refused a producer without an encoder address, a consumer without a decoder's
-        self.encoder = EncoderClient(str(conn.encoder_address), TIMEOUT_S, credentials=creds) if conn.producer else None
+        self.encoder = EncoderClient(str(conn.encoder_address), TIMEOUT_S, credentials=creds,
+                                     local_socket=conn.local_socket) if conn.producer else None
+        if self.encoder is not None and conn.local_socket:
+            logger.info("speckv: the KV goes to the encoder as sealed memfds through %s", conn.local_socket)
         self.decoder = DecoderClient(str(conn.decoder_address), TIMEOUT_S, credentials=creds) if conn.consumer else None
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="speckv-fetch") if conn.consumer else None
 
@@ -170,8 +183,17 @@ class Worker:
             try:
                 kv = self.layout().gather(layer, s.block_ids, 0, s.num_tokens)
                 stream.send_layer(i, kv.numpy() if self.fp8 else kv, self.scales(name))
-            except RpcFailed:
-                self.streams.pop(s.transfer_id, None)  # NOTE: its done-callback logs why
+            except RpcFailed as e:
+                self.streams.pop(s.transfer_id, None)
+                if stream.done():
+                    continue  # NOTE: the call itself failed: its done-callback logs why
+                # the local hand-off refused the layer (a LOCAL_* reason) while the call is open:
+                # as any failed submit, logged, counted and cancelled (the decode side recomputes)
+                logger.warning("speckv: submit %s failed: %s %s %s (the decode side will recompute)",
+                               s.transfer_id, e.code.name, e.reason, e.details)
+                with self.lock:
+                    self.stats.add(send_failed=1)
+                stream.cancel()
             except Exception as e:  # noqa: BLE001 -- never the engine's forward: the decode side recomputes
                 logger.warning("speckv: cannot send layer %d of %s: %s; its submit is cancelled", i, s.transfer_id, e)
                 self.streams.pop(s.transfer_id, None)

@@ -20,20 +20,33 @@ def readme_block(name: str) -> str:
     return m.group(1)
 
 
-def test_readme_client_example(embedded_session, monkeypatch, capsys):
+def test_readme_client_example(embedded_session, monkeypatch, capsys, tmp_path):
+    """The client example, then the local hand-off example on the same pair (its encoder
+    listens on a local socket; the socket path is replaced by the test's)."""
     from speckv.client.hf import kv_from_cache
+    from speckv.client.local import LocalHandoff
     from speckv.predictor import target as target_mod
     from speckv.server.local import LocalPair
 
     code = readme_block("client")
     assert 'ENCODER, DECODER = "127.0.0.1:50051", "127.0.0.1:50052"' in code
+    local = readme_block("client-local")
+    assert '"/run/speckv/encoder.sock"' in local
+    sock = str(tmp_path / "encoder.sock")
+    shared = []
+    share = LocalHandoff.share
+    monkeypatch.setattr(LocalHandoff, "share", lambda self, bufs: shared.append(self.path) or share(self, bufs))
     monkeypatch.setattr(target_mod, "load_target", lambda *a, **k: embedded_session.target)
-    with LocalPair(embedded_session.predictor, metrics=False) as pair:
+    with LocalPair(embedded_session.predictor, metrics=False, local_socket=sock) as pair:
         code = code.replace('"127.0.0.1:50051", "127.0.0.1:50052"',
                             f'"{pair.encoder_address}", "{pair.decoder_address}"')
         ns: dict = {}
         exec(compile(code, "README.md", "exec"), ns)
+        assert shared == []  # the first example: the bytes path
+        exec(compile(local.replace('"/run/speckv/encoder.sock"', repr(sock)), "README.md", "exec"), ns)
+        assert shared == [sock]  # the second: one sealed memfd through the socket
     want = bf16_bits(embedded_session.target.kv(ns["ids"]))
     assert np.array_equal(bf16_bits(kv_from_cache(ns["cache"])), want)
     assert ns["res"].raw_bytes == want.nbytes and ns["res"].ratio > 2
+    assert np.array_equal(ns["kv2"], want)
     assert "raw bytes sent as" in capsys.readouterr().out

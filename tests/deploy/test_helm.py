@@ -88,6 +88,8 @@ CASES["sidecar-decode-only-pvc"] = {
 }
 CASES["sidecar-prefill-only"] = {"mode": "sidecar", "decoder": {"enabled": False},
                                  "vllm": {"model": "/models/SmolLM2-135M-Instruct/"}}
+CASES["sidecar-local-handoff"] = {"mode": "sidecar",
+                                  "vllm": {"localHandoff": {"enabled": True, "dir": "/run/kv", "uids": "10001"}}}
 CASES["no-dashboard-encoder-only"] = {"decoder": {"enabled": False}, "dashboard": {"enabled": False}}
 CASES["standalone-extras"] = {
     "imagePullSecrets": [{"name": "regcred"}],
@@ -384,6 +386,8 @@ def expected_kv_transfer_config(values: dict[str, Any], role: str) -> dict[str, 
     if role == "encoder":
         chart |= {"speckv_encoder_address": local,
                   "speckv_decoder_service": f"{RELEASE}-decode.{NAMESPACE}.svc:{grpc}"}
+        if vl["localHandoff"]["enabled"]:  # the encoder sidecar's hand-off socket, in the shared dir
+            chart |= {"speckv_local_socket": f"{vl['localHandoff']['dir']}/encoder.sock"}
     else:
         chart |= {"speckv_decoder_address": local}
     kv = {"kv_connector": vl["kvConnector"],
@@ -439,6 +443,8 @@ def test_native_sidecar(rendered, case):
                     "decoder": {"SPECKV_DECODER_ADDRESS"}}[role]
         if values["tls"]["enabled"]:
             want_env |= {"SPECKV_TLS_CA", "SPECKV_TLS_CERT", "SPECKV_TLS_KEY"}
+        if role == "encoder" and values["vllm"]["localHandoff"]["enabled"]:
+            want_env |= {"SPECKV_LOCAL_SOCKET"}
         assert {k for k in env if k.startswith("SPECKV_")} == want_env
         if role == "encoder":
             assert env["SPECKV_DECODER_SERVICE"] == f"{RELEASE}-decode.{NAMESPACE}.svc:{values['ports']['grpc']}"

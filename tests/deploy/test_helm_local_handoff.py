@@ -1,11 +1,26 @@
 """The chart's local KV hand-off option (vllm.localHandoff, mode: sidecar): off by default;
 on, the prefill pod gets a memory emptyDir mounted at the same directory in the vLLM
 container and the encoder sidecar, the sidecar SPECKV_LOCAL_SOCKET (and SPECKV_LOCAL_UIDS
-when set), the decode pod nothing; every object validates (kubernetes-validate)."""
+when set), and the vLLM container the same socket path as the connector's speckv_local_socket
+(kv_connector_extra_config) and SPECKV_LOCAL_SOCKET, both read by the connector; the
+decode pod nothing; every object validates (kubernetes-validate)."""
 from __future__ import annotations
 
-from helm_helpers import all_containers, env_map, mounts, objects, of_kind, render, validate_all, volumes
-from test_helm import K8S_VERSIONS, chart  # noqa: F401 -- chart is a fixture
+import yaml
+from helm_helpers import (
+    EXAMPLES_DIR,
+    all_containers,
+    env_map,
+    load_example,
+    mounts,
+    objects,
+    of_kind,
+    render,
+    validate_all,
+    volumes,
+)
+from test_helm import K8S_VERSIONS, chart, kv_transfer_config, readme_block  # noqa: F401 -- chart is a fixture
+from test_helm_vllm import connector_reads
 
 SIDECAR = {"mode": "sidecar", "encoder": {"enabled": True}, "decoder": {"enabled": True}}
 
@@ -28,6 +43,7 @@ def test_off_by_default(chart):  # noqa: F811
         for c in all_containers(spec):
             assert "SPECKV_LOCAL_SOCKET" not in env_map(c)
             assert all(m["name"] != "speckv-local" for m in mounts(c).values())
+        assert "speckv_local_socket" not in kv_transfer_config(_by_name(spec)["vllm"])["kv_connector_extra_config"]
 
 
 def test_prefill_pod_shares_the_socket_dir(chart):  # noqa: F811
@@ -41,3 +57,33 @@ def test_prefill_pod_shares_the_socket_dir(chart):  # noqa: F811
     assert (env["SPECKV_LOCAL_SOCKET"], env["SPECKV_LOCAL_UIDS"]) == ("/run/kv/encoder.sock", "10001,1000")
     assert "speckv-local" not in volumes(decode)
     assert all("SPECKV_LOCAL_SOCKET" not in env_map(x) for x in all_containers(decode))
+    assert "speckv_local_socket" not in kv_transfer_config(_by_name(decode)["vllm"])["kv_connector_extra_config"]
+
+
+def test_prefill_connector_finds_the_socket(chart):  # noqa: F811
+    """The prefill vLLM container is given the encoder's socket path the way it is given the
+    encoder's address: the extra-config key and its SPECKV_* fallback, both read by the connector."""
+    prefill = _by_name(_pods(chart, {"enabled": True, "dir": "/run/kv"})["prefill"])
+    path = env_map(prefill["speckv-encoder"])["SPECKV_LOCAL_SOCKET"]
+    assert path == "/run/kv/encoder.sock"
+    vllm = prefill["vllm"]
+    assert kv_transfer_config(vllm)["kv_connector_extra_config"]["speckv_local_socket"] == path
+    assert env_map(vllm)["SPECKV_LOCAL_SOCKET"] == path
+    assert path.rsplit("/", 1)[0] in mounts(vllm)  # the shared directory, mounted in vLLM too
+    keys, env = connector_reads()
+    assert "speckv_local_socket" in keys and "SPECKV_LOCAL_SOCKET" in env
+
+
+def test_readme_example(chart):  # noqa: F811
+    """The README's vllm.localHandoff values, over the sidecar example it says they go on top of."""
+    local = yaml.safe_load(readme_block("helm-local-handoff"))["vllm"]["localHandoff"]
+    values = load_example(EXAMPLES_DIR / "vllm-sidecar.yaml")
+    values["vllm"] = {**values.get("vllm", {}), "localHandoff": local}
+    objs = objects(render(chart, values))
+    validate_all(objs, K8S_VERSIONS)
+    (prefill,) = [d["spec"]["template"]["spec"] for d in of_kind(objs, "Deployment")
+                  if d["metadata"]["name"].endswith("-prefill")]
+    c = _by_name(prefill)
+    path = f"{local['dir']}/encoder.sock"
+    assert env_map(c["speckv-encoder"])["SPECKV_LOCAL_SOCKET"] == path
+    assert kv_transfer_config(c["vllm"])["kv_connector_extra_config"]["speckv_local_socket"] == path
