@@ -20,9 +20,15 @@ REPEATS = 2  # best of this many timed runs
 
 
 def best_time(fn: Callable[[], Any], repeats: int = REPEATS) -> tuple[float, Any]:
-    """(fastest wall time, last result) over ``repeats`` calls."""
+    """(fastest wall time, last result) over ``repeats`` calls.
+
+    NOTE: each call's result is released before the next call, as a caller that hands it on
+    would: holding it doubles the footprint and, for a decode (a fresh 47 MB KV), changes how
+    the kernel backs the next output (huge or small pages), which moved decode times by up
+    to 2x on this VM."""
     best, out = float("inf"), None
     for _ in range(repeats):
+        out = None
         t0 = time.perf_counter()
         out = fn()
         best = min(best, time.perf_counter() - t0)
