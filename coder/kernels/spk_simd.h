@@ -55,6 +55,13 @@ SPK_INLINE uint32_t pack_desc(uint32_t field, uint32_t width, uint32_t kind, int
     return field | width << 16 | kind << 21 | (uint32_t)(k + 128) << 23;
 }
 
+// spk_table_row, branch-free: the row of log2 sigma_b = lam / 8 and mu's offset in its bin
+SPK_INLINE int32_t table_row(int32_t lam, int32_t off) {
+    lam = imax(SPK_LAMBDA_MIN, imin(lam, SPK_LAMBDA_MAX));
+    return sel(lam < SPK_LAMBDA_OFFSET, (lam - SPK_LAMBDA_MIN) * SPK_OFFSETS + off,
+               (SPK_LAMBDA_OFFSET - SPK_LAMBDA_MIN) * SPK_OFFSETS + lam - SPK_LAMBDA_OFFSET);
+}
+
 // spk_context_bf16, branch-free: (k, table row, c_mu, mu finite)
 SPK_INLINE void context_bf16(int32_t mu, int32_t L, const int32_t* __restrict lg8, int32_t& k, int32_t& t,
                              int32_t& c_mu, int32_t& mu_ok) {
@@ -71,10 +78,7 @@ SPK_INLINE void context_bf16(int32_t mu, int32_t L, const int32_t* __restrict lg
     mag = sel(e_mu == 0xFF, sel(man != 0, 0, SPK_MAX_BIN), mag);  // NaN: bin 0; inf: the last bin
     frac = sel(e_mu == 0xFF, 0, frac);
     c_mu = mag ^ -neg;
-    const int32_t lam = imax(SPK_LAMBDA_MIN, imin(L - k * SPK_SIGMA_ONE, SPK_LAMBDA_MAX));
-    const int32_t offs = frac ^ ((SPK_OFFSETS - 1) & -neg);
-    t = sel(lam < SPK_LAMBDA_OFFSET, (lam - SPK_LAMBDA_MIN) * SPK_OFFSETS + offs,
-            (SPK_LAMBDA_OFFSET - SPK_LAMBDA_MIN) * SPK_OFFSETS + lam - SPK_LAMBDA_OFFSET);
+    t = table_row(L - k * SPK_SIGMA_ONE, frac ^ ((SPK_OFFSETS - 1) & -neg));
     mu_ok = e_mu != 0xFF;
 }
 
@@ -104,10 +108,7 @@ SPK_INLINE void context_fp8(uint32_t mu, int32_t L, const int32_t* __restrict lg
     const int32_t mag = (int32_t)v;  // floor: v in [0, MAX_BIN]
     const int32_t frac = (int32_t)((v - (float)mag) * (float)SPK_OFFSETS);
     c_mu = mag ^ -neg;
-    const int32_t lam = imax(SPK_LAMBDA_MIN, imin(L - k * SPK_SIGMA_ONE, SPK_LAMBDA_MAX));
-    const int32_t offs = frac ^ ((SPK_OFFSETS - 1) & -neg);
-    t = sel(lam < SPK_LAMBDA_OFFSET, (lam - SPK_LAMBDA_MIN) * SPK_OFFSETS + offs,
-            (SPK_LAMBDA_OFFSET - SPK_LAMBDA_MIN) * SPK_OFFSETS + lam - SPK_LAMBDA_OFFSET);
+    t = table_row(L - k * SPK_SIGMA_ONE, frac ^ ((SPK_OFFSETS - 1) & -neg));
     mu_ok = e_mu != 0xFF;
 }
 
