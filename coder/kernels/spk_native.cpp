@@ -26,6 +26,7 @@
 
 #include "spk_decode.h"
 #include "spk_encode.h"
+#include "spk_int_softmax.h"
 
 namespace {
 
@@ -313,7 +314,35 @@ PyObject* py_contexts(PyObject*, PyObject* args) {
     Py_RETURN_NONE;
 }
 
+// int_softmax(S int32 (rows, n), pos int64 (rows), mf float32 (rows), table int32, hi int8 (rows, n),
+//             lo int8 (rows, n), sums int64 (rows), split, threads): the portable predictor's exp stage
+PyObject* py_int_softmax(PyObject*, PyObject* args) {
+    PyObject *s_o, *pos_o, *mf_o, *tab_o, *hi_o, *lo_o, *sum_o;
+    int split, threads;
+    if (!PyArg_ParseTuple(args, "OOOOOOOii", &s_o, &pos_o, &mf_o, &tab_o, &hi_o, &lo_o, &sum_o, &split, &threads))
+        return nullptr;
+    Buf S, pos, mf, tab, hi, lo, sums;
+    if (!get_buf(pos_o, pos, -1, "pos")) return nullptr;
+    const int64_t rows = pos.count(8);
+    if (!get_buf(s_o, S, -1, "S") || !get_buf(mf_o, mf, 4 * rows, "mf") || !get_buf(tab_o, tab, -1, "table") ||
+        !get_buf(sum_o, sums, 8 * rows, "sums", true))
+        return nullptr;
+    const int64_t n = rows ? S.count(4) / rows : 0;
+    if (S.count(4) != rows * n || !get_buf(hi_o, hi, rows * n, "hi", true) || !get_buf(lo_o, lo, rows * n, "lo", true))
+        return PyErr_Occurred() ? nullptr : PyErr_Format(PyExc_ValueError, "S is not (rows, n)");
+    const int32_t exp_len = (int32_t)tab.count(4);
+    Py_BEGIN_ALLOW_THREADS
+    parallel_for(rows, threads, [&](int64_t r) {
+        sums.as<int64_t>()[r] = spk::int_softmax_row(S.as<int32_t>() + r * n, n, pos.as<int64_t>()[r],
+                                                     mf.as<float>()[r], tab.as<int32_t>(), exp_len, split,
+                                                     hi.as<int8_t>() + r * n, lo.as<int8_t>() + r * n);
+    });
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
+    {"int_softmax", py_int_softmax, METH_VARARGS, "the portable predictor's softmax numerators (int_attention.py)"},
     {"contexts", py_contexts, METH_VARARGS, "packed contexts of (mu, L) pairs (tests)"},
     {"prepare_mu", py_prepare_mu, METH_VARARGS, "mu correction (model 2) and the FP8 division, threaded"},
     {"encode", py_encode, METH_VARARGS, "code a batch of consecutive chunks"},

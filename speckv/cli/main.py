@@ -2,7 +2,7 @@
 
 Subcommands: ``demo`` (the main job on the embedded model), ``serve
 encoder|decoder`` (a sidecar), ``entropy`` (ideal
-code length of a text's KV), ``predictor build|info`` (pinned checkpoints),
+code length of a text's KV), ``predictor build|info|check`` (pinned checkpoints),
 ``bench`` (coder figures against peers). Results go to stdout (a table or
 ``--json``); progress and logs go to stderr.
 """
@@ -180,12 +180,19 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--rung", default="fp8",
                        help="predictor ladder rung: fp8 (FP8 copy, default), hybrid:K (the target's first K "
                             "layers in BF16, then the FP8 copy), early:K (the target's first K layers, then "
-                            "each later layer's K/V projected from layer K's hidden state) or none "
-                            "(per-channel calibration means)")
+                            "each later layer's K/V projected from layer K's hidden state), portable "
+                            "(the target's shape in integers only: the same mu on every CPU and GPU) or "
+                            "none (per-channel calibration means)")
     info = psub.add_parser("info", help="verify a checkpoint and print its pin")
     info.add_argument("dir", help="checkpoint directory")
     info.add_argument("--pin", default=None, help="expected sha256 pin")
     info.add_argument("--json", action="store_true", help="print the description as JSON")
+    chk = psub.add_parser("check", help="compute mu in every numeric environment here; exit 1 if they differ")
+    chk.add_argument("dir", help="checkpoint directory")
+    chk.add_argument("--text", required=True, help="text whose mu is compared")
+    chk.add_argument("--tokens", type=_positive, default=512, help="tokens of the text")
+    chk.add_argument("--target", default="default", help="the target the checkpoint was built for")
+    chk.add_argument("--json", action="store_true", help="print the report as JSON")
     return ap
 
 
@@ -231,6 +238,17 @@ def cmd_predictor(args: argparse.Namespace) -> int:
         desc = ck.describe()
         print(json.dumps(desc, indent=1) if args.json else f"pin {ck.pin}\n{json.dumps(desc, indent=1)}")
         return 0
+    if args.pcmd == "check":
+        from speckv.predictor.check import check
+
+        rep = check(Path(args.dir), Path(args.text), args.tokens, args.target)
+        if args.json:
+            print(json.dumps(rep))
+        else:
+            _print_table(f"speckv predictor check ({rep['rung']})",
+                         [(f"{e['name']} ({e.get('tokens', '-')} tokens)", e.get("mu_sha256", e.get("error")))
+                          for e in rep["environments"]] + [("agree", str(rep["agree"]))])
+        return 0 if rep["agree"] else 1
     from speckv.predictor.calibrate import DEFAULT_CALIB_TOKENS, build_checkpoint
     from speckv.predictor.target import DEFAULT_TARGET, load_target
 

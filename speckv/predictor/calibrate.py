@@ -169,7 +169,7 @@ def build_checkpoint(target: "Target", calib_text: Path, out: Path, *, tokens: i
     """Write a predictor checkpoint for ``target`` into ``out``; returns the pin."""
     ladder = parse_rung(rung, target.config.num_hidden_layers)
     out.mkdir(parents=True, exist_ok=True)
-    state = rung_state(target.state, ladder) if ladder.has_model else None
+    state = rung_state(target.state, ladder, target.config) if ladder.has_model else None
     config = target.config.to_dict()
     for volatile in VOLATILE_CONFIG_KEYS:  # where the model was loaded from is not what it is
         config.pop(volatile, None)

@@ -18,12 +18,17 @@ manifest without the field is ``fp8``, so the shipped default keeps its pin):
   (``early.py``): an early exit. Layers ``<= k`` of mu equal the target's KV bit
   for bit on the same machine (layer k's input is that hidden state); the later
   layers' mu is what layer l would hold if the layers between did nothing. Weights: the target's BF16 tensors it uses.
+- ``portable``: the target's shape computed in integers only (``portable.py``):
+  int8 weights (one scale per output channel), 14-bit activations as two int8
+  products with exact int32 sums, integer attention and tables for exp, SiLU and
+  RoPE; mu is the same bits on every CPU and GPU.
 - ``none``: no model: mu is a per-(layer, kv, head, channel) constant, the
   calibration mean of the target's KV rounded to BF16, stored in ``means.npz``.
 
 Nominal cost, in BF16 prefills, counts an FP8 layer as half a BF16 layer (as
 on an FP8 tensor-core GPU): ``(k + (L - k) / 2) / L``; ``early:k``
-``(k + EARLY_TAIL_COST (L - k)) / L``; ``none`` costs 0.
+``(k + EARLY_TAIL_COST (L - k)) / L``; ``portable`` 1 (two int8 products per
+linear, as one BF16 product on int8 tensor cores); ``none`` costs 0.
 """
 
 from __future__ import annotations
@@ -44,10 +49,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .target import Target
 
-FP8, NONE, HYBRID, EARLY = "fp8", "none", "hybrid", "early"
+FP8, NONE, HYBRID, EARLY, PORTABLE = "fp8", "none", "hybrid", "early", "portable"
 MEANS = "means.npz"  # rung none: the BF16 bit patterns of the per-channel means
 MEANS_KEY = "mean_bf16"
-KINDS = {FP8: "fp8-copy", HYBRID: "hybrid-bf16-fp8", NONE: "channel-mean", EARLY: "early-exit"}
+KINDS = {FP8: "fp8-copy", HYBRID: "hybrid-bf16-fp8", NONE: "channel-mean", EARLY: "early-exit",
+         PORTABLE: "integer-portable"}
 _KRUNG_RE = re.compile(r"(hybrid|early):([0-9]{1,4})")
 # early:k's later layers run only their input norm and K/V projections: per token 2*h*2*kv of a
 # decoder layer's ~2*(h*(q + 2*kv) + q*h + 3*h*i) multiply-adds (SmolLM2-135M: 221,184 of 3,538,944)
@@ -73,19 +79,19 @@ class Rung:
         """Predictor cost in BF16 prefills, an FP8 layer counted as half a BF16 one."""
         if self.kind == NONE:
             return 0.0
+        if self.kind == PORTABLE:
+            return 1.0
         tail = EARLY_TAIL_COST if self.kind == EARLY else 0.5
         return (self.bf16_layers + tail * (layers - self.bf16_layers)) / layers
 
 
 def parse_rung(text: Any, layers: int) -> Rung:
-    """``fp8``, ``none`` or ``hybrid:k`` with 1 <= k <= layers; else CheckpointError."""
-    if text == FP8:
-        return Rung(FP8)
-    if text == NONE:
-        return Rung(NONE)
+    """``fp8``, ``none``, ``portable``, ``hybrid:k`` or ``early:k`` with k in range; else CheckpointError."""
+    if text in (FP8, NONE, PORTABLE):
+        return Rung(text)
     m = _KRUNG_RE.fullmatch(text) if isinstance(text, str) else None
     if m is None:
-        raise CheckpointError(f"unknown predictor rung {text!r}: use fp8, hybrid:K, early:K or none")
+        raise CheckpointError(f"unknown predictor rung {text!r}: use fp8, hybrid:K, early:K, portable or none")
     k, top = int(m.group(2)), layers if m.group(1) == HYBRID else layers - 1
     if not 1 <= k <= top or str(k) != m.group(2):
         raise CheckpointError(f"predictor rung {text!r}: K must be a plain integer in 1..{top}")
@@ -110,6 +116,9 @@ def manifest_fields(rung: Rung) -> dict[str, Any]:
 
 
 def weights_quant(rung: Rung) -> str:
+    if rung.kind == PORTABLE:
+        return ("int8, float64 scale per output channel (q/k/v and gate/up fused), round half to even; "
+                "BF16 norms and embeddings; integer rope, exp and silu tables")
     fp8 = "e4m3, fp32 scale per output channel, round to nearest even"
     if rung.kind == HYBRID:
         return f"decoder layers < {rung.bf16_layers}: the target's BF16 weights; the others {fp8}"

@@ -1,0 +1,114 @@
+"""Causal attention in integers (the portable rung), tiled by query blocks.
+
+Per kv head (its query heads share it, GQA)::
+
+    k8 = round(k * 64 / sk_c)        int8, one scale per channel over the prompt (K's outliers are
+                                     channels, KIVI); q absorbs it: q' = q * (sk_c / 64)
+    q8 = round(q' * 127 / amax_row)  int8 per (token, head); dq = amax_row / 127
+    S  = q8 @ k8^T                   int32, exact: the score is S * dq / 2^SCORE_SHIFT
+    e  = EXP[floor(f32(S_max - S) * Mf)]    Mf = f32(dq * 2^(EXP_STEP_BITS - SCORE_SHIFT)): one float32
+                                     product per score (S_max - S < 2^24 is exact in float32)
+    out = round((sum_j e_j v8_j * sv_c / 127) / sum_j e_j)   e = hi * 64 + lo (0..63 each)
+
+Every second operand stays within +-64 (``integer.B_MAX``): k8 for the scores, the
+numerators' halves for (P @ V)^T = V^T @ P^T.
+
+Memory is (block rows, tokens) per step, so long prompts fit; the exp stage runs
+in the native extension when it is built (``_native.int_softmax``, the same
+integers) and in torch otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .integer import (
+    B_MAX,
+    EXP_LEN,
+    EXP_SPLIT,
+    EXP_STEP_BITS,
+    Q_MAX,
+    SCORE_SHIFT,
+    int_mm,
+    quantise,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+BLOCK = 128  # query tokens per tile
+NATIVE = True  # the exp stage in the native extension where it is built (same integers either way)
+
+
+def channel_quantise(x: "torch.Tensor", qmax: float) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """int64 (tokens, dim) -> (int8 per-channel symbols in +-qmax, float64 per-channel scale)."""
+    q, amax = quantise(x.t(), qmax)
+    return q.t().contiguous(), amax / qmax
+
+
+def exp_weights(S: "torch.Tensor", pos: "torch.Tensor", mf: "torch.Tensor",
+                table: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
+    """Softmax numerators of int32 scores ``S`` (rows, keys) for rows at positions ``pos``
+    (keys > pos masked): (hi int8, lo int8, int64 row sums), numerator = hi * 2^EXP_SPLIT + lo."""
+    import torch
+
+    keys = torch.arange(S.shape[1], device=S.device)
+    valid = keys[None, :] <= pos[:, None]
+    smax = torch.where(valid, S, torch.full_like(S, torch.iinfo(torch.int32).min)).amax(dim=1)
+    x = (smax[:, None] - S).float() * mf[:, None]  # NOTE: one float32 product, as the native stage
+    idx = x.clamp(max=float(EXP_LEN)).long()  # x >= 0 on valid keys: truncation is floor
+    idx = torch.where(valid, idx, torch.full_like(idx, EXP_LEN))
+    e = torch.cat([table.long(), table.new_zeros(1, dtype=torch.int64)])[idx]
+    lo_mask = (1 << EXP_SPLIT) - 1
+    return (e >> EXP_SPLIT).to(torch.int8), (e & lo_mask).to(torch.int8), e.sum(dim=1)
+
+
+def _native_exp() -> Any:
+    try:
+        from speckv.coder import _native
+    except ImportError:
+        return None
+    return getattr(_native, "int_softmax", None)
+
+
+def _exp_stage(S: "torch.Tensor", pos: "torch.Tensor", mf: "torch.Tensor", table: "torch.Tensor",
+               native: bool) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
+    import torch
+
+    fn = _native_exp() if native and NATIVE and S.device.type == "cpu" else None
+    if fn is None:
+        return exp_weights(S, pos, mf, table)
+    rows, keys = S.shape
+    hi = torch.empty((rows, keys), dtype=torch.int8)
+    lo = torch.empty_like(hi)
+    sums = torch.empty(rows, dtype=torch.int64)
+    fn(S.contiguous().numpy(), pos.contiguous().numpy(), mf.contiguous().numpy(),
+       table.contiguous().numpy(), hi.numpy(), lo.numpy(), sums.numpy(), EXP_SPLIT, torch.get_num_threads())
+    return hi, lo, sums
+
+
+def attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", table: "torch.Tensor",
+              exact: bool = False, block: int = BLOCK) -> "torch.Tensor":
+    """int64 q (tokens, heads, dim), k and v (tokens, kv_heads, dim) -> int64 (tokens, heads, dim).
+    ``exact``: the reference (int64 products, the torch exp stage)."""
+    import torch
+
+    T, H, D = q.shape
+    G = H // k.shape[1]
+    out = torch.empty_like(q)
+    for g in range(k.shape[1]):
+        k8, ks = channel_quantise(k[:, g], float(B_MAX))  # k8: the scores' second operand
+        v8, vs = channel_quantise(v[:, g], Q_MAX)
+        vt = v8.t().contiguous()  # (dim, tokens): the first operand of (P @ V)^T
+        q8, amax = quantise(q[:, g * G:(g + 1) * G].double() * ks)  # (T, G, D), (T, G)
+        mf = ((amax / Q_MAX) * 2.0 ** (EXP_STEP_BITS - SCORE_SHIFT)).to(torch.float32)  # * 2^n: exact
+        for b in range(0, T, block):
+            e_ = min(b + block, T)
+            rows = q8[b:e_].reshape(-1, D)  # row r = (token b + r // G, head r % G)
+            pos = torch.arange(b, e_, device=q.device).repeat_interleave(G)
+            S = int_mm(rows, k8[:e_], exact)
+            hi, lo, sums = _exp_stage(S, pos, mf[b:e_].reshape(-1), table, native=not exact)
+            acc = (int_mm(vt[:, :e_], hi, exact).long() << EXP_SPLIT) + int_mm(vt[:, :e_], lo, exact)
+            o = torch.round((acc.t().double() * vs) / sums.double()[:, None]).to(torch.int64)
+            out[b:e_, g * G:(g + 1) * G] = o.view(e_ - b, G, D)
+    return out

@@ -1,0 +1,207 @@
+"""Integer arithmetic of the portable rung: every step exact, so any correct kernel gives the same bits.
+
+Numbers: hidden states, projections and attention outputs are int64 fixed point
+with ``FRAC`` fractional bits. Each matrix product is int8 x int8 with exact
+int32 accumulation (``torch._int_mm``; integer sums are associative, so thread
+count, ISA and library do not matter). Scales are applied with single IEEE
+float64 operations on exact inputs (a product, a quotient, a square root: each
+correctly rounded by IEEE 754 on every CPU and GPU) in a fixed order, then
+rounded half to even. No libm call, no FMA contraction and no floating-point
+reduction enters a result: sums run over integers, and the transcendental
+functions (exp, SiLU, cos/sin) are integer tables stored in the checkpoint
+(``tables``).
+
+    quantise   q = round(x * (8192 / amax_row)) = hi * 128 + lo    two int8s per value, per row (token)
+    product    acc = (w8 @ hi^T) * 128 + w8 @ lo^T                 int32 products, exact
+    dequantise y = round((acc * (amax_row / 8192)) * ws)           int64, ws per output channel
+    RMSNorm    folded into the quantisation: q of x * w_norm, and 1 / rms (from an
+               exact integer sum of squares) joins the row's dequantisation factor
+
+NOTE: torch's eager CPU and CUDA kernels do not contract ``a * b + c`` (each op is
+its own kernel); keep every float64 step a separate operation.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+FRAC = 16  # fractional bits of the int64 fixed-point activations
+Q_MAX = 127.0  # symmetric int8 range of the first operand (weights)
+# NOTE: the second operand of every int8 product stays within +-B_MAX. oneDNN without VNNI
+# (AVX2, AVX-512 without VNNI, SSE4.1) multiplies u8 x s8 pairs with vpmaddubsw, whose int16
+# pair sums saturate: (a + 128) * b summed over two pairs fits int16 only for |b| <= 64.
+B_MAX = 64
+WIDE_SPLIT = 7  # activations q = hi * 2^7 + lo, hi and lo in -64..64: 14 bits from two products
+WIDE_MAX = float(B_MAX << WIDE_SPLIT)
+SS_BITS = 26  # the sum of squares runs on x >> shift with |x >> shift| < 2^SS_BITS (<= 2^10 terms)
+# softmax: exp(-z) for z >= 0 in steps of 2^-EXP_STEP_BITS, scaled to EXP_ONE, zero from EXP_LEN on
+EXP_STEP_BITS = 8
+EXP_LEN = 12 << EXP_STEP_BITS  # exp(-12) * EXP_ONE < 0.1: rounds to 0
+EXP_SPLIT = 6  # numerators e = hi * 2^6 + lo, hi and lo in 0..63: second operands of P @ V
+EXP_ONE = (1 << (2 * EXP_SPLIT)) - 1
+SCORE_SHIFT = 2 * FRAC + 3  # scores: q (FRAC) * k (FRAC) / sqrt(64) = 2^3
+# SiLU: silu(x) for x in [-SILU_RANGE, SILU_RANGE) in steps of 2^-SILU_STEP_BITS; x outside: x or 0
+SILU_STEP_BITS = 10
+SILU_RANGE = 16
+SILU_LEN = 2 * SILU_RANGE << SILU_STEP_BITS
+ROPE_FRAC = 16  # cos/sin tables' fixed point
+
+
+class IntegerRangeError(ValueError):
+    """An activation left the range where the integer engine is exact (not expected for real text)."""
+
+
+def quantise(x: "torch.Tensor", qmax: float = Q_MAX) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """float64 or int64 rows ``x`` -> (int8 q, float64 amax per row); q = round(x * qmax / amax)."""
+    import torch
+
+    xf = x.double()
+    amax = xf.abs().amax(dim=-1)  # NOTE: max is exact in any order
+    # NOTE: ``127.0 / t`` would be t.reciprocal() * 127 in torch: two roundings; divide explicitly
+    inv = torch.where(amax > 0, torch.full_like(amax, qmax) / amax, torch.zeros_like(amax))
+    return torch.round(xf * inv.unsqueeze(-1)).to(torch.int8), amax
+
+
+def quantise_wide(x: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
+    """Rows -> (int8 hi, int8 lo, float64 amax): q = round(x * 64 * 2^7 / amax) = hi * 2^7 + lo,
+    hi = round(q / 2^7) and lo both in -64..64, so both may be second operands."""
+    import torch
+
+    xf = x.double()
+    amax = xf.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, torch.full_like(amax, WIDE_MAX) / amax, torch.zeros_like(amax))
+    q = torch.round(xf * inv.unsqueeze(-1)).to(torch.int64)
+    hi = round_shift(q, WIDE_SPLIT)
+    return hi.to(torch.int8), (q - (hi << WIDE_SPLIT)).to(torch.int8), amax
+
+
+def int_mm(a: "torch.Tensor", bt: "torch.Tensor", exact: bool = False) -> "torch.Tensor":
+    """int8 a (m, k) @ bt (n, k)^T -> int32 (m, n), exact for |a| <= 127, |bt| <= B_MAX;
+    ``exact`` uses int64 torch.mm (the reference: no BLAS, no oneDNN)."""
+    import torch
+
+    if exact:
+        return torch.mm(a.long(), bt.long().t()).to(torch.int32)
+    return torch._int_mm(a.contiguous(), bt.t())
+
+
+def wide_linear_acc(x: "torch.Tensor", w8: "torch.Tensor",
+                    exact: bool = False) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """(int64 acc (rows, out) of 14-bit rows @ w8^T, float64 per-row dequantisation factor);
+    the weights are the first operand: (w8 @ x^T)^T."""
+    hi, lo, amax = quantise_wide(x)
+    acc = (int_mm(w8, hi, exact).long() << WIDE_SPLIT) + int_mm(w8, lo, exact)
+    return acc.t(), amax / WIDE_MAX
+
+
+def dequantise(acc: "torch.Tensor", row: "torch.Tensor", ws: "torch.Tensor") -> "torch.Tensor":
+    """int64 round((acc * row) * ws): ``row`` a float64 factor per row, ``ws`` per column."""
+    import torch
+
+    return torch.round((acc.double() * row.unsqueeze(-1)) * ws).to(torch.int64)
+
+
+def linear(x: "torch.Tensor", w8: "torch.Tensor", ws: "torch.Tensor", exact: bool = False) -> "torch.Tensor":
+    """int64 fixed-point rows -> int64 fixed-point ``x @ W^T`` with W = w8 * ws (per output row)."""
+    acc, row = wide_linear_acc(x, w8, exact)
+    return dequantise(acc, row, ws)
+
+
+def rms_inv_factor(x: "torch.Tensor", eps: float) -> "torch.Tensor":
+    """float64 rms of each row of int64 fixed-point ``x`` (real units), from an exact integer sum
+    of squares of ``x >> shift``, with a per-row shift that keeps the sum inside int64."""
+    import torch
+
+    amax = x.abs().amax(dim=-1)
+    _, bits = torch.frexp(amax.double())  # exact: amax < 2^53
+    shift = (bits.long() - SS_BITS).clamp(min=0)
+    xs = x >> shift.unsqueeze(-1)
+    ss = (xs * xs).sum(dim=-1)  # exact: each square < 2^(2 SS_BITS), at most 2^(62 - 2 SS_BITS) terms
+    up = (torch.ones_like(shift) << (2 * shift)).double()  # 2^(2 shift), exact
+    mean = (ss.double() * up) / float(x.shape[-1] << (2 * FRAC))  # * 2^n: exact; one rounded division
+    return torch.sqrt(mean + eps)
+
+
+def norm_linear(x: "torch.Tensor", norm_w: "torch.Tensor", eps: float, w8: "torch.Tensor",
+                ws: "torch.Tensor", exact: bool = False) -> "torch.Tensor":
+    """``linear(rmsnorm(x) * norm_w)``: the norm folds into the row quantisation."""
+    acc, row = wide_linear_acc(x.double() * norm_w.double(), w8, exact)
+    return dequantise(acc, row / rms_inv_factor(x, eps), ws)
+
+
+def round_shift(x: "torch.Tensor", bits: int) -> "torch.Tensor":
+    """round(x / 2^bits), halves up, on int64."""
+    return (x + (1 << (bits - 1))) >> bits
+
+
+def rope(x: "torch.Tensor", cos: "torch.Tensor", sin: "torch.Tensor") -> "torch.Tensor":
+    """Rotary embedding on int64 ``x`` (tokens, heads, dim) with int tables (tokens, dim / 2)."""
+    import torch
+
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :].long(), sin[:, None, :].long()
+    return torch.cat([round_shift(x1 * c - x2 * s, ROPE_FRAC), round_shift(x2 * c + x1 * s, ROPE_FRAC)], dim=-1)
+
+
+def silu(x: "torch.Tensor", table: "torch.Tensor") -> "torch.Tensor":
+    """SiLU of int64 fixed-point ``x`` from the table; x itself above the range, 0 below."""
+    import torch
+
+    step = FRAC - SILU_STEP_BITS
+    idx = round_shift(x, step) + (SILU_RANGE << SILU_STEP_BITS)
+    inside = table[idx.clamp(0, SILU_LEN - 1)]
+    return torch.where(idx >= SILU_LEN, x, torch.where(idx < 0, torch.zeros_like(x), inside))
+
+
+def to_bf16(x: "torch.Tensor", frac: int = FRAC) -> "torch.Tensor":
+    """BF16 of int64 fixed-point ``x``, rounded once (to nearest, ties to even) in integers."""
+    import torch
+
+    a = x.abs()
+    _, exp = torch.frexp(a.double())  # exact: |x| < 2^53; a = m * 2^exp with m in [0.5, 1)
+    shift = (exp.long() - 8).clamp(min=0)  # keep 8 significant bits
+    q = a >> shift
+    rem = a - (q << shift)
+    half = torch.where(shift > 0, 1 << (shift - 1).clamp(min=0), torch.zeros_like(shift))
+    up = (rem > half) | ((rem == half) & (shift > 0) & ((q & 1) == 1))
+    r = (q + up.long()) << shift  # exactly representable in BF16 (<= 8 significant bits)
+    val = torch.where(x < 0, -r, r).double() * (2.0 ** -frac)
+    return val.to(torch.bfloat16)
+
+
+TABLE_NAMES = ("portable.rope_cos", "portable.rope_sin", "portable.exp", "portable.silu", "portable.check")
+
+
+def tables_names() -> tuple[str, ...]:
+    return TABLE_NAMES
+
+
+def tables(config: Any) -> dict[str, "torch.Tensor"]:
+    """The integer tables (built once, with libm, then pinned by the checkpoint's weight digest)."""
+    import math
+
+    import torch
+
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rp = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    theta = float(rp.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0)
+    if rp.get("rope_type", "default") != "default":
+        raise ValueError(f"portable rung: rope type {rp.get('rope_type')!r} is not supported yet")
+    pos = torch.arange(config.max_position_embeddings, dtype=torch.float64)[:, None]
+    inv = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    ang = pos * inv[None, :]
+    z = (torch.arange(EXP_LEN, dtype=torch.float64) + 0.5) / (1 << EXP_STEP_BITS)
+    xs = (torch.arange(SILU_LEN, dtype=torch.float64) - (SILU_RANGE << SILU_STEP_BITS)) / (1 << SILU_STEP_BITS)
+    scale = float(1 << ROPE_FRAC)
+    return {
+        "portable.rope_cos": torch.round(torch.cos(ang) * scale).to(torch.int32),
+        "portable.rope_sin": torch.round(torch.sin(ang) * scale).to(torch.int32),
+        "portable.exp": torch.round(torch.exp(-z) * EXP_ONE).to(torch.int32),
+        "portable.silu": torch.round(xs / (1 + torch.exp(-xs)) * float(1 << FRAC)).to(torch.int64),
+        "portable.check": torch.tensor([FRAC, EXP_STEP_BITS, EXP_ONE, SILU_STEP_BITS, SILU_RANGE, ROPE_FRAC,
+                                        int(math.isfinite(theta))], dtype=torch.int64),
+    }

@@ -1,0 +1,105 @@
+"""The portable rung's integer steps against exact references, each over its whole input range."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from speckv.predictor import integer as ix
+from speckv.predictor.int_attention import _native_exp, exp_weights
+
+CONFIG = SimpleNamespace(head_dim=16, hidden_size=64, num_attention_heads=4, max_position_embeddings=300,
+                         rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
+
+
+@pytest.fixture(scope="module")
+def tables():
+    return ix.tables(CONFIG)
+
+
+def test_to_bf16_rounds_once_to_nearest_even():
+    rng = np.random.default_rng(0)
+    # every |x| < 2^24 is exact in float32, whose conversion to BF16 rounds to nearest even
+    x = torch.from_numpy(rng.integers(-(1 << 24) + 1, 1 << 24, 200_000))
+    ties = torch.tensor([(2 * k + 1) << (s - 1) for s in range(1, 16) for k in (128, 129, 255, 200)])
+    x = torch.cat([x, ties, -ties, torch.tensor([0, 1, -1, 255, 256, 257, 511, 513])])
+    want = (x.double() * 2.0 ** -ix.FRAC).float().to(torch.bfloat16)
+    assert torch.equal(ix.to_bf16(x).view(torch.int16), want.view(torch.int16))
+    # 2^24 + 2^16 + 2^-16: just above a tie, so up (via float32 it would become a tie, rounded down
+    # to 2^24); -(2^29 + 2^21): an exact tie, to the even 2^29
+    big = torch.tensor([(1 << 40) + (1 << 32) + 1, -(1 << 45) - (1 << 37)])
+    assert ix.to_bf16(big).tolist() == [float(2 ** 24 + 2 ** 17), -float(2 ** 29)]
+
+
+def test_silu_table_over_its_whole_range(tables):
+    step = ix.FRAC - ix.SILU_STEP_BITS
+    x = torch.arange(-(ix.SILU_RANGE + 1) << ix.FRAC, (ix.SILU_RANGE + 1) << ix.FRAC, 1 << (step - 2))
+    got = ix.silu(x, tables["portable.silu"]).double() / 2 ** ix.FRAC
+    xr = x.double() / 2 ** ix.FRAC
+    want = xr / (1 + torch.exp(-xr))
+    # a table step of 2^-10 in x, SiLU's slope below 1.1, and the tails beyond +-16 (< 2e-6)
+    assert float((got - want).abs().max()) < 1.1 * 2.0 ** -(ix.SILU_STEP_BITS + 1) + 2 ** -ix.FRAC
+
+
+def test_exp_table_and_rope_tables(tables):
+    e = tables["portable.exp"].double()
+    z = (torch.arange(ix.EXP_LEN, dtype=torch.float64) + 0.5) / 2 ** ix.EXP_STEP_BITS
+    assert float((e - torch.exp(-z) * ix.EXP_ONE).abs().max()) <= 0.5
+    assert int(e.max()) < 1 << (2 * ix.EXP_SPLIT) and int(e[-1]) == 0  # hi, lo <= 63; the table ends at 0
+    pos = torch.arange(300, dtype=torch.float64)[:, None]
+    ang = pos * 10000.0 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    for name, fn in (("portable.rope_cos", torch.cos), ("portable.rope_sin", torch.sin)):
+        assert float((tables[name].double() / 2 ** ix.ROPE_FRAC - fn(ang)).abs().max()) <= 2.0 ** -(ix.ROPE_FRAC + 1)
+
+
+def test_rms_from_an_exact_integer_sum_over_the_whole_magnitude_range():
+    rng = np.random.default_rng(1)
+    for mag in (1e-3, 1.0, 300.0, 2e4, 3e5):  # massive activations reach 2e4 in SmolLM2
+        x = torch.from_numpy(np.round(rng.normal(0, mag, (8, 576)) * 2 ** ix.FRAC).astype(np.int64))
+        want = torch.sqrt((x.double() / 2 ** ix.FRAC).pow(2).mean(-1) + 1e-5)
+        got = ix.rms_inv_factor(x, 1e-5)
+        tol = 1e-7 if mag >= 1 else 2e-3  # tiny rows: x is on a grid of 2^-16 (the float reference is not)
+        assert float(((got - want) / want).abs().max()) < tol
+
+
+def test_wide_quantisation_reconstructs_14_bits():
+    x = torch.from_numpy(np.random.default_rng(2).normal(0, 5, (64, 300)) * 2 ** ix.FRAC).round().long()
+    hi, lo, amax = ix.quantise_wide(x)
+    q = (hi.long() << ix.WIDE_SPLIT) + lo.long()
+    assert int(hi.abs().max()) <= ix.B_MAX and int(lo.abs().max()) <= ix.B_MAX  # second operands
+    assert int(q.abs().max()) == ix.B_MAX << ix.WIDE_SPLIT
+    err = (q.double() * (amax / ix.WIDE_MAX)[:, None] - x.double()).abs().max(-1).values / amax
+    assert float(err.max()) <= 0.5 / ix.WIDE_MAX + 1e-12
+
+
+def test_linear_is_exact_integer_math_and_close_to_float():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 200, generator=g).to(torch.bfloat16)
+    w8, amax = ix.quantise(w)
+    ws = amax / ix.Q_MAX
+    x = (torch.randn(50, 200, generator=g) * 2 ** ix.FRAC).round().long()
+    y, y_ref = ix.linear(x, w8, ws), ix.linear(x, w8, ws, exact=True)
+    assert torch.equal(y, y_ref)  # oneDNN's int8 product and torch.mm on int64
+    want = (x.double() / 2 ** ix.FRAC) @ w.double().t()
+    assert float(((y.double() / 2 ** ix.FRAC) - want).norm() / want.norm()) < 0.01
+
+
+def test_native_exp_stage_is_the_torch_one_bit_for_bit(tables):
+    fn = _native_exp()
+    assert fn is not None, "the native extension (speckv.coder._native) is not built"
+    rng = np.random.default_rng(4)
+    rows, n = 97, 260
+    S = torch.from_numpy(rng.integers(-(1 << 20), 1 << 20, (rows, n)).astype(np.int32))
+    S[3] = 7  # all equal
+    pos = torch.from_numpy(rng.integers(0, n + 40, rows))  # some rows see every key
+    mf = torch.from_numpy(np.exp2(rng.uniform(-30, 4, rows))).float()
+    want = exp_weights(S, pos, mf, tables["portable.exp"])
+    hi, lo = torch.empty((rows, n), dtype=torch.int8), torch.empty((rows, n), dtype=torch.int8)
+    sums = torch.empty(rows, dtype=torch.int64)
+    fn(S.numpy(), pos.numpy(), mf.numpy(), tables["portable.exp"].numpy(), hi.numpy(), lo.numpy(), sums.numpy(),
+       ix.EXP_SPLIT, 2)
+    for a, b in zip((hi, lo, sums), want, strict=True):
+        assert torch.equal(a, b)
+    assert int(sums.min()) >= int(tables["portable.exp"][0])  # each row's own maximum counts fully

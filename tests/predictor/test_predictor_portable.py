@@ -1,0 +1,97 @@
+"""The portable rung: mu from integers only, the same bits on every path (oneDNN's int8 products
+or int64 torch.mm, the native exp stage or torch's, 1 or 2 threads, one process or another),
+long prompts included; close to the target's KV; pinned and loaded like every rung."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from speckv.errors import CheckpointError
+from speckv.predictor import int_attention
+from speckv.predictor import target as target_mod
+from speckv.predictor.calibrate import build_checkpoint
+from speckv.predictor.check import check, mu_digest
+from speckv.predictor.checkpoint import load_checkpoint
+from speckv.predictor.ladder import Rung, parse_rung
+from speckv.predictor.portable import build_portable_model, portable_kv, portable_state
+from speckv.predictor.predict import Predictor
+
+PROMPT = "Integers add up the same way on every machine, in any order."
+
+
+def test_parse_and_cost():
+    assert parse_rung("portable", 30) == Rung("portable") and Rung("portable").nominal_cost(30) == 1.0
+    with pytest.raises(CheckpointError):
+        parse_rung("portable:4", 30)
+
+
+@pytest.fixture(scope="module")
+def portable_dir(tiny_target, tiny_text, tmp_path_factory):
+    d = tmp_path_factory.mktemp("portable")
+    build_checkpoint(tiny_target, tiny_text, d, tokens=64, segment=32, rung="portable")
+    return d
+
+
+@pytest.fixture(scope="module")
+def portable(portable_dir):
+    return Predictor.from_checkpoint(load_checkpoint(portable_dir))
+
+
+def _paths(model, ids, monkeypatch) -> dict[str, str]:
+    out = {"default": mu_digest(portable_kv(model, ids)),
+           "int64 reference": mu_digest(portable_kv(model, ids, exact=True))}
+    monkeypatch.setattr(int_attention, "NATIVE", False)
+    out["torch exp stage"] = mu_digest(portable_kv(model, ids))
+    monkeypatch.setattr(int_attention, "NATIVE", True)
+    monkeypatch.setattr(target_mod, "COMPUTE_THREADS", 1)
+    out["1 thread"] = mu_digest(portable_kv(model, ids))
+    return out
+
+
+def test_every_path_gives_the_same_bits(portable, tiny_target, monkeypatch):
+    rng = np.random.default_rng(0)
+    for ids in (tiny_target.tokenize(PROMPT), rng.integers(0, tiny_target.config.vocab_size, 300)):
+        digests = _paths(portable.model, ids, monkeypatch)
+        assert len(set(digests.values())) == 1, digests
+
+
+def test_long_prompt_same_bits(tiny_target, monkeypatch):
+    cfg = copy.deepcopy(tiny_target.config)
+    cfg.max_position_embeddings = 4096
+    model = build_portable_model(cfg, portable_state(tiny_target.state, cfg))
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, 2100)
+    digests = _paths(model, ids, monkeypatch)
+    assert len(set(digests.values())) == 1, digests
+    with pytest.raises(ValueError, match="rope table"):
+        portable_kv(model, np.zeros(4097, np.int64))
+
+
+def test_mu_tracks_the_target_and_arrives_layer_by_layer(portable, tiny_target):
+    ids = tiny_target.tokenize(PROMPT * 4)
+    kv = tiny_target.kv(ids)
+    seen = []
+    mu = portable.mu(ids, on_layer=lambda i, bits: seen.append((i, bits.shape)))
+    assert mu.shape == kv.shape and mu.dtype == torch.bfloat16
+    assert [i for i, _ in seen] == list(range(kv.shape[0]))
+    rel = ((mu.double() - kv.double()).norm() / kv.double().norm()).item()
+    assert rel < 0.02, rel  # BF16 KV itself is only good to 2^-9; int8 weights, 14-bit activations
+    assert portable.mu(ids[:0]).shape[3] == 0
+
+
+def test_checkpoint_pins_weights_and_tables(portable_dir, tiny_target):
+    ck = load_checkpoint(portable_dir)
+    assert ck.rung.name == "portable" and ck.manifest["kind"] == "integer-portable"
+    state = portable_state(tiny_target.state, tiny_target.config)
+    assert state["model.layers.0.qkv.w8"].dtype == torch.int8 and "portable.exp" in state
+    assert not any(n.startswith("model.layers.1.") and n.endswith(("o.w8", "gate_up.w8", "down.w8")) for n in state)
+
+
+def test_check_agrees_across_processes_and_environments(portable_dir, tiny_model_dir, tiny_text):
+    rep = check(portable_dir, tiny_text, 200, str(tiny_model_dir), timeout=600)
+    names = [e["name"] for e in rep["environments"]]
+    assert rep["agree"], rep
+    assert "int64 reference (prefix)" in names and "ATEN_CPU_CAPABILITY=default" in names
+    assert {e["tokens"] for e in rep["environments"]} == {128, 200}
