@@ -10,14 +10,14 @@ Lifecycle::
 (e4m3 codes + one fp32 scale per (layer, kv)). mu comes from the predictor on
 ``ids`` unless given. Chunks group ``layers_per_chunk`` layers; each holds
 whole rANS blocks of ``LANES * elems_per_lane`` elements, so it decodes on its
-own. The numpy path codes many chunks in one vectorised pass. A chunk may go
-stored instead (raw bytes, ``stored``): on request, or when coded it would be larger.
+own. The numpy path (``reference``) codes many chunks in one vectorised pass; a
+backend (``backends``) writes the same bytes. A chunk may go stored instead (raw
+bytes, ``stored``): on request, or when coded it would be larger.
 """
 
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Collection, Iterable, Iterator, Sequence, cast
 
 import numpy as np
@@ -27,12 +27,13 @@ from speckv.errors import IntegrityError, MuMismatchError, PinMismatchError, Pro
 from speckv.kv import Fp8KV, bf16_bits
 
 from . import container as ct
+from . import reference
 from .adapt import choose_shifts
 from .backends import select_backend
 from .config import MAX_ELEMS_PER_LANE, CodecConfig
 from .integrity import verified
 from .interfaces import CheckpointLike, MuSource
-from .model import BF16, E4M3, FP32, Context, ContextTable, FloatFormat, desymbolize, fp8_log2_sigma, symbolize
+from .model import BF16, E4M3, FP32, Context, ContextTable, FloatFormat, fp8_log2_sigma
 from .plan import (
     Plan,
     bf16_context_table,
@@ -44,10 +45,10 @@ from .plan import (
     runs,
     whole_record,
 )
-from .rans import LANES, RansBlocks, concat_blocks, rans_encode, split_blocks
+from .rans import RansBlocks, concat_blocks, split_blocks
 from .residual import MODEL_NAMES, MODEL_SEED, ResidualModel, models_of
 from .stored import stored_chunk, stored_chunks, stored_record_len, unstored_chunk
-from .tables import NOOP_TABLE, CodingTables, decode_symbols
+from .tables import CodingTables
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -175,35 +176,11 @@ class Codec:
                                              [h.chunk_layers(i)[1] for i in run], h.elems_per_lane, plan.model.tables)
             return self._map(lambda a: self._chunk_record(plan, h, a[0], a[1].blocks, a[1].bits),
                              list(zip(idx, coded, strict=True)))
-        parts = self._map(lambda i: self._chunk_ops(plan, h, i), idx)
-        start = np.concatenate([p[0] for p in parts])
-        freq = np.concatenate([p[1] for p in parts])
-        groups = np.array_split(np.arange(len(start)), self.config.threads)
-        coded_np = self._map(lambda g: rans_encode(start[g], freq[g], validate=False), groups)
-        blocks = concat_blocks(coded_np)  # ops come from verified tables: no range checks
-        spans = [len(p[0]) for p in parts]
-        return [self._chunk_record(plan, h, i, rb, p[2])
-                for i, rb, p in zip(idx, split_blocks(blocks, spans), parts, strict=True)]
+        coded_np = reference.encode_chunks(plan, h, idx, self._context, self.config.threads)
+        return [self._chunk_record(plan, h, i, rb, bits) for i, (rb, bits) in zip(idx, coded_np, strict=True)]
 
     def _map(self, fn, items):
-        items = list(items)
-        if self.config.threads == 1 or len(items) < 2:
-            return [fn(i) for i in items]
-        with ThreadPoolExecutor(self.config.threads) as pool:
-            return list(pool.map(fn, items))
-
-    def _chunk_ops(self, plan: Plan, h: ct.StreamHeader, i: int) -> tuple[np.ndarray, np.ndarray, bytes]:
-        """(blocks, steps, LANES) start/freq of chunk i (padding lanes: no-op), raw bits."""
-        sl = plan.chunk_slice(h, i)
-        assert plan.x is not None  # an encoding plan
-        ctx, n = self._context(plan, sl), h.chunk_elements(i)
-        sym = symbolize(plan.fmt, plan.model.tables, ctx, plan.x[sl].ravel())
-        g = plan.model.tables.gauss
-        size = h.chunk_blocks(i) * h.elems_per_lane * LANES
-        idx = np.full(size, g.offset[NOOP_TABLE], np.int64)
-        idx[:n] = g.offset[ctx.t] + sym.j
-        grid = (h.chunk_blocks(i), h.elems_per_lane, LANES)  # element = block, step, lane
-        return g.cum[idx].reshape(grid), g.freq[idx].reshape(grid), sym.bits
+        return reference.thread_map(self.config.threads, fn, items)
 
     def _chunk_record(self, plan: Plan, h: ct.StreamHeader, i: int, rb: RansBlocks,
                       bits: bytes) -> ct.Chunk:
@@ -371,10 +348,7 @@ class Codec:
                 raise IntegrityError(f"chunk {c.index}: raw bits without elements")
         if self.backend is not None and live:
             return [b for r in runs([c.index for c in chunks]) for b in self._decode_backend(plan, h, chunks[r])]
-        ctxs = self._map(lambda c: self._context(plan, plan.chunk_slice(h, c.index)), live)
-        js = self._run_decoder(live, ctxs, el, plan.model.tables) if live else []
-        bits = self._map(lambda a: desymbolize(plan.fmt, plan.model.tables, a[1], a[2][:len(a[1].t)], a[0].bits),
-                         list(zip(live, ctxs, js, strict=True)))
+        bits = reference.decode_chunks(plan, h, live, self._context, self.config.threads)
         out = {c.index: b for c, b in zip(live, bits, strict=True)}
         return [out.get(c.index, np.zeros(0, np.int64)) for c in chunks]
 
@@ -386,24 +360,6 @@ class Codec:
         self.backend.decode(plan.mu[sl], plan.log2_sigma[sl], [c.layer_count for c in chunks], h.elems_per_lane,
                             streams, plan.model.tables, out)
         return [out[plan.chunk_slice(h, c.index).start - sl.start:][:c.layer_count] for c in chunks]
-
-    def _run_decoder(self, live: Sequence[ct.Chunk], ctxs: Sequence[Context], el: int,
-                     coding: CodingTables) -> list[np.ndarray]:
-        """The rANS loop: one Gaussian-table op per element; blocks split across threads
-        (numpy releases the GIL inside each step's array operations)."""
-        blocks = concat_blocks([RansBlocks(c.states, c.word_counts, c.words) for c in live])
-        nb = len(blocks.word_counts)
-        tables: np.ndarray = np.full(nb * el * LANES, NOOP_TABLE, np.int32)
-        pos = 0
-        for c, ctx in zip(live, ctxs, strict=True):
-            tables[pos:pos + len(ctx.t)] = ctx.t
-            pos += c.n_blocks * el * LANES
-        tables = tables.reshape(nb, el, LANES)  # element = block, step, lane
-        groups = [g for g in np.array_split(np.arange(nb), self.config.threads) if len(g)]
-        parts = self._map(lambda a: decode_symbols(coding, a[0], tables[a[1][0]:a[1][-1] + 1], el),
-                          list(zip(split_blocks(blocks, [len(g) for g in groups]), groups, strict=True)))
-        js = np.concatenate(parts)
-        return [p.ravel() for p in np.split(js, np.cumsum([c.n_blocks for c in live])[:-1])]
 
     def _context(self, plan: Plan, sl: slice) -> Context:
         if plan.fmt is BF16 and plan.unshifted(sl):  # NOTE: shifted levels: computed, not tabulated

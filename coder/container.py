@@ -65,7 +65,7 @@ MAX_AUX_BYTES = 1 << 20
 MAX_BITS_BYTES = 1 << 30
 
 _HEADER = struct.Struct("<4sHHBB32s5I32sHIHI")  # everything but the crc
-_CHUNK, _U32, _U64 = fr.CHUNK, fr.U32, fr.U64
+_CHUNK, _U32 = fr.CHUNK, fr.U32
 _uint, _digest, _blob, _need = fr.check_uint, fr.check_digest, fr.check_blob, fr.need
 _check_magic, _check_crc = fr.check_magic, fr.check_crc
 HEADER_LEN = _HEADER.size + 4  # 110
@@ -321,40 +321,6 @@ def _check_against_header(i: int, layers: tuple[int, int], n_blocks: int, steps:
                           f"of {header.elems_per_lane} elements per lane")
 
 
-def _read_record(mv: memoryview) -> memoryview:
-    """Steps 1-3 of the reader order: magic, record_len bounds, crc."""
-    _check_magic(mv, CHUNK_MAGIC, "chunk")
-    _need(mv, 12, "chunk")
-    (record_len,) = struct.unpack_from("<Q", mv, 4)
-    if record_len < CHUNK_OVERHEAD:
-        raise FormatError(f"chunk record_len {record_len} < {CHUNK_OVERHEAD}")
-    if record_len > MAX_CHUNK_BYTES:
-        raise FormatError(f"chunk record_len {record_len} exceeds MAX_CHUNK_BYTES")
-    _need(mv, record_len, "chunk")
-    rec = mv[:record_len]
-    _check_crc(rec[:-4], _U32.unpack_from(rec, record_len - 4)[0], "chunk")
-    return rec
-
-
-def _array(rec: memoryview, offset: int, count: int, wire: str, native: type,
-           shape: tuple[int, ...] | None = None) -> np.ndarray:
-    """Owned native-endian copy of ``count`` little-endian items at ``offset``."""
-    a = np.frombuffer(rec, dtype=wire, count=count, offset=offset)
-    return a.reshape(shape if shape is not None else (count,)).astype(native)
-
-
-def _read_bits(rec: memoryview, b_off: int, index: int) -> memoryview:
-    """The ``bits`` section whose u64 length is at ``b_off`` (a view into ``rec``)."""
-    if b_off + 8 > len(rec) - 4:
-        raise FormatError(f"chunk {index}: record_len {len(rec)} leaves no room for bits_len")
-    (bits_len,) = _U64.unpack_from(rec, b_off)
-    if b_off + 8 + bits_len + 4 != len(rec):
-        raise FormatError(f"chunk {index}: record_len {len(rec)} disagrees with counts")
-    if bits_len > MAX_BITS_BYTES:
-        raise FormatError(f"chunk {index}: bits_len {bits_len} exceeds MAX_BITS_BYTES")
-    return rec[b_off + 8: b_off + 8 + bits_len]
-
-
 def unpack_chunk(buf: Buffer, header: StreamHeader, *, borrow: bool = False) -> tuple[Chunk, int]:
     """Parse a chunk record at the start of ``buf`` and validate it against
     ``header``. Returns the chunk and the number of bytes consumed.
@@ -362,7 +328,7 @@ def unpack_chunk(buf: Buffer, header: StreamHeader, *, borrow: bool = False) -> 
     ``borrow``: the chunk's ``bits`` is a read-only view into ``buf`` instead of an
     owned copy (a stored chunk's bits are its raw KV: no copy of them). The caller
     hands ``buf`` over: it must not change while the chunk lives."""
-    rec = _read_record(memoryview(buf).cast("B"))
+    rec = fr.read_record(memoryview(buf).cast("B"), MAX_CHUNK_BYTES)
     (_, record_len, index, layer_start, layer_count, n_blocks, steps, mu, raw,
      aux_len) = _CHUNK.unpack_from(rec)
     _check_against_header(index, (layer_start, layer_count), n_blocks, steps, header)
@@ -373,14 +339,14 @@ def unpack_chunk(buf: Buffer, header: StreamHeader, *, borrow: bool = False) -> 
     d_off = w_off + 4 * n_blocks
     if d_off + 8 + 4 > record_len:
         raise FormatError(f"chunk {index}: counts need {d_off + 12} bytes > record_len")
-    word_counts = _array(rec, w_off, n_blocks, "<u4", np.uint32)
+    word_counts = fr.le_array(rec, w_off, n_blocks, "<u4", np.uint32)
     n_words = int(word_counts.sum(dtype=np.uint64))
-    bits = _read_bits(rec, d_off + 2 * n_words, index)  # checks the length rule
-    states = _array(rec, s_off, LANES * n_blocks, "<u4", np.uint32, (n_blocks, LANES))
+    bits = fr.read_bits(rec, d_off + 2 * n_words, index, MAX_BITS_BYTES)  # checks the length rule
+    states = fr.le_array(rec, s_off, LANES * n_blocks, "<u4", np.uint32, (n_blocks, LANES))
     chunk = Chunk(index=index, layer_start=layer_start, layer_count=layer_count, steps=steps,
                   mu_fingerprint=mu, raw_digest=raw, aux=bytes(rec[_CHUNK.size:s_off]),
                   states=states, word_counts=word_counts,
-                  words=_array(rec, d_off, n_words, "<u2", np.uint16), bits=b"" if borrow else bytes(bits))
+                  words=fr.le_array(rec, d_off, n_words, "<u2", np.uint16), bits=b"" if borrow else bytes(bits))
     if borrow:  # NOTE: validated above (length rule, MAX_BITS_BYTES); Chunk would copy it to bytes
         object.__setattr__(chunk, "bits", bits.toreadonly())
     return chunk, record_len

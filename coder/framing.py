@@ -1,5 +1,7 @@
 """The container's low-level pieces (``container.py`` uses them; FORMAT.md has the
-layout): field validators that raise FormatError, and the chunk-record writer.
+layout): field validators that raise FormatError, the chunk-record writer, and the
+chunk-record reader's first steps (magic, length and crc; the little-endian arrays;
+the bits section). The limits are the caller's (``container.MAX_*``, read at call time).
 
 The writer emits a record as a list of buffers, the chunk's arrays and bits read in
 place and the crc32 computed over them as they are: ``b"".join`` of the list is the
@@ -112,3 +114,39 @@ def record_pieces(fields: tuple[int, int, int, int, int, bytes, bytes], aux: byt
         crc = crc32(p, crc)
     out.append(memoryview(U32.pack(crc)))
     return out
+
+
+def read_record(mv: memoryview, max_record: int) -> memoryview:
+    """Steps 1-3 of the reader order: magic, record_len bounds (``max_record``:
+    MAX_CHUNK_BYTES), crc. The record, a view into ``mv``."""
+    check_magic(mv, CHUNK_MAGIC, "chunk")
+    need(mv, 12, "chunk")
+    (record_len,) = struct.unpack_from("<Q", mv, 4)
+    if record_len < CHUNK_OVERHEAD:
+        raise FormatError(f"chunk record_len {record_len} < {CHUNK_OVERHEAD}")
+    if record_len > max_record:
+        raise FormatError(f"chunk record_len {record_len} exceeds MAX_CHUNK_BYTES")
+    need(mv, record_len, "chunk")
+    rec = mv[:record_len]
+    check_crc(rec[:-4], U32.unpack_from(rec, record_len - 4)[0], "chunk")
+    return rec
+
+
+def le_array(rec: memoryview, offset: int, count: int, wire: str, native: type,
+             shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """Owned native-endian copy of ``count`` little-endian items at ``offset``."""
+    a = np.frombuffer(rec, dtype=wire, count=count, offset=offset)
+    return a.reshape(shape if shape is not None else (count,)).astype(native)
+
+
+def read_bits(rec: memoryview, b_off: int, index: int, max_bits: int) -> memoryview:
+    """The ``bits`` section whose u64 length is at ``b_off`` (a view into ``rec``);
+    ``max_bits``: MAX_BITS_BYTES."""
+    if b_off + 8 > len(rec) - 4:
+        raise FormatError(f"chunk {index}: record_len {len(rec)} leaves no room for bits_len")
+    (bits_len,) = U64.unpack_from(rec, b_off)
+    if b_off + 8 + bits_len + 4 != len(rec):
+        raise FormatError(f"chunk {index}: record_len {len(rec)} disagrees with counts")
+    if bits_len > max_bits:
+        raise FormatError(f"chunk {index}: bits_len {bits_len} exceeds MAX_BITS_BYTES")
+    return rec[b_off + 8: b_off + 8 + bits_len]

@@ -11,7 +11,9 @@ no model hub and no download are involved.
 from __future__ import annotations
 
 import json
+import logging
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,28 @@ TINY_SENTENCES = [
 ]
 # ~2 KB of text for calibrating the tiny model; byte-level BPE covers every byte.
 TINY_TEXT = " ".join(TINY_SENTENCES * 8) + "\n"
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored():
+    """The root logger as it was before each test. ``speckv.cli.main.main`` run in-process
+    (and ``logs.configure``) replaces the root handlers with one on the ``sys.stderr`` of that
+    moment, a test's capture that pytest closes when the test ends; left in place, every later
+    warning (a sidecar's, from its loop thread) fails there with "--- Logging error ---"."""
+    root, own = logging.getLogger(), logging.getLogger("speckv")
+    handlers, levels, showwarning = list(root.handlers), (root.level, own.level), warnings.showwarning
+    yield
+    for h in list(root.handlers):
+        if h not in handlers:
+            root.removeHandler(h)
+    for h in handlers:
+        if h not in root.handlers:
+            root.addHandler(h)
+    root.setLevel(levels[0])
+    own.setLevel(levels[1])
+    if warnings.showwarning is not showwarning:  # logs.configure turned logging.captureWarnings on
+        logging.captureWarnings(False)
+        warnings.showwarning = showwarning
 
 
 @pytest.fixture(scope="session")

@@ -15,17 +15,8 @@ from speckv import logs
 
 @pytest.fixture
 def stream():
-    root = logging.getLogger()
-    saved = (list(root.handlers), root.level, logging.getLogger("speckv").level)
-    out = io.StringIO()
-    yield out
-    for h in list(root.handlers):
-        root.removeHandler(h)
-    for h in saved[0]:
-        root.addHandler(h)
-    root.setLevel(saved[1])
-    logging.getLogger("speckv").setLevel(saved[2])
-    logging.captureWarnings(False)
+    """Where ``logs.configure`` writes (tests/conftest.py restores the root logger after each test)."""
+    return io.StringIO()
 
 
 def test_json_line(stream):

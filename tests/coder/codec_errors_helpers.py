@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from codec_helpers import LAYERS, bf16_from_float, bf16_tensor, ids_for, shape
 
-from speckv.coder import codec as codec_module
 from speckv.coder import container as ct
 from speckv.coder import model
+from speckv.coder import reference as reference_module
 from speckv.coder.bitpack import pack_fields, pack_unary
 from speckv.coder.codec import Codec, digest, prompt_digest
 from speckv.coder.model import BF16, E4M3, FP32, context, fp8_log2_sigma, low_bits, magnitude
@@ -80,7 +80,7 @@ def _switched_off(*checks: str):
     """The real decoder with the named checks switched off (and nothing else changed)."""
     patches = {NO_FINITE: (model, "_normal_bits", _normal_bits_unchecked),
                ZERO_EXP: (model, "_zero_bits", _zero_bits_unchecked),
-               NOT_ESCAPED: (codec_module, "desymbolize", _desymbolize_any_mu),
+               NOT_ESCAPED: (reference_module, "desymbolize", _desymbolize_any_mu),
                PADDING: (model, "unpack_fields", _unpack_fields_any_padding),
                UNARY_TAIL: (model, "unpack_unary", _unpack_unary_any_tail)}
     with contextlib.ExitStack() as stack:

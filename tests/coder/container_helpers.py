@@ -1,4 +1,5 @@
-"""Builders of valid headers, chunks and streams for the container tests."""
+"""Builders of valid headers, chunks and streams for the container tests, and a golden
+stream (``GOLDEN``: format version 3, one FP8 chunk) with its objects."""
 
 from __future__ import annotations
 
@@ -58,3 +59,38 @@ def fix_crcs(buf: bytes) -> bytes:
         struct.pack_into("<I", b, off + rl - 4, zlib.crc32(b[off:off + rl - 4]))
         off += rl
     return bytes(b)
+
+
+GOLDEN = bytes.fromhex(
+    # header: magic, version 3, header_len 110, dtype fp8, model 7, pin 00..1f
+    "53504b5603006e000207000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d"
+    # shape (1, 2, 1, 1, 2), prompt_digest 20..3f
+    "1e1f0100000002000000010000000100000002000000202122232425262728292a2b2c2d2e2f3031"
+    # lanes 32, elems_per_lane 1, layers_per_chunk 1, n_chunks 1, crc | chunk: magic, len 223
+    "32333435363738393a3b3c3d3e3f2000010000000100010000009e57075a53504b43df0000000000"
+    # index 0, layer_start 0, layer_count 1, n_blocks 1, steps 1, mu 11.., raw 22..
+    "00000000000000000000010000000100000001000000111111111111111111111111111111112222"
+    # aux_len 2, aux abcd, states 0x10000 + lane
+    "222222222222222222222222222202000000abcd0000010001000100020001000300010004000100"
+    "05000100060001000700010008000100090001000a0001000b0001000c0001000d0001000e000100"
+    "0f000100100001001100010012000100130001001400010015000100160001001700010018000100"
+    # word_counts [3], words 1234 5678 9abc, bits_len 3 (u64)
+    "190001001a0001001b0001001c0001001d0001001e0001001f0001000300000034127856bc9a0300"
+    # bits a5 0f 80, crc
+    "000000000000a50f802dc5ac7b")
+
+
+# the same stream in format version 2: version 2 and its header crc (the chunk is unchanged)
+GOLDEN_V2 = GOLDEN[:4] + b"\x02\x00" + GOLDEN[6:106] + bytes.fromhex("d3b1efec") + GOLDEN[110:]
+# ... and in format version 4 (the container treats aux as opaque in every version)
+GOLDEN_V4 = GOLDEN[:4] + b"\x04\x00" + GOLDEN[6:106] + bytes.fromhex("ffe87fec") + GOLDEN[110:]
+
+
+def golden_objects():
+    h = StreamHeader(dtype=C.DTYPE_FP8, model=7, pin=bytes(range(32)), shape=(1, 2, 1, 1, 2),
+                     prompt_digest=bytes(range(32, 64)), elems_per_lane=1, layers_per_chunk=1, version=3)
+    c = Chunk(index=0, layer_start=0, layer_count=1, steps=1, mu_fingerprint=b"\x11" * 16,
+              raw_digest=b"\x22" * 16, aux=b"\xab\xcd",
+              states=(0x10000 + np.arange(32, dtype=np.uint32))[None, :],
+              word_counts=[3], words=[0x1234, 0x5678, 0x9ABC], bits=b"\xa5\x0f\x80")
+    return h, c

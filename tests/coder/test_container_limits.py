@@ -10,22 +10,23 @@ import zlib
 
 import pytest
 from container_helpers import (
+    GOLDEN,
     fix_crcs,
+    golden_objects,
     make_header,
 )
-from hypothesis import HealthCheck, settings
 
+from speckv.coder import container as C
 from speckv.coder.container import (
     ChecksumError,
+    Chunk,
     FormatError,
     TruncatedError,
+    pack_chunk,
     pack_header,
     unpack_chunk,
     unpack_stream,
 )
-
-FAST = settings(max_examples=150, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow])
 
 # -------------------------------------------- lying sizes (valid crc, no alloc)
 
@@ -122,3 +123,30 @@ def test_bits_len_must_lie_inside_the_record():
     assert unpack_chunk(rec, empty)[0].bits == b"\x01\x02"
     _fast_and_small(lambda: unpack_chunk(_patched_chunk(
         {"n_blocks": 0, "steps": 0, "aux_len": 1}, b"\x07" + bytes(7)), empty))
+
+
+# ------------------------------------------------------------- configurable limits
+
+def test_limits_are_configurable(monkeypatch):
+    h, c = golden_objects()
+    monkeypatch.setattr(C, "MAX_CHUNK_BYTES", 200)
+    with pytest.raises(FormatError, match="MAX_CHUNK_BYTES"):
+        unpack_stream(GOLDEN)
+    with pytest.raises(FormatError):
+        pack_chunk(c)
+    monkeypatch.setattr(C, "MAX_CHUNK_BYTES", 222)  # only the 3 bits bytes push it over
+    with pytest.raises(FormatError, match="MAX_CHUNK_BYTES"):
+        pack_chunk(c)
+    with pytest.raises(FormatError, match="MAX_CHUNK_BYTES"):
+        unpack_stream(GOLDEN)
+    monkeypatch.setattr(C, "MAX_CHUNK_BYTES", 223)
+    assert unpack_stream(GOLDEN) == (h, [c])
+    monkeypatch.setattr(C, "MAX_BITS_BYTES", 2)
+    with pytest.raises(FormatError, match="MAX_BITS_BYTES"):
+        unpack_stream(GOLDEN)
+    with pytest.raises(FormatError, match="MAX_BITS_BYTES"):
+        Chunk(**{**c.__dict__})
+    assert Chunk(**{**c.__dict__, "bits": b"\0\0"}).bits == b"\0\0"
+    monkeypatch.setattr(C, "MAX_ELEMENTS", 3)
+    with pytest.raises(FormatError, match="MAX_ELEMENTS"):
+        make_header((1, 2, 1, 1, 2))

@@ -1,7 +1,9 @@
 """Helpers for tests/deploy: render the chart with the real Helm engine, walk the
 rendered objects, and validate them offline (Kubernetes OpenAPI schemas shipped
 by kubernetes-validate; the prometheus-operator ServiceMonitor CRD vendored
-under schemas/).
+under schemas/); the values sets the chart tests render (``CASES``) and what the
+chart should make of them (the vLLM connector's kv-transfer-config, selectors, the
+README's examples).
 
 No cluster and no network: helm_python binds Helm's Go SDK, kubernetes_validate
 carries the Kubernetes JSON schemas, the CRD is a file in this repository.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,8 @@ import helm_python
 import jsonschema
 import kubernetes_validate
 import yaml
+
+from speckv.v1 import decoder_pb2, encoder_pb2
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHART_DIR = REPO_ROOT / "helm" / "speckv"
@@ -200,3 +205,127 @@ def hook_pods(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def every_pod_spec(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The pod spec of every Deployment and of every bare Pod (the test hook)."""
     return [spec for _, spec in pod_specs(objs)] + [p["spec"] for p in of_kind(objs, "Pod")]
+
+
+# --- the values sets the chart tests render, and what the chart should make of them --------
+
+PIN = "c99abc452c89150d303f103aeaa0fa129824e7b0e3b5a0489bdb4ea9ce18badd"  # the shipped checkpoint
+HEALTH_SERVICE = {
+    "encoder": encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name,
+    "decoder": decoder_pb2.DESCRIPTOR.services_by_name["DecoderService"].full_name,
+}
+# The chart's floor (Chart.yaml kubeVersion) and the newest schema kubernetes-validate ships.
+K8S_VERSIONS = ("1.29", kubernetes_validate.utils.major_minor(kubernetes_validate.utils.latest_version()))
+
+EXAMPLES = sorted(EXAMPLES_DIR.glob("*.yaml"))
+
+# Every values set the suite renders: the defaults, every example file, and a few
+# combinations the examples do not cover (sidecar mode with fetch + TLS, etc.).
+CASES: dict[str, dict[str, Any]] = {"default": {}}
+CASES.update({f"examples/{p.name}": load_example(p) for p in EXAMPLES})
+CASES["sidecar-fetch-tls"] = {
+    "mode": "sidecar",
+    "vllm": {"kvConnector": "MyConnector", "hfTokenSecret": {"name": "hf"},
+             "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}],
+             "kvConnectorExtraConfig": {"speckv_model_id": "overridden-by-chart", "speckv_encoding": "stored"}},
+    "predictor": {"source": "fetch", "pin": PIN, "fetch": {"url": "https://example.com/p.tar.gz"}},
+    "tls": {"enabled": True, "secretName": "speckv-tls"},
+    "serviceMonitor": {"enabled": True},
+    "ports": {"health": 9000},
+    "config": {"graceSeconds": 25},
+    "terminationGracePeriodSeconds": 40,
+}
+CASES["sidecar-decode-only-pvc"] = {
+    "mode": "sidecar",
+    "vllm": {"kvConnector": "MyConnector", "kvConnectorModulePath": "", "model": "/models/my-llama/"},
+    "config": {"modelId": "my-llama-3"},
+    "encoder": {"enabled": False},
+    "predictor": {"source": "pvc", "pin": PIN, "pvc": {"claimName": "ckpt", "subPath": "smollm2"}},
+}
+CASES["sidecar-prefill-only"] = {"mode": "sidecar", "decoder": {"enabled": False},
+                                 "vllm": {"model": "/models/SmolLM2-135M-Instruct/"}}
+CASES["sidecar-local-handoff"] = {"mode": "sidecar",
+                                  "vllm": {"localHandoff": {"enabled": True, "dir": "/run/kv", "uids": "10001"}}}
+CASES["no-dashboard-encoder-only"] = {"decoder": {"enabled": False}, "dashboard": {"enabled": False}}
+CASES["standalone-extras"] = {
+    "imagePullSecrets": [{"name": "regcred"}],
+    "config": {"extraEnv": [{"name": "SPECKV_MAX_TOKENS", "value": "65536"}], "modelId": "SmolLM2-135M-Instruct"},
+    "encoder": {"env": [{"name": "SPECKV_THREADS", "value": "4"}],
+                # a pod label cannot take over a selector label
+                "podLabels": {"team": "inference", "app.kubernetes.io/component": "other"},
+                "podAnnotations": {"example.com/a": "b"},
+                "service": {"type": "LoadBalancer", "annotations": {"example.com/lb": "internal"}},
+                "pdb": {"minAvailable": "50%"}},
+    "decoder": {"replicas": 0, "pdb": {"enabled": False}},
+}
+
+
+def case_ids(pred=lambda v: True) -> list[str]:
+    return [n for n, v in CASES.items() if pred(v)]
+
+
+def expected_roles(values: dict[str, Any]) -> set[str]:
+    return {r for r in ("encoder", "decoder") if values[r]["enabled"]}
+
+
+def kv_transfer_config(vllm: dict[str, Any]) -> dict[str, Any]:
+    """The JSON of the vLLM container's single --kv-transfer-config argument."""
+    kv_args = [a for a in vllm["args"] if a.startswith("--kv-transfer-config=")]
+    assert len(kv_args) == 1, vllm["args"]
+    return json.loads(kv_args[0].split("=", 1)[1])
+
+
+def expected_kv_transfer_config(values: dict[str, Any], role: str) -> dict[str, Any]:
+    """What SpeckvConnector must be given, worked out here from the values (not the
+    chart): the policy, and exactly the extra-config keys the connector reads for the role."""
+    vl, grpc = values["vllm"], values["ports"]["grpc"]
+    local = f"127.0.0.1:{grpc}"
+    # the connector's own default: os.path.basename(model.rstrip("/"))
+    chart = {"speckv_model_id": values["config"]["modelId"] or vl["model"].rstrip("/").rsplit("/", 1)[-1]}
+    if role == "encoder":
+        chart |= {"speckv_encoder_address": local,
+                  "speckv_decoder_service": f"{RELEASE}-decode.{NAMESPACE}.svc:{grpc}"}
+        if vl["localHandoff"]["enabled"]:  # the encoder sidecar's hand-off socket, in the shared dir
+            chart |= {"speckv_local_socket": f"{vl['localHandoff']['dir']}/encoder.sock"}
+    else:
+        chart |= {"speckv_decoder_address": local}
+    kv = {"kv_connector": vl["kvConnector"],
+          "kv_role": {"encoder": "kv_producer", "decoder": "kv_consumer"}[role],
+          "kv_load_failure_policy": "recompute",
+          "kv_connector_extra_config": {**vl["kvConnectorExtraConfig"], **chart}}  # the chart's keys win
+    if vl["kvConnectorModulePath"]:
+        kv["kv_connector_module_path"] = vl["kvConnectorModulePath"]
+    return kv
+
+
+def is_headless(svc: dict[str, Any]) -> bool:
+    return svc["spec"].get("clusterIP") == "None"
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels and matchExpressions) against labels."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, vals = e["key"], e["operator"], e.get("values") or []
+        ok = {"Exists": key in labels, "DoesNotExist": key not in labels,
+              "In": labels.get(key) in vals, "NotIn": key not in labels or labels[key] not in vals}[op]
+        if not ok:
+            return False
+    return True
+
+
+README = REPO_ROOT / "README.md"
+
+
+def readme_section() -> str:
+    text = README.read_text()
+    m = re.search(r"^## Deploy on Kubernetes\n(.*?)(?=^## )", text, re.S | re.M)
+    assert m, "README has no '## Deploy on Kubernetes' section"
+    return m.group(1)
+
+
+def readme_block(name: str) -> str:
+    m = re.search(r"<!-- README-EXAMPLE: %s .*?-->\n```yaml\n(.*?)```" % re.escape(name), readme_section(), re.S)
+    assert m, f"README example {name!r} not found"
+    return m.group(1)

@@ -9,23 +9,25 @@ from __future__ import annotations
 import yaml
 from helm_helpers import (
     EXAMPLES_DIR,
+    K8S_VERSIONS,
     all_containers,
     env_map,
+    kv_transfer_config,
     load_example,
     mounts,
     objects,
     of_kind,
+    readme_block,
     render,
     validate_all,
     volumes,
 )
-from test_helm import K8S_VERSIONS, chart, kv_transfer_config, readme_block  # noqa: F401 -- chart is a fixture
 from test_helm_vllm import connector_reads
 
 SIDECAR = {"mode": "sidecar", "encoder": {"enabled": True}, "decoder": {"enabled": True}}
 
 
-def _pods(chart, local: dict | None) -> dict[str, dict]:  # noqa: F811
+def _pods(chart, local: dict | None) -> dict[str, dict]:
     values = {**SIDECAR, **({"vllm": {"localHandoff": local}} if local is not None else {})}
     objs = objects(render(chart, values))
     validate_all(objs, K8S_VERSIONS)
@@ -37,7 +39,7 @@ def _by_name(spec: dict) -> dict[str, dict]:
     return {c["name"]: c for c in all_containers(spec)}
 
 
-def test_off_by_default(chart):  # noqa: F811
+def test_off_by_default(chart):
     for spec in _pods(chart, None).values():
         assert "speckv-local" not in volumes(spec)
         for c in all_containers(spec):
@@ -46,7 +48,7 @@ def test_off_by_default(chart):  # noqa: F811
         assert "speckv_local_socket" not in kv_transfer_config(_by_name(spec)["vllm"])["kv_connector_extra_config"]
 
 
-def test_prefill_pod_shares_the_socket_dir(chart):  # noqa: F811
+def test_prefill_pod_shares_the_socket_dir(chart):
     pods = _pods(chart, {"enabled": True, "dir": "/run/kv", "uids": "10001,1000"})
     prefill, decode = pods["prefill"], pods["decode"]
     assert volumes(prefill)["speckv-local"]["emptyDir"]["medium"] == "Memory"
@@ -60,7 +62,7 @@ def test_prefill_pod_shares_the_socket_dir(chart):  # noqa: F811
     assert "speckv_local_socket" not in kv_transfer_config(_by_name(decode)["vllm"])["kv_connector_extra_config"]
 
 
-def test_prefill_connector_finds_the_socket(chart):  # noqa: F811
+def test_prefill_connector_finds_the_socket(chart):
     """The prefill vLLM container is given the encoder's socket path the way it is given the
     encoder's address: the extra-config key and its SPECKV_* fallback, both read by the connector."""
     prefill = _by_name(_pods(chart, {"enabled": True, "dir": "/run/kv"})["prefill"])
@@ -74,7 +76,7 @@ def test_prefill_connector_finds_the_socket(chart):  # noqa: F811
     assert "speckv_local_socket" in keys and "SPECKV_LOCAL_SOCKET" in env
 
 
-def test_readme_example(chart):  # noqa: F811
+def test_readme_example(chart):
     """The README's vllm.localHandoff values, over the sidecar example it says they go on top of."""
     local = yaml.safe_load(readme_block("helm-local-handoff"))["vllm"]["localHandoff"]
     values = load_example(EXAMPLES_DIR / "vllm-sidecar.yaml")

@@ -6,7 +6,6 @@ example on its GPU). Every values set is rendered by the real Helm engine, linte
 strictly and validated against the Kubernetes OpenAPI schemas."""
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import helm_python
@@ -14,6 +13,8 @@ import pytest
 from helm_helpers import (
     CHART_DIR,
     EXAMPLES_DIR,
+    HEALTH_SERVICE,
+    K8S_VERSIONS,
     NAMESPACE,
     RELEASE,
     all_containers,
@@ -27,11 +28,11 @@ from helm_helpers import (
     pod_specs,
     port_of,
     render,
+    selects,
     serve_containers,
     validate_all,
     volumes,
 )
-from test_helm import HEALTH_SERVICE, K8S_VERSIONS, selects
 
 from speckv.cli.main import main
 from speckv.server.config import ServerConfig
@@ -44,13 +45,6 @@ EXTRA_VOLUMES = {"extraVolumes": [{"name": "corp-ca", "configMap": {"name": "cor
                  "extraVolumeMounts": [{"name": "corp-ca", "mountPath": "/etc/corp-ca", "readOnly": True}],
                  "config": {"extraEnv": [{"name": "SSL_CERT_DIR", "value": "/etc/corp-ca"}]}}
 TLS = {"tls": {"enabled": True, "secretName": "speckv-tls"}}
-
-
-@pytest.fixture(scope="module")
-def chart() -> Iterator[helm_python.Chart]:
-    c = helm_python.Chart.load(CHART_DIR)
-    yield c
-    c.close()
 
 
 def rendered_objects(chart: helm_python.Chart, values: dict[str, Any]) -> list[dict[str, Any]]:

@@ -3,16 +3,16 @@
 values (the restricted defaults, the uid left out for OpenShift's restricted SCC, a
 context dropped entirely) and the optional NetworkPolicy. Every values set is rendered
 by the real Helm engine, linted strictly and validated against the Kubernetes OpenAPI
-schemas; fixtures and renderers: tests/deploy/test_helm.py, helm_helpers.py."""
+schemas; fixtures: tests/deploy/conftest.py; renderers: helm_helpers.py."""
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import helm_python
 import pytest
 from helm_helpers import (
     CHART_DIR,
+    K8S_VERSIONS,
     RELEASE,
     RESTRICTED_CONTAINER_SC,
     all_containers,
@@ -24,10 +24,10 @@ from helm_helpers import (
     pod_specs,
     port_of,
     render,
+    selects,
     serve_containers,
     validate_all,
 )
-from test_helm import K8S_VERSIONS, selects
 
 DEFAULT_POD_SC = {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
                   "seccompProfile": {"type": "RuntimeDefault"}}
@@ -41,13 +41,6 @@ PEER_MONITORING = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata
 PEER_ROUTER = {"ipBlock": {"cidr": "10.0.0.0/8"}}
 NETPOL = {"networkPolicy": {"enabled": True, "grpc": {"from": [PEER_ENGINE]},
                             "metrics": {"from": [PEER_MONITORING]}, "http": {"from": [PEER_ROUTER]}}}
-
-
-@pytest.fixture(scope="module")
-def chart() -> Iterator[helm_python.Chart]:
-    c = helm_python.Chart.load(CHART_DIR)
-    yield c
-    c.close()
 
 
 def rendered_objects(chart, values: dict[str, Any]) -> list[dict[str, Any]]:

@@ -2,7 +2,7 @@
 ``speckv.client.vllm``, the chart passes exactly the extra-config keys the connector reads
 (parsed from its source: vLLM is not installed here), a headless Service lets a router
 reach each decode pod, and the README's connector configs and the example's Dockerfile
-agree with the chart. Fixtures and renderers: tests/deploy/test_helm.py."""
+agree with the chart. Fixtures: tests/deploy/conftest.py; renderers: helm_helpers.py."""
 from __future__ import annotations
 
 import ast
@@ -18,26 +18,22 @@ from typing import Any
 import pytest
 from helm_helpers import (
     EXAMPLES_DIR,
+    README,
     RELEASE,
     REPO_ROOT,
+    case_ids,
     env_map,
+    expected_kv_transfer_config,
+    is_headless,
+    kv_transfer_config,
     load_example,
     objects,
     of_kind,
     pod_specs,
     port_of,
     render,
-    serve_containers,
-)
-from test_helm import (  # noqa: F401 -- chart and rendered are fixtures
-    README,
-    case_ids,
-    chart,
-    expected_kv_transfer_config,
-    is_headless,
-    kv_transfer_config,
-    rendered,
     selects,
+    serve_containers,
 )
 
 CONNECTOR_SOURCE = REPO_ROOT / "client" / "vllm.py"  # speckv.client.vllm (package-dir client/)

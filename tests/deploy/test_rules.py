@@ -7,7 +7,6 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-import helm_python
 import pytest
 import yaml
 from helm_helpers import CHART_DIR, NAMESPACE, PROMETHEUSRULE_CRD, crd_validate, objects, of_kind, render
@@ -60,13 +59,6 @@ def test_alerts_use_only_exposed_metric_families():
                 assert metric.removesuffix("_total") in names, (rule["alert"], metric)
             assert rule["labels"]["severity"] in ("critical", "warning") and rule["annotations"]["summary"]
     assert {r["alert"] for g in _groups() for r in g["rules"]} == ALERTS
-
-
-@pytest.fixture(scope="module")
-def chart():
-    c = helm_python.Chart.load(CHART_DIR)
-    yield c
-    c.close()
 
 
 def test_chart_prometheusrule(chart):

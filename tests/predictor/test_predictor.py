@@ -1,7 +1,8 @@
-"""Pinned predictor checkpoints: build, pin verification, determinism of mu,
-calibration statistics, and the reproducibility of the shipped default.
+"""Pinned predictor checkpoints: build, the CLI, determinism of mu, calibration
+statistics, and the reproducibility of the shipped default (pin verification:
+test_predictor_pin.py).
 
-Checkpoints for the tiny random Llama are built once per module (64 tokens of
+The tiny random Llama's checkpoints (conftest.py) are built once (64 tokens of
 calibration text) both with a weights file and with derived weights.
 """
 
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -18,8 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from predictor_helpers import SEGMENT, TOKENS
 
 from speckv.cli.main import main as cli_main
 from speckv.errors import CalibrationError, CheckpointError, PinMismatchError
@@ -38,7 +37,6 @@ from speckv.predictor.store import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TOKENS, SEGMENT = 64, 32
 MU_PROMPT = "Speculative coding needs the same bits on both sides."
 
 
@@ -48,31 +46,6 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def mu_digest(mu: torch.Tensor) -> str:
     return hashlib.sha256(bits(mu).numpy().tobytes()).hexdigest()
-
-
-@pytest.fixture(scope="module")
-def tiny_ckpts(tiny_target, tiny_text, tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt")
-    w_dir, d_dir = root / "weights", root / "derived"
-    pin_w = build_checkpoint(tiny_target, tiny_text, w_dir, tokens=TOKENS, segment=SEGMENT)
-    pin_d = build_checkpoint(tiny_target, tiny_text, d_dir, tokens=TOKENS, segment=SEGMENT,
-                             derive_weights=True)
-    return {"weights": (w_dir, pin_w), "derived": (d_dir, pin_d)}
-
-
-@pytest.fixture
-def ckpt_copy(tiny_ckpts, tmp_path):
-    """A private copy of the weights-file checkpoint, for tampering."""
-    src, pin = tiny_ckpts["weights"]
-    dst = tmp_path / "ckpt"
-    shutil.copytree(src, dst)
-    return dst, pin
-
-
-def flip_byte(path: Path, pos: int) -> None:
-    data = bytearray(path.read_bytes())
-    data[pos % len(data)] ^= 0x01
-    path.write_bytes(bytes(data))
 
 
 # ------------------------------------------------------------------ build and load
@@ -193,101 +166,6 @@ def test_cli_predictor_build(tiny_model_dir, tiny_text, tmp_path, capsys):
     assert int(ck.calib.hist_bf16.sum()) == 2 * 2 * 2 * 40 * 16
 
 
-# ------------------------------------------------------------------ pin verification
-
-
-def fresh_copy(tiny_ckpts, tmp_path: Path, tag: str) -> tuple[Path, str]:
-    src, pin = tiny_ckpts["weights"]
-    dst = tmp_path / tag
-    shutil.copytree(src, dst)
-    return dst, pin
-
-
-def test_flipped_byte_in_any_file_is_pin_mismatch(tiny_ckpts, tmp_path):
-    """One flipped byte (first, middle, last) in every file the manifest lists."""
-    names = sorted(load_checkpoint(tiny_ckpts["weights"][0]).manifest["files"])
-    assert {CALIB, CONFIG, WEIGHTS} <= set(names)
-    for name in names:
-        for where in ("first", "middle", "last"):
-            path, pin = fresh_copy(tiny_ckpts, tmp_path, f"{name}-{where}")
-            size = (path / name).stat().st_size
-            flip_byte(path / name, {"first": 0, "middle": size // 2, "last": size - 1}[where])
-            with pytest.raises(PinMismatchError) as ei:
-                load_checkpoint(path)
-            assert type(ei.value) is PinMismatchError and name in str(ei.value), (name, where)
-            with pytest.raises(PinMismatchError):
-                load_checkpoint(path, pin=pin)
-
-
-@settings(max_examples=40, deadline=None, database=None)
-@given(pos=st.integers(0, 10**6))
-def test_flipped_byte_in_manifest_is_pin_mismatch(tiny_ckpts, tmp_path_factory, pos):
-    src, pin = tiny_ckpts["weights"]
-    path = tmp_path_factory.mktemp("m") / "ckpt"
-    shutil.copytree(src, path)
-    flip_byte(path / MANIFEST, pos)
-    with pytest.raises(PinMismatchError) as ei:
-        load_checkpoint(path, pin=pin)
-    assert type(ei.value) is PinMismatchError
-
-
-def test_flipped_manifest_without_expected_pin(ckpt_copy):
-    path, pin = ckpt_copy
-    raw = (path / MANIFEST).read_bytes()
-    # breaking the JSON: a typed checkpoint error (the class observed is PinMismatchError)
-    flip_byte(path / MANIFEST, 0)  # '{' -> 'z'
-    with pytest.raises(CheckpointError) as ei:
-        load_checkpoint(path)
-    assert issubclass(type(ei.value), CheckpointError)
-    assert type(ei.value) is PinMismatchError
-    # a digest of a listed file: the file no longer matches
-    (path / MANIFEST).write_bytes(raw)
-    digest = load_checkpoint(path).manifest["files"][CALIB]
-    flip_byte(path / MANIFEST, raw.index(digest.encode()) + 5)
-    with pytest.raises(PinMismatchError):
-        load_checkpoint(path)
-    # a free-text field: still valid and canonical, so only the pin tells
-    (path / MANIFEST).write_bytes(raw.replace(b'"fp8-copy"', b'"fp8-copx"'))
-    assert load_checkpoint(path).pin != pin
-    with pytest.raises(PinMismatchError):
-        load_checkpoint(path, pin=pin)
-
-
-def test_wrong_expected_pin(tiny_ckpts):
-    path, pin = tiny_ckpts["weights"]
-    other = tiny_ckpts["derived"][1]
-    for wrong in (other, "0" * 64, pin[:-1] + ("0" if pin[-1] != "0" else "1"), "", "not-a-pin"):
-        with pytest.raises(PinMismatchError):
-            load_checkpoint(path, pin=wrong)
-
-
-def test_missing_file_is_checkpoint_error(tiny_ckpts, tmp_path):
-    names = sorted(load_checkpoint(tiny_ckpts["weights"][0]).manifest["files"]) + [MANIFEST]
-    for name in names:
-        path, _ = fresh_copy(tiny_ckpts, tmp_path, name)
-        (path / name).unlink()
-        with pytest.raises(CheckpointError) as ei:
-            load_checkpoint(path)
-        assert type(ei.value) is CheckpointError, name
-
-
-def test_missing_dir_is_checkpoint_error(tmp_path):
-    with pytest.raises(CheckpointError):
-        load_checkpoint(tmp_path / "nope")
-
-
-def test_non_canonical_or_unknown_manifest(ckpt_copy):
-    path, _ = ckpt_copy
-    manifest = json.loads((path / MANIFEST).read_bytes())
-    (path / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    with pytest.raises(PinMismatchError, match="canonical"):
-        load_checkpoint(path)
-    write_manifest(path, {**manifest, "format_version": 99})
-    with pytest.raises(CheckpointError, match="unsupported format") as ei:
-        load_checkpoint(path)
-    assert type(ei.value) is CheckpointError
-
-
 # ------------------------------------------------------------------ calibration
 
 
@@ -373,21 +251,6 @@ def test_shipped_default_predictor_is_reproducible(embedded_target, shipped_nume
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in shipped.iterdir())
     for f in shipped.iterdir():
         assert (tmp_path / f.name).read_bytes() == f.read_bytes(), f.name
-
-
-@pytest.mark.parametrize("drop", ["calib.npz", "tables.npz", "config.json"])
-def test_manifest_must_list_every_checkpoint_file(tmp_path, drop):
-    """Re-signing a manifest that no longer covers a file must not pass verification."""
-    from speckv.predictor.checkpoint import load_checkpoint
-    from speckv.predictor.store import default_checkpoint_dir
-
-    d = tmp_path / "ck"
-    shutil.copytree(default_checkpoint_dir(), d)
-    manifest = json.loads((d / MANIFEST).read_bytes())
-    del manifest["files"][drop]
-    (d / MANIFEST).write_bytes(canonical_json(manifest))
-    with pytest.raises(PinMismatchError, match="must list"):
-        load_checkpoint(d)
 
 
 def test_predictor_device_selection(embedded_session):
