@@ -92,7 +92,7 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
                 stored_chunks=t.stored_chunks, mu_wait_seconds=t.mu_wait_s))
             labels = (labels[0], t.encoding)
             self.metrics.finished("ok", *labels, scalars=t.raw_bytes // dtype_of(h.dtype)[1].itemsize,
-                                  wire=t.wire_bytes)
+                                  wire=t.wire_bytes, fallback_reasons=t.stored_reasons)
             self.metrics.seconds("transfer", time.perf_counter() - t0)
             logger.debug("transfer %s received: %d raw bytes in %d wire bytes (%s), %.3f s", t.request_id,
                          t.raw_bytes, t.wire_bytes, t.encoding, time.perf_counter() - t0)
@@ -243,6 +243,7 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
         if not stored:
             return
         t.stored_chunks += 1
+        t.stored_reasons.add(reason)
         self.metrics.fallback(reason)
         if reason == "mu_mismatch":
             t.fallback = True

@@ -110,7 +110,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
             job.span = span
             resp = await self._run(job, it, context, t0)
             self.metrics.finished("ok", *job.labels, scalars=job.raw_bytes // dtype_of(job.header.dtype)[1].itemsize,
-                                  wire=job.wire_bytes)
+                                  wire=job.wire_bytes, fallback_reasons=job.stored_reasons)
             self.metrics.seconds("transfer", time.perf_counter() - t0)
             logger.debug("submit %s sent: %d raw bytes in %d wire bytes (%s), %.3f s", job.header.request_id,
                          job.raw_bytes, job.wire_bytes, job.labels[1], time.perf_counter() - t0)
@@ -362,8 +362,10 @@ class EncoderService(egrpc.EncoderServiceServicer):
         job.chunks += 1
         if stored_reason:
             job.stored_chunks += 1
+            job.stored_reasons.add(stored_reason)
             self.metrics.fallback(stored_reason)
         elif job.stream_fallback:  # NOTE: a stored stream: the decoder counts no stored chunks of it
+            job.stored_reasons.add(job.stream_fallback)
             self.metrics.fallback(job.stream_fallback)
         self.metrics.chunk(*job.labels, raw, size, ct.HEADER_LEN if i == 0 else 0)
 

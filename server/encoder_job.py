@@ -40,6 +40,7 @@ class Job:
     fallback: bool = False  # a chunk went stored after a predictor mismatch on its layers
     stream_fallback: str = ""  # why the whole stream went stored though speckv was asked (pin_mismatch)
     stored_chunks: int = 0  # chunks of a speckv stream sent stored (mismatch or size guard)
+    stored_reasons: set[str] = field(default_factory=set)  # why they went stored (fallback_transfers_total)
     mu_wait_s: float = 0.0  # the sender waiting for mu (ours, or the decoder's check)
     wire_wait_s: float = 0.0  # inside call.write: flow control
     mu_hit: bool = False  # mu came from the cache (or a pass another transfer started)

@@ -13,12 +13,14 @@ go-grpc-prometheus (``grpc_server_*``, server/grpc_metrics.py).
 
 Labels: ``role`` (encoder | decoder), ``model`` (the served model id),
 ``dtype`` (bf16 | fp8), ``encoding`` (speckv | stored), ``outcome`` (a lower-case
-gRPC status name, ``ok`` on success), ``kind`` (what failed an integrity check).
+gRPC status name, ``ok`` on success), ``kind`` (what failed an integrity check),
+``reason`` (why chunks went stored: ``FALLBACK_REASONS``), ``result`` (hit | miss).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import (
@@ -88,8 +90,14 @@ class Metrics:
                                  "Chunks of speckv streams sent stored, by reason: mu_mismatch (the sidecars' "
                                  "predictors disagree on the chunk's layers), larger_than_stored (size guard).",
                                  ("role", "model", "reason"), registry=r)
+        self.fallback_transfers = Counter("speckv_fallback_transfers_total",
+                                          "Completed transfers of speckv streams with chunks sent stored, by "
+                                          "reason (a transfer with chunks stored for two reasons counts under "
+                                          "each; pin_mismatch: the whole stream, encoder only).",
+                                          ("role", "model", "reason"), registry=r)
         for reason in FALLBACK_REASONS:  # NOTE: known series exist at 0 from the start
             self.fallbacks.labels(role, model, reason)
+            self.fallback_transfers.labels(role, model, reason)
         self.mu_cache_lookups = Counter("speckv_mu_cache_lookups_total",
                                         "Predictor passes looked up by prompt: hit (cached or shared with a "
                                         "transfer in flight) or miss (a new pass).", ("role", "model", "result"),
@@ -116,10 +124,15 @@ class Metrics:
         self.wire_bytes.labels(self.role, self.model, dtype, encoding).inc(wire)
 
     def finished(self, outcome: str, dtype: str | None = None, encoding: str | None = None,
-                 scalars: int = 0, wire: int = 0) -> None:
+                 scalars: int = 0, wire: int = 0, fallback_reasons: Iterable[str] = ()) -> None:
+        """A transfer ended; ``fallback_reasons``: why chunks of a completed one went stored."""
         self.transfers.labels(self.role, self.model, outcome).inc()
-        if outcome == "ok" and scalars and dtype and encoding:
+        if outcome != "ok":
+            return
+        if scalars and dtype and encoding:
             self.bytes_per_scalar.labels(self.role, self.model, dtype, encoding).observe(wire / scalars)
+        for reason in sorted(set(fallback_reasons)):
+            self.fallback_transfers.labels(self.role, self.model, reason).inc()
 
     def seconds(self, stage: str, value: float) -> None:
         self.stage_seconds[stage].labels(self.role, self.model).observe(value)

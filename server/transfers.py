@@ -64,6 +64,7 @@ class DecoderTransfer:
         self.encoding = "speckv"  # or "stored" (asked for)
         self.fallback = False  # a chunk came stored: the predictors disagreed on its mu
         self.stored_chunks = 0  # chunks of a speckv stream that came stored (any reason)
+        self.stored_reasons: set[str] = set()  # why they came stored (fallback_transfers_total)
         self.mu_hit = False  # mu came from the cache (or a pass another transfer started)
         self.stored_reason = ""  # Chunk.stored_reason of the record being reassembled
         self.peer = "?"

@@ -1,7 +1,7 @@
 """Helpers of the deploy tests that need Prometheus: find its binaries, run a
 throw-away server (temp config and TSDB, loopback port, no systemd), query it,
 and pick apart the Grafana dashboard's PromQL (template variables, metric
-names, label matchers, ``by`` clauses).
+names, label matchers, ``by`` and ``on`` clauses, the labels a legend shows).
 
 Every wait is bounded: a broken Prometheus shows up as a failure with the tail
 of its log, never as a hang.
@@ -31,11 +31,14 @@ GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range"}
 
 # $name, ${name}, ${name:format}, [[name]], [[name:format]]
 VAR_RE = re.compile(r"\$\{(\w+)(?::[^}]*)?\}|\$(\w+)|\[\[(\w+)(?::[^\]]*)?\]\]")
-METRIC_RE = re.compile(r"\b(speckv_[a-zA-Z0-9_]+)\b")
-# a speckv metric and its selector (the dashboard writes every selector as metric{...})
-SELECTOR_RE = re.compile(r"\b(speckv_[a-zA-Z0-9_]+)(\s*\{([^}]*)\})?")
+# the sidecars' own families and the gRPC server families (server/grpc_metrics.py)
+METRIC_RE = re.compile(r"\b((?:speckv|grpc_server)_[a-zA-Z0-9_]+)\b")
+# such a metric and its selector (the dashboard writes every selector as metric{...})
+SELECTOR_RE = re.compile(r"\b((?:speckv|grpc_server)_[a-zA-Z0-9_]+)(\s*\{([^}]*)\})?")
 MATCHER_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')
 BY_RE = re.compile(r"\bby\s*\(([^)]*)\)")
+ON_RE = re.compile(r"\bon\s*\(([^)]*)\)")
+LEGEND_RE = re.compile(r"\{\{\s*(\w+)\s*\}\}")
 
 
 def binary(name: str) -> str:
@@ -91,6 +94,16 @@ def selectors(expr: str) -> Iterator[tuple[str, dict[str, tuple[str, str]] | Non
 
 def by_labels(expr: str) -> set[str]:
     return {lab.strip() for m in BY_RE.finditer(expr) for lab in m.group(1).split(",") if lab.strip()}
+
+
+def on_labels(expr: str) -> set[str]:
+    """The labels of every vector match's ``on (...)``: join keys, aggregated away outside the join."""
+    return {lab.strip() for m in ON_RE.finditer(expr) for lab in m.group(1).split(",") if lab.strip()}
+
+
+def legend_labels(legend: str) -> set[str]:
+    """The labels a Grafana legendFormat shows (``{{role}} {{outcome}}``)."""
+    return set(LEGEND_RE.findall(legend))
 
 
 def exposition_names(text: str) -> tuple[set[str], set[str]]:

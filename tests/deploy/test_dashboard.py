@@ -1,10 +1,12 @@
 """The Grafana dashboard of the Helm chart (helm/speckv/dashboards/speckv.json).
 
 Static: the JSON is a Grafana dashboard (identity, variables, unique ids, a
-non-overlapping grid), every panel queries through ``${datasource}`` with the
-namespace/role/model filters and only defined variables, every metric it names
-is one the sidecars expose (scraped from a real pair) and every metric family
-the sidecars expose is charted; promtool parses every expression.
+non-overlapping grid, a known unit on every panel, a legend on every query), every
+panel queries through ``${datasource}`` with the namespace/role/model filters (the
+gRPC families, which lack role and model, through a join with speckv_build_info)
+and only defined variables, every metric it names is one the sidecars expose
+(scraped from a real pair) and every speckv metric family the sidecars expose is
+charted; promtool parses every expression.
 
 Live: a real Prometheus scrapes a real encoder + decoder pair (namespace label
 added by the scrape config, as Kubernetes service discovery would) while they
@@ -12,7 +14,9 @@ run speckv and stored transfers, a refused one and a corrupted one, in two
 rounds a few scrapes apart (so every counter has an increase inside the rate
 window); then every expression of the dashboard, with its variables filled in as
 Grafana would, must return finite, positive (gauges: non-negative) values with
-the labels its legend uses, and a few panels must show exactly what the test did.
+the labels its ``by`` clauses and its legend use, and a few panels must show exactly
+what the test did. tests/deploy/test_dashboard_panels.py does the same for the
+Stages, Fallbacks, gRPC and Per model rows with fallbacks happening.
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ from prom_helpers import (
     by_labels,
     exposition_names,
     finite,
+    legend_labels,
     metric_names,
+    on_labels,
     selectors,
     substitute,
     variables_in,
@@ -45,18 +51,32 @@ from prom_helpers import (
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "helm" / "speckv" / "dashboards" / "speckv.json"
-VARIABLES = ("datasource", "namespace", "role", "model")
-FILTERS = ("namespace", "role", "model")  # every selector filters on these three
+VARIABLES = ("datasource", "namespace", "role", "model", "pin")
+FILTERS = ("namespace", "role", "model")  # every speckv selector filters on these three
+# the gRPC families (no role/model labels): kept to the selected sidecars by this join
+GRPC_JOIN = ('* on (namespace, instance) group_left () max by (namespace, instance) (speckv_build_info{'
+             'namespace=~"$namespace", role=~"$role", model=~"$model", pin=~"$pin"})')
+# Grafana unit ids the dashboard may use (a typo renders as a bare number)
+UNITS = {"s", "bytes", "Bps", "percentunit", "reqps", "ops", "cps", "short", "none", "suffix:x"}
 MODEL = "SmolLM2-135M-Instruct"
 NAMESPACE = "speckv-test"
 SECONDS_HISTOGRAMS = ("encode", "decode", "predictor", "transfer", "first_layer")
 # what Grafana substitutes when every variable is "All" (allValue ".*"); 1m covers the test's scrapes
-ALL = {"namespace": NAMESPACE, "role": ".*", "model": ".*", "__rate_interval": "1m", "__range": "5m",
-       "__interval": "15s"}
+ALL = {"namespace": NAMESPACE, "role": ".*", "model": ".*", "pin": ".*", "__rate_interval": "1m",
+       "__range": "5m", "__interval": "15s"}
 GAUGE_AT_REST = re.compile(r"\bspeckv_inflight_(transfers|bytes)\b")  # legitimately 0 when idle
 # no fallback happens in this run (both sidecars share one predictor): the panel must still
-# evaluate to a finite value >= 0; tests/server/test_fallback.py makes the counter move
-RARE_AT_REST = re.compile(r"\bspeckv_fallbacks_total\b")
+# evaluate to a finite value >= 0; tests/server/test_fallback.py and test_dashboard_panels.py
+# make the counters move. Likewise a method's share of calls not OK (FetchKV: none here).
+RARE_AT_REST = re.compile(r'\bspeckv_fallback(s|_transfers)_total\b|grpc_code!="OK"')
+
+
+# the rows of issue 20 item 1 (their live checks: tests/deploy/test_dashboard_panels.py)
+NEW_PANELS = ("Mean time per transfer by stage", "Stage p95", "Wire wait (encoder)", "Mu wait",
+              "Predictor passes by result", "Chunks sent stored by reason", "Transfers with stored chunks by reason",
+              "Share of transfers falling back", "gRPC calls by method and code", "gRPC error ratio by method",
+              "gRPC handling time", "Completed transfers by model", "Bandwidth saved by model",
+              "Compression ratio by model", "Transfer latency p95 by model")
 
 
 def _server_helpers():
@@ -153,7 +173,7 @@ def test_panels(dashboard):
             continue
         assert p["type"] in ("timeseries", "stat"), (p["title"], p["type"])
         assert p["title"] and p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
-        assert p["fieldConfig"]["defaults"].get("unit"), f"{p['title']}: no unit"
+        assert p["fieldConfig"]["defaults"].get("unit") in UNITS, f"{p['title']}: unit not in {UNITS}"
         targets = p.get("targets") or []
         assert targets, f"{p['title']}: no targets"
         refs = [t.get("refId") for t in targets]
@@ -161,11 +181,12 @@ def test_panels(dashboard):
         for t in targets:
             assert t.get("expr", "").strip(), (p["title"], t)
             assert t["datasource"] == p["datasource"], (p["title"], t["refId"])
+            assert t.get("legendFormat", "").strip(), (p["title"], t["refId"], "no legendFormat")
     titles = {p["title"] for p in _charts(dashboard)}
     for want in ("Bandwidth saved", "Compression ratio", "Bits per scalar", "Raw vs wire throughput",
                  "Entropy coding latency", "Predictor latency", "Transfer latency", "Decoder time to first layer",
                  "In-flight transfers", "In-flight bytes vs limit", "Transfers by outcome", "Failed transfers",
-                 "Integrity failures by kind"):
+                 "Integrity failures by kind", *NEW_PANELS):
         assert want in titles, want
 
 
@@ -177,21 +198,33 @@ def test_expressions_use_defined_variables_and_filters(dashboard):
         assert variables_in(expr) <= allowed, (where, variables_in(expr) - allowed)
         assert "$" not in substitute(expr, ALL), where  # no reference the variable syntax missed
         sels = list(selectors(expr))
-        assert sels, f"{where}: no speckv metric"
+        assert any(m.startswith("speckv_") for m, _ in sels), f"{where}: no speckv metric"
+        grpc = any(m.startswith("grpc_server_") for m, _ in sels)
         for metric, matchers in sels:
             assert matchers is not None, f"{where}: {metric} without a selector"
-            for lab in FILTERS:
+            if metric.startswith("grpc_server_"):  # no role/model labels: the join selects the sidecars
+                assert matchers.get("namespace") == ("=~", "$namespace"), f"{where}: {metric}"
+                continue
+            for lab in FILTERS + (("pin",) if grpc else ()):
                 assert matchers.get(lab) == ("=~", f"${lab}"), f'{where}: {metric} lacks {lab}=~"${lab}"'
-        ranges = re.findall(r"\[([^\]]*)\]", expr)
+        ranges = re.findall(r"\[(\$\w+|\d[^\]]*)\]", expr)  # range windows, not a regex's [.]
         assert set(ranges) <= {"$__rate_interval", "$__range"}, (where, ranges)  # no hard-coded windows
         if any(re.search(r"_(total|bucket|sum|count)$", m) for m in metric_names(expr)):
             assert ranges, f"{where}: a counter or histogram charted without rate()/increase()"
+        if grpc:  # every gRPC series is joined (a bare one would ignore Role, Model and Pin)
+            n_grpc = sum(1 for m, _ in sels if m.startswith("grpc_server_"))
+            assert expr.count(GRPC_JOIN) == n_grpc, f"{where}: {n_grpc} gRPC selectors, not each joined"
     # latency: p50 and p99 of every stage histogram
     exprs = [t["expr"] for _, t in _targets(dashboard)]
     for stage in SECONDS_HISTOGRAMS:
         for q in ("0.5", "0.99"):
             assert any(f"histogram_quantile({q}," in e and f"speckv_{stage}_seconds_bucket" in e for e in exprs), \
                 (stage, q)
+    for stage in ("predictor", "encode", "decode", "mu_wait", "wire_wait"):  # the Stages row: p95 and mean
+        assert any(f"histogram_quantile(0.95, sum by (le, role) (rate(speckv_{stage}_seconds_bucket" in e
+                   for e in exprs), stage
+        assert any(f"rate(speckv_{stage}_seconds_sum" in e and f"rate(speckv_{stage}_seconds_count" in e
+                   for e in exprs), stage
 
 
 def test_promtool_parses_every_expression(dashboard, tmp_path):
@@ -320,8 +353,11 @@ def test_every_expression_on_real_prometheus(dashboard, local_pair, embedded_ses
                     assert all(float(v) >= 0 for v in values), (where, values)
                 else:
                     assert all(float(v) > 0 for v in values), (where, values)
-                for lab in by_labels(expr) - {"le", "pod"}:  # pod: added by Kubernetes SD, absent here
+                # pod: added by Kubernetes SD, absent here; join keys: aggregated away outside the join
+                for lab in by_labels(expr) - {"le", "pod"} - on_labels(expr):
                     assert all(s["metric"].get(lab) for s in res), f"{where}: a series lacks {lab}: {res}"
+                for lab in legend_labels(t["legendFormat"]) - {"pod"}:  # what the legend shows is there
+                    assert all(s["metric"].get(lab) for s in res), f"{where}: legend label {lab} missing: {res}"
                 results[(p["title"], t["refId"])] = res
 
             # every label a selector matches on exists on that metric (a typo would match nothing or all)
@@ -362,7 +398,8 @@ def test_every_expression_on_real_prometheus(dashboard, local_pair, embedded_ses
 
             # the variables: their label_values queries, and the filters actually filter
             vs = _variables(dashboard)
-            for name, want in (("namespace", [NAMESPACE]), ("role", ["decoder", "encoder"]), ("model", [MODEL])):
+            for name, want in (("namespace", [NAMESPACE]), ("role", ["decoder", "encoder"]), ("model", [MODEL]),
+                               ("pin", [embedded_session.predictor.pin])):
                 m = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", _var_query(vs[name]))
                 assert sorted(prom.label_values(m.group(2), substitute(m.group(1), ALL))) == want, name
             by_outcome = _panel(dashboard, "Transfers by outcome")["targets"][0]["expr"]

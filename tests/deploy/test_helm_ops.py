@@ -229,3 +229,63 @@ def test_schema_rejects_bad_values(chart, what):
         render(chart, bad)
     chart.validate_schema(good)
     render(chart, good)
+
+
+# --- vLLM's GPU memory fraction and the predictor's footprint (item 6 b) ---------------------
+
+GIB = 2**30
+GPU = {"mode": "sidecar", "image": {"variant": "cuda"}, "predictor": {"device": "cuda"}}
+
+
+def gpu_memory_args(objs: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """vLLM Deployment (prefill | decode) -> its --gpu-memory-utilization arguments."""
+    out = {}
+    for dep, spec in pod_specs(objs):
+        (vllm,) = [c for c in spec["containers"] if c["name"] == "vllm"]
+        out[dep["metadata"]["name"].rsplit("-", 1)[1]] = [a for a in vllm["args"]
+                                                          if a.startswith("--gpu-memory-utilization")]
+    return out
+
+
+def with_gpu(predictor_bytes: int, total: int = 80 * GIB, base: float = 0, device: str = "cuda") -> dict[str, Any]:
+    return {**GPU, "predictor": {"device": device, "gpuMemoryBytes": predictor_bytes},
+            "vllm": {"gpuMemoryUtilization": base, "gpuTotalBytes": total}}
+
+
+def test_no_gpu_memory_flag_by_default(chart):
+    assert gpu_memory_args(objects(render(chart, {"mode": "sidecar"}))) == {"prefill": [], "decode": []}
+    # a predictor on the CPU takes nothing from the engine's GPU: nothing to lower
+    assert gpu_memory_args(objects(render(chart, with_gpu(4 * GIB, device="cpu")))) == {"prefill": [],
+                                                                                          "decode": []}
+
+
+@pytest.mark.parametrize(("values", "want"), [
+    ({"mode": "sidecar", "vllm": {"gpuMemoryUtilization": 0.9}}, "0.9000"),  # as given
+    (with_gpu(4 * GIB), "0.8500"),                                          # 0.9 (vLLM's default) - 4/80
+    (with_gpu(2 * GIB), "0.8750"),                                          # the value moves the flag
+    (with_gpu(3 * GIB, base=0.95), "0.9125"),                               # from the chart's own fraction
+    (with_gpu(1_000_000_000, total=141 * 10**9, base=0.8), "0.7929"),       # 0.79290...: rounded down
+    ({**with_gpu(4 * GIB), "predictor": {"device": "auto", "gpuMemoryBytes": 4 * GIB}}, "0.8500"),
+], ids=["fraction-only", "4GiB-of-80", "2GiB-of-80", "base-0.95", "round-down", "auto"])
+def test_predictor_footprint_lowers_vllm_gpu_memory_utilization(chart, values, want):
+    objs = rendered_objects(chart, values)
+    assert gpu_memory_args(objs) == {"prefill": [f"--gpu-memory-utilization={want}"],
+                                     "decode": [f"--gpu-memory-utilization={want}"]}
+
+
+@pytest.mark.parametrize(("values", "match"), [
+    (with_gpu(4 * GIB, total=0), "vllm.gpuTotalBytes"),
+    (with_gpu(80 * GIB), "leaves the engine no memory"),
+    ({**with_gpu(GIB), "vllm": {"gpuTotalBytes": 80 * GIB, "extraArgs": ["--gpu-memory-utilization=0.5"]}},
+     "vllm.extraArgs sets --gpu-memory-utilization"),
+], ids=["no-total", "too-big", "extra-args"])
+def test_gpu_memory_values_refused(chart, values, match):
+    with pytest.raises(helm_python.HelmError, match=match):
+        render(chart, values)
+
+
+@pytest.mark.parametrize("bad", [{"vllm": {"gpuMemoryUtilization": 1.2}}, {"vllm": {"gpuTotalBytes": -1}},
+                                 {"predictor": {"gpuMemoryBytes": "4Gi"}}], ids=["over-1", "negative", "quantity"])
+def test_schema_rejects_bad_gpu_memory_values(chart, bad):
+    with pytest.raises(helm_python.HelmValuesError):
+        chart.validate_schema(bad)

@@ -140,6 +140,8 @@ def test_a_mismatch_sends_only_its_chunk_stored_and_stays_bit_exact(skewed_pair,
     for side in (enc, dec):
         assert _metric(side, "speckv_fallbacks_total", "mu_mismatch") == 2
         assert _metric(side, "speckv_fallbacks_total", "larger_than_stored") == 0
+        assert _metric(side, "speckv_fallback_transfers_total", "mu_mismatch") == 2  # one chunk each of two
+        assert _metric(side, "speckv_fallback_transfers_total", "larger_than_stored") == 0
     warnings = [r for r in caplog.records if "mu" in r.getMessage() and r.levelno == logging.WARNING]
     assert len([r for r in warnings if r.name == "speckv.server.encoder"]) == 1  # once per peer
     assert len([r for r in warnings if r.name == "speckv.server.decoder"]) == 1
@@ -228,6 +230,8 @@ def test_a_decoder_under_another_pin_gets_a_stored_stream_not_a_failure(embedded
                 assert res.wire_bytes > res.raw_bytes
         assert _metric(enc, "speckv_fallbacks_total", "pin_mismatch") == 2 * 15  # every chunk of both streams
         assert _metric(enc, "speckv_fallbacks_total", "mu_mismatch") == 0
+        assert _metric(enc, "speckv_fallback_transfers_total", "pin_mismatch") == 2  # per transfer, not chunk
+        assert _metric(dec, "speckv_fallback_transfers_total", "pin_mismatch") == 0  # a plain stored stream there
         warned = [r for r in caplog.records if r.name == "speckv.server.encoder" and "another predictor" in
                   r.getMessage()]
         assert len(warned) == 1  # once per peer
