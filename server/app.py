@@ -72,8 +72,10 @@ class Sidecar:
             await self.health_server.start()
         if self.config.metrics_port >= 0:
             self.metrics_port = self.metrics.start_http(self.config.metrics_host, self.config.metrics_port)
+        ok = self.service.rt.numeric_ok  # False: the predictor's canary differs here (runtime.py)
+        status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", self.service_name):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            await self.health.set(name, status)
         if isinstance(self.service, DecoderService):
             self._reaper = asyncio.ensure_future(self._reap(self.service))
 

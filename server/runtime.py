@@ -37,6 +37,7 @@ class Runtime:
     codec: Codec
     predictor: "Predictor"
     model_id: str
+    numeric_ok: bool = True  # False: the predictor's canary mu differs here; health stays NOT_SERVING
 
     @classmethod
     def load(cls, config: "ServerConfig") -> "Runtime":
@@ -52,6 +53,11 @@ class Runtime:
         target = load_target(config.target) if ckpt.derived_weights else None
         predictor = Predictor.from_checkpoint(ckpt, target).to(config.predictor_device)
         runtime = cls.from_predictor(predictor, config)
+        if predictor.canary_ok() is False:
+            runtime.numeric_ok = False
+            logger.error("refusing to serve: this machine computes a different mu for predictor %s than the "
+                         "machine that built it (run `speckv predictor check`); health stays NOT_SERVING",
+                         ckpt.pin[:12])
         runtime.codec.bf16_contexts  # noqa: B018 -- build the BF16 context table before serving
         logger.info("loaded predictor %s for model %s", ckpt.pin, runtime.model_id)
         return runtime

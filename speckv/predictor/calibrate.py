@@ -27,6 +27,7 @@ from speckv.errors import CalibrationError
 from .fp8 import kv_to_fp8
 from .ladder import (
     MEANS,
+    PORTABLE,
     CachedKV,
     Rung,
     kv_means_bf16,
@@ -36,6 +37,7 @@ from .ladder import (
     save_means,
     weights_quant,
 )
+from .portable import portable_canary
 from .predict import build_model, predictor_kv, rung_state
 from .store import (
     CALIB,
@@ -176,6 +178,7 @@ def build_checkpoint(target: "Target", calib_text: Path, out: Path, *, tokens: i
     (out / CONFIG).write_bytes(json.dumps(config, sort_keys=True, indent=1).encode() + b"\n")
     ids = target.tokenize(read_text(calib_text, chars=tokens * 16), tokens)
     segs = segments(ids, tokens, segment)
+    model = None
     if state is None:
         calib = calibrate_none(target, segs, out, progress)
     else:
@@ -193,8 +196,10 @@ def build_checkpoint(target: "Target", calib_text: Path, out: Path, *, tokens: i
         files[WEIGHTS] = sha256_file(out / WEIGHTS)
     for stale in {WEIGHTS, MEANS} - set(files):  # left by an earlier build into the same dir
         (out / stale).unlink(missing_ok=True)
-    return write_manifest(out, _manifest(target, calib_text, state, files, tokens, segment,
-                                         derive_weights, source, ladder))
+    manifest = _manifest(target, calib_text, state, files, tokens, segment, derive_weights, source, ladder)
+    if model is not None and ladder.kind == PORTABLE:  # the same on every machine: checked at start-up
+        manifest["canary"] = portable_canary(model)
+    return write_manifest(out, manifest)
 
 
 def _manifest(target: "Target", calib_text: Path, state: dict | None, files: dict, tokens: int,

@@ -44,7 +44,7 @@ def environments(portable: bool, cuda: bool) -> list[Environment]:
     if cuda:
         out.append(Environment("cuda", args=("--device", "cuda")))
     if portable:
-        out += [Environment("no native exp stage", args=("--no-native",)),
+        out += [Environment("no native stages", args=("--no-native",)),
                 Environment("torch, 2 threads (prefix)", prefix=True),
                 Environment("int64 reference (prefix)", args=("--exact",), prefix=True)]
     return out
@@ -96,7 +96,7 @@ def _child(argv: list[str]) -> None:
     ap.add_argument("--exact", action="store_true")
     ap.add_argument("--no-native", action="store_true")
     a = ap.parse_args(argv)
-    from . import int_attention
+    from . import integer
     from . import target as tgt
     from .calibrate import read_text
     from .checkpoint import load_checkpoint
@@ -106,7 +106,7 @@ def _child(argv: list[str]) -> None:
     if a.threads is not None:
         tgt.COMPUTE_THREADS = a.threads  # NOTE: deterministic_torch reads it at each forward
     if a.no_native:
-        int_attention.NATIVE = False
+        integer.NATIVE = False
     target = tgt.load_target(a.target)
     ids = target.tokenize(read_text(a.text), a.tokens)
     pred = Predictor.from_checkpoint(load_checkpoint(a.ckpt), target).to(a.device)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from . import integer
 from .integer import (
     B_MAX,
     EXP_LEN,
@@ -37,7 +38,6 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 BLOCK = 128  # query tokens per tile
-NATIVE = True  # the exp stage in the native extension where it is built (same integers either way)
 
 
 def channel_quantise(x: "torch.Tensor", qmax: float) -> tuple["torch.Tensor", "torch.Tensor"]:
@@ -64,6 +64,8 @@ def exp_weights(S: "torch.Tensor", pos: "torch.Tensor", mf: "torch.Tensor",
 
 
 def _native_exp() -> Any:
+    if not integer.NATIVE:
+        return None
     try:
         from speckv.coder import _native
     except ImportError:
@@ -75,7 +77,7 @@ def _exp_stage(S: "torch.Tensor", pos: "torch.Tensor", mf: "torch.Tensor", table
                native: bool) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
     import torch
 
-    fn = _native_exp() if native and NATIVE and S.device.type == "cpu" else None
+    fn = _native_exp() if native and S.device.type == "cpu" else None
     if fn is None:
         return exp_weights(S, pos, mf, table)
     rows, keys = S.shape
@@ -83,7 +85,7 @@ def _exp_stage(S: "torch.Tensor", pos: "torch.Tensor", mf: "torch.Tensor", table
     lo = torch.empty_like(hi)
     sums = torch.empty(rows, dtype=torch.int64)
     fn(S.contiguous().numpy(), pos.contiguous().numpy(), mf.contiguous().numpy(),
-       table.contiguous().numpy(), hi.numpy(), lo.numpy(), sums.numpy(), EXP_SPLIT, torch.get_num_threads())
+       table.contiguous().numpy(), hi.numpy(), lo.numpy(), sums.numpy(), EXP_SPLIT, integer.NATIVE_THREADS)
     return hi, lo, sums
 
 

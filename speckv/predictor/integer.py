@@ -48,6 +48,8 @@ SILU_STEP_BITS = 10
 SILU_RANGE = 16
 SILU_LEN = 2 * SILU_RANGE << SILU_STEP_BITS
 ROPE_FRAC = 16  # cos/sin tables' fixed point
+NATIVE = True  # the native extension's stages where it is built (same integers either way)
+NATIVE_THREADS = 1
 
 
 class IntegerRangeError(ValueError):
@@ -104,10 +106,47 @@ def dequantise(acc: "torch.Tensor", row: "torch.Tensor", ws: "torch.Tensor") -> 
     return torch.round((acc.double() * row.unsqueeze(-1)) * ws).to(torch.int64)
 
 
-def linear(x: "torch.Tensor", w8: "torch.Tensor", ws: "torch.Tensor", exact: bool = False) -> "torch.Tensor":
-    """int64 fixed-point rows -> int64 fixed-point ``x @ W^T`` with W = w8 * ws (per output row)."""
-    acc, row = wide_linear_acc(x, w8, exact)
-    return dequantise(acc, row, ws)
+def linear(x: "torch.Tensor", w8: "torch.Tensor", ws: "torch.Tensor", exact: bool = False,
+           add: "torch.Tensor | None" = None) -> "torch.Tensor":
+    """int64 fixed-point rows -> int64 fixed-point ``x @ W^T`` (+ ``add``) with W = w8 * ws (per output row)."""
+    return wide_linear(x, w8, ws, None, None, add, exact)
+
+
+def wide_linear(x: "torch.Tensor", w8: "torch.Tensor", ws: "torch.Tensor", norm_w: "torch.Tensor | None",
+                rms: "torch.Tensor | None", add: "torch.Tensor | None", exact: bool) -> "torch.Tensor":
+    """``linear`` with the norm weights and 1 / rms folded in; the native stages where built
+    (``_native.wide_quantise`` / ``wide_dequant``: the same operations in the same order)."""
+    import torch
+
+    nat = _native()
+    if exact or nat is None or x.device.type != "cpu":
+        acc, row = wide_linear_acc(x.double() * norm_w.double() if norm_w is not None else x, w8, exact)
+        y = dequantise(acc, row if rms is None else row / rms, ws)
+        return y if add is None else add + y
+    x = x.contiguous()
+    M, K = x.shape
+    threads = NATIVE_THREADS
+    hl = torch.empty((2 * M, K), dtype=torch.int8)
+    amax = torch.empty(M, dtype=torch.float64)
+    w = norm_w.double().contiguous().numpy() if norm_w is not None else None
+    nat.wide_quantise(x.numpy(), w, WIDE_MAX, WIDE_SPLIT, hl[:M].numpy(), hl[M:].numpy(), amax.numpy(), threads)
+    row = amax / WIDE_MAX
+    row = row if rms is None else row / rms
+    prod = torch._int_mm(w8, hl.t())  # (out, 2 rows): hi rows, then lo rows
+    out = torch.empty((M, w8.shape[0]), dtype=torch.int64)
+    nat.wide_dequant(prod.numpy(), WIDE_SPLIT, row.numpy(), ws.contiguous().numpy(),
+                     add.contiguous().numpy() if add is not None else None, out.numpy(), threads)
+    return out
+
+
+def _native() -> Any:
+    if not NATIVE:
+        return None
+    try:
+        from speckv.coder import _native as nat
+    except ImportError:
+        return None
+    return nat if hasattr(nat, "wide_quantise") else None
 
 
 def rms_inv_factor(x: "torch.Tensor", eps: float) -> "torch.Tensor":
@@ -128,8 +167,7 @@ def rms_inv_factor(x: "torch.Tensor", eps: float) -> "torch.Tensor":
 def norm_linear(x: "torch.Tensor", norm_w: "torch.Tensor", eps: float, w8: "torch.Tensor",
                 ws: "torch.Tensor", exact: bool = False) -> "torch.Tensor":
     """``linear(rmsnorm(x) * norm_w)``: the norm folds into the row quantisation."""
-    acc, row = wide_linear_acc(x.double() * norm_w.double(), w8, exact)
-    return dequantise(acc, row / rms_inv_factor(x, eps), ws)
+    return wide_linear(x, w8, ws, norm_w, rms_inv_factor(x, eps), None, exact)
 
 
 def round_shift(x: "torch.Tensor", bits: int) -> "torch.Tensor":
@@ -155,6 +193,20 @@ def silu(x: "torch.Tensor", table: "torch.Tensor") -> "torch.Tensor":
     idx = round_shift(x, step) + (SILU_RANGE << SILU_STEP_BITS)
     inside = table[idx.clamp(0, SILU_LEN - 1)]
     return torch.where(idx >= SILU_LEN, x, torch.where(idx < 0, torch.zeros_like(x), inside))
+
+
+def silu_mul(gu: "torch.Tensor", table: "torch.Tensor", exact: bool = False) -> "torch.Tensor":
+    """round_shift(silu(gate) * up, FRAC) of int64 ``gu`` (rows, 2 inter) = [gate | up]."""
+    import torch
+
+    inter = gu.shape[1] // 2
+    nat = _native()
+    if exact or nat is None or gu.device.type != "cpu":
+        return round_shift(silu(gu[:, :inter], table) * gu[:, inter:], FRAC)
+    out = torch.empty((gu.shape[0], inter), dtype=torch.int64)
+    nat.silu_mul(gu.contiguous().numpy(), table.contiguous().numpy(), FRAC, SILU_STEP_BITS, SILU_RANGE, out.numpy(),
+                 NATIVE_THREADS)
+    return out
 
 
 def to_bf16(x: "torch.Tensor", frac: int = FRAC) -> "torch.Tensor":

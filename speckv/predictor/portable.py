@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 EMBED = "model.embed_tokens.weight"
+CANARY_TOKENS = 256  # the start-up canary: mu of fixed ids, recorded in the manifest at build
 NORMS = ("input_layernorm", "post_attention_layernorm")
 FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
          "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
@@ -154,9 +155,21 @@ def _block_rest(model: Any, p: str, h: "torch.Tensor", att: "torch.Tensor", eps:
                 exact: bool) -> "torch.Tensor":
     """The layer after attention: output projection, residual, MLP, residual."""
     get = model.get
-    h = h + ix.linear(att.reshape(h.shape[0], -1), get(p + "o.w8"), get(p + "o.ws"), exact)
+    h = ix.linear(att.reshape(h.shape[0], -1), get(p + "o.w8"), get(p + "o.ws"), exact, add=h)
     gu = ix.norm_linear(h, get(p + "post_attention_layernorm.weight"), eps, get(p + "gate_up.w8"),
                         get(p + "gate_up.ws"), exact)
-    inter = gu.shape[1] // 2
-    m = ix.round_shift(ix.silu(gu[:, :inter], get("portable.silu")) * gu[:, inter:], ix.FRAC)
-    return h + ix.linear(m, get(p + "down.w8"), get(p + "down.ws"), exact)
+    m = ix.silu_mul(gu, get("portable.silu"), exact)
+    return ix.linear(m, get(p + "down.w8"), get(p + "down.ws"), exact, add=h)
+
+
+def canary_ids(vocab: int, tokens: int = CANARY_TOKENS) -> np.ndarray:
+    """Fixed token ids (no tokenizer needed): a stride through the vocabulary."""
+    return (np.arange(tokens, dtype=np.int64) * 7919 + 11) % vocab
+
+
+def portable_canary(model: Any) -> dict[str, Any]:
+    """``{"tokens", "mu_sha256"}`` of the rung's mu of ``canary_ids``: the same on every machine."""
+    import hashlib
+
+    mu = portable_kv(model, canary_ids(model.config.vocab_size))
+    return {"tokens": CANARY_TOKENS, "mu_sha256": hashlib.sha256(bf16_bits(mu.contiguous()).tobytes()).hexdigest()}

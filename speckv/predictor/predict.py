@@ -29,7 +29,7 @@ from .checkpoint import Checkpoint, fp8_state
 from .early import build_early_model, early_kv, early_state
 from .fp8 import dequantize_e4m3
 from .ladder import EARLY, MEANS, PORTABLE, Rung, load_means, mean_model
-from .portable import build_portable_model, portable_kv, portable_state
+from .portable import build_portable_model, portable_canary, portable_kv, portable_state
 from .store import CONFIG, FP8_SUFFIX, SCALE_SUFFIX, WEIGHTS, state_digest
 from .target import LINEAR_NAMES, LayerSink, emit_all, extract_kv, load_target, replace_linears
 
@@ -144,6 +144,20 @@ class Predictor:
             raise ValueError(f"predictor device must be cpu, cuda[:N] or auto, not {device!r}")
         self.model.to(device)
         return self
+
+    def canary_ok(self) -> bool | None:
+        """Whether this machine computes the manifest's canary mu bit for bit (the portable rung
+        records one; None for checkpoints without a canary). A False here means mu would differ
+        from other machines': ``speckv predictor check`` shows which environment."""
+        want = self.checkpoint.manifest.get("canary")
+        if not want or not hasattr(self.model, "names"):
+            return None
+        got = portable_canary(self.model)
+        if got != want:
+            logger.error("predictor %s: canary mu %s differs from the checkpoint's %s on this machine",
+                         self.pin[:12], got["mu_sha256"][:16], str(want.get("mu_sha256"))[:16])
+            return False
+        return True
 
     def mu(self, ids: np.ndarray, on_layer: "LayerSink | None" = None) -> "torch.Tensor":
         """Predicted KV ``(layers, 2, kv_heads, tokens, head_dim)`` BF16; ``on_layer(i, bits)``

@@ -103,3 +103,23 @@ def test_native_exp_stage_is_the_torch_one_bit_for_bit(tables):
     for a, b in zip((hi, lo, sums), want, strict=True):
         assert torch.equal(a, b)
     assert int(sums.min()) >= int(tables["portable.exp"][0])  # each row's own maximum counts fully
+
+
+def test_native_silu_mul_is_the_torch_one_over_the_whole_range(tables):
+    assert ix._native() is not None, "the native extension (speckv.coder._native) is not built"
+    g = torch.arange(-(ix.SILU_RANGE + 2) << ix.FRAC, (ix.SILU_RANGE + 2) << ix.FRAC, 37)
+    u = torch.from_numpy(np.random.default_rng(5).integers(-(1 << 24), 1 << 24, len(g)))
+    gu = torch.stack([g, u], dim=1)  # (rows, 2): gate | up with inter = 1
+    got = ix.silu_mul(gu, tables["portable.silu"])
+    assert torch.equal(got, ix.silu_mul(gu, tables["portable.silu"], exact=True))
+
+
+def test_native_wide_linear_is_the_torch_one():
+    assert ix._native() is not None, "the native extension (speckv.coder._native) is not built"
+    g = torch.Generator().manual_seed(6)
+    w8, amax = ix.quantise(torch.randn(70, 96, generator=g))
+    x = (torch.randn(33, 96, generator=g) * 2 ** (ix.FRAC + 8)).round().long()
+    norm_w, rms, add = torch.rand(96, generator=g).bfloat16(), torch.rand(33, generator=g).double() + 0.5, x[:, :70]
+    for args in ((None, None, None), (norm_w, rms, None), (None, None, add)):
+        native = ix.wide_linear(x, w8, amax / ix.Q_MAX, *args, exact=False)
+        assert torch.equal(native, ix.wide_linear(x, w8, amax / ix.Q_MAX, *args, exact=True))

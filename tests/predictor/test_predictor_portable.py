@@ -4,13 +4,14 @@ long prompts included; close to the target's KV; pinned and loaded like every ru
 from __future__ import annotations
 
 import copy
+import json
 
 import numpy as np
 import pytest
 import torch
 
 from speckv.errors import CheckpointError
-from speckv.predictor import int_attention
+from speckv.predictor import integer
 from speckv.predictor import target as target_mod
 from speckv.predictor.calibrate import build_checkpoint
 from speckv.predictor.check import check, mu_digest
@@ -43,9 +44,9 @@ def portable(portable_dir):
 def _paths(model, ids, monkeypatch) -> dict[str, str]:
     out = {"default": mu_digest(portable_kv(model, ids)),
            "int64 reference": mu_digest(portable_kv(model, ids, exact=True))}
-    monkeypatch.setattr(int_attention, "NATIVE", False)
-    out["torch exp stage"] = mu_digest(portable_kv(model, ids))
-    monkeypatch.setattr(int_attention, "NATIVE", True)
+    monkeypatch.setattr(integer, "NATIVE", False)
+    out["torch stages"] = mu_digest(portable_kv(model, ids))
+    monkeypatch.setattr(integer, "NATIVE", True)
     monkeypatch.setattr(target_mod, "COMPUTE_THREADS", 1)
     out["1 thread"] = mu_digest(portable_kv(model, ids))
     return out
@@ -95,3 +96,20 @@ def test_check_agrees_across_processes_and_environments(portable_dir, tiny_model
     assert rep["agree"], rep
     assert "int64 reference (prefix)" in names and "ATEN_CPU_CAPABILITY=default" in names
     assert {e["tokens"] for e in rep["environments"]} == {128, 200}
+
+
+def test_check_finds_the_float_rungs_environment_dependence(tiny_target, tiny_model_dir, tiny_text, tmp_path,
+                                                             capsys):
+    """The negative control: the fp8 rung (float GEMMs, SDPA) differs under another aten kernel path,
+    so the environments differ enough to prove something; the CLI exits 1 and says where."""
+    from speckv.cli.main import main
+
+    d = tmp_path / "fp8"
+    build_checkpoint(tiny_target, tiny_text, d, tokens=64, segment=32, rung="fp8")
+    code = main(["predictor", "check", str(d), "--text", str(tiny_text), "--tokens", "200",
+                 "--target", str(tiny_model_dir), "--json"])
+    rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 1 and rep["agree"] is False and rep["rung"] == "fp8"
+    digests = {e["name"]: e["mu_sha256"] for e in rep["environments"]}
+    assert digests["torch, 2 threads"] != digests["ATEN_CPU_CAPABILITY=default"]
+    assert "int64 reference (prefix)" not in digests  # float rungs have no integer reference

@@ -1,0 +1,151 @@
+// The portable predictor's per-element stages (speckv/predictor/integer.py, int_attention.py): the
+// same integers and single IEEE operations, in the same order, as the torch reference there.
+//
+// Softmax numerators, one row of scores:
+//
+//   d   = S_max - S_j                     int32, j <= pos (causal); S_max over those keys
+//   idx = floor(float(d) * Mf)            one correctly rounded float32 product; d < 2^24 is exact
+//   e   = idx < EXP_LEN ? EXP[idx] : 0    e < 2^(2 split)
+//   hi  = e >> split, lo = e & (2^split - 1)   int8 halves for the two int8 P @ V products
+//   sum = sum_j e                         int64
+//
+// NOTE: no FMA can form here (a product then a compare); the build passes -ffp-contract=off anyway.
+#pragma once
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "spk_simd.h"
+
+namespace spk {
+
+// One row: scores s[0..n), keys <= pos valid (pos may be >= n: all keys). NOTE: the table's last
+// entry is 0 (integer.py's tables), so clamping idx to exp_len - 1 is "0 from EXP_LEN on" without a branch.
+SPK_INLINE int64_t softmax_row_body(const int32_t* s, int64_t n, int64_t pos, float mf, const int32_t* table,
+                                    int32_t exp_len, int split, int8_t* hi, int8_t* lo) {
+    const int64_t m = std::min<int64_t>(pos + 1, n);
+    int32_t smax = INT32_MIN;
+    for (int64_t j = 0; j < m; ++j) smax = s[j] > smax ? s[j] : smax;
+    const float lim = (float)(exp_len - 1);
+    const int32_t mask = (1 << split) - 1;
+    int32_t sum = 0;  // < 2^12 * 2^17 keys
+    for (int64_t j = 0; j < m; ++j) {
+        const float x = (float)(smax - s[j]) * mf;
+        const int32_t e = table[(int32_t)(x < lim ? x : lim)];  // x >= 0: truncation is floor
+        hi[j] = (int8_t)(e >> split);
+        lo[j] = (int8_t)(e & mask);
+        sum += e;
+    }
+    if (m < n) {
+        std::memset(hi + m, 0, (size_t)(n - m));
+        std::memset(lo + m, 0, (size_t)(n - m));
+    }
+    return sum;
+}
+
+SPK_AVX2 inline int64_t softmax_row_avx2(const int32_t* s, int64_t n, int64_t pos, float mf, const int32_t* table,
+                                         int32_t exp_len, int split, int8_t* hi, int8_t* lo) {
+    return softmax_row_body(s, n, pos, mf, table, exp_len, split, hi, lo);
+}
+
+inline int64_t int_softmax_row(const int32_t* s, int64_t n, int64_t pos, float mf, const int32_t* table,
+                               int32_t exp_len, int split, int8_t* hi, int8_t* lo) {
+    if (cpu_has_avx2()) return softmax_row_avx2(s, n, pos, mf, table, exp_len, split, hi, lo);
+    return softmax_row_body(s, n, pos, mf, table, exp_len, split, hi, lo);
+}
+
+// Wide row quantisation (integer.quantise_wide): xf = x (* w), q = nearbyint(xf * (WIDE_MAX / amax)),
+// hi = (q + 2^(split-1)) >> split, lo = q - hi * 2^split. Returns amax.
+SPK_INLINE double wide_quantise_body(const int64_t* x, const double* w, int64_t k, double wide_max, int split,
+                                     int8_t* hi, int8_t* lo, double* xf) {
+    double amax = 0.0;
+    for (int64_t j = 0; j < k; ++j) {
+        xf[j] = w ? (double)x[j] * w[j] : (double)x[j];
+        const double a = std::fabs(xf[j]);
+        amax = a > amax ? a : amax;
+    }
+    const double inv = amax > 0 ? wide_max / amax : 0.0;
+    for (int64_t j = 0; j < k; ++j) {
+        const int64_t q = (int64_t)std::nearbyint(xf[j] * inv);
+        const int64_t h = (q + (int64_t(1) << (split - 1))) >> split;
+        hi[j] = (int8_t)h;
+        lo[j] = (int8_t)(q - (h << split));
+    }
+    return amax;
+}
+
+// Wide dequantisation of one row (integer.dequantise of wide_linear_acc): out = nearbyint((acc * row) * ws)
+// (+ add), acc = (hi << split) + lo already composed by wide_dequant_rows.
+SPK_INLINE void wide_dequant_body(const int64_t* acc, int64_t n, double row, const double* ws, const int64_t* add,
+                                  int64_t* out) {
+    for (int64_t j = 0; j < n; ++j) {
+        const int64_t v = (int64_t)std::nearbyint(((double)acc[j] * row) * ws[j]);
+        out[j] = add ? add[j] + v : v;
+    }
+}
+
+SPK_AVX2 inline double wide_quantise_avx2(const int64_t* x, const double* w, int64_t k, double wide_max, int split,
+                                          int8_t* hi, int8_t* lo, double* xf) {
+    return wide_quantise_body(x, w, k, wide_max, split, hi, lo, xf);
+}
+
+SPK_AVX2 inline void wide_dequant_avx2(const int64_t* acc, int64_t n, double row, const double* ws,
+                                       const int64_t* add, int64_t* out) {
+    wide_dequant_body(acc, n, row, ws, add, out);
+}
+
+inline double wide_quantise_row(const int64_t* x, const double* w, int64_t k, double wide_max, int split,
+                                int8_t* hi, int8_t* lo, double* xf) {
+    if (cpu_has_avx2()) return wide_quantise_avx2(x, w, k, wide_max, split, hi, lo, xf);
+    return wide_quantise_body(x, w, k, wide_max, split, hi, lo, xf);
+}
+
+// Rows [i0, i1) of the wide dequantisation from the int32 product (n, 2m) of w8 @ [hi; lo]^T: the
+// rows' accumulators are gathered (a transposition) into acc (i1 - i0, n) first, then each row runs.
+inline void wide_dequant_rows(const int32_t* prod, int64_t m, int64_t n, int split, const double* row,
+                              const double* ws, const int64_t* add, int64_t* out, int64_t i0, int64_t i1,
+                              int64_t* acc) {
+    const int64_t r = i1 - i0;
+    for (int64_t j = 0; j < n; ++j) {
+        const int32_t* ph = prod + j * 2 * m + i0;
+        const int32_t* pl = ph + m;
+        for (int64_t ii = 0; ii < r; ++ii) acc[ii * n + j] = ((int64_t)ph[ii] << split) + pl[ii];
+    }
+    const bool avx2 = cpu_has_avx2();
+    for (int64_t ii = 0; ii < r; ++ii) {
+        const int64_t i = i0 + ii;
+        const int64_t* a = add ? add + i * n : nullptr;
+        if (avx2) wide_dequant_avx2(acc + ii * n, n, row[i], ws, a, out + i * n);
+        else wide_dequant_body(acc + ii * n, n, row[i], ws, a, out + i * n);
+    }
+}
+
+// The gated MLP's product (integer.silu_mul): m = round_shift(silu(g) * u, frac) with silu from the table
+// over idx = round_shift(g, frac - step) + range * 2^step in [0, len): g itself above it, 0 below.
+SPK_INLINE void silu_mul_body(const int64_t* g, const int64_t* u, int64_t n, const int64_t* table, int64_t len,
+                              int frac, int step_bits, int64_t range, int64_t* out) {
+    const int step = frac - step_bits;
+    const int64_t off = range << step_bits, half_step = int64_t(1) << (step - 1), half = int64_t(1) << (frac - 1);
+    for (int64_t j = 0; j < n; ++j) {
+        const int64_t idx = ((g[j] + half_step) >> step) + off;
+        const int64_t c = idx < 0 ? 0 : (idx >= len ? len - 1 : idx);
+        const int64_t s = idx >= len ? g[j] : (idx < 0 ? 0 : table[c]);
+        out[j] = (s * u[j] + half) >> frac;
+    }
+}
+
+SPK_AVX2 inline void silu_mul_avx2(const int64_t* g, const int64_t* u, int64_t n, const int64_t* table, int64_t len,
+                                   int frac, int step_bits, int64_t range, int64_t* out) {
+    silu_mul_body(g, u, n, table, len, frac, step_bits, range, out);
+}
+
+inline void silu_mul_row(const int64_t* g, const int64_t* u, int64_t n, const int64_t* table, int64_t len, int frac,
+                         int step_bits, int64_t range, int64_t* out) {
+    if (cpu_has_avx2()) return silu_mul_avx2(g, u, n, table, len, frac, step_bits, range, out);
+    silu_mul_body(g, u, n, table, len, frac, step_bits, range, out);
+}
+
+}  // namespace spk
