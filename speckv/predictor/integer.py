@@ -87,6 +87,12 @@ def int_mm(a: "torch.Tensor", bt: "torch.Tensor", exact: bool = False) -> "torch
 
     if exact:
         return torch.mm(a.long(), bt.long().t()).to(torch.int32)
+    if a.is_cuda:  # NOTE: CUDA's int8 GEMM wants m > 16 and k, n multiples of 8: zero padding adds nothing
+        m, k, n = a.shape[0], a.shape[1], bt.shape[0]
+        pad = lambda t, r, c: torch.nn.functional.pad(t, (0, c - t.shape[1], 0, r - t.shape[0]))  # noqa: E731
+        k8 = -(-k // 8) * 8
+        out = torch._int_mm(pad(a, max(17, -(-m // 8) * 8), k8), pad(bt, -(-n // 8) * 8, k8).t())
+        return out[:m, :n]
     return torch._int_mm(a.contiguous(), bt.t())
 
 

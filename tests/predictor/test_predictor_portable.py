@@ -113,3 +113,16 @@ def test_check_finds_the_float_rungs_environment_dependence(tiny_target, tiny_mo
     digests = {e["name"]: e["mu_sha256"] for e in rep["environments"]}
     assert digests["torch, 2 threads"] != digests["ATEN_CPU_CAPABILITY=default"]
     assert "int64 reference (prefix)" not in digests  # float rungs have no integer reference
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_gives_the_cpu_bits(portable, tiny_target):
+    ids = np.random.default_rng(2).integers(0, tiny_target.config.vocab_size, 300)
+    cpu = mu_digest(portable_kv(portable.model, ids))
+    portable.to("cuda")
+    try:
+        assert mu_digest(portable_kv(portable.model, ids)) == cpu
+        assert mu_digest(portable_kv(portable.model, ids[:5])) == mu_digest(portable_kv(portable.model.cpu(), ids[:5]))
+    finally:
+        portable.to("cpu")
