@@ -97,6 +97,10 @@ class Runtime:
     def check(self, model_id: str, shape: tuple[int, ...], ids: np.ndarray, max_tokens: int | None) -> None:
         """A request's model, shape and prompt against what this sidecar serves
         (``max_tokens``: config.max_tokens; None for the model's context)."""
+        if not self.numeric_ok:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"this sidecar computes another mu than predictor {self.pin[:12]} records (its canary "
+                           "differs here; `speckv predictor check`): it serves nothing", reason="NUMERIC_ENV")
         if model_id != self.model_id:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
                            f"model {model_id!r} is not served here (this sidecar serves {self.model_id!r})",

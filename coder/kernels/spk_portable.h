@@ -31,7 +31,7 @@ SPK_INLINE int64_t softmax_row_body(const int32_t* s, int64_t n, int64_t pos, fl
     for (int64_t j = 0; j < m; ++j) smax = s[j] > smax ? s[j] : smax;
     const float lim = (float)(exp_len - 1);
     const int32_t mask = (1 << split) - 1;
-    int32_t sum = 0;  // < 2^12 * 2^17 keys
+    int64_t sum = 0;
     for (int64_t j = 0; j < m; ++j) {
         const float x = (float)(smax - s[j]) * mf;
         const int32_t e = table[(int32_t)(x < lim ? x : lim)];  // x >= 0: truncation is floor
@@ -133,7 +133,8 @@ SPK_INLINE void silu_mul_body(const int64_t* g, const int64_t* u, int64_t n, con
         const int64_t idx = ((g[j] + half_step) >> step) + off;
         const int64_t c = idx < 0 ? 0 : (idx >= len ? len - 1 : idx);
         const int64_t s = idx >= len ? g[j] : (idx < 0 ? 0 : table[c]);
-        out[j] = (s * u[j] + half) >> frac;
+        // NOTE: wrapping unsigned arithmetic, as torch's int64 ops (signed overflow is UB in C++)
+        out[j] = (int64_t)((uint64_t)s * (uint64_t)u[j] + (uint64_t)half) >> frac;
     }
 }
 

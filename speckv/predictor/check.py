@@ -53,7 +53,10 @@ def environments(portable: bool, cuda: bool) -> list[Environment]:
 def run_child(ckpt: Path, text: Path, tokens: int, target: str, e: Environment, timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "speckv.predictor.check", "--child", str(ckpt), str(text),
            str(min(tokens, REFERENCE_TOKENS) if e.prefix else tokens), "--target", target, *e.args]
-    proc = subprocess.run(cmd, env={**os.environ, **e.env}, capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run(cmd, env={**os.environ, **e.env}, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"name": e.name, "error": f"timed out after {timeout:.0f} s"}
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         return {"name": e.name, "error": " | ".join(tail) or f"exit {proc.returncode}"}

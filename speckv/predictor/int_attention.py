@@ -5,8 +5,8 @@ Per kv head (its query heads share it, GQA)::
     k8 = round(k * 64 / sk_c)        int8, one scale per channel over the prompt (K's outliers are
                                      channels, KIVI); q absorbs it: q' = q * (sk_c / 64)
     q8 = round(q' * 127 / amax_row)  int8 per (token, head); dq = amax_row / 127
-    S  = q8 @ k8^T                   int32, exact: the score is S * dq / 2^SCORE_SHIFT
-    e  = EXP[floor(f32(S_max - S) * Mf)]    Mf = f32(dq * 2^(EXP_STEP_BITS - SCORE_SHIFT)): one float32
+    S  = q8 @ k8^T                   int32, exact: the score is S * dq / (2^SCORE_SHIFT sqrt(D))
+    e  = EXP[floor(f32(S_max - S) * Mf)]    Mf = f32(dq * 2^(EXP_STEP_BITS - SCORE_SHIFT) / sqrt(D)): one float32
                                      product per score (S_max - S < 2^24 is exact in float32)
     out = round((sum_j e_j v8_j * sv_c / 127) / sum_j e_j)   e = hi * 64 + lo (0..63 each)
 
@@ -20,6 +20,7 @@ integers) and in torch otherwise.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from . import integer
@@ -30,6 +31,9 @@ from .integer import (
     EXP_STEP_BITS,
     Q_MAX,
     SCORE_SHIFT,
+    MAX_TOKENS,
+    IntegerRangeError,
+    div,
     int_mm,
     quantise,
 )
@@ -43,7 +47,7 @@ BLOCK = 128  # query tokens per tile
 def channel_quantise(x: "torch.Tensor", qmax: float) -> tuple["torch.Tensor", "torch.Tensor"]:
     """int64 (tokens, dim) -> (int8 per-channel symbols in +-qmax, float64 per-channel scale)."""
     q, amax = quantise(x.t(), qmax)
-    return q.t().contiguous(), amax / qmax
+    return q.t().contiguous(), div(amax, qmax)
 
 
 def exp_weights(S: "torch.Tensor", pos: "torch.Tensor", mf: "torch.Tensor",
@@ -96,6 +100,8 @@ def attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", table: "t
     import torch
 
     T, H, D = q.shape
+    if T > MAX_TOKENS:
+        raise IntegerRangeError(f"{T} tokens: the integer attention's int32 sums hold {MAX_TOKENS}")
     G = H // k.shape[1]
     out = torch.empty_like(q)
     for g in range(k.shape[1]):
@@ -103,7 +109,8 @@ def attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", table: "t
         v8, vs = channel_quantise(v[:, g], Q_MAX)
         vt = v8.t().contiguous()  # (dim, tokens): the first operand of (P @ V)^T
         q8, amax = quantise(q[:, g * G:(g + 1) * G].double() * ks)  # (T, G, D), (T, G)
-        mf = ((amax / Q_MAX) * 2.0 ** (EXP_STEP_BITS - SCORE_SHIFT)).to(torch.float32)  # * 2^n: exact
+        # the score is S * dq / (2^SCORE_SHIFT sqrt(D)); * 2^n is exact, each division one rounding
+        mf = div(div(amax, Q_MAX) * 2.0 ** (EXP_STEP_BITS - SCORE_SHIFT), math.sqrt(D)).to(torch.float32)
         for b in range(0, T, block):
             e_ = min(b + block, T)
             rows = q8[b:e_].reshape(-1, D)  # row r = (token b + r // G, head r % G)

@@ -36,13 +36,13 @@ Q_MAX = 127.0  # symmetric int8 range of the first operand (weights)
 B_MAX = 64
 WIDE_SPLIT = 7  # activations q = hi * 2^7 + lo, hi and lo in -64..64: 14 bits from two products
 WIDE_MAX = float(B_MAX << WIDE_SPLIT)
-SS_BITS = 26  # the sum of squares runs on x >> shift with |x >> shift| < 2^SS_BITS (<= 2^10 terms)
 # softmax: exp(-z) for z >= 0 in steps of 2^-EXP_STEP_BITS, scaled to EXP_ONE, zero from EXP_LEN on
 EXP_STEP_BITS = 8
 EXP_LEN = 12 << EXP_STEP_BITS  # exp(-12) * EXP_ONE < 0.1: rounds to 0
 EXP_SPLIT = 6  # numerators e = hi * 2^6 + lo, hi and lo in 0..63: second operands of P @ V
 EXP_ONE = (1 << (2 * EXP_SPLIT)) - 1
-SCORE_SHIFT = 2 * FRAC + 3  # scores: q (FRAC) * k (FRAC) / sqrt(64) = 2^3
+SCORE_SHIFT = 2 * FRAC  # scores: q (FRAC) * k (FRAC); / sqrt(head_dim) is one more float64 division
+MAX_TOKENS = 1 << 17  # int32 P @ V sums: 127 * 63 * tokens < 2^31
 # SiLU: silu(x) for x in [-SILU_RANGE, SILU_RANGE) in steps of 2^-SILU_STEP_BITS; x outside: x or 0
 SILU_STEP_BITS = 10
 SILU_RANGE = 16
@@ -54,6 +54,16 @@ NATIVE_THREADS = 1
 
 class IntegerRangeError(ValueError):
     """An activation left the range where the integer engine is exact (not expected for real text)."""
+
+
+def div(x: "torch.Tensor", d: float) -> "torch.Tensor":
+    """x / d as one correctly rounded division per element.
+
+    NOTE: on CUDA, ``tensor / python_scalar`` runs as ``tensor * (1 / d)``: two roundings (and on
+    the CPU ``d / tensor`` is ``reciprocal * d``); dividing by a tensor is one IEEE division everywhere."""
+    import torch
+
+    return x / torch.full_like(x, d)
 
 
 def quantise(x: "torch.Tensor", qmax: float = Q_MAX) -> tuple["torch.Tensor", "torch.Tensor"]:
@@ -87,6 +97,10 @@ def int_mm(a: "torch.Tensor", bt: "torch.Tensor", exact: bool = False) -> "torch
 
     if exact:
         return torch.mm(a.long(), bt.long().t()).to(torch.int32)
+    if a.shape[1] < 8:  # NOTE: torch 2.13's CPU _int_mm returns garbage for k == 1; zeros add nothing
+        k8 = 8
+        a = torch.nn.functional.pad(a, (0, k8 - a.shape[1]))
+        bt = torch.nn.functional.pad(bt, (0, k8 - bt.shape[1]))
     if a.is_cuda:  # NOTE: CUDA's int8 GEMM wants m > 16 and k, n multiples of 8: zero padding adds nothing
         m, k, n = a.shape[0], a.shape[1], bt.shape[0]
         pad = lambda t, r, c: torch.nn.functional.pad(t, (0, c - t.shape[1], 0, r - t.shape[0]))  # noqa: E731
@@ -102,7 +116,7 @@ def wide_linear_acc(x: "torch.Tensor", w8: "torch.Tensor",
     the weights are the first operand: (w8 @ x^T)^T."""
     hi, lo, amax = quantise_wide(x)
     acc = (int_mm(w8, hi, exact).long() << WIDE_SPLIT) + int_mm(w8, lo, exact)
-    return acc.t(), amax / WIDE_MAX
+    return acc.t(), div(amax, WIDE_MAX)
 
 
 def dequantise(acc: "torch.Tensor", row: "torch.Tensor", ws: "torch.Tensor") -> "torch.Tensor":
@@ -129,6 +143,8 @@ def wide_linear(x: "torch.Tensor", w8: "torch.Tensor", ws: "torch.Tensor", norm_
         acc, row = wide_linear_acc(x.double() * norm_w.double() if norm_w is not None else x, w8, exact)
         y = dequantise(acc, row if rms is None else row / rms, ws)
         return y if add is None else add + y
+    if x.dtype != torch.int64:
+        raise TypeError(f"wide_linear takes int64 fixed-point rows, not {x.dtype}")
     x = x.contiguous()
     M, K = x.shape
     threads = NATIVE_THREADS
@@ -136,7 +152,7 @@ def wide_linear(x: "torch.Tensor", w8: "torch.Tensor", ws: "torch.Tensor", norm_
     amax = torch.empty(M, dtype=torch.float64)
     w = norm_w.double().contiguous().numpy() if norm_w is not None else None
     nat.wide_quantise(x.numpy(), w, WIDE_MAX, WIDE_SPLIT, hl[:M].numpy(), hl[M:].numpy(), amax.numpy(), threads)
-    row = amax / WIDE_MAX
+    row = div(amax, WIDE_MAX)
     row = row if rms is None else row / rms
     prod = torch._int_mm(w8, hl.t())  # (out, 2 rows): hi rows, then lo rows
     out = torch.empty((M, w8.shape[0]), dtype=torch.int64)
@@ -160,13 +176,15 @@ def rms_inv_factor(x: "torch.Tensor", eps: float) -> "torch.Tensor":
     of squares of ``x >> shift``, with a per-row shift that keeps the sum inside int64."""
     import torch
 
+    n = x.shape[-1]
+    ss_bits = (62 - max(n - 1, 1).bit_length()) // 2  # n squares below 2^(2 ss_bits) sum below 2^62
     amax = x.abs().amax(dim=-1)
     _, bits = torch.frexp(amax.double())  # exact: amax < 2^53
-    shift = (bits.long() - SS_BITS).clamp(min=0)
+    shift = (bits.long() - ss_bits).clamp(min=0)
     xs = x >> shift.unsqueeze(-1)
-    ss = (xs * xs).sum(dim=-1)  # exact: each square < 2^(2 SS_BITS), at most 2^(62 - 2 SS_BITS) terms
+    ss = (xs * xs).sum(dim=-1)  # exact: each square < 2^(2 ss_bits), n of them
     up = (torch.ones_like(shift) << (2 * shift)).double()  # 2^(2 shift), exact
-    mean = (ss.double() * up) / float(x.shape[-1] << (2 * FRAC))  # * 2^n: exact; one rounded division
+    mean = div(ss.double() * up, float(n << (2 * FRAC)))  # * 2^k: exact; one rounded division
     return torch.sqrt(mean + eps)
 
 

@@ -48,7 +48,7 @@ FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o
 
 def _quantise_weight(w: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
     q, amax = ix.quantise(w)
-    return q.contiguous(), amax / ix.Q_MAX
+    return q.contiguous(), ix.div(amax, ix.Q_MAX)
 
 
 def portable_state(target_state: dict[str, "torch.Tensor"], config: Any) -> dict[str, "torch.Tensor"]:
@@ -171,5 +171,6 @@ def portable_canary(model: Any) -> dict[str, Any]:
     """``{"tokens", "mu_sha256"}`` of the rung's mu of ``canary_ids``: the same on every machine."""
     import hashlib
 
-    mu = portable_kv(model, canary_ids(model.config.vocab_size))
-    return {"tokens": CANARY_TOKENS, "mu_sha256": hashlib.sha256(bf16_bits(mu.contiguous()).tobytes()).hexdigest()}
+    tokens = min(CANARY_TOKENS, model.config.max_position_embeddings)
+    mu = portable_kv(model, canary_ids(model.config.vocab_size, tokens))
+    return {"tokens": tokens, "mu_sha256": hashlib.sha256(bf16_bits(mu.contiguous()).tobytes()).hexdigest()}

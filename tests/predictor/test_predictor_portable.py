@@ -54,7 +54,9 @@ def _paths(model, ids, monkeypatch) -> dict[str, str]:
 
 def test_every_path_gives_the_same_bits(portable, tiny_target, monkeypatch):
     rng = np.random.default_rng(0)
-    for ids in (tiny_target.tokenize(PROMPT), rng.integers(0, tiny_target.config.vocab_size, 300)):
+    prompts = [tiny_target.tokenize(PROMPT), rng.integers(0, tiny_target.config.vocab_size, 300)]
+    prompts += [rng.integers(0, tiny_target.config.vocab_size, n) for n in (1, 2, 7, 17)]  # torch's k == 1 trap
+    for ids in prompts:
         digests = _paths(portable.model, ids, monkeypatch)
         assert len(set(digests.values())) == 1, digests
 

@@ -7,10 +7,12 @@ import logging
 import shutil
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sidecars import LoopThread
 
+from speckv.errors import RpcError
 from speckv.predictor.calibrate import build_checkpoint
 from speckv.predictor.checkpoint import load_checkpoint
 from speckv.predictor.predict import Predictor
@@ -46,6 +48,10 @@ def test_sidecar_health_follows_the_canary(portable_ckpts, tiny_model_dir, caplo
     with caplog.at_level(logging.ERROR, logger="speckv.server.runtime"):
         runtime = Runtime.load(config)
     assert runtime.numeric_ok is (which == 0)
+    if which == 1:  # callers that ignore health are refused too
+        with pytest.raises(RpcError) as ei:
+            runtime.check(runtime.model_id, (2, 2, 2, 3, 16), np.zeros(3, np.int64), None)
+        assert ei.value.code == grpc.StatusCode.FAILED_PRECONDITION and ei.value.reason == "NUMERIC_ENV"
     assert ("refusing to serve" in caplog.text) is (which == 1)
     loop = LoopThread()
     try:
