@@ -1,14 +1,16 @@
-"""Fixtures of the Helm chart tests: the chart helm/speckv loaded by the real Helm engine
+"""Fixtures of the deploy tests: the chart helm/speckv loaded by the real Helm engine
 (helm_python binds Helm's Go SDK) and every values set of ``helm_helpers.CASES`` rendered
-once per module."""
+once per module; the Grafana dashboard and a fresh local sidecar pair for its live checks."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
 import helm_python
 import pytest
+from dashboard_helpers import DASHBOARD
 from helm_helpers import CASES, CHART_DIR, objects, render
 
 
@@ -27,3 +29,17 @@ def rendered(chart: helm_python.Chart) -> dict[str, tuple[dict[str, Any], list[d
         manifests = render(chart, values)
         out[name] = (chart.merge_values(values), objects(manifests), manifests)
     return out
+
+
+@pytest.fixture(scope="module")
+def dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+@pytest.fixture
+def local_pair(embedded_session):
+    """A fresh encoder + decoder pair (counters at 0) with metrics on ephemeral ports."""
+    from speckv.server.local import LocalPair
+
+    with LocalPair(embedded_session.predictor) as pair:
+        yield pair

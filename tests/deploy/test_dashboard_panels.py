@@ -20,16 +20,8 @@ import time
 import grpc
 import pytest
 import torch
+from dashboard_helpers import ALL, MODEL, NAMESPACE, _panel, _series
 from prom_helpers import Prometheus, binary, finite, legend_labels, substitute, wait_until
-from test_dashboard import (  # noqa: F401 -- dashboard and local_pair are fixtures
-    ALL,
-    MODEL,
-    NAMESPACE,
-    _panel,
-    _series,
-    dashboard,
-    local_pair,
-)
 
 ROWS = ("Stages", "Fallbacks", "gRPC", "Per model")
 ROUNDS = 2

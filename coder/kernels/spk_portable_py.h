@@ -1,0 +1,116 @@
+// Python bindings of the portable predictor's native stages (spk_portable.h), included by
+// spk_native.cpp; speckv/predictor/integer.py and int_attention.py call them and hold the torch
+// reference each must equal bit for bit.
+#pragma once
+#include "spk_portable.h"
+#include "spk_py.h"
+
+namespace {
+
+// int_softmax(S int32 (rows, n), pos int64 (rows), mf float32 (rows), table int32, hi int8 (rows, n),
+//             lo int8 (rows, n), sums int64 (rows), split, threads): the portable predictor's exp stage
+PyObject* py_int_softmax(PyObject*, PyObject* args) {
+    PyObject *s_o, *pos_o, *mf_o, *tab_o, *hi_o, *lo_o, *sum_o;
+    int split, threads;
+    if (!PyArg_ParseTuple(args, "OOOOOOOii", &s_o, &pos_o, &mf_o, &tab_o, &hi_o, &lo_o, &sum_o, &split, &threads))
+        return nullptr;
+    Buf S, pos, mf, tab, hi, lo, sums;
+    if (!get_buf(pos_o, pos, -1, "pos")) return nullptr;
+    const int64_t rows = pos.count(8);
+    if (!get_buf(s_o, S, -1, "S") || !get_buf(mf_o, mf, 4 * rows, "mf") || !get_buf(tab_o, tab, -1, "table") ||
+        !get_buf(sum_o, sums, 8 * rows, "sums", true))
+        return nullptr;
+    const int64_t n = rows ? S.count(4) / rows : 0;
+    if (S.count(4) != rows * n || !get_buf(hi_o, hi, rows * n, "hi", true) || !get_buf(lo_o, lo, rows * n, "lo", true))
+        return PyErr_Occurred() ? nullptr : PyErr_Format(PyExc_ValueError, "S is not (rows, n)");
+    const int32_t exp_len = (int32_t)tab.count(4);
+    if (exp_len < 1 || tab.as<int32_t>()[exp_len - 1] != 0)
+        return PyErr_Format(PyExc_ValueError, "the exp table must end with 0");
+    Py_BEGIN_ALLOW_THREADS
+    parallel_for(rows, threads, [&](int64_t r) {
+        sums.as<int64_t>()[r] = spk::int_softmax_row(S.as<int32_t>() + r * n, n, pos.as<int64_t>()[r],
+                                                     mf.as<float>()[r], tab.as<int32_t>(), exp_len, split,
+                                                     hi.as<int8_t>() + r * n, lo.as<int8_t>() + r * n);
+    });
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+// wide_quantise(x int64 (rows, k), w float64 (k) or None, wide_max, split, hi int8, lo int8, amax float64 (rows),
+//               threads)
+PyObject* py_wide_quantise(PyObject*, PyObject* args) {
+    PyObject *x_o, *w_o, *hi_o, *lo_o, *amax_o;
+    double wide_max;
+    int split, threads;
+    if (!PyArg_ParseTuple(args, "OOdiOOOi", &x_o, &w_o, &wide_max, &split, &hi_o, &lo_o, &amax_o, &threads))
+        return nullptr;
+    Buf x, w, hi, lo, amax;
+    if (!get_buf(amax_o, amax, -1, "amax", true)) return nullptr;
+    const int64_t rows = amax.count(8);
+    if (!get_buf(x_o, x, -1, "x")) return nullptr;
+    const int64_t k = rows ? x.count(8) / rows : 0;
+    if (x.count(8) != rows * k || !get_buf(hi_o, hi, rows * k, "hi", true) || !get_buf(lo_o, lo, rows * k, "lo", true))
+        return PyErr_Occurred() ? nullptr : PyErr_Format(PyExc_ValueError, "x is not (rows, k)");
+    if (w_o != Py_None && !get_buf(w_o, w, 8 * k, "w")) return nullptr;
+    const double* wp = w_o != Py_None ? w.as<double>() : nullptr;
+    Py_BEGIN_ALLOW_THREADS
+    parallel_for((rows + 63) / 64, threads, [&](int64_t b) {
+        std::vector<double> xf((size_t)k);
+        for (int64_t r = b * 64; r < std::min(rows, b * 64 + 64); ++r)
+            amax.as<double>()[r] = spk::wide_quantise_row(x.as<int64_t>() + r * k, wp, k, wide_max, split,
+                                                          hi.as<int8_t>() + r * k, lo.as<int8_t>() + r * k, xf.data());
+    });
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+// wide_dequant(prod int32 (n, 2m): w8 @ [hi; lo]^T, split, row float64 (m), ws float64 (n),
+//              add int64 (m, n) or None, out int64 (m, n), threads)
+PyObject* py_wide_dequant(PyObject*, PyObject* args) {
+    PyObject *p_o, *row_o, *ws_o, *add_o, *out_o;
+    int split, threads;
+    if (!PyArg_ParseTuple(args, "OiOOOOi", &p_o, &split, &row_o, &ws_o, &add_o, &out_o, &threads)) return nullptr;
+    Buf prod, row, ws, add, out;
+    if (!get_buf(row_o, row, -1, "row") || !get_buf(ws_o, ws, -1, "ws")) return nullptr;
+    const int64_t m = row.count(8), n = ws.count(8);
+    if (!get_buf(p_o, prod, 8 * m * n, "prod") || !get_buf(out_o, out, 8 * m * n, "out", true)) return nullptr;
+    if (add_o != Py_None && !get_buf(add_o, add, 8 * m * n, "add")) return nullptr;
+    const int64_t* ap = add_o != Py_None ? add.as<int64_t>() : nullptr;
+    constexpr int64_t TILE = 8;  // rows per transposition tile
+    Py_BEGIN_ALLOW_THREADS
+    parallel_for((m + TILE - 1) / TILE, threads, [&](int64_t b) {
+        std::vector<int64_t> acc((size_t)(TILE * n));
+        spk::wide_dequant_rows(prod.as<int32_t>(), m, n, split, row.as<double>(), ws.as<double>(), ap,
+                               out.as<int64_t>(), b * TILE, std::min(m, b * TILE + TILE), acc.data());
+    });
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+// silu_mul(gu int64 (rows, 2 inter): gate then up, table int64, frac, step_bits, range, out int64 (rows, inter),
+//          threads)
+PyObject* py_silu_mul(PyObject*, PyObject* args) {
+    PyObject *gu_o, *tab_o, *out_o;
+    int frac, step_bits, threads;
+    long long range;
+    if (!PyArg_ParseTuple(args, "OOiiLOi", &gu_o, &tab_o, &frac, &step_bits, &range, &out_o, &threads)) return nullptr;
+    Buf gu, tab, out;
+    if (!get_buf(gu_o, gu, -1, "gu") || !get_buf(tab_o, tab, -1, "table") || !get_buf(out_o, out, gu.v.len / 2, "out", true))
+        return nullptr;
+    if (!PyObject_HasAttrString(out_o, "shape")) return PyErr_Format(PyExc_ValueError, "out must be an array");
+    PyObject* shape = PyObject_GetAttrString(out_o, "shape");
+    const int64_t inter = shape && PyTuple_Size(shape) == 2 ? PyLong_AsLongLong(PyTuple_GetItem(shape, 1)) : -1;
+    Py_XDECREF(shape);
+    if (inter <= 0) return PyErr_Occurred() ? nullptr : PyErr_Format(PyExc_ValueError, "out must be (rows, inter)");
+    const int64_t rows = out.count(8) / inter;
+    Py_BEGIN_ALLOW_THREADS
+    parallel_for(rows, threads, [&](int64_t r) {
+        const int64_t* g = gu.as<int64_t>() + r * 2 * inter;
+        spk::silu_mul_row(g, g + inter, inter, tab.as<int64_t>(), tab.count(8), frac, step_bits, (int64_t)range,
+                          out.as<int64_t>() + r * inter);
+    });
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+}  // namespace
