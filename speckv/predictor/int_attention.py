@@ -78,19 +78,20 @@ def _native_exp() -> Any:
 
 
 def _exp_stage(S: "torch.Tensor", pos: "torch.Tensor", mf: "torch.Tensor", table: "torch.Tensor",
-               native: bool) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
+               native: bool) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """(int8 (2 rows, keys): the hi rows then the lo rows, int64 row sums)."""
     import torch
 
     fn = _native_exp() if native and S.device.type == "cpu" else None
     if fn is None:
-        return exp_weights(S, pos, mf, table)
+        hi, lo, sums = exp_weights(S, pos, mf, table)
+        return torch.cat([hi, lo]), sums
     rows, keys = S.shape
-    hi = torch.empty((rows, keys), dtype=torch.int8)
-    lo = torch.empty_like(hi)
+    hl = torch.empty((2 * rows, keys), dtype=torch.int8)
     sums = torch.empty(rows, dtype=torch.int64)
-    fn(S.contiguous().numpy(), pos.contiguous().numpy(), mf.contiguous().numpy(),
-       table.contiguous().numpy(), hi.numpy(), lo.numpy(), sums.numpy(), EXP_SPLIT, integer.NATIVE_THREADS)
-    return hi, lo, sums
+    fn(S.contiguous().numpy(), pos.contiguous().numpy(), mf.contiguous().numpy(), table.contiguous().numpy(),
+       hl[:rows].numpy(), hl[rows:].numpy(), sums.numpy(), EXP_SPLIT, integer.NATIVE_THREADS)
+    return hl, sums
 
 
 def attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", table: "torch.Tensor",
@@ -116,8 +117,10 @@ def attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", table: "t
             rows = q8[b:e_].reshape(-1, D)  # row r = (token b + r // G, head r % G)
             pos = torch.arange(b, e_, device=q.device).repeat_interleave(G)
             S = int_mm(rows, k8[:e_], exact)
-            hi, lo, sums = _exp_stage(S, pos, mf[b:e_].reshape(-1), table, native=not exact)
-            acc = (int_mm(vt[:, :e_], hi, exact).long() << EXP_SPLIT) + int_mm(vt[:, :e_], lo, exact)
+            hl, sums = _exp_stage(S, pos, mf[b:e_].reshape(-1), table, native=not exact)
+            prod = int_mm(vt[:, :e_], hl, exact)  # (dim, 2 rows): V^T @ [hi; lo]^T in one product
+            R = hl.shape[0] // 2
+            acc = (prod[:, :R].long() << EXP_SPLIT) + prod[:, R:]
             o = torch.round((acc.t().double() * vs) / sums.double()[:, None]).to(torch.int64)
             out[b:e_, g * G:(g + 1) * G] = o.view(e_ - b, G, D)
     return out
