@@ -78,8 +78,9 @@ def _native_exp() -> Any:
 
 
 def _exp_stage(S: "torch.Tensor", pos: "torch.Tensor", mf: "torch.Tensor", table: "torch.Tensor",
-               native: bool) -> tuple["torch.Tensor", "torch.Tensor"]:
-    """(int8 (2 rows, keys): the hi rows then the lo rows, int64 row sums)."""
+               native: bool, buf: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
+    """(int8 (2 rows, keys): the hi rows then the lo rows, int64 row sums); the native stage
+    writes into ``buf`` (a reused flat int8 buffer)."""
     import torch
 
     fn = _native_exp() if native and S.device.type == "cpu" else None
@@ -87,7 +88,7 @@ def _exp_stage(S: "torch.Tensor", pos: "torch.Tensor", mf: "torch.Tensor", table
         hi, lo, sums = exp_weights(S, pos, mf, table)
         return torch.cat([hi, lo]), sums
     rows, keys = S.shape
-    hl = torch.empty((2 * rows, keys), dtype=torch.int8)
+    hl = buf[: 2 * rows * keys].view(2 * rows, keys)
     sums = torch.empty(rows, dtype=torch.int64)
     fn(S.contiguous().numpy(), pos.contiguous().numpy(), mf.contiguous().numpy(), table.contiguous().numpy(),
        hl[:rows].numpy(), hl[rows:].numpy(), sums.numpy(), EXP_SPLIT, integer.NATIVE_THREADS)
@@ -105,6 +106,10 @@ def attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", table: "t
         raise IntegerRangeError(f"{T} tokens: the integer attention's int32 sums hold {MAX_TOKENS}")
     G = H // k.shape[1]
     out = torch.empty_like(q)
+    cpu = not exact and q.device.type == "cpu"
+    rows_max = min(block, T) * G
+    s_buf = torch.empty(rows_max * T, dtype=torch.int32) if cpu else None  # reused by every block
+    hl_buf = torch.empty(2 * rows_max * T, dtype=torch.int8) if cpu else q.new_empty(0, dtype=torch.int8)
     for g in range(k.shape[1]):
         k8, ks = channel_quantise(k[:, g], float(B_MAX))  # k8: the scores' second operand
         v8, vs = channel_quantise(v[:, g], Q_MAX)
@@ -116,8 +121,8 @@ def attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", table: "t
             e_ = min(b + block, T)
             rows = q8[b:e_].reshape(-1, D)  # row r = (token b + r // G, head r % G)
             pos = torch.arange(b, e_, device=q.device).repeat_interleave(G)
-            S = int_mm(rows, k8[:e_], exact)
-            hl, sums = _exp_stage(S, pos, mf[b:e_].reshape(-1), table, native=not exact)
+            S = int_mm(rows, k8[:e_], exact, None if s_buf is None else s_buf[: rows.shape[0] * e_].view(-1, e_))
+            hl, sums = _exp_stage(S, pos, mf[b:e_].reshape(-1), table, not exact, hl_buf)
             prod = int_mm(vt[:, :e_], hl, exact)  # (dim, 2 rows): V^T @ [hi; lo]^T in one product
             R = hl.shape[0] // 2
             acc = (prod[:, :R].long() << EXP_SPLIT) + prod[:, R:]

@@ -90,9 +90,11 @@ def quantise_wide(x: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor", "t
     return hi.to(torch.int8), (q - (hi << WIDE_SPLIT)).to(torch.int8), amax
 
 
-def int_mm(a: "torch.Tensor", bt: "torch.Tensor", exact: bool = False) -> "torch.Tensor":
+def int_mm(a: "torch.Tensor", bt: "torch.Tensor", exact: bool = False,
+           out: "torch.Tensor | None" = None) -> "torch.Tensor":
     """int8 a (m, k) @ bt (n, k)^T -> int32 (m, n), exact for |a| <= 127, |bt| <= B_MAX;
-    ``exact`` uses int64 torch.mm (the reference: no BLAS, no oneDNN)."""
+    ``exact`` uses int64 torch.mm (the reference: no BLAS, no oneDNN). ``out`` (CPU): a reused
+    contiguous (m, n) int32 buffer (fresh large buffers page-fault on every call here)."""
     import torch
 
     if exact:
@@ -107,6 +109,8 @@ def int_mm(a: "torch.Tensor", bt: "torch.Tensor", exact: bool = False) -> "torch
         k8 = -(-k // 8) * 8
         out = torch._int_mm(pad(a, max(17, -(-m // 8) * 8), k8), pad(bt, -(-n // 8) * 8, k8).t())
         return out[:m, :n]
+    if out is not None:
+        return torch._int_mm(a.contiguous(), bt.t(), out=out)
     return torch._int_mm(a.contiguous(), bt.t())
 
 
