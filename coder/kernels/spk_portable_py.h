@@ -11,8 +11,9 @@ namespace {
 //             lo int8 (rows, n), sums int64 (rows), split, threads): the portable predictor's exp stage
 PyObject* py_int_softmax(PyObject*, PyObject* args) {
     PyObject *s_o, *pos_o, *mf_o, *tab_o, *hi_o, *lo_o, *sum_o;
-    int split, threads;
-    if (!PyArg_ParseTuple(args, "OOOOOOOii", &s_o, &pos_o, &mf_o, &tab_o, &hi_o, &lo_o, &sum_o, &split, &threads))
+    int split, threads, scalar = 0;  // scalar: the fallback path, for the tests
+    if (!PyArg_ParseTuple(args, "OOOOOOOii|p", &s_o, &pos_o, &mf_o, &tab_o, &hi_o, &lo_o, &sum_o, &split, &threads,
+                          &scalar))
         return nullptr;
     Buf S, pos, mf, tab, hi, lo, sums;
     if (!get_buf(pos_o, pos, -1, "pos")) return nullptr;
@@ -30,7 +31,7 @@ PyObject* py_int_softmax(PyObject*, PyObject* args) {
     parallel_for(rows, threads, [&](int64_t r) {
         sums.as<int64_t>()[r] = spk::int_softmax_row(S.as<int32_t>() + r * n, n, pos.as<int64_t>()[r],
                                                      mf.as<float>()[r], tab.as<int32_t>(), exp_len, split,
-                                                     hi.as<int8_t>() + r * n, lo.as<int8_t>() + r * n);
+                                                     hi.as<int8_t>() + r * n, lo.as<int8_t>() + r * n, scalar);
     });
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;

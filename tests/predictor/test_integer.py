@@ -96,12 +96,13 @@ def test_native_exp_stage_is_the_torch_one_bit_for_bit(tables):
     pos = torch.from_numpy(rng.integers(0, n + 40, rows))  # some rows see every key
     mf = torch.from_numpy(np.exp2(rng.uniform(-30, 4, rows))).float()
     want = exp_weights(S, pos, mf, tables["portable.exp"])
-    hi, lo = torch.empty((rows, n), dtype=torch.int8), torch.empty((rows, n), dtype=torch.int8)
-    sums = torch.empty(rows, dtype=torch.int64)
-    fn(S.numpy(), pos.numpy(), mf.numpy(), tables["portable.exp"].numpy(), hi.numpy(), lo.numpy(), sums.numpy(),
-       ix.EXP_SPLIT, 2)
-    for a, b in zip((hi, lo, sums), want, strict=True):
-        assert torch.equal(a, b)
+    for scalar in (False, True):  # the AVX2 path (where the CPU has it) and the fallback
+        hi, lo = torch.empty((rows, n), dtype=torch.int8), torch.empty((rows, n), dtype=torch.int8)
+        sums = torch.empty(rows, dtype=torch.int64)
+        fn(S.numpy(), pos.numpy(), mf.numpy(), tables["portable.exp"].numpy(), hi.numpy(), lo.numpy(), sums.numpy(),
+           ix.EXP_SPLIT, 2, scalar)
+        for a, b in zip((hi, lo, sums), want, strict=True):
+            assert torch.equal(a, b)
     assert int(sums.min()) >= int(tables["portable.exp"][0])  # each row's own maximum counts fully
 
 
