@@ -27,17 +27,21 @@ namespace spk {
 
 // One row: scores s[0..n), keys <= pos valid (pos may be >= n: all keys). NOTE: the table's last
 // entry is 0 (integer.py's tables), so clamping idx to exp_len - 1 is "0 from EXP_LEN on" without a branch.
-SPK_INLINE int64_t softmax_row_body(const int32_t* __restrict s, int64_t n, int64_t pos, float mf,
-                                    const int32_t* __restrict table, int32_t exp_len, int split,
-                                    int8_t* __restrict hi, int8_t* __restrict lo) {
-    // NOTE: an int counter and restrict pointers let GCC vectorise the loop (AVX2 gathers)
-    const int m = (int)std::min<int64_t>(pos + 1, n);
+SPK_INLINE int32_t row_max(const int32_t* s, int m) {
     int32_t smax = INT32_MIN;
     for (int j = 0; j < m; ++j) smax = s[j] > smax ? s[j] : smax;
+    return smax;
+}
+
+// Numerators of keys [j0, m), zeros for [m, n); returns their sum (< 2^12 per key, MAX_TOKENS =
+// 2^17 keys: int_attention.py checks). NOTE: an int counter and restrict pointers help GCC.
+SPK_INLINE int32_t numerators(const int32_t* __restrict s, int j0, int m, int64_t n, int32_t smax, float mf,
+                              const int32_t* __restrict table, int32_t exp_len, int split,
+                              int8_t* __restrict hi, int8_t* __restrict lo) {
     const float lim = (float)(exp_len - 1);
     const int32_t mask = (1 << split) - 1;
-    int32_t sum = 0;  // < 2^12 per key, MAX_TOKENS = 2^17 keys (int_attention.py checks)
-    for (int j = 0; j < m; ++j) {
+    int32_t sum = 0;
+    for (int j = j0; j < m; ++j) {
         const float x = (float)(smax - s[j]) * mf;
         const int32_t e = table[(int)(x < lim ? x : lim)];  // x >= 0: truncation is floor
         hi[j] = (int8_t)(e >> split);
@@ -51,6 +55,12 @@ SPK_INLINE int64_t softmax_row_body(const int32_t* __restrict s, int64_t n, int6
     return sum;
 }
 
+SPK_INLINE int64_t softmax_row_body(const int32_t* s, int64_t n, int64_t pos, float mf, const int32_t* table,
+                                    int32_t exp_len, int split, int8_t* hi, int8_t* lo) {
+    const int m = (int)std::min<int64_t>(pos + 1, n);
+    return numerators(s, 0, m, n, row_max(s, m), mf, table, exp_len, split, hi, lo);
+}
+
 #if SPK_HAVE_AVX2_BUILD
 // The same row with explicit AVX2 (GCC does not vectorise the table gather): 8 keys per step, the
 // scalar body's operations lane by lane (cvtepi32_ps exact below 2^24, one mul_ps, min_ps(x, lim)
@@ -58,8 +68,7 @@ SPK_INLINE int64_t softmax_row_body(const int32_t* __restrict s, int64_t n, int6
 SPK_AVX2 inline int64_t softmax_row_avx2(const int32_t* s, int64_t n, int64_t pos, float mf, const int32_t* table,
                                          int32_t exp_len, int split, int8_t* hi, int8_t* lo) {
     const int m = (int)std::min<int64_t>(pos + 1, n);
-    int32_t smax = INT32_MIN;
-    for (int j = 0; j < m; ++j) smax = s[j] > smax ? s[j] : smax;
+    const int32_t smax = row_max(s, m);
     const __m256i vmax = _mm256_set1_epi32(smax), vmask = _mm256_set1_epi32((1 << split) - 1);
     const __m256 vmf = _mm256_set1_ps(mf), vlim = _mm256_set1_ps((float)(exp_len - 1));
     __m256i vsum = _mm256_setzero_si256();
@@ -79,21 +88,8 @@ SPK_AVX2 inline int64_t softmax_row_avx2(const int32_t* s, int64_t n, int64_t po
     }
     alignas(32) int32_t part[8];
     _mm256_store_si256((__m256i*)part, vsum);
-    int32_t sum = part[0] + part[1] + part[2] + part[3] + part[4] + part[5] + part[6] + part[7];
-    const float lim = (float)(exp_len - 1);
-    const int32_t mask = (1 << split) - 1;
-    for (; j < m; ++j) {
-        const float x = (float)(smax - s[j]) * mf;
-        const int32_t e = table[(int)(x < lim ? x : lim)];
-        hi[j] = (int8_t)(e >> split);
-        lo[j] = (int8_t)(e & mask);
-        sum += e;
-    }
-    if (m < n) {
-        std::memset(hi + m, 0, (size_t)(n - m));
-        std::memset(lo + m, 0, (size_t)(n - m));
-    }
-    return sum;
+    const int32_t sum = part[0] + part[1] + part[2] + part[3] + part[4] + part[5] + part[6] + part[7];
+    return sum + numerators(s, j, m, n, smax, mf, table, exp_len, split, hi, lo);
 }
 #else
 inline int64_t softmax_row_avx2(const int32_t* s, int64_t n, int64_t pos, float mf, const int32_t* table,
