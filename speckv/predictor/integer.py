@@ -256,10 +256,6 @@ def to_bf16(x: "torch.Tensor", frac: int = FRAC) -> "torch.Tensor":
 TABLE_NAMES = ("portable.rope_cos", "portable.rope_sin", "portable.exp", "portable.silu", "portable.check")
 
 
-def tables_names() -> tuple[str, ...]:
-    return TABLE_NAMES
-
-
 def tables(config: Any) -> dict[str, "torch.Tensor"]:
     """The integer tables (built once, with libm, then pinned by the checkpoint's weight digest)."""
     import math

@@ -100,7 +100,7 @@ def build_portable_model(config: Any, state: dict[str, "torch.Tensor"]) -> Any:
 
 
 def portable_state_names(config: Any) -> list[str]:
-    names = [EMBED, *ix.tables_names()]
+    names = [EMBED, *ix.TABLE_NAMES]
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         names += [p + n + ".weight" for n in NORMS]
