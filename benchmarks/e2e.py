@@ -42,6 +42,10 @@ throughput), ``speckv_cold``: a new prompt (both predictors' passes included).
 Prompts: every other transfer uses a prompt no transfer used before (the first token
 shifted, e2e_engine.variant), so no row is helped by a sidecar's mu cache.
 
+``--engine eager``: both engines compute the KV with eager attention instead of the sidecars' own
+SDPA (another engine's kernels, as in ``speckv bench --engine``); ``--predictor DIR``: both
+sidecars serve that checkpoint (the default rung is chosen with these two).
+
 Usage (root): .venv/bin/python benchmarks/e2e.py --links 25mbit,100mbit,1gbit --rtt-ms 1 --tokens 2048 [--json]
 """
 
@@ -67,6 +71,7 @@ from e2e_net import ADDR, Child, Net, calibrate, cpu_seconds, preflight, rate_bi
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[1].parent / "shared" / "corpus" / "tinyshakespeare.txt"
 ENGINE = str(Path(__file__).resolve().parent / "e2e_engine.py")
+ENGINES = ("sdpa", "eager")  # speckv.cli.bench.ENGINES (not imported: this process never loads torch)
 ROW_TIMEOUT = 600.0
 
 
@@ -76,11 +81,13 @@ def critical_path(st: dict[str, float], goodput_Bps: float) -> float:
     return max(stages) + (sum(stages) - max(stages)) / max(st["chunks"], 1.0)
 
 
-def rung_name() -> str:
+def rung_name(predictor: str | None = None) -> str:
+    """The rung of ``predictor`` (a checkpoint directory; None: the shipped one)."""
     from speckv.predictor.ladder import manifest_rung
     from speckv.predictor.store import MANIFEST, default_checkpoint_dir
 
-    return manifest_rung(json.loads((default_checkpoint_dir() / MANIFEST).read_text())).name
+    path = Path(predictor) if predictor else default_checkpoint_dir()
+    return manifest_rung(json.loads((path / MANIFEST).read_text())).name
 
 
 class Bench:
@@ -100,13 +107,15 @@ class Bench:
         serve = [sys.executable, "-m", "speckv.cli.main", "serve"]
         env = {"SPECKV_MAX_INFLIGHT_BYTES": "1Gi"}
         dec = self.child("b", [*serve, "decoder", "--listen", "0.0.0.0:0", "--metrics-port", "0"], "decoder", env)
+        if self.args.predictor:
+            env["SPECKV_PREDICTOR"] = str(Path(self.args.predictor).resolve())
         sock = ["--local-socket", str(self.logdir / "encoder.sock")] if self.args.local_handoff else []
         enc = self.child("a", [*serve, "encoder", "--listen", "127.0.0.1:0", "--metrics-port", "-1", *sock],
                          "encoder", env)
         m = dec.wait_line(r"listening on port (\d+), metrics on port (\d+)", 300)
         dport, mport = m.group(1), m.group(2)
         eport = enc.wait_line(r"listening on port (\d+)", 300).group(1)
-        common = ["--tokens", str(self.args.tokens), "--text", self.args.text]
+        common = ["--tokens", str(self.args.tokens), "--text", self.args.text, "--engine", self.args.engine]
         self.prefill = self.child("a", [sys.executable, ENGINE, "prefill", "--encoder", f"127.0.0.1:{eport}",
                                         "--decoder", f"{ADDR['b']}:{dport}", *common, *sock], "prefill-engine")
         self.fetch = self.child("b", [sys.executable, ENGINE, "fetch", "--decoder", f"127.0.0.1:{dport}",
@@ -197,7 +206,7 @@ def break_even(rows: list[dict[str, Any]], cal: dict[str, dict[str, float]]) -> 
 
 
 def measure(bench: Bench, net: Net, args: argparse.Namespace) -> dict[str, Any]:
-    rung = rung_name()
+    rung = rung_name(args.predictor)
     net.unshape()
     for enc in ("stored", "speckv"):  # warm-up: channels, lazy imports, first coder calls; mu of prompt 0
         bench.transfer("warmup", enc, stream=False, variant=0)
@@ -272,6 +281,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--local-handoff", action="store_true",
                     help="loopback block: also hand the KV to the encoder as a sealed memfd (*_local keys)")
     ap.add_argument("--loopback-only", action="store_true", help="the loopback block alone, no shaped links")
+    ap.add_argument("--predictor", default=None, help="both sidecars' checkpoint directory (default: the shipped one)")
+    ap.add_argument("--engine", choices=ENGINES, default="sdpa",
+                    help="how both engines compute the KV: sdpa (the sidecars' own kernels) or eager attention "
+                         "(another engine's kernels: most KV scalars differ from the sidecars' in their last bits)")
     args = ap.parse_args(argv)
     args.links = [s.strip() for s in args.links.split(",") if s.strip()]
     for link in args.links:
@@ -312,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(s, h)
         atexit.unregister(cleanup)
     rep = {**rep, "tokens": bench.tokens, "rtt_ms": args.rtt_ms, "hook_matches_target_kv": matches,
+           "engine": args.engine,
            "layout": "prefill node = ns a on core 0 (taskset -c 0), decode node = ns b on core 1 (taskset -c 1)",
            "logs": str(logdir)}
     lb = rep["loopback"]

@@ -203,10 +203,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--local-socket", default="", help="the encoder's local hand-off socket (prefill)")
     ap.add_argument("--tokens", type=int, required=True)
     ap.add_argument("--text", required=True)
+    ap.add_argument("--engine", choices=("sdpa", "eager"), default="sdpa", help="attention kernels of the KV")
     args = ap.parse_args(argv)
     from speckv.predictor.calibrate import read_text
 
     target = load_target()
+    target.model.set_attn_implementation(args.engine)  # NOTE: sdpa is the sidecars' own (target.py)
     ids = target.tokenize(read_text(args.text, chars=args.tokens * 32), args.tokens)
     engine: Prefill | Fetch = Prefill(args, target, ids) if args.role == "prefill" else Fetch(args, target, ids)
     reply(ready=True, tokens=int(len(ids)), hook_matches_target_kv=getattr(engine, "matches", None))

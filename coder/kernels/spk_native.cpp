@@ -286,6 +286,7 @@ PyObject* py_contexts(PyObject*, PyObject* args) {
 }  // namespace
 
 #include "spk_portable_py.h"  // the portable predictor's stages (its own file: one concept per file)
+#include "spk_w8a8_py.h"      // the W8A8 predictor's stages
 
 namespace {
 
@@ -293,6 +294,8 @@ PyMethodDef methods[] = {
     {"silu_mul", py_silu_mul, METH_VARARGS, "the portable predictor's gated MLP product (integer.py)"},
     {"wide_quantise", py_wide_quantise, METH_VARARGS, "the portable predictor's wide row quantisation (integer.py)"},
     {"wide_dequant", py_wide_dequant, METH_VARARGS, "the portable predictor's wide dequantisation (integer.py)"},
+    {"w8a8_quantise", py_w8a8_quantise, METH_VARARGS, "the W8A8 predictor's row quantisation (w8a8.py)"},
+    {"w8a8_dequant", py_w8a8_dequant, METH_VARARGS, "the W8A8 predictor's dequantisation (w8a8.py)"},
     {"int_softmax", py_int_softmax, METH_VARARGS, "the portable predictor's softmax numerators (int_attention.py)"},
     {"contexts", py_contexts, METH_VARARGS, "packed contexts of (mu, L) pairs (tests)"},
     {"prepare_mu", py_prepare_mu, METH_VARARGS, "mu correction (model 2) and the FP8 division, threaded"},

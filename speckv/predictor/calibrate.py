@@ -28,6 +28,7 @@ from .fp8 import kv_to_fp8
 from .ladder import (
     MEANS,
     PORTABLE,
+    W8A8,
     CachedKV,
     Rung,
     kv_means_bf16,
@@ -44,6 +45,7 @@ from .store import (
     CONFIG,
     FORMAT_NAME,
     FORMAT_VERSION,
+    SMOOTH_FILE,
     TABLES,
     TUNED_TABLES,
     WEIGHTS,
@@ -54,6 +56,7 @@ from .store import (
     write_manifest,
 )
 from .target import CANARY_TOKENS, COMPUTE_THREADS, Target, numeric_env
+from .w8a8 import save_smooth, smooth_exponents
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -171,13 +174,17 @@ def build_checkpoint(target: "Target", calib_text: Path, out: Path, *, tokens: i
     """Write a predictor checkpoint for ``target`` into ``out``; returns the pin."""
     ladder = parse_rung(rung, target.config.num_hidden_layers)
     out.mkdir(parents=True, exist_ok=True)
-    state = rung_state(target.state, ladder, target.config) if ladder.has_model else None
     config = target.config.to_dict()
     for volatile in VOLATILE_CONFIG_KEYS:  # where the model was loaded from is not what it is
         config.pop(volatile, None)
     (out / CONFIG).write_bytes(json.dumps(config, sort_keys=True, indent=1).encode() + b"\n")
     ids = target.tokenize(read_text(calib_text, chars=tokens * 16), tokens)
     segs = segments(ids, tokens, segment)
+    smooth = None
+    if ladder.kind == W8A8:  # its weights need the target's activations on the calibration text
+        smooth = smooth_exponents(target, segs, ladder.bf16_layers)
+        save_smooth(out, smooth)
+    state = rung_state(target.state, ladder, target.config, smooth) if ladder.has_model else None
     model = None
     if state is None:
         calib = calibrate_none(target, segs, out, progress)
@@ -187,6 +194,8 @@ def build_checkpoint(target: "Target", calib_text: Path, out: Path, *, tokens: i
     calib.save(out / CALIB)
     save_npz_stable(out / TABLES, coding_tables(calib))
     files = {name: sha256_file(out / name) for name in (CALIB, CONFIG, TABLES)}
+    if smooth is not None:
+        files[SMOOTH_FILE] = sha256_file(out / SMOOTH_FILE)
     if state is None:  # rung none: the means instead of weights
         files[MEANS] = sha256_file(out / MEANS)
     elif not derive_weights:
@@ -194,7 +203,7 @@ def build_checkpoint(target: "Target", calib_text: Path, out: Path, *, tokens: i
 
         save_file({k: v.contiguous() for k, v in state.items()}, str(out / WEIGHTS))
         files[WEIGHTS] = sha256_file(out / WEIGHTS)
-    for stale in {WEIGHTS, MEANS} - set(files):  # left by an earlier build into the same dir
+    for stale in {WEIGHTS, MEANS, SMOOTH_FILE} - set(files):  # left by an earlier build into the same dir
         (out / stale).unlink(missing_ok=True)
     manifest = _manifest(target, calib_text, state, files, tokens, segment, derive_weights, source, ladder)
     if model is not None and ladder.kind == PORTABLE:  # the same on every machine: checked at start-up

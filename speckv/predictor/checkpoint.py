@@ -33,7 +33,7 @@ from speckv.coder.tables import CodingTables
 from speckv.errors import CheckpointError, PinMismatchError
 
 from .fp8 import weight_to_fp8
-from .ladder import MEANS, NONE, Rung, is_bf16_layer, manifest_rung
+from .ladder import MEANS, NONE, W8A8, Rung, is_bf16_layer, manifest_rung
 from .store import (
     CALIB,
     CONFIG,
@@ -42,6 +42,7 @@ from .store import (
     FP8_SUFFIX,
     MANIFEST,
     SCALE_SUFFIX,
+    SMOOTH_FILE,
     TABLES,
     TUNED_TABLES,
     WEIGHTS,
@@ -130,6 +131,7 @@ def load_checkpoint(path: str | Path, pin: str | None = None) -> Checkpoint:
         raise CheckpointError(f"{mpath}: rung {rung.name} and the weights entry {weights!r:.80} disagree")
     required = {CALIB, TABLES, CONFIG} | ({WEIGHTS} if (weights or {}).get("file") else set())
     required |= {MEANS} if rung.kind == NONE else set()
+    required |= {SMOOTH_FILE} if rung.kind == W8A8 else set()
     files = manifest.get("files", {})
     if not required <= set(files) or any("/" in n or "\\" in n or n.startswith(".") for n in files):
         raise PinMismatchError(f"{mpath}: the manifest must list exactly the checkpoint's files, "

@@ -61,6 +61,13 @@ def early_state(target_state: dict[str, "torch.Tensor"], rung: Rung) -> dict[str
 
 def build_early_model(config: Any, state: dict[str, "torch.Tensor"], k: int) -> Any:
     """``early:k`` over ``state`` (``early_state``'s tensors) for a model of ``config``."""
+    model = exact_head(config, state, k, f"early:{k}")
+    return _make(config, model, [_tail_layer(config, state, i, model) for i in range(k, config.num_hidden_layers)])
+
+
+def exact_head(config: Any, state: dict[str, "torch.Tensor"], k: int, rung: str) -> Any:
+    """The target's first k decoder layers over ``state``, run exactly as ``target.py`` runs them:
+    a truncated causal LM whose ``last_hidden_state`` is h after layer k - 1 (no final norm)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -72,12 +79,12 @@ def build_early_model(config: Any, state: dict[str, "torch.Tensor"], k: int) -> 
     missing, unexpected = model.load_state_dict(first, strict=False)
     missing = [m for m in missing if m not in ("lm_head.weight", "model.norm.weight")]
     if missing or unexpected:
-        raise CheckpointError(f"early:{k} weights do not fit the config: missing {missing[:4]}, "
+        raise CheckpointError(f"{rung} weights do not fit the config: missing {missing[:4]}, "
                               f"unexpected {unexpected[:4]}")
     model.model.norm = torch.nn.Identity()  # NOTE: last_hidden_state is then h after layer k - 1
     model.lm_head = None  # never computes logits
     replace_linears(model, lambda _name, w: w.float())  # exactly as the target runs them
-    return _make(config, model, [_tail_layer(config, state, i, model) for i in range(k, config.num_hidden_layers)])
+    return model
 
 
 def _tail_layer(config: Any, state: dict[str, "torch.Tensor"], i: int, model: Any) -> Any:

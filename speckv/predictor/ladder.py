@@ -22,11 +22,15 @@ manifest without the field is ``fp8``, so the shipped default keeps its pin):
   int8 weights (one scale per output channel), 14-bit activations as two int8
   products with exact int32 sums, integer attention and tables for exp, SiLU and
   RoPE; mu is the same bits on every CPU and GPU.
+- ``w8a8`` / ``w8a8:k``: the FP8 copy's shape (after the target's own first
+  ``k`` layers, as in ``hybrid:k``) with every linear one int8 x int8 product
+  (``w8a8.py``): int8 weights smoothed by power-of-two channel factors
+  calibrated on the target's activations, int8 activations per token.
 - ``none``: no model: mu is a per-(layer, kv, head, channel) constant, the
   calibration mean of the target's KV rounded to BF16, stored in ``means.npz``.
 
 Nominal cost, in BF16 prefills, counts an FP8 layer as half a BF16 layer (as
-on an FP8 tensor-core GPU): ``(k + (L - k) / 2) / L``; ``early:k``
+on an FP8 tensor-core GPU), and so an int8 one of ``w8a8:k``: ``(k + (L - k) / 2) / L``; ``early:k``
 ``(k + EARLY_TAIL_COST (L - k)) / L``; ``portable`` 1 (two int8 products per
 linear, as one BF16 product on int8 tensor cores); ``none`` costs 0.
 """
@@ -49,12 +53,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .target import Target
 
-FP8, NONE, HYBRID, EARLY, PORTABLE = "fp8", "none", "hybrid", "early", "portable"
+FP8, NONE, HYBRID, EARLY, PORTABLE, W8A8 = "fp8", "none", "hybrid", "early", "portable", "w8a8"
 MEANS = "means.npz"  # rung none: the BF16 bit patterns of the per-channel means
 MEANS_KEY = "mean_bf16"
 KINDS = {FP8: "fp8-copy", HYBRID: "hybrid-bf16-fp8", NONE: "channel-mean", EARLY: "early-exit",
-         PORTABLE: "integer-portable"}
-_KRUNG_RE = re.compile(r"(hybrid|early):([0-9]{1,4})")
+         PORTABLE: "integer-portable", W8A8: "w8a8-copy"}
+_KRUNG_RE = re.compile(r"(hybrid|early|w8a8):([0-9]{1,4})")
 # early:k's later layers run only their input norm and K/V projections: per token 2*h*2*kv of a
 # decoder layer's ~2*(h*(q + 2*kv) + q*h + 3*h*i) multiply-adds (SmolLM2-135M: 221,184 of 3,538,944)
 EARLY_TAIL_COST = 0.0625
@@ -69,7 +73,8 @@ class Rung:
 
     @property
     def name(self) -> str:
-        return f"{self.kind}:{self.bf16_layers}" if self.kind in (HYBRID, EARLY) else self.kind
+        k_rung = self.kind in (HYBRID, EARLY) or (self.kind == W8A8 and self.bf16_layers)
+        return f"{self.kind}:{self.bf16_layers}" if k_rung else self.kind
 
     @property
     def has_model(self) -> bool:
@@ -86,12 +91,14 @@ class Rung:
 
 
 def parse_rung(text: Any, layers: int) -> Rung:
-    """``fp8``, ``none``, ``portable``, ``hybrid:k`` or ``early:k`` with k in range; else CheckpointError."""
-    if text in (FP8, NONE, PORTABLE):
+    """``fp8``, ``none``, ``portable``, ``w8a8``, ``hybrid:k``, ``early:k`` or ``w8a8:k`` with k in range;
+    else CheckpointError."""
+    if text in (FP8, NONE, PORTABLE, W8A8):
         return Rung(text)
     m = _KRUNG_RE.fullmatch(text) if isinstance(text, str) else None
     if m is None:
-        raise CheckpointError(f"unknown predictor rung {text!r}: use fp8, hybrid:K, early:K, portable or none")
+        raise CheckpointError(f"unknown predictor rung {text!r}: use fp8, hybrid:K, early:K, w8a8[:K], "
+                              "portable or none")
     k, top = int(m.group(2)), layers if m.group(1) == HYBRID else layers - 1
     if not 1 <= k <= top or str(k) != m.group(2):
         raise CheckpointError(f"predictor rung {text!r}: K must be a plain integer in 1..{top}")
@@ -120,6 +127,11 @@ def weights_quant(rung: Rung) -> str:
         return ("int8, float64 scale per output channel (q/k/v and gate/up fused), round half to even; "
                 "BF16 norms and embeddings; integer rope, exp and silu tables")
     fp8 = "e4m3, fp32 scale per output channel, round to nearest even"
+    if rung.kind == W8A8:
+        int8 = ("int8 of W * 2^e (e per input channel, smooth.npz), fp32 scale per output channel, round half "
+                "to even (q/k/v and gate/up fused); BF16 norms and embeddings")
+        k = rung.bf16_layers
+        return f"decoder layers < {k}: the target's BF16 weights; the others {int8}" if k else int8
     if rung.kind == HYBRID:
         return f"decoder layers < {rung.bf16_layers}: the target's BF16 weights; the others {fp8}"
     if rung.kind == EARLY:
@@ -139,7 +151,7 @@ def layer_index(name: str) -> int | None:
 def is_bf16_layer(name: str, rung: Rung) -> bool:
     """Whether a ``model.layers.N.*`` parameter stays BF16 under ``rung``."""
     index = layer_index(name)
-    return rung.kind in (HYBRID, EARLY) and index is not None and index < rung.bf16_layers
+    return rung.kind in (HYBRID, EARLY, W8A8) and index is not None and index < rung.bf16_layers
 
 
 # ------------------------------------------------------------------ rung none

@@ -28,10 +28,11 @@ from speckv.errors import CheckpointError, PinMismatchError
 from .checkpoint import Checkpoint, fp8_state
 from .early import build_early_model, early_kv, early_state
 from .fp8 import dequantize_e4m3
-from .ladder import EARLY, MEANS, PORTABLE, Rung, load_means, mean_model
+from .ladder import EARLY, MEANS, PORTABLE, W8A8, Rung, load_means, mean_model
 from .portable import build_portable_model, portable_canary, portable_kv, portable_state
 from .store import CONFIG, FP8_SUFFIX, SCALE_SUFFIX, WEIGHTS, state_digest
 from .target import LINEAR_NAMES, LayerSink, emit_all, extract_kv, load_target, replace_linears
+from .w8a8 import build_w8a8_model, load_smooth, w8a8_kv, w8a8_state
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -41,11 +42,16 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 
-def rung_state(target_state: dict[str, "torch.Tensor"], rung: Rung, config: Any = None) -> dict[str, "torch.Tensor"]:
+def rung_state(target_state: dict[str, "torch.Tensor"], rung: Rung, config: Any = None,
+               smooth: dict[str, np.ndarray] | None = None) -> dict[str, "torch.Tensor"]:
     """The weights ``rung`` computes with, from the target's (fp8, hybrid:k, early:k, portable:
-    which needs the target's ``config`` for its tables)."""
+    which needs the target's ``config`` for its tables; w8a8:k: and the smoothing exponents)."""
     if rung.kind == PORTABLE:
         return portable_state(target_state, config)
+    if rung.kind == W8A8:
+        if smooth is None:
+            raise CheckpointError("a w8a8 checkpoint needs its smoothing exponents (smooth.npz)")
+        return w8a8_state(target_state, config, rung.bf16_layers, smooth)
     return early_state(target_state, rung) if rung.kind == EARLY else fp8_state(target_state, rung)
 
 
@@ -62,6 +68,8 @@ def build_model(config: Any, state: dict[str, "torch.Tensor"], rung: Rung | None
         return build_early_model(config, state, rung.bf16_layers)
     if rung is not None and rung.kind == PORTABLE:
         return build_portable_model(config, state)
+    if rung is not None and rung.kind == W8A8:
+        return build_w8a8_model(config, state, rung.bf16_layers)
 
     config._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -175,6 +183,8 @@ def predictor_kv(model: Any, ids: np.ndarray, on_layer: "LayerSink | None" = Non
         return early_kv(model, ids, on_layer)
     if hasattr(model, "names"):  # portable
         return portable_kv(model, ids, on_layer)
+    if hasattr(model, "rotary"):  # w8a8:k
+        return w8a8_kv(model, ids, on_layer)
     return extract_kv(model, ids, on_layer)
 
 
@@ -189,4 +199,5 @@ def _derive_state(ckpt: Checkpoint, target: "Target | None") -> dict[str, "torch
     if target.weights_sha256 != want["weights_sha256"]:
         raise PinMismatchError(f"target weights {target.weights_sha256} differ from the ones this "
                                f"predictor was derived from ({want['weights_sha256']})")
-    return rung_state(target.state, ckpt.rung, target.config)
+    smooth = load_smooth(ckpt.path) if ckpt.rung.kind == W8A8 else None
+    return rung_state(target.state, ckpt.rung, target.config, smooth)

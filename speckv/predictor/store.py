@@ -32,6 +32,7 @@ CALIB = "calib.npz"
 WEIGHTS = "weights.safetensors"
 CONFIG = "config.json"
 TABLES = "tables.npz"
+SMOOTH_FILE = "smooth.npz"  # rung w8a8: int8 smoothing exponents per input channel of each fused linear
 FP8_SUFFIX = ".weight_fp8"  # e4m3 symbols of a linear weight, stored as uint8
 SCALE_SUFFIX = ".weight_scale"  # its fp32 per-output-channel scales
 

@@ -1,0 +1,132 @@
+// The W8A8 predictor's per-element stages (speckv/predictor/w8a8.py): one pass each, the same single
+// IEEE float32 operations in the same order as the torch reference there, so both give the same bits.
+//
+// Row quantisation, one row x[0..k) (float32, or BF16 bits widened exactly):
+//
+//   y_j  = x_j * f_j                      f: the smoothing 2^-e (times the norm's gain)
+//   amax = max_j |y_j|
+//   inv  = amax > 0 ? 127 / amax : 0      one correctly rounded division
+//   q_j  = nearbyint(y_j * inv)           round half to even, |q_j| <= 127
+//   xs   = amax / 127
+//
+// Dequantisation of one row of int32 sums: y_j = (float(acc_j) * xs) * ws_j, then either float32 out,
+// or BF16 out = bf16(float(add_j) + float(bf16(y_j))) (torch's ``add + y.to(bf16)``).
+//
+// NOTE: no FMA may form (the build passes -ffp-contract=off); the AVX2 loops use the same operations
+// lane by lane, and round with _MM_FROUND_TO_NEAREST_INT, which is nearbyint's mode.
+#pragma once
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace spk {
+
+constexpr float W8A8_QMAX = 127.0f;
+
+inline float bf16_to_f32(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+// round to nearest even; the inputs here are finite (w8a8.py checks the row scales)
+inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+template <class X> inline float widen(X v);
+template <> inline float widen<float>(float v) { return v; }
+template <> inline float widen<uint16_t>(uint16_t v) { return bf16_to_f32(v); }
+
+// Scalar row, the reference loop (and the AVX2 row's tail). Returns amax.
+// NOTE: a row with a non-finite y returns NaN (its q is garbage): torch's amax gives NaN or inf there,
+// and w8a8.py refuses either, so both paths fail the same way.
+template <class X>
+inline float w8a8_quantise_row(const X* x, const float* f, int64_t k, int8_t* q) {
+    float amax = 0.0f;
+    bool bad = false;
+    for (int64_t j = 0; j < k; ++j) {
+        const float a = std::fabs(widen(x[j]) * f[j]);
+        bad |= !(a < INFINITY);
+        amax = std::max(amax, a);
+    }
+    if (bad) return NAN;
+    const float inv = amax > 0.0f ? W8A8_QMAX / amax : 0.0f;
+    for (int64_t j = 0; j < k; ++j) q[j] = (int8_t)std::nearbyint((widen(x[j]) * f[j]) * inv);
+    return amax;
+}
+
+template <class X> __attribute__((target("avx2"))) inline __m256 load8(const X* x);
+template <> __attribute__((target("avx2"))) inline __m256 load8<float>(const float* x) { return _mm256_loadu_ps(x); }
+template <> __attribute__((target("avx2"))) inline __m256 load8<uint16_t>(const uint16_t* x) {
+    const __m128i b = _mm_loadu_si128((const __m128i*)x);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
+
+template <class X>
+__attribute__((target("avx2"))) inline float w8a8_quantise_row_avx2(const X* x, const float* f, int64_t k,
+                                                                      int8_t* q) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
+    __m256 m = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= k; j += 8) {
+        const __m256 a = _mm256_andnot_ps(sign, _mm256_mul_ps(load8(x + j), _mm256_loadu_ps(f + j)));
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));  // a >= inf or NaN
+        m = _mm256_max_ps(m, a);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m);
+    float amax = 0.0f;
+    for (float v : lanes) amax = std::max(amax, v);
+    bool nonfinite = _mm256_movemask_ps(bad) != 0;
+    for (int64_t t = j; t < k; ++t) {
+        const float a = std::fabs(widen(x[t]) * f[t]);
+        nonfinite |= !(a < INFINITY);
+        amax = std::max(amax, a);
+    }
+    if (nonfinite) return NAN;
+    const float inv = amax > 0.0f ? W8A8_QMAX / amax : 0.0f;
+    const __m256 vi = _mm256_set1_ps(inv);
+    for (j = 0; j + 8 <= k; j += 8) {
+        const __m256 y = _mm256_mul_ps(_mm256_mul_ps(load8(x + j), _mm256_loadu_ps(f + j)), vi);
+        const __m256i r = _mm256_cvtps_epi32(_mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+        _mm_storel_epi64((__m128i*)(q + j), _mm_packs_epi16(w, w));
+    }
+    for (; j < k; ++j) q[j] = (int8_t)std::nearbyint((widen(x[j]) * f[j]) * inv);
+    return amax;
+}
+
+// One row of the dequantisation: float32 out (add == nullptr) or BF16 out with the residual add.
+inline void w8a8_dequant_row(const int32_t* acc, float xs, const float* ws, int64_t n, const uint16_t* add,
+                             void* out, int64_t j = 0) {
+    if (!add) {
+        float* o = static_cast<float*>(out);
+        for (; j < n; ++j) o[j] = ((float)acc[j] * xs) * ws[j];
+        return;
+    }
+    uint16_t* o = static_cast<uint16_t*>(out);
+    for (; j < n; ++j) o[j] = f32_to_bf16(bf16_to_f32(add[j]) + bf16_to_f32(f32_to_bf16(((float)acc[j] * xs) * ws[j])));
+}
+
+__attribute__((target("avx2"))) inline void w8a8_dequant_row_avx2(const int32_t* acc, float xs, const float* ws,
+                                                                   int64_t n, const uint16_t* add, void* out) {
+    const __m256 vx = _mm256_set1_ps(xs);
+    int64_t j = 0;
+    if (!add) {
+        float* o = static_cast<float*>(out);
+        for (; j + 8 <= n; j += 8) {
+            const __m256 a = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)(acc + j)));
+            _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_mul_ps(a, vx), _mm256_loadu_ps(ws + j)));
+        }
+    }
+    w8a8_dequant_row(acc, xs, ws, n, add, out, j);  // the tail (all of it for BF16 out: GCC vectorises it)
+}
+
+}  // namespace spk

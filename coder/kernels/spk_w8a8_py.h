@@ -1,0 +1,68 @@
+// Python bindings of the W8A8 predictor's native stages (spk_w8a8.h), included by spk_native.cpp;
+// speckv/predictor/w8a8.py calls them and holds the torch reference each must equal bit for bit.
+#pragma once
+#include "spk_py.h"
+#include "spk_w8a8.h"
+
+namespace {
+
+bool w8a8_avx2(int scalar) {
+    static const bool yes = __builtin_cpu_supports("avx2");
+    return yes && !scalar;
+}
+
+// w8a8_quantise(x float32 or BF16 bits (rows, k), bf16, f float32 (k), q int8 (rows, k), xs float32 (rows),
+//               threads[, scalar])
+PyObject* py_w8a8_quantise(PyObject*, PyObject* args) {
+    PyObject *x_o, *f_o, *q_o, *xs_o;
+    int bf16, threads, scalar = 0;
+    if (!PyArg_ParseTuple(args, "OpOOOi|p", &x_o, &bf16, &f_o, &q_o, &xs_o, &threads, &scalar)) return nullptr;
+    Buf x, f, q, xs;
+    if (!get_buf(xs_o, xs, -1, "xs", true) || !get_buf(f_o, f, -1, "f")) return nullptr;
+    const int64_t rows = xs.count(4), k = f.count(4);
+    if (!get_buf(x_o, x, rows * k * (bf16 ? 2 : 4), "x") || !get_buf(q_o, q, rows * k, "q", true)) return nullptr;
+    const bool v = w8a8_avx2(scalar);
+    Py_BEGIN_ALLOW_THREADS
+    parallel_for(rows, threads, [&](int64_t r) {
+        int8_t* qr = q.as<int8_t>() + r * k;
+        float amax;
+        if (bf16) {
+            const uint16_t* xr = x.as<uint16_t>() + r * k;
+            amax = v ? spk::w8a8_quantise_row_avx2(xr, f.as<float>(), k, qr) : spk::w8a8_quantise_row(xr, f.as<float>(), k, qr);
+        } else {
+            const float* xr = x.as<float>() + r * k;
+            amax = v ? spk::w8a8_quantise_row_avx2(xr, f.as<float>(), k, qr) : spk::w8a8_quantise_row(xr, f.as<float>(), k, qr);
+        }
+        xs.as<float>()[r] = amax / spk::W8A8_QMAX;
+    });
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+// w8a8_dequant(acc int32 (rows, n), xs float32 (rows), ws float32 (n), add BF16 bits (rows, n) or None,
+//              out float32 or BF16 bits (rows, n), threads[, scalar])
+PyObject* py_w8a8_dequant(PyObject*, PyObject* args) {
+    PyObject *acc_o, *xs_o, *ws_o, *add_o, *out_o;
+    int threads, scalar = 0;
+    if (!PyArg_ParseTuple(args, "OOOOOi|p", &acc_o, &xs_o, &ws_o, &add_o, &out_o, &threads, &scalar)) return nullptr;
+    Buf acc, xs, ws, add, out;
+    if (!get_buf(xs_o, xs, -1, "xs") || !get_buf(ws_o, ws, -1, "ws")) return nullptr;
+    const int64_t rows = xs.count(4), n = ws.count(4);
+    const bool bf16 = add_o != Py_None;
+    if (!get_buf(acc_o, acc, rows * n * 4, "acc") || (bf16 && !get_buf(add_o, add, rows * n * 2, "add")) ||
+        !get_buf(out_o, out, rows * n * (bf16 ? 2 : 4), "out", true))
+        return nullptr;
+    const bool v = w8a8_avx2(scalar);
+    Py_BEGIN_ALLOW_THREADS
+    parallel_for(rows, threads, [&](int64_t r) {
+        const int32_t* a = acc.as<int32_t>() + r * n;
+        const uint16_t* ad = bf16 ? add.as<uint16_t>() + r * n : nullptr;
+        void* o = bf16 ? (void*)(out.as<uint16_t>() + r * n) : (void*)(out.as<float>() + r * n);
+        if (v) spk::w8a8_dequant_row_avx2(a, xs.as<float>()[r], ws.as<float>(), n, ad, o);
+        else spk::w8a8_dequant_row(a, xs.as<float>()[r], ws.as<float>(), n, ad, o);
+    });
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+}  // namespace

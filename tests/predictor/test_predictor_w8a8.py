@@ -1,0 +1,172 @@
+"""The W8A8 rung w8a8[:k]: its native stages equal the torch reference bit for bit (AVX2 and
+scalar loops, BF16 and float32 rows, odd widths, zero rows), non-finite activations are a typed
+error on both paths, the int8 weights are an exact function of the target's weights and the
+stored exponents, layers < k are the target's KV bit for bit and layer k's K/V follow the
+documented formula (recomputed here with int64 products), and the checkpoint pins its
+smoothing file."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from speckv.errors import CheckpointError, PinMismatchError
+from speckv.predictor import w8a8
+from speckv.predictor.calibrate import build_checkpoint
+from speckv.predictor.checkpoint import load_checkpoint
+from speckv.predictor.ladder import Rung, parse_rung
+from speckv.predictor.predict import Predictor
+from speckv.predictor.store import MANIFEST, SMOOTH_FILE
+from speckv.predictor.target import deterministic_torch
+
+PROMPT = "Every bit the coder spends is the mismatch."
+ROWS = 301  # enough rows that a reciprocal-then-multiply 127 / amax differs somewhere (it did)
+NATIVE = pytest.mark.skipif(w8a8._native() is None, reason="the native extension is not built")
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16)
+
+
+def test_parse_and_cost():
+    assert parse_rung("w8a8", 30) == Rung("w8a8", 0) and parse_rung("w8a8", 30).name == "w8a8"
+    assert parse_rung("w8a8:4", 30) == Rung("w8a8", 4) and parse_rung("w8a8:4", 30).name == "w8a8:4"
+    for bad in ("w8a8:0", "w8a8:30", "w8a8:04", "w8a8:", "w8a8:x"):
+        with pytest.raises(CheckpointError):
+            parse_rung(bad, 30)
+    assert parse_rung("w8a8", 30).nominal_cost(30) == 0.5
+    assert parse_rung("w8a8:6", 30).nominal_cost(30) == pytest.approx((6 + 24 / 2) / 30)
+
+
+def rows(dtype: torch.dtype, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(ROWS, k, generator=g) * torch.exp2(torch.randint(-8, 9, (k,), generator=g).float())
+    # as in the model: 2^-e times a BF16 gain, so y = x * f has few mantissa bits and y * 127 / amax
+    # often sits next to a rounding boundary
+    gain = (1 + torch.rand(k, generator=g)).to(torch.bfloat16).float()
+    f = torch.exp2(torch.randint(-6, 7, (k,), generator=g).float()) * gain
+    x[3] = 0  # a zero row: scale 0, all-zero symbols
+    if k >= 2:  # a tie at the row's scale: y_1 = y_0 / 2 = amax / 2, so y_1 * 127 / amax is 63.5 exactly
+        f[1] = f[0]
+        x[:, 0] = torch.where(x[:, 0] == 0, 1.0, x[:, 0]) * 4096
+        x[:, 1] = -x[:, 0] / 2
+        x[3] = 0
+    return x.to(dtype), f
+
+
+@NATIVE
+@pytest.mark.parametrize("scalar", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [1, 7, 8, 13, 576])
+def test_native_stages_equal_the_torch_reference(monkeypatch, scalar, dtype, k):
+    monkeypatch.setattr(w8a8, "NATIVE_SCALAR", scalar)
+    x, f = rows(dtype, k, k)
+    q_ref, xs_ref = w8a8.quantise_rows(x, f, native=False)
+    q, xs = w8a8.quantise_rows(x, f)
+    assert torch.equal(q, q_ref) and torch.equal(xs.view(torch.int32), xs_ref.view(torch.int32))
+    assert int(q_ref.abs().max()) == 127 and not q_ref[3].any()
+    g = torch.Generator().manual_seed(k + 1)
+    w8 = torch.randint(-127, 128, (19, k), dtype=torch.int8, generator=g)
+    ws = torch.rand(19, generator=g) * 1e-2
+    h = torch.randn(ROWS, 19, generator=g).to(torch.bfloat16)
+    y_ref, y = w8a8.linear(q, xs, w8, ws, native=False), w8a8.linear(q, xs, w8, ws)
+    assert y.dtype == torch.float32 and torch.equal(y.view(torch.int32), y_ref.view(torch.int32))
+    r_ref, r = w8a8.linear(q, xs, w8, ws, add=h, native=False), w8a8.linear(q, xs, w8, ws, add=h)
+    assert r.dtype == torch.bfloat16 and torch.equal(bits(r), bits(r_ref))
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_activations_are_refused(native, bad):
+    x, f = rows(torch.float32, 13, 3)
+    x[7, 9] = bad
+    with pytest.raises(w8a8.ActivationRangeError):
+        w8a8.quantise_rows(x, f, native=native)
+
+
+def test_weights_are_exact_in_the_exponents():
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(24, 40, generator=g) * 0.05).to(torch.bfloat16)
+    w[4] = 0
+    e = torch.randint(-5, 6, (40,), generator=g).to(torch.int8)
+    q, ws = w8a8.quantise_weight(w, e)
+    assert q.dtype == torch.int8 and ws.dtype == torch.float32 and ws[4] == 1 and not q[4].any()
+    scaled = w.double() * torch.exp2(e.double())
+    assert torch.all((q.double() * ws.double()[:, None] - scaled).abs() <= ws.double()[:, None] * (0.5 + 1e-6))
+    assert (q.abs().amax(1)[torch.arange(24) != 4] == 127).all()
+    q2, ws2 = w8a8.quantise_weight(w.clone(), e.clone())
+    assert torch.equal(q, q2) and torch.equal(ws, ws2)
+
+
+@pytest.fixture(scope="module")
+def w8a8_1(tiny_target, tiny_text, tmp_path_factory):
+    d = tmp_path_factory.mktemp("w8a8_1")
+    pin = build_checkpoint(tiny_target, tiny_text, d, tokens=64, segment=32, rung="w8a8:1", derive_weights=True)
+    return d, pin
+
+
+def test_layers_below_k_are_the_target_and_layer_k_follows_the_formula(w8a8_1, tiny_target):
+    d, pin = w8a8_1
+    pred = Predictor.from_checkpoint(load_checkpoint(d, pin=pin), tiny_target)
+    ids = tiny_target.tokenize(PROMPT)
+    kv, mu = tiny_target.kv(ids), pred.mu(ids)
+    assert mu.shape == kv.shape and mu.dtype == torch.bfloat16
+    assert torch.equal(bits(mu[:1]), bits(kv[:1]))
+    cfg, model = tiny_target.config, tiny_target.model
+    with deterministic_torch():
+        h = model.model(input_ids=torch.as_tensor(ids)[None], output_hidden_states=True).hidden_states[1][0]
+        cos, sin = model.model.rotary_emb(h[None], position_ids=torch.arange(len(ids))[None])
+    t = lambda name: pred.model.t(1, name)  # noqa: E731
+    x = h.float()
+    y = x * t("in_kv")  # the norm's gain times 2^-e
+    amax = y.abs().amax(1)
+    q = torch.round(y * torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0)[:, None])
+    xs = (amax / 127) * torch.rsqrt(x.pow(2).mean(1) + cfg.rms_norm_eps)
+    acc = torch.mm(q.long(), t("kv.w8").long().t())  # exact int64 sums
+    kvf = acc.float() * xs[:, None] * t("kv.ws")
+    hk, dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    k = kvf[:, : hk * dim].to(torch.bfloat16).view(1, len(ids), hk, dim).transpose(1, 2)
+    k = apply_rotary_pos_emb(k, k, cos, sin)[0][0]
+    v = kvf[:, hk * dim:].to(torch.bfloat16).view(len(ids), hk, dim).transpose(0, 1)
+    assert torch.equal(bits(mu[1]), bits(torch.stack([k, v])))
+
+
+@pytest.mark.parametrize("rung", ["w8a8", "w8a8:1"])
+def test_native_and_reference_forwards_agree(monkeypatch, tiny_target, tiny_text, tmp_path, rung):
+    pin = build_checkpoint(tiny_target, tiny_text, tmp_path, tokens=64, segment=32, rung=rung)
+    pred = Predictor.from_checkpoint(load_checkpoint(tmp_path, pin=pin))
+    ids = tiny_target.tokenize(PROMPT)
+    got: list[int] = []
+    mu = pred.mu(ids, lambda i, b: got.append(i))
+    assert got == list(range(tiny_target.config.num_hidden_layers))
+    monkeypatch.setattr(w8a8, "NATIVE", False)
+    assert torch.equal(bits(pred.mu(ids)), bits(mu))
+    assert pred.mu(np.zeros(0, np.int64)).shape[3] == 0
+
+
+def test_checkpoint_pins_its_smoothing(w8a8_1, tiny_target, tiny_text, tmp_path):
+    d, pin = w8a8_1
+    manifest = json.loads((d / MANIFEST).read_text())
+    assert manifest["rung"] == "w8a8:1" and manifest["kind"] == "w8a8-copy" and SMOOTH_FILE in manifest["files"]
+    # a weights-file build of the same rung computes with the same tensors
+    pin_w = build_checkpoint(tiny_target, tiny_text, tmp_path / "w", tokens=64, segment=32, rung="w8a8:1")
+    assert json.loads((tmp_path / "w" / MANIFEST).read_text())["weights"]["sha256"] == manifest["weights"]["sha256"]
+    assert pin_w != pin  # the weights file is listed in the manifest
+    bad = tmp_path / "bad"
+    shutil.copytree(d, bad)
+    with np.load(bad / SMOOTH_FILE) as z:
+        arrays = {k: z[k].copy() for k in z.files}
+    next(iter(arrays.values()))[0] += 1
+    from speckv.predictor.store import save_npz_stable
+
+    save_npz_stable(bad / SMOOTH_FILE, arrays)
+    with pytest.raises(PinMismatchError):
+        load_checkpoint(bad, pin=pin)
+    (bad / SMOOTH_FILE).unlink()
+    with pytest.raises(CheckpointError):
+        load_checkpoint(bad)
