@@ -106,9 +106,9 @@ class Bench:
     def start(self) -> bool | None:
         serve = [sys.executable, "-m", "speckv.cli.main", "serve"]
         env = {"SPECKV_MAX_INFLIGHT_BYTES": "1Gi"}
-        dec = self.child("b", [*serve, "decoder", "--listen", "0.0.0.0:0", "--metrics-port", "0"], "decoder", env)
-        if self.args.predictor:
+        if self.args.predictor:  # NOTE: both sidecars, or the decoder refuses the encoder's pin
             env["SPECKV_PREDICTOR"] = str(Path(self.args.predictor).resolve())
+        dec = self.child("b", [*serve, "decoder", "--listen", "0.0.0.0:0", "--metrics-port", "0"], "decoder", env)
         sock = ["--local-socket", str(self.logdir / "encoder.sock")] if self.args.local_handoff else []
         enc = self.child("a", [*serve, "encoder", "--listen", "127.0.0.1:0", "--metrics-port", "-1", *sock],
                          "encoder", env)

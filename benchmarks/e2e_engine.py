@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import queue
 import sys
 import time
@@ -129,7 +130,7 @@ class Prefill:
             for layer in kv:
                 layers.put(layer)
         out["prefill_s"] = time.monotonic() - t0
-        Path(cmd["expect"]).write_text(kv_hash(kv) if cmd["stream"] else self.hashes[cmd.get("variant", 0)])
+        write_atomic(cmd["expect"], kv_hash(kv) if cmd["stream"] else self.hashes[cmd.get("variant", 0)])
         r = fut.result(timeout=TIMEOUT)
         return {**out, "t0": t0, "submit_end": time.monotonic(), "raw_bytes": r.raw_bytes,
                 "wire_bytes": r.wire_bytes, "chunks": r.chunks, "predictor_s": r.predictor_seconds,
@@ -148,6 +149,14 @@ def metrics(port: int) -> dict[str, float]:
             if line.startswith(f"speckv_{stage}_seconds_sum{{"):
                 got[stage] = got.get(stage, 0.0) + float(line.rsplit(" ", 1)[1])
     return got
+
+
+def write_atomic(path: str, text: str) -> None:
+    """NOTE: the fetch engine reads the file as soon as it exists (wait_expect): a plain write_text
+    could be read empty or half-written (it once failed a 1 Gb/s stored row), so rename it in."""
+    tmp = Path(path + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def wait_expect(path: str) -> str:

@@ -114,7 +114,7 @@ def check_report(rep: dict, dtype: str, ref: dict, session, slice_file: Path) ->
     n = TOKENS * PER_TOKEN
     assert (rep["dtype"], rep["text"], rep["tokens"], rep["scalars"]) == (dtype, str(slice_file), TOKENS, n)
     assert rep["raw_bytes"] == n * SYMBOL_BITS[dtype] // 8
-    assert (rep["pin"], rep["rung"], rep["model"]) == (session.pin, "hybrid:4", "tuned")
+    assert (rep["pin"], rep["rung"], rep["model"]) == (session.pin, "w8a8:4", "tuned")
     # the coder's round trip, verified bit for bit by the command itself
     assert rep["lossless"] is True
     # the speckv row: its own figures agree, and agree with the codec run here
