@@ -103,8 +103,8 @@ def test_seed_model_bits_per_scalar(wire_bits, dtype):
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_tuned_model_saving_over_seed(wire_bits, dtype):
     """What the tuned residual model saves over the seed model on the same KV and mu
-    (0.47% BF16, 1.35% FP8 under w8a8:4; 1.24% and 2.67% under hybrid:4), within 2% of itself: both absolute figures' 2% windows
-    are wider than the saving, so they alone would not notice the tuned model
+    (0.47% BF16, 1.35% FP8 under w8a8:4; 1.24% and 2.67% under hybrid:4), within 2% of itself:
+    both absolute figures' 2% windows are wider than the saving, so they alone would not notice the tuned model
     degrading to the seed's figures."""
     want = 1 - WIRE_BITS[dtype, "tuned"] / WIRE_BITS[dtype, "seed"]
     got = 1 - wire_bits(dtype, "auto") / wire_bits(dtype, "seed")
