@@ -28,10 +28,11 @@ from require import missing
 
 pytestmark = pytest.mark.vllm
 PROMPTS = 3
-# speckv's ratio on vLLM's CPU-backend KV (benchmarks/vllm_pair.py --chunk 256 [--kv-cache-dtype fp8_e4m3],
-# 2026-12-01, stream format 4): BF16 2.742, FP8 e4m3 2.181 (format 3: 2.27 and 1.82). The sidecars' predictor
-# is calibrated on transformers' KV, and vLLM's kernels round differently; the sigma shifts absorb most of it.
-MIN_RATIO = {"auto": 2.68, "fp8_e4m3": 2.13}
+# speckv's ratio on vLLM's CPU-backend KV (this test, printed before the assertion: `make test-vllm
+# PYTEST_ARGS=-s`, 2026-12-01, stream format 4, shipped w8a8:4): BF16 2.7629, FP8 e4m3 2.1644 (hybrid:4:
+# 2.742 and 2.181; format 3: 2.27 and 1.82). The sidecars' predictor is calibrated on transformers' KV, and
+# vLLM's kernels round differently; the sigma shifts absorb most of it. Floors 2% under the figures.
+MIN_RATIO = {"auto": 2.70, "fp8_e4m3": 2.12}
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
@@ -52,6 +53,7 @@ def test_vllm_pair_matches_a_single_instance_token_for_token(load_script, tmp_pa
     # every prompt's whole KV went through the encoder: (30 layers, 2, 3 heads, tokens, 64 dims), 2 or 1 bytes each
     assert enc["raw_bytes"] == sum(r["kv_bytes"]) == sum(30 * 2 * 3 * n * 64 for n in r["prompt_tokens"]) * (
         1 if kv_cache_dtype == "fp8_e4m3" else 2)
+    print(f"\nvLLM's KV ({kv_cache_dtype}): speckv ratio {enc['ratio']!r}")
     assert enc["ratio"] >= MIN_RATIO[kv_cache_dtype], enc
     # the connector's own counters, read back from vLLM's metrics (llm.get_metrics()) after each engine's job
     consumer, producer = r["connector_metrics"]["consumer"], r["connector_metrics"]["producer"]
