@@ -331,8 +331,9 @@ def w8a8_kv(model: Any, ids: np.ndarray, on_layer: LayerSink | None = None) -> "
             out = hooked_forward(model.head, ids, on_layer)
             h, layers = out.last_hidden_state[0], [cache_layer(output_cache(out), i) for i in range(k)]
         else:
-            h, layers = model.embed[torch.as_tensor(np.asarray(ids, dtype=np.int64))], []
-        cos, sin = model.rotary(h[None], position_ids=torch.arange(T)[None])  # (1, T, D)
+            tok = torch.as_tensor(np.asarray(ids, dtype=np.int64), device=model.embed.device)
+            h, layers = model.embed[tok], []
+        cos, sin = model.rotary(h[None], position_ids=torch.arange(T, device=h.device)[None])  # (1, T, D)
         scratch: Scratch = {}
         for i in range(k, L):
             t = functools.partial(model.t, i)
@@ -343,10 +344,10 @@ def w8a8_kv(model: Any, ids: np.ndarray, on_layer: LayerSink | None = None) -> "
             value = kv[:, Hk * D:].to(torch.bfloat16).view(T, Hk, D).transpose(0, 1)
             layers.append(torch.stack([key[0], value]))  # (2, kv_heads, tokens, head_dim)
             if on_layer is not None:
-                on_layer(i, bf16_bits(layers[-1].contiguous()))
+                on_layer(i, bf16_bits(layers[-1].contiguous().cpu()))
             if q is not None:
                 h = _block_rest(h, t, _rope(q, H, cos, sin), key, value[None], float(cfg.rms_norm_eps), scratch)
-    return torch.stack(layers).to(torch.bfloat16).contiguous()
+    return torch.stack(layers).to(torch.bfloat16).contiguous().cpu()
 
 
 def _rope(x: "torch.Tensor", heads: int, cos: "torch.Tensor", sin: "torch.Tensor") -> "torch.Tensor":
