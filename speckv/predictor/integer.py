@@ -165,14 +165,17 @@ def wide_linear(x: "torch.Tensor", w8: "torch.Tensor", ws: "torch.Tensor", norm_
     return out
 
 
-def _native() -> Any:
-    if not NATIVE:
-        return None
+def native_with(stage: str) -> Any:
+    """The native extension where it is built and has ``stage`` (an older build may not); else None."""
     try:
         from speckv.coder import _native as nat
     except ImportError:
         return None
-    return nat if hasattr(nat, "wide_quantise") else None
+    return nat if hasattr(nat, stage) else None
+
+
+def _native() -> Any:
+    return native_with("wide_quantise") if NATIVE else None
 
 
 def rms_inv_factor(x: "torch.Tensor", eps: float) -> "torch.Tensor":

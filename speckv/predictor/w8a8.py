@@ -44,6 +44,7 @@ from speckv.errors import CheckpointError
 from speckv.kv import bf16_bits
 
 from .early import EMBED, exact_head
+from .integer import int_mm, native_with
 from .ladder import layer_index
 from .store import SMOOTH_FILE, save_npz_stable
 from .target import COMPUTE_THREADS, LayerSink, cache_layer, deterministic_torch, hooked_forward, output_cache
@@ -235,13 +236,7 @@ NATIVE_SCALAR = False  # the extension's scalar loops instead of its AVX2 ones (
 
 
 def _native() -> Any:
-    if not NATIVE:
-        return None
-    try:
-        from speckv.coder import _native as nat
-    except ImportError:
-        return None
-    return nat if hasattr(nat, "w8a8_quantise") else None
+    return native_with("w8a8_quantise") if NATIVE else None
 
 
 def quantise_rows(x: "torch.Tensor", factor: "torch.Tensor",
@@ -289,8 +284,6 @@ def linear(q: "torch.Tensor", xs: "torch.Tensor", w8: "torch.Tensor", ws: "torch
     BF16 ``add``: BF16 ``add + bf16(that)``, the residual stream's update. With ``scratch``, the result
     is the buffer ``name`` there (NOTE: valid until the next call with that name)."""
     import torch
-
-    from .integer import int_mm
 
     nat = _native() if native else None
     if nat is None or q.device.type != "cpu":
