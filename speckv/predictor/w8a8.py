@@ -184,12 +184,13 @@ def _module_class() -> type:
             self.config, self.head, self.k = config, head, config.num_hidden_layers - len(tensors)
             self.embed = torch.nn.Parameter(embed, requires_grad=False)
             self.rotary = LlamaRotaryEmbedding(config=config)
-            self.keys = [(i, n) for i in sorted(tensors) for n in sorted(tensors[i])]
-            for j, (i, n) in enumerate(self.keys):
-                self.register_buffer(f"t{j}", tensors[i][n], persistent=False)
+            self.slots = {(i, n): f"t{j}" for j, (i, n) in enumerate(
+                (i, n) for i in sorted(tensors) for n in sorted(tensors[i]))}
+            for (i, n), slot in self.slots.items():
+                self.register_buffer(slot, tensors[i][n], persistent=False)
 
         def t(self, i: int, name: str) -> "torch.Tensor":
-            return getattr(self, f"t{self.keys.index((i, name))}")
+            return getattr(self, self.slots[(i, name)])
 
     return W8A8KV
 
