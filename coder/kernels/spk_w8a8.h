@@ -44,21 +44,34 @@ template <class X> inline float widen(X v);
 template <> inline float widen<float>(float v) { return v; }
 template <> inline float widen<uint16_t>(uint16_t v) { return bf16_to_f32(v); }
 
-// Scalar row, the reference loop (and the AVX2 row's tail). Returns amax.
-// NOTE: a row with a non-finite y returns NaN (its q is garbage): torch's amax gives NaN or inf there,
-// and w8a8.py refuses either, so both paths fail the same way.
+// The scalar loops over [j0, k): the reference row below, and the AVX2 row's tail.
+// amax of |x_j f_j| from ``amax`` on; ``bad`` is set by a non-finite product.
 template <class X>
-inline float w8a8_quantise_row(const X* x, const float* f, int64_t k, int8_t* q) {
-    float amax = 0.0f;
-    bool bad = false;
-    for (int64_t j = 0; j < k; ++j) {
+inline float scaled_amax(const X* x, const float* f, int64_t j0, int64_t k, float amax, bool& bad) {
+    for (int64_t j = j0; j < k; ++j) {
         const float a = std::fabs(widen(x[j]) * f[j]);
         bad |= !(a < INFINITY);
         amax = std::max(amax, a);
     }
+    return amax;
+}
+
+template <class X>
+inline void scaled_round(const X* x, const float* f, int64_t j0, int64_t k, float inv, int8_t* q) {
+    for (int64_t j = j0; j < k; ++j) q[j] = (int8_t)std::nearbyint((widen(x[j]) * f[j]) * inv);
+}
+
+inline float row_inv(float amax) { return amax > 0.0f ? W8A8_QMAX / amax : 0.0f; }
+
+// Scalar row, the reference loop. Returns amax.
+// NOTE: a row with a non-finite y returns NaN (its q is garbage): torch's amax gives NaN or inf there,
+// and w8a8.py refuses either, so both paths fail the same way.
+template <class X>
+inline float w8a8_quantise_row(const X* x, const float* f, int64_t k, int8_t* q) {
+    bool bad = false;
+    const float amax = scaled_amax(x, f, 0, k, 0.0f, bad);
     if (bad) return NAN;
-    const float inv = amax > 0.0f ? W8A8_QMAX / amax : 0.0f;
-    for (int64_t j = 0; j < k; ++j) q[j] = (int8_t)std::nearbyint((widen(x[j]) * f[j]) * inv);
+    scaled_round(x, f, 0, k, row_inv(amax), q);
     return amax;
 }
 
@@ -85,13 +98,9 @@ __attribute__((target("avx2"))) inline float w8a8_quantise_row_avx2(const X* x, 
     float amax = 0.0f;
     for (float v : lanes) amax = std::max(amax, v);
     bool nonfinite = _mm256_movemask_ps(bad) != 0;
-    for (int64_t t = j; t < k; ++t) {
-        const float a = std::fabs(widen(x[t]) * f[t]);
-        nonfinite |= !(a < INFINITY);
-        amax = std::max(amax, a);
-    }
+    amax = scaled_amax(x, f, j, k, amax, nonfinite);
     if (nonfinite) return NAN;
-    const float inv = amax > 0.0f ? W8A8_QMAX / amax : 0.0f;
+    const float inv = row_inv(amax);
     const __m256 vi = _mm256_set1_ps(inv);
     for (j = 0; j + 8 <= k; j += 8) {
         const __m256 y = _mm256_mul_ps(_mm256_mul_ps(load8(x + j), _mm256_loadu_ps(f + j)), vi);
@@ -99,7 +108,7 @@ __attribute__((target("avx2"))) inline float w8a8_quantise_row_avx2(const X* x, 
         const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
         _mm_storel_epi64((__m128i*)(q + j), _mm_packs_epi16(w, w));
     }
-    for (; j < k; ++j) q[j] = (int8_t)std::nearbyint((widen(x[j]) * f[j]) * inv);
+    scaled_round(x, f, j, k, inv, q);
     return amax;
 }
 

@@ -25,14 +25,10 @@ PyObject* py_w8a8_quantise(PyObject*, PyObject* args) {
     Py_BEGIN_ALLOW_THREADS
     parallel_for(rows, threads, [&](int64_t r) {
         int8_t* qr = q.as<int8_t>() + r * k;
-        float amax;
-        if (bf16) {
-            const uint16_t* xr = x.as<uint16_t>() + r * k;
-            amax = v ? spk::w8a8_quantise_row_avx2(xr, f.as<float>(), k, qr) : spk::w8a8_quantise_row(xr, f.as<float>(), k, qr);
-        } else {
-            const float* xr = x.as<float>() + r * k;
-            amax = v ? spk::w8a8_quantise_row_avx2(xr, f.as<float>(), k, qr) : spk::w8a8_quantise_row(xr, f.as<float>(), k, qr);
-        }
+        auto row = [&](const auto* xr) {
+            return v ? spk::w8a8_quantise_row_avx2(xr, f.as<float>(), k, qr) : spk::w8a8_quantise_row(xr, f.as<float>(), k, qr);
+        };
+        const float amax = bf16 ? row(x.as<uint16_t>() + r * k) : row(x.as<float>() + r * k);
         xs.as<float>()[r] = amax / spk::W8A8_QMAX;
     });
     Py_END_ALLOW_THREADS
