@@ -71,7 +71,7 @@ from e2e_net import ADDR, Child, Net, calibrate, cpu_seconds, preflight, rate_bi
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[1].parent / "shared" / "corpus" / "tinyshakespeare.txt"
 ENGINE = str(Path(__file__).resolve().parent / "e2e_engine.py")
-ENGINES = ("sdpa", "eager")  # speckv.cli.bench.ENGINES (not imported: this process never loads torch)
+ENGINES = ("sdpa", "eager")  # speckv.predictor.engines.ATTENTION_ENGINES (this process never loads torch)
 ROW_TIMEOUT = 600.0
 
 

@@ -37,11 +37,11 @@ import numpy as np
 import xxhash
 
 from speckv import frames
-from speckv.cli.bench import ENGINES
 from speckv.client.client import DecoderClient, EncoderClient
 from speckv.client.core import ENCODINGS, submit_stub
 from speckv.client.local import LocalHandoff, local_submit_requests
 from speckv.kv import bf16_bits
+from speckv.predictor.engines import ATTENTION_ENGINES
 from speckv.predictor.target import Target, extract_kv, load_target
 from speckv.v1 import common_pb2 as pb
 from speckv.v1 import encoder_pb2 as epb
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--local-socket", default="", help="the encoder's local hand-off socket (prefill)")
     ap.add_argument("--tokens", type=int, required=True)
     ap.add_argument("--text", required=True)
-    ap.add_argument("--engine", choices=ENGINES, default="sdpa", help="attention kernels of the KV")
+    ap.add_argument("--engine", choices=ATTENTION_ENGINES, default="sdpa", help="attention kernels of the KV")
     args = ap.parse_args(argv)
     from speckv.predictor.calibrate import read_text
 

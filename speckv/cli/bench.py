@@ -103,6 +103,7 @@ def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf
               timing_runs: int = 3, threads: int | None = None, engine: str = "sdpa") -> dict[str, Any]:
     from speckv.coder.backends import backend_name
     from speckv.coder.codec import Codec, CodecConfig, Fp8KV, bf16_bits
+    from speckv.predictor.engines import engine_kv
     from speckv.predictor.fp8 import kv_to_fp8
     from speckv.predictor.session import Session
 
@@ -118,9 +119,9 @@ def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf
         pre, target_s, predictor_s, fp8_s = timed_prefill(sess, ids, timing_runs, fp8_copy)
         cfg = CodecConfig(coder=coder, model=model, **({"threads": threads} if threads else {}))
         codec = Codec.from_predictor(sess.predictor, cfg)
-        engine_kv = other_engine_kv(sess.target, ids, engine)
-        if engine_kv is not None:  # the KV the encoder codes comes from that engine; mu stays the sidecar's
-            pre.kv = engine_kv
+        other = engine_kv(sess.target, ids, engine)
+        if other is not None:  # the KV the encoder codes comes from that engine; mu stays the sidecar's
+            pre.kv = other
         if dtype == "fp8":
             q, scale = kv_to_fp8(pre.kv)
             kv, raw = Fp8KV(q.numpy(), scale.numpy()), q.numpy().tobytes()
@@ -155,27 +156,6 @@ def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf
             # and every decode computes, on one thread, against the whole encode / decode
             "digest_s": digest_s, "encode_s": te, "decode_s": td,
             "vs_zstd3": _vs(mb / te, mb / td, peer_rows)}
-
-
-ENGINES = ("sdpa", "eager")  # sdpa: the sidecar's own kernels (same-kernel KV)
-
-
-def other_engine_kv(target: Any, ids: np.ndarray, engine: str) -> Any:
-    """The target's KV as another engine configuration computes it (None for ``sdpa``, the
-    sidecars' own). ``eager``: eager attention instead of SDPA, the same weights and
-    linears; most KV scalars then differ in their last bits, as with any other engine's
-    kernels. NOTE: a mild stand-in (layer 0's K/V do not depend on attention)."""
-    if engine == "sdpa":
-        return None
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {ENGINES}, not {engine!r}")
-    model = target.model
-    old = model.config._attn_implementation
-    model.set_attn_implementation(engine)
-    try:
-        return target.kv(ids)
-    finally:
-        model.set_attn_implementation(old)
 
 
 def digest_time(raw: bytes, mu: bytes) -> float:

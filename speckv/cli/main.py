@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 from speckv import logs
 from speckv.coder.backends import CODERS
+from speckv.predictor.engines import ENGINES, SAME
 
 logger = logging.getLogger(__name__)
 DEFAULT_LEVEL = {"serve": "info"}  # other commands: warning (their progress goes to stderr)
@@ -138,10 +139,12 @@ def _parser() -> argparse.ArgumentParser:
                        "if present, else a built-in text)")
     bench.add_argument("--tokens", type=_positive, default=2048, help="prompt length in tokens")
     bench.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="KV dtype")
-    bench.add_argument("--engine", choices=("sdpa", "eager"), default="sdpa",
-                       help="where the coded KV comes from: sdpa (the sidecars' own kernels) or eager "
-                            "(eager attention: KV differing in its last bits, as another engine's would); "
-                            "the predictor stays as shipped")
+    bench.add_argument("--engine", choices=ENGINES, default=SAME,
+                       help="where the coded KV comes from: sdpa (the sidecars' own kernels) or another "
+                            "engine configuration (eager attention, fp32 compute, transformers' BF16 GEMMs, 1 "
+                            "thread, the AVX2 kernel path, a padded batch of two: KV differing in its last "
+                            "bits, as another engine's would; speckv.predictor.engines); the predictor stays "
+                            "as shipped")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--model", choices=("auto", "seed", "tuned"), default="auto",
                        help="residual model: seed (the published static mixture), tuned (affine mu "

@@ -157,9 +157,15 @@ def extract_kv(model: Any, ids: np.ndarray, on_layer: LayerSink | None = None) -
         return kv
     with deterministic_torch():
         out = hooked_forward(model, ids, on_layer)
-    layers = [cache_layer(output_cache(out), i) for i in range(n_layers)]
-    kv = torch.stack(layers).to(torch.bfloat16).contiguous().cpu()
-    return kv  # (layers, 2, kv_heads, tokens, head_dim)
+    return stack_cache(out, n_layers)
+
+
+def stack_cache(out: Any, n_layers: int, row: int = 0) -> "torch.Tensor":
+    """Batch row ``row`` of a model output's cache as BF16 ``(layers, 2, kv_heads, tokens, head_dim)``."""
+    import torch
+
+    layers = [cache_layer(output_cache(out), i, row) for i in range(n_layers)]
+    return torch.stack(layers).to(torch.bfloat16).contiguous().cpu()
 
 
 def hooked_forward(model: Any, ids: np.ndarray, on_layer: LayerSink | None) -> Any:
@@ -193,15 +199,15 @@ def emit_all(kv: "torch.Tensor", on_layer: LayerSink | None) -> None:
             on_layer(i, bf16_bits(kv[i]))
 
 
-def cache_layer(cache: Any, i: int) -> "torch.Tensor":
-    """Layer i of a transformers cache as ``(2, kv_heads, tokens, head_dim)``."""
+def cache_layer(cache: Any, i: int, row: int = 0) -> "torch.Tensor":
+    """Layer i of a transformers cache (batch row ``row``) as ``(2, kv_heads, tokens, head_dim)``."""
     import torch
 
     if hasattr(cache, "layers"):
         k, v = cache.layers[i].keys, cache.layers[i].values
     else:  # pragma: no cover - older transformers
         k, v = cache[i]
-    return torch.stack([k[0], v[0]])
+    return torch.stack([k[row], v[row]])
 
 
 def _layer_hook(i: int, on_layer: LayerSink) -> Callable[..., None]:
@@ -223,6 +229,7 @@ class Target:
     tokenizer: Any
     weights_sha256: str
     state: dict[str, Any]  # the original BF16 parameters, before the linear swap
+    spec: str = DEFAULT_TARGET  # what load_target was given (a child process loads it again)
 
     @property
     def config(self) -> Any:
@@ -333,4 +340,4 @@ def load_target(spec: str | Path = DEFAULT_TARGET) -> Target:
     digest = state_digest(state)
     replace_linears(model, lambda _name, w: w.float())
     name = EMBEDDED_NAME if str(spec) == DEFAULT_TARGET else Path(spec).name
-    return Target(name=name, model=model, tokenizer=tok, weights_sha256=digest, state=state)
+    return Target(name=name, model=model, tokenizer=tok, weights_sha256=digest, state=state, spec=str(spec))

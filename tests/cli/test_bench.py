@@ -168,20 +168,3 @@ def test_bench_fp8(slice_file, reference, embedded_session, monkeypatch, capsys)
     check_report(rep, "fp8", ref["fp8"], embedded_session, slice_file)
     # the command's coded bytes (native coder) are the numpy reference's on the same KV and mu
     assert rep["coded_bytes"] == ref["fp8"]["coded_bytes"]
-
-
-def test_other_engine_kv_is_the_same_model_with_other_kernels(embedded_session):
-    """--engine eager: eager attention's KV differs from the sidecars' (SDPA) in the last bits
-    of most scalars past layer 0 (layer 0's K/V come before any attention), and the target
-    runs SDPA again afterwards."""
-    target = embedded_session.target
-    ids = target.tokenize("The same weights, another attention kernel.")
-    sdpa = bf16_bits(target.kv(ids))
-    eager = bf16_bits(bench.other_engine_kv(target, ids, "eager"))
-    assert bench.other_engine_kv(target, ids, "sdpa") is None
-    assert np.array_equal(eager[0], sdpa[0])
-    assert (eager[1:] != sdpa[1:]).mean() > 0.3
-    assert target.model.config._attn_implementation == "sdpa"
-    assert np.array_equal(bf16_bits(target.kv(ids)), sdpa)
-    with pytest.raises(ValueError):
-        bench.other_engine_kv(target, ids, "flash")

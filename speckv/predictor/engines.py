@@ -1,0 +1,160 @@
+"""Other engines' KV: the target's KV as engine configurations other than the sidecars' own compute it.
+
+A serving engine never runs the sidecars' exact kernels: its attention, GEMMs, precision,
+thread count, CPU kernel path and batch shape all round differently, so most of its KV
+scalars differ from the sidecar's recomputation in their last bits. ``speckv bench
+--engine NAME`` and benchmarks/engines.py code the KV of one of these stand-ins while the
+sidecars' predictor stays as shipped; a codec is judged by the worst of them.
+
+Engines (``ENGINES``; all take the same weights and prompt, and give
+``(layers, 2, kv_heads, tokens, head_dim)`` BF16):
+
+- ``sdpa``: the sidecars' own computation (``Target.kv``): same-kernel KV;
+- ``eager``: eager attention instead of SDPA (NOTE: mild: layer 0's K/V do not depend on attention);
+- ``fp32``: the whole model in FP32 (weights upcast), the cache rounded to BF16 at the end;
+- ``bf16``: transformers' plain BF16 model (BF16 GEMMs through oneDNN, no FP32-accumulating linears);
+- ``threads1``: the sidecars' computation on 1 thread instead of ``target.COMPUTE_THREADS``;
+- ``avx2``: the sidecars' computation in a child process with ``ATEN_CPU_CAPABILITY=avx2``
+  and ``ONEDNN_MAX_CPU_ISA=AVX2`` (another CPU kernel path: vectorised ops and oneDNN);
+- ``batch2``: a right-padded batch of two (the prompt beside a shorter one, with an attention
+  mask), as an engine batches requests; the prompt's row is returned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from . import target as tgt
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+SAME = "sdpa"  # the sidecars' own kernels
+ENGINES = (SAME, "eager", "fp32", "bf16", "threads1", "avx2", "batch2")
+ATTENTION_ENGINES = (SAME, "eager")  # a transformers attention implementation each (benchmarks/e2e.py)
+CHILD_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}  # the ``avx2`` engine
+CHILD_TIMEOUT_S = 1800.0
+
+
+class EngineError(RuntimeError):
+    """An engine stand-in could not compute the KV (its child process failed)."""
+
+
+def engine_kv(target: tgt.Target, ids: np.ndarray, engine: str) -> "torch.Tensor | None":
+    """The target's KV of ``ids`` as ``engine`` computes it; None for ``sdpa`` (the sidecars'
+    own: the caller has it already)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, not {engine!r}")
+    return None if engine == SAME else _RUNNERS[engine](target, np.asarray(ids, np.int64))
+
+
+def _attention(name: str) -> Callable[[tgt.Target, np.ndarray], "torch.Tensor"]:
+    def run(target: tgt.Target, ids: np.ndarray) -> "torch.Tensor":
+        model = target.model
+        old = model.config._attn_implementation
+        model.set_attn_implementation(name)
+        try:
+            return target.kv(ids)
+        finally:
+            model.set_attn_implementation(old)
+    return run
+
+
+def _plain_model(target: tgt.Target, dtype: "torch.dtype") -> Any:
+    """transformers' own model of the target's config in ``dtype``: nn.Linear GEMMs, SDPA."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = type(target.config).from_dict(target.config.to_dict())
+    cfg._attn_implementation = SAME
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.load_state_dict({k: v.to(dtype) for k, v in target.state.items()}, strict=False)
+    assert all(p.dtype == dtype for p in model.parameters())
+    return model.eval().requires_grad_(False) if isinstance(model, torch.nn.Module) else model
+
+
+def _plain(dtype_name: str) -> Callable[[tgt.Target, np.ndarray], "torch.Tensor"]:
+    def run(target: tgt.Target, ids: np.ndarray) -> "torch.Tensor":
+        import torch
+
+        return tgt.extract_kv(_plain_model(target, getattr(torch, dtype_name)), ids)
+    return run
+
+
+def _threads1(target: tgt.Target, ids: np.ndarray) -> "torch.Tensor":
+    old = tgt.COMPUTE_THREADS
+    tgt.COMPUTE_THREADS = 1  # NOTE: deterministic_torch reads it at each forward
+    try:
+        return target.kv(ids)
+    finally:
+        tgt.COMPUTE_THREADS = old
+
+
+def _batch2(target: tgt.Target, ids: np.ndarray) -> "torch.Tensor":
+    import torch
+
+    n = len(ids)
+    other = np.resize(ids[::-1], max(1, n // 2))  # a shorter second prompt, right-padded
+    inp = torch.zeros((2, n), dtype=torch.int64)
+    mask = torch.zeros((2, n), dtype=torch.int64)
+    inp[0], mask[0] = torch.as_tensor(ids), 1
+    inp[1, :len(other)], mask[1, :len(other)] = torch.as_tensor(other), 1
+    with tgt.deterministic_torch():
+        out = target.model.model(input_ids=inp, attention_mask=mask, use_cache=True)
+    return tgt.stack_cache(out, target.config.num_hidden_layers, row=0)
+
+
+def _child_process(target: tgt.Target, ids: np.ndarray) -> "torch.Tensor":
+    """The sidecars' computation in a fresh process under ``CHILD_ENV`` (torch reads the kernel
+    path at import, so it cannot change in this one)."""
+    import torch
+
+    with tempfile.TemporaryDirectory(prefix="speckv-engine-") as d:
+        src, dst = Path(d) / "ids.npy", Path(d) / "kv.npy"
+        np.save(src, ids)
+        cmd = [sys.executable, "-m", "speckv.predictor.engines", "--target", target.spec, str(src), str(dst)]
+        try:
+            proc = subprocess.run(cmd, env={**os.environ, **CHILD_ENV}, capture_output=True, text=True,
+                                  timeout=CHILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired as e:
+            raise EngineError(f"engine avx2: child timed out after {CHILD_TIMEOUT_S:.0f} s") from e
+        if proc.returncode != 0:
+            tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+            raise EngineError(f"engine avx2: child exited {proc.returncode}: {tail}")
+        return torch.from_numpy(np.load(dst)).view(torch.bfloat16)
+
+
+_RUNNERS: dict[str, Callable[[tgt.Target, np.ndarray], "torch.Tensor"]] = {
+    "eager": _attention("eager"), "fp32": _plain("float32"), "bf16": _plain("bfloat16"),
+    "threads1": _threads1, "avx2": _child_process, "batch2": _batch2}
+
+
+def differing_fraction(kv: "torch.Tensor", same: "torch.Tensor") -> float:
+    """The fraction of KV scalars whose bits differ from the same-kernel KV's."""
+    from speckv.kv import bf16_bits
+
+    return float(np.mean(bf16_bits(kv) != bf16_bits(same)))
+
+
+def _child(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="python -m speckv.predictor.engines")
+    ap.add_argument("--target", default=tgt.DEFAULT_TARGET)
+    ap.add_argument("ids", help=".npy of int64 prompt token ids")
+    ap.add_argument("out", help=".npy the KV's BF16 bits (uint16) go to")
+    a = ap.parse_args(argv)
+    from speckv.kv import bf16_bits
+
+    target = tgt.load_target(a.target)
+    np.save(a.out, bf16_bits(target.kv(np.load(a.ids))))
+
+
+if __name__ == "__main__":  # pragma: no cover - run as the avx2 engine's child process
+    _child(sys.argv[1:])
