@@ -120,15 +120,18 @@ class DecoderClient:
         self.timeout = timeout
 
     def fetch_layers(self, request_id: str, wait: float | None = None, timeout: float | None = None,
-                     verified_only: bool = False) -> Iterator[tuple[int, np.ndarray, np.ndarray | None]]:
+                     verified_only: bool = False, model_id: str = "",
+                     ) -> Iterator[tuple[int, np.ndarray, np.ndarray | None]]:
         """Yields ``(layer, (2, heads, tokens, dim) array, scales | None)`` as layers arrive.
         NOTE: each layer passed its chunk's checksum; the whole transfer is verified only
-        when the iterator ends without raising (``verified_only``: nothing arrives before)."""
-        yield from self._stream(request_id, wait, timeout, _Collector(verified_only))
+        when the iterator ends without raising (``verified_only``: nothing arrives before).
+        ``model_id``: the model this engine runs; a transfer of another model is refused
+        (MODEL_MISMATCH) before any layer arrives."""
+        yield from self._stream(request_id, wait, timeout, _Collector(verified_only, model_id=model_id))
 
     def _stream(self, request_id: str, wait: float | None, timeout: float | None,
                 col: _Collector) -> Iterator[tuple[int, np.ndarray, np.ndarray | None]]:
-        req = fetch_request(request_id, wait, col.verified_only)
+        req = fetch_request(request_id, wait, col.verified_only, col.model_id)
         try:
             for msg in self._fetch(req, timeout=timeout or self.timeout):
                 done = col.add(msg)
@@ -139,10 +142,12 @@ class DecoderClient:
         col.check_done()
 
     def fetch(self, request_id: str, wait: float | None = None, timeout: float | None = None,
-              as_torch: bool = False, verified_only: bool = False) -> "np.ndarray | Fp8KV | torch.Tensor":
+              as_torch: bool = False, verified_only: bool = False,
+              model_id: str = "") -> "np.ndarray | Fp8KV | torch.Tensor":
         """The whole reconstructed KV (see the module docstring for its type), returned only
-        after its whole-transfer digest matched, on the server and again here."""
-        col = _Collector(verified_only, whole=True)
+        after its whole-transfer digest matched, on the server and again here (``model_id``:
+        as ``fetch_layers``)."""
+        col = _Collector(verified_only, whole=True, model_id=model_id)
         for layer, arr, scales in self._stream(request_id, wait, timeout, col):
             col.keep(layer, arr, scales)
         return col.result(as_torch)
@@ -216,14 +221,15 @@ class AsyncDecoderClient:
         self.timeout = timeout
 
     async def fetch_layers(self, request_id: str, wait: float | None = None, timeout: float | None = None,
-                           verified_only: bool = False) -> AsyncIterator[tuple[int, np.ndarray, np.ndarray | None]]:
+                           verified_only: bool = False, model_id: str = "",
+                           ) -> AsyncIterator[tuple[int, np.ndarray, np.ndarray | None]]:
         """As the blocking client's ``fetch_layers``."""
-        async for done in self._stream(request_id, wait, timeout, _Collector(verified_only)):
+        async for done in self._stream(request_id, wait, timeout, _Collector(verified_only, model_id=model_id)):
             yield done
 
     async def _stream(self, request_id: str, wait: float | None, timeout: float | None,
                       col: _Collector) -> AsyncIterator[tuple[int, np.ndarray, np.ndarray | None]]:
-        req = fetch_request(request_id, wait, col.verified_only)
+        req = fetch_request(request_id, wait, col.verified_only, col.model_id)
         try:
             async for msg in self._fetch(req, timeout=timeout or self.timeout):
                 done = col.add(msg)
@@ -234,9 +240,10 @@ class AsyncDecoderClient:
         col.check_done()
 
     async def fetch(self, request_id: str, wait: float | None = None, timeout: float | None = None,
-                    as_torch: bool = False, verified_only: bool = False) -> "np.ndarray | Fp8KV | torch.Tensor":
+                    as_torch: bool = False, verified_only: bool = False,
+                    model_id: str = "") -> "np.ndarray | Fp8KV | torch.Tensor":
         """As the blocking client's ``fetch``."""
-        col = _Collector(verified_only, whole=True)
+        col = _Collector(verified_only, whole=True, model_id=model_id)
         async for layer, arr, scales in self._stream(request_id, wait, timeout, col):
             col.keep(layer, arr, scales)
         return col.result(as_torch)

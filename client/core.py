@@ -204,7 +204,7 @@ def _result(r: epb.SubmitResponse) -> SubmitResult:
 class _Collector:
     """Assembles FetchKV parts into layers (``whole``: straight into the whole cache)."""
 
-    def __init__(self, verified_only: bool = False, whole: bool = False) -> None:
+    def __init__(self, verified_only: bool = False, whole: bool = False, model_id: str = "") -> None:
         self.asm: LayerAssembler | None = None
         self.out: np.ndarray | None = None
         self.scales: np.ndarray | None = None
@@ -212,6 +212,7 @@ class _Collector:
         self.done = False
         self.verified_only = verified_only  # ask the server to hold layers until verified
         self.whole = whole
+        self.model_id = model_id  # the decode engine's model (FetchKVRequest.model_id; "" = not checked)
 
     def add(self, msg: "dpb.FetchKVResponse | frames.Parsed") -> tuple[int, np.ndarray, np.ndarray | None] | None:
         if self.done:
@@ -285,6 +286,6 @@ def to_torch(bits: np.ndarray) -> "torch.Tensor":
     return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
 
 
-def fetch_request(request_id: str, wait: float | None, verified_only: bool) -> dpb.FetchKVRequest:
+def fetch_request(request_id: str, wait: float | None, verified_only: bool, model_id: str = "") -> dpb.FetchKVRequest:
     return dpb.FetchKVRequest(request_id=request_id, wait_timeout_ms=int((wait or 0) * 1000),
-                              verified_only=verified_only, digest=FETCH_DIGEST)
+                              verified_only=verified_only, digest=FETCH_DIGEST, model_id=model_id)

@@ -204,7 +204,8 @@ class Worker:
         failed: list[int] = []
         t0, raw = time.monotonic(), 0
         try:
-            for i, arr, scales in self.decoder.fetch_layers(spec.transfer_id, wait=self.conn.fetch_wait_s):
+            for i, arr, scales in self.decoder.fetch_layers(spec.transfer_id, wait=self.conn.fetch_wait_s,
+                                                            model_id=self.conn.model_id):
                 raw += arr.nbytes
                 self._check_scales(i, scales)
                 part = np.ascontiguousarray(arr[:, :, spec.start:spec.stop])

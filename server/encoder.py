@@ -50,7 +50,7 @@ from .layer_mu import LayerMu
 from .metrics import Metrics
 from .mu_cache import MuCache
 from .records import code_batch, store_batch
-from .replies import PIN_MISMATCH, Checks, first_reply, is_pin_mismatch, older_version, read_result
+from .replies import Checks, first_reply, older_version, read_result, stored_fallback
 from .runtime import Runtime
 from .transfers import check_request_id
 
@@ -231,23 +231,24 @@ class EncoderService(egrpc.EncoderServiceServicer):
     async def _handshake(self, job: Job, context: grpc.aio.ServicerContext, mu: LayerMu | None, call,
                          checks: Checks, acks):
         """A speckv stream waits for the decoder's first reply (``replies``): a refusal of its
-        format version gets the stream again one version older, one of its predictor pin gets
-        it stored (both logged once per peer); any other refusal fails the transfer."""
+        format version gets the stream again one version older, one of its predictor pin or of
+        the model gets it stored (each logged once per peer); any other refusal fails the transfer."""
         while mu is not None and (refused := await first_reply(checks, acks)) is not None:
             call.cancel()
             if (older := older_version(refused, job.h.version)) is not None:
                 self._once(job, "version", f"reads stream format {older} at most: its streams are written so")
                 job.h = replace(job.h, version=older)
-            elif is_pin_mismatch(refused):
-                self._once(job, "pin", f"holds another predictor than this encoder ({self.rt.pin[:12]}): "
-                                       "its transfers go stored")
+            elif (why := stored_fallback(refused)) is not None:
+                lacks = (f"another predictor than this encoder's ({self.rt.pin[:12]})" if why == "pin_mismatch"
+                         else f"another model than {job.header.model_id!r}")
+                self._once(job, why, f"holds {lacks}: its transfers go stored")
                 self.mu_cache.give_back(mu)
                 mu = None
                 h = job.h
                 stored = self.rt.codec.stream_header(h.dtype == ct.DTYPE_BF16, h.shape, job.ids, h.layers_per_chunk,
                                                      True)
                 job.h = replace(stored, version=min(h.version, STORED_VERSION))
-                job.labels, job.fallback, job.stream_fallback = (job.labels[0], "stored"), True, PIN_MISMATCH.lower()
+                job.labels, job.fallback, job.stream_fallback = (job.labels[0], "stored"), True, why
             else:
                 raise refused
             call, checks, acks = await self._start_transfer(job, context)

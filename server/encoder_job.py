@@ -38,7 +38,7 @@ class Job:
     first_send: float | None = None
     message_bytes: int = 0  # serialized TransferRequests written
     fallback: bool = False  # a chunk went stored after a predictor mismatch on its layers
-    stream_fallback: str = ""  # why the whole stream went stored though speckv was asked (pin_mismatch)
+    stream_fallback: str = ""  # why the whole stream went stored though speckv was asked (replies.STORED_ON)
     stored_chunks: int = 0  # chunks of a speckv stream sent stored (mismatch or size guard)
     stored_reasons: set[str] = field(default_factory=set)  # why they went stored (fallback_transfers_total)
     mu_wait_s: float = 0.0  # the sender waiting for mu (ours, or the decoder's check)

@@ -25,6 +25,7 @@ from speckv.wire import kv_shape, layer_frames
 
 from . import tracing
 from .auth import authorize
+from .replies import MODEL_MISMATCH
 from .transfers import DecoderTransfer, S
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,10 @@ class FetchService:
             if algorithm not in ALGORITHMS:
                 raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown digest algorithm {request.digest}")
             t = await self.table.wait_for(request.request_id, wait)
+            if request.model_id and request.model_id != t.model_id:
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"transfer {request.request_id!r} holds KV of model {t.model_id!r}, not of "
+                               f"{request.model_id!r}", reason=MODEL_MISMATCH)
             if t.fetching or t.state == S.TRANSFER_STATE_FETCHED:
                 raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"transfer {request.request_id!r} is already being fetched or was fetched",

@@ -41,7 +41,8 @@ logger = logging.getLogger(__name__)
 _SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # wire bytes per scalar (x 8 = bits per scalar): 0.5 .. 17 bits
 _PER_SCALAR = tuple(b / 8 for b in (0.5, 1, 1.5, 2, 2.5, 3, 4, 5, 5.5, 6, 6.5, 7, 8, 10, 12, 16, 17))
-FALLBACK_REASONS = ("mu_mismatch", "larger_than_stored", "pin_mismatch")  # why a speckv chunk goes stored
+# why a speckv chunk goes stored
+FALLBACK_REASONS = ("mu_mismatch", "larger_than_stored", "pin_mismatch", "model_mismatch")
 
 
 class Metrics:
@@ -88,12 +89,14 @@ class Metrics:
                                           ("role", "model", "kind"), registry=r)
         self.fallbacks = Counter("speckv_fallbacks_total",
                                  "Chunks of speckv streams sent stored, by reason: mu_mismatch (the sidecars' "
-                                 "predictors disagree on the chunk's layers), larger_than_stored (size guard).",
+                                 "predictors disagree on the chunk's layers), larger_than_stored (size guard), "
+                                 "pin_mismatch / model_mismatch (the decoder holds another checkpoint / "
+                                 "serves another model: the whole stream, encoder only).",
                                  ("role", "model", "reason"), registry=r)
         self.fallback_transfers = Counter("speckv_fallback_transfers_total",
                                           "Completed transfers of speckv streams with chunks sent stored, by "
                                           "reason (a transfer with chunks stored for two reasons counts under "
-                                          "each; pin_mismatch: the whole stream, encoder only).",
+                                          "each; pin_mismatch, model_mismatch: the whole stream, encoder only).",
                                           ("role", "model", "reason"), registry=r)
         for reason in FALLBACK_REASONS:  # NOTE: known series exist at 0 from the start
             self.fallbacks.labels(role, model, reason)

@@ -7,8 +7,9 @@ chunk 0's check (the decoder took the header: same format, pin and model) or the
 decoder's refusal. A rolling upgrade leaves the two sides on different releases for a
 while, and neither refusal it causes fails the transfer: a stream format version the
 decoder does not read (UNSUPPORTED_VERSION) is answered with the same stream one
-version older, a predictor pin the decoder does not hold (PIN_MISMATCH) with a stored
-stream, which needs no predictor.
+version older, a predictor pin the decoder does not hold (PIN_MISMATCH) or a model it
+does not serve (MODEL_MISMATCH) with a stored stream, which needs no predictor (a decoder
+takes stored streams of any model; the decode engine's FetchKV names the model it runs).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
 
 PIN_MISMATCH = "PIN_MISMATCH"  # the decoder's ErrorInfo reason for a header under another predictor pin
+MODEL_MISMATCH = "MODEL_MISMATCH"  # ... for a speckv header of a model it does not serve
+STORED_ON = {PIN_MISMATCH: "pin_mismatch", MODEL_MISMATCH: "model_mismatch"}  # refusal -> fallback reason
 UNSUPPORTED_VERSION = "UNSUPPORTED_VERSION"  # ... for a stream format version it does not read
 # NOTE: decoders before UNSUPPORTED_VERSION refused a newer version as a malformed stream, saying so
 LEGACY_VERSION_REFUSAL = ("MALFORMED_STREAM", "unsupported format version")
@@ -86,9 +89,10 @@ def _reason(err: BaseException) -> tuple[str, str]:
     return "", str(err)
 
 
-def is_pin_mismatch(err: BaseException) -> bool:
-    """The decoder refused the header for its predictor pin."""
-    return _reason(err)[0] == PIN_MISMATCH
+def stored_fallback(err: BaseException) -> str | None:
+    """The fallback reason when the decoder refused the header for a predictor pin or a model
+    it does not have (a stored stream then goes through), else None."""
+    return STORED_ON.get(_reason(err)[0])
 
 
 def older_version(err: BaseException, version: int) -> int | None:

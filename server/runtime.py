@@ -23,6 +23,7 @@ from speckv.errors import PinMismatchError, RpcError
 
 from .config import FALLBACK_MAX_TOKENS
 from .layer_mu import LayerMu
+from .replies import MODEL_MISMATCH
 
 if TYPE_CHECKING:  # pragma: no cover
     from speckv.predictor.predict import Predictor
@@ -30,6 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .config import ServerConfig
 
 logger = logging.getLogger(__name__)
+FOREIGN_VOCAB = 1 << 31  # token ids of a stored stream of another model: any non-negative int32
 
 
 @dataclass
@@ -94,35 +96,40 @@ class Runtime:
             return configured
         return self.context or FALLBACK_MAX_TOKENS
 
-    def check(self, model_id: str, shape: tuple[int, ...], ids: np.ndarray, max_tokens: int | None) -> None:
+    def check(self, model_id: str, shape: tuple[int, ...], ids: np.ndarray, max_tokens: int | None,
+              stored: bool = False) -> None:
         """A request's model, shape and prompt against what this sidecar serves
-        (``max_tokens``: config.max_tokens; None for the model's context)."""
+        (``max_tokens``: config.max_tokens; None for the model's context). A ``stored`` stream
+        of another model passes with its token count checked alone: it needs no predictor,
+        and refusing it would fail a transfer between sidecars serving different models (a
+        rolling upgrade); FetchKV checks the model its engine names (``check_fetch_model``)."""
         if not self.numeric_ok:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
                            f"this sidecar computes another mu than predictor {self.pin[:12]} records (its canary "
                            "differs here; `speckv predictor check`): it serves nothing", reason="NUMERIC_ENV")
-        if model_id != self.model_id:
+        foreign = model_id != self.model_id
+        if foreign and not stored:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
                            f"model {model_id!r} is not served here (this sidecar serves {self.model_id!r})",
-                           reason="MODEL_MISMATCH")
+                           reason=MODEL_MISMATCH)
         L, H, D = self.geometry
-        if (shape[0], shape[2], shape[4]) != (L, H, D):
+        if not foreign and (shape[0], shape[2], shape[4]) != (L, H, D):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"shape {shape} does not fit {self.model_id} (layers {L}, kv_heads {H}, head_dim {D})")
         if shape[3] != len(ids):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"shape has {shape[3]} tokens but {len(ids)} prompt token ids were sent")
         context = self.context
-        if context is not None and len(ids) > context:
+        if not foreign and context is not None and len(ids) > context:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"{len(ids)} tokens exceed the context of {self.model_id} ({context} tokens)")
         limit = self.max_tokens(max_tokens)
         if not 1 <= len(ids) <= limit:
             raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"{len(ids)} tokens: this sidecar takes 1 to {limit}")
-        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"prompt token ids must lie in [0, {self.vocab_size})")
+        vocab = FOREIGN_VOCAB if foreign else self.vocab_size  # another model's vocabulary is its own
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt token ids must lie in [0, {vocab})")
 
     @property
     def vocab_size(self) -> int:

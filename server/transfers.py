@@ -68,6 +68,7 @@ class DecoderTransfer:
         self.mu_hit = False  # mu came from the cache (or a pass another transfer started)
         self.stored_reason = ""  # Chunk.stored_reason of the record being reassembled
         self.peer = "?"
+        self.model_id = ""  # the model the encoder named (FetchKVRequest.model_id is checked against it)
         self.touched = time.monotonic()
         self.stopped = asyncio.Event()  # set when ended with an error: wakes the Transfer handler
         self._cond = asyncio.Condition()

@@ -123,7 +123,6 @@ def test_bad_header_fields(pair, stream):
         (lambda h: setattr(h, "request_id", ""), INVALID, "request_id"),
         (lambda h: setattr(h, "dtype", pb.DTYPE_UNSPECIFIED), INVALID, "dtype"),
         (lambda h: setattr(h.shape, "kv", 3), INVALID, "KV shape"),
-        (lambda h: setattr(h, "model_id", "other"), grpc.StatusCode.FAILED_PRECONDITION, "not served"),
     ]:
         bad = dpb.TransferRequest()
         bad.CopyFrom(header)

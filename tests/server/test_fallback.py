@@ -74,10 +74,10 @@ class GatedPredictor(WrappedPredictor):
         on_layer(i, layer)
 
 
-def _start_pair(loop: LoopThread, enc_predictor, dec_predictor):
+def _start_pair(loop: LoopThread, enc_predictor, dec_predictor, dec_model: str | None = None):
     made = []
     for role, predictor in (("decoder", dec_predictor), ("encoder", enc_predictor)):
-        config = ServerConfig(role=role, metrics_port=0)
+        config = ServerConfig(role=role, metrics_port=0, model_id=dec_model if role == "decoder" else None)
 
         async def make(config=config, predictor=predictor):
             s, port = create_server(config, Runtime.from_predictor(predictor, config))
@@ -88,11 +88,11 @@ def _start_pair(loop: LoopThread, enc_predictor, dec_predictor):
 
 
 @contextlib.contextmanager
-def running_pair(enc_predictor, dec_predictor):
+def running_pair(enc_predictor, dec_predictor, dec_model: str | None = None):
     """An in-process encoder and decoder around these predictors: ((enc, eaddr), (dec, daddr)),
-    both stopped on exit."""
+    both stopped on exit (``dec_model``: the model id the decoder serves, default the checkpoint's)."""
     loop = LoopThread()
-    made = _start_pair(loop, enc_predictor, dec_predictor)
+    made = _start_pair(loop, enc_predictor, dec_predictor, dec_model)
     (dec, daddr), (enc, eaddr) = made
     try:
         yield (enc, eaddr), (dec, daddr)

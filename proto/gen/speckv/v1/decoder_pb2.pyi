@@ -136,16 +136,18 @@ class TransferResponse(_message.Message):
     def __init__(self, chunk_ack: _Optional[_Union[ChunkAck, _Mapping]] = ..., result: _Optional[_Union[TransferResult, _Mapping]] = ..., predictor: _Optional[_Union[PredictorCheck, _Mapping]] = ...) -> None: ...
 
 class FetchKVRequest(_message.Message):
-    __slots__ = ("request_id", "wait_timeout_ms", "verified_only", "digest")
+    __slots__ = ("request_id", "wait_timeout_ms", "verified_only", "digest", "model_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WAIT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_ONLY_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     wait_timeout_ms: int
     verified_only: bool
     digest: _common_pb2.DigestAlgorithm
-    def __init__(self, request_id: _Optional[str] = ..., wait_timeout_ms: _Optional[int] = ..., verified_only: _Optional[bool] = ..., digest: _Optional[_Union[_common_pb2.DigestAlgorithm, str]] = ...) -> None: ...
+    model_id: str
+    def __init__(self, request_id: _Optional[str] = ..., wait_timeout_ms: _Optional[int] = ..., verified_only: _Optional[bool] = ..., digest: _Optional[_Union[_common_pb2.DigestAlgorithm, str]] = ..., model_id: _Optional[str] = ...) -> None: ...
 
 class FetchKVDone(_message.Message):
     __slots__ = ("raw_digest", "raw_bytes")
