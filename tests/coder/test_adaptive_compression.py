@@ -2,7 +2,8 @@
 wire bits per scalar when the KV comes from another engine configuration (eager
 attention: ~80% of the scalars differ in their last bits from the sidecar's own sdpa
 recomputation) and when it comes from the sidecar's own kernels, against the same
-stream written as format version 3 (no shifts), BF16 and FP8.
+stream written as format version 3 (no shifts), BF16 and FP8; and, in version 4, on
+every engine stand-in of ``speckv.predictor.engines``, judged by the worst of them.
 
 The shipped w8a8:4 checkpoint's exact layers 0-3 (hybrid:4's before it) have sigma calibrated to a residual
 of ~0; in version 3 their rounding-level differences cost ~15 bits a scalar and their
@@ -23,10 +24,10 @@ import numpy as np
 import pytest
 from codec_helpers import stream_bytes
 
-from speckv.cli.bench import other_engine_kv
 from speckv.coder import container as ct
 from speckv.coder.codec import Codec, CodecConfig, Fp8KV, bf16_bits
 from speckv.predictor.calibrate import read_text
+from speckv.predictor import engines
 from speckv.predictor.fp8 import kv_to_fp8
 
 TEXT = "tinyshakespeare.txt"  # ../shared/corpus/
@@ -43,17 +44,27 @@ WIRE_BITS = {
     ("fp8", "sdpa", 3): 2.1242852105034724,
     ("fp8", "eager", 4): 2.1940714518229165,
     ("fp8", "eager", 3): 2.3001410590277778,
+    ("bf16", "fp32", 4): 5.798708767361111,
+    ("bf16", "bf16", 4): 5.627499728732639,
+    ("bf16", "threads1", 4): 5.402438693576389,  # this CPU's kernels: the same bits as sdpa
+    ("bf16", "avx2", 4): 5.3992919921875,
+    ("bf16", "batch2", 4): 5.402438693576389,  # the same bits as sdpa here
+    ("fp8", "fp32", 4): 2.197382269965278,
+    ("fp8", "bf16", 4): 2.1631103515625,
+    ("fp8", "threads1", 4): 2.1242852105034724,
+    ("fp8", "avx2", 4): 2.1220703125,
+    ("fp8", "batch2", 4): 2.1242852105034724,
 }
 
 
 @pytest.fixture(scope="module")
 def engine_kv(embedded_session, corpus_file):
-    """(ids, mu, {engine: BF16 KV}) of the text's first TOKENS tokens."""
+    """(ids, mu, {engine: BF16 KV}) of the text's first TOKENS tokens, every engine stand-in."""
     text = read_text(corpus_file(TEXT), chars=TOKENS * 32)
     ids = embedded_session.target.tokenize(text, TOKENS)
     pre = embedded_session.prefill(ids)
-    eager = other_engine_kv(embedded_session.target, ids, "eager")
-    return ids, pre.mu, {"sdpa": pre.kv, "eager": eager}
+    kvs = {e: engines.engine_kv(embedded_session.target, ids, e) for e in engines.ENGINES if e != engines.SAME}
+    return ids, pre.mu, {engines.SAME: pre.kv, **kvs}
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +121,17 @@ def test_other_engine_kv_gains(wire_bits):
     assert wire_bits("fp8", "eager", 4) <= wire_bits("fp8", "eager", 3) - 0.09
     assert wire_bits("bf16", "eager", 4) <= wire_bits("bf16", "sdpa", 4) + 0.36
     assert wire_bits("bf16", "eager", 4) <= 6.2 and wire_bits("fp8", "eager", 4) <= 2.5
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("engine", [e for e in engines.ENGINES if e not in ("sdpa", "eager")])
+def test_bits_per_scalar_on_other_engines(wire_bits, dtype, engine):
+    assert wire_bits(dtype, engine, 4) == pytest.approx(WIRE_BITS[dtype, engine, 4], rel=REL)
+
+
+def test_worst_engine_meets_the_bar(wire_bits):
+    """The issue's bar, judged by the worst engine stand-in: BF16 <= 6.2, FP8 <= 2.5 bits; the worst
+    (fp32 compute here) within 0.43 / 0.09 bits of same-kernel KV (measured 0.396 / 0.073)."""
+    worst = {dt: max(wire_bits(dt, e, 4) for e in engines.ENGINES) for dt in ("bf16", "fp8")}
+    assert worst["bf16"] <= min(6.2, wire_bits("bf16", "sdpa", 4) + 0.43)
+    assert worst["fp8"] <= min(2.5, wire_bits("fp8", "sdpa", 4) + 0.09)
