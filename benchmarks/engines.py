@@ -43,7 +43,20 @@ def checkpoint(rung: str, target: Any, calib_target: Any, root: Path, args: argp
     return load_checkpoint(out, pin=pin)
 
 
-def coded_bits(codec: Any, kv: Any, ids: Any, mu: Any, dtype: str) -> float:
+def toward_zero(q: Any, kv: Any, scale: Any) -> Any:
+    """e4m3 codes ``q`` (rounded to nearest) re-rounded toward zero, as vLLM's CPU cache writer
+    rounds (benchmarks/research/vllm_fp8_rounding.py): a code whose value lies beyond the
+    scaled KV value moves one step toward zero."""
+    import torch
+
+    x = kv.float() / scale[:, :, None, None, None]
+    over = q.view(torch.float8_e4m3fn).float().abs() > x.abs()
+    out = q.clone()
+    out[over & ((q & 0x7F) > 0)] -= 1
+    return out
+
+
+def coded_bits(codec: Any, kv: Any, ids: Any, mu: Any, dtype: str, fp8_toward_zero: bool = False) -> float:
     """Wire bits per scalar of the real codec's stream, after a bit-exact round trip."""
     import numpy as np
 
@@ -52,6 +65,7 @@ def coded_bits(codec: Any, kv: Any, ids: Any, mu: Any, dtype: str) -> float:
 
     if dtype == "fp8":
         q, s = kv_to_fp8(kv)
+        q = toward_zero(q, kv, s) if fp8_toward_zero else q
         x: Any = Fp8KV(q.numpy(), s.numpy())
     else:
         x = bf16_bits(kv)
@@ -101,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calib", type=Path, default=CORPUS / "wikitext2-valid.txt")
     ap.add_argument("--calib-tokens", type=int, default=4096)
     ap.add_argument("--json", type=Path, default=None, help="write the rows and settings here")
+    ap.add_argument("--fp8-toward-zero", action="store_true",
+                    help="FP8 codes rounded toward zero (vLLM's CPU cache writer) instead of to nearest")
     args = ap.parse_args(argv)
 
     from ladder import CachingTarget
@@ -117,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     same = target.kv(ids)
     kvs = {e: (same if e == "sdpa" else engine_kv(target, ids, e)) for e in engines}
     meta = {"target": target.name, "text": args.text.name, "tokens": int(len(ids)), "engines": engines,
+            "fp8_rounding": "toward zero" if args.fp8_toward_zero else "nearest",
             "differ": {e: differing_fraction(kv, same) for e, kv in kvs.items()}}
     print("differing scalars:", meta["differ"], file=sys.stderr)
     rows: list[dict[str, Any]] = []
@@ -127,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             pred = Predictor.from_checkpoint(ck, target)
             mu = pred.mu(ids)
             codec = Codec.from_predictor(pred, CodecConfig())
-            bits = {f"{dt}/{e}": coded_bits(codec, kvs[e], ids, mu, dt) for e in engines for dt in DTYPES}
+            bits = {f"{dt}/{e}": coded_bits(codec, kvs[e], ids, mu, dt, args.fp8_toward_zero)
+                    for e in engines for dt in DTYPES}
             rows.append({"rung": rung, "pin": ck.pin, "bits": bits})
             print(rung, {k: round(v, 3) for k, v in bits.items()}, file=sys.stderr, flush=True)
             if args.json:  # partial results survive an interrupted run
