@@ -26,8 +26,8 @@ from codec_helpers import stream_bytes
 
 from speckv.coder import container as ct
 from speckv.coder.codec import Codec, CodecConfig, Fp8KV, bf16_bits
-from speckv.predictor.calibrate import read_text
 from speckv.predictor import engines
+from speckv.predictor.calibrate import read_text
 from speckv.predictor.fp8 import kv_to_fp8
 
 TEXT = "tinyshakespeare.txt"  # ../shared/corpus/
