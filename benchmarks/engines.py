@@ -43,19 +43,6 @@ def checkpoint(rung: str, target: Any, calib_target: Any, root: Path, args: argp
     return load_checkpoint(out, pin=pin)
 
 
-def toward_zero(q: Any, kv: Any, scale: Any) -> Any:
-    """e4m3 codes ``q`` (rounded to nearest) re-rounded toward zero, as vLLM's CPU cache writer
-    rounds (benchmarks/research/vllm_fp8_rounding.py): a code whose value lies beyond the
-    scaled KV value moves one step toward zero."""
-    import torch
-
-    x = kv.float() / scale[:, :, None, None, None]
-    over = q.view(torch.float8_e4m3fn).float().abs() > x.abs()
-    out = q.clone()
-    out[over & ((q & 0x7F) > 0)] -= 1
-    return out
-
-
 def coded_bits(codec: Any, kv: Any, ids: Any, mu: Any, dtype: str, fp8_toward_zero: bool = False) -> float:
     """Wire bits per scalar of the real codec's stream, after a bit-exact round trip."""
     import numpy as np
@@ -64,8 +51,7 @@ def coded_bits(codec: Any, kv: Any, ids: Any, mu: Any, dtype: str, fp8_toward_ze
     from speckv.predictor.fp8 import kv_to_fp8
 
     if dtype == "fp8":
-        q, s = kv_to_fp8(kv)
-        q = toward_zero(q, kv, s) if fp8_toward_zero else q
+        q, s = kv_to_fp8(kv, toward_zero=fp8_toward_zero)
         x: Any = Fp8KV(q.numpy(), s.numpy())
     else:
         x = bf16_bits(kv)

@@ -1,5 +1,7 @@
 """Forward-adaptive sigma (format version 4): the encoder's choice of each chunk's
-sigma shifts, computed here only, in numpy, whatever backend codes the chunk.
+sigma shifts, computed here only, in numpy, whatever backend codes the chunk; and
+(format version 5, FP8) of each chunk's rounding, to nearest or toward zero
+(``choose_rounding``).
 
 A coded chunk of a version 4 stream carries one signed shift per (layer, kv, head)
 in its ``aux`` (FORMAT.md); both sides code the group's scalars with the fixed-point
@@ -130,4 +132,29 @@ def choose_shifts(fx: FloatFormat, fm: FloatFormat, tab: CodingTables, x: np.nda
     for r in (-REFINE, REFINE):
         consider(np.where(coarse != 0, coarse + r, 0))
     out.reshape(-1)[hot] = best
+    return out
+
+
+def choose_rounding(fx: FloatFormat, fm: FloatFormat, tab: CodingTables, x: np.ndarray, mu: np.ndarray,
+                    moved: np.ndarray, log2_sigma: np.ndarray, chunk_layers: list[int],
+                    backend: GroupCoster | None = None) -> np.ndarray:
+    """Format 5, FP8: per layer (bool ``(layers,)``, the same for a chunk's layers), whether its
+    chunk codes cheaper with ``moved`` (mu moved toward zero: the engine rounded its codes
+    toward zero, as vLLM's CPU cache writer does) than with ``mu`` (rounded to nearest). Each
+    chunk's sampled cost at shift 0 under both (ties: to nearest), priced as ``choose_shifts``
+    prices (numpy, or the same integers natively)."""
+    out = np.zeros(x.shape[0], bool)
+    if x.size == 0:
+        return out
+    tok = sample_tokens(x.shape[3])
+    xs = x[:, :, :, tok].reshape(-1, len(range(*tok.indices(x.shape[3]))), x.shape[4])
+    lg = np.asarray(log2_sigma, np.int64).reshape(-1, x.shape[4])
+    zero = np.zeros(len(xs), np.int64)
+    per_layer = [_group_costs(fx, fm, tab, xs, m[:, :, :, tok].reshape(xs.shape), lg, zero, backend)[0]
+                 .reshape(x.shape[0], -1).sum(axis=1) for m in (mu, moved)]
+    start = 0
+    for n in chunk_layers:
+        sl = slice(start, start + n)
+        out[sl] = per_layer[1][sl].sum() < per_layer[0][sl].sum()  # NOTE: strict: ties stay nearest
+        start += n
     return out

@@ -28,7 +28,7 @@ from speckv.kv import Fp8KV, bf16_bits
 
 from . import container as ct
 from . import reference
-from .adapt import choose_shifts
+from .adapt import choose_rounding, choose_shifts
 from .backends import select_backend
 from .config import MAX_ELEMS_PER_LANE, CodecConfig
 from .integrity import verified
@@ -37,12 +37,14 @@ from .model import BF16, E4M3, FP32, Context, ContextTable, FloatFormat, fp8_log
 from .plan import (
     Plan,
     bf16_context_table,
+    chunk_rounding,
     chunk_scales,
     chunk_shifts,
     fp8_codes,
     mu_float32,
     plan_context,
     runs,
+    toward_zero_mu,
     whole_record,
 )
 from .rans import RansBlocks, concat_blocks, split_blocks
@@ -191,7 +193,7 @@ class Codec:
         algorithm = algorithm_of(h.version)  # the stream version's digest (FORMAT.md)
         c = ct.Chunk(index=i, layer_start=start, layer_count=count,
                      steps=h.elems_per_lane if len(rb.word_counts) else 0,
-                     mu_fingerprint=digest(plan.mu[sl], algorithm=algorithm),
+                     mu_fingerprint=digest(plan.mu_predicted[sl], algorithm=algorithm),
                      raw_digest=digest(aux, plan.x[sl], algorithm=algorithm), aux=aux,
                      states=rb.states, word_counts=rb.word_counts, words=rb.words, bits=bits)
         if h.version >= 3 and c.record_len > stored_record_len(h, i):  # the size guard (FORMAT.md)
@@ -199,14 +201,21 @@ class Codec:
         return c
 
     def _adapted(self, plan: Plan, h: ct.StreamHeader) -> Plan:
-        """An encoding plan with the sigma shifts of a version 4 stream, chosen by
-        ``adapt.choose_shifts``, its costs priced by the native backend where it runs (the same
-        integers as numpy's, so the same shifts and bytes on every backend)."""
+        """An encoding plan with a version 5 FP8 stream's rounding per chunk
+        (``adapt.choose_rounding``) and a version 4+ stream's sigma shifts
+        (``adapt.choose_shifts``, on the rounded mu), their costs priced by the native backend
+        where it runs (the same integers as numpy's, so the same choices and bytes on every
+        backend)."""
         if h.version < 4:
             return plan
-        assert plan.x is not None  # an encoding plan
+        x = plan.x
+        assert x is not None  # an encoding plan
         coster = self.backend if hasattr(self.backend, "group_costs") else None
-        return plan.shifted(choose_shifts(plan.fmt, plan.fmt_mu, plan.model.tables, plan.x, plan.mu,
+        if h.version >= 5 and plan.fmt is E4M3:
+            plan = plan.rounded(choose_rounding(plan.fmt, plan.fmt_mu, plan.model.tables, x, plan.mu,
+                                                toward_zero_mu(plan.mu), plan.log2_sigma, plan.chunk_counts(h),
+                                                coster))
+        return plan.shifted(choose_shifts(plan.fmt, plan.fmt_mu, plan.model.tables, x, plan.mu,
                                           plan.log2_sigma, coster))
 
     def _plan(self, kv, ids, mu, fmt: FloatFormat | None = None, scales=None,
@@ -313,6 +322,8 @@ class Codec:
             shifts = chunk_shifts(h, span)  # checked before anything is decoded
             layers = slice(h.chunk_layers(coded[0].index)[0], sum(h.chunk_layers(coded[-1].index)))
             plan = self._plan(None, ids, mu, fmt, scales, layers=layers, model_id=h.model)
+            if fmt is E4M3 and h.version >= 5:
+                plan = plan.rounded(chunk_rounding(h, span))
             if shifts is not None:
                 plan = plan.shifted(shifts)
             self._check_mu(plan, h, coded)
@@ -325,7 +336,7 @@ class Codec:
     def _check_mu(self, plan: Plan, h: ct.StreamHeader, chunks: Sequence[ct.Chunk]) -> None:
         # NOTE: digests on the codec's threads (hashlib releases the GIL); the first bad chunk raises
         algorithm = algorithm_of(h.version)
-        same = self._map(lambda c: c.mu_fingerprint == digest(plan.mu[plan.chunk_slice(h, c.index)],
+        same = self._map(lambda c: c.mu_fingerprint == digest(plan.mu_predicted[plan.chunk_slice(h, c.index)],
                                                               algorithm=algorithm), chunks)
         for c, ok in zip(chunks, same, strict=True):
             if not ok:

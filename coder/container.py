@@ -1,4 +1,4 @@
-"""Wire container for speckv compressed KV caches (format version 4; reads 2 to 4).
+"""Wire container for speckv compressed KV caches (format version 5; reads 2 to 5).
 
 The byte layout is specified field by field in ``coder/FORMAT.md``. This module
 only frames and validates; it knows nothing about rANS or the predictor.
@@ -13,12 +13,12 @@ returns the header and its size; ``unpack_chunk(buf[off:], header)`` is then cal
 its size (or ``unpack_stream(buf)``, which also rejects trailing bytes). The caller
 then checks pin, prompt digest and mu fingerprint, decodes, and checks ``raw_digest``.
 
-Versions. A writer emits ``FORMAT_VERSION`` (4); a reader accepts ``READ_VERSIONS``
+Versions. A writer emits ``FORMAT_VERSION`` (5); a reader accepts ``READ_VERSIONS``
 and keeps the version in ``StreamHeader.version``. Version 3 adds *stored chunks in
 a coded stream*: a chunk of a ``model != MODEL_STORED`` stream may carry its raw
 bytes (``n_blocks = 0`` although ``chunk_blocks(i) > 0``); ``is_stored_chunk`` tells.
-Version 4 adds sigma shifts to a coded chunk's ``aux`` (opaque here; the codec reads
-them: ``plan.chunk_aux``).
+Version 4 adds sigma shifts to a coded chunk's ``aux``, version 5 an FP8 coded chunk's
+rounding byte (both opaque here; the codec reads them: ``plan.chunk_aux``).
 
 Malformed input raises :class:`FormatError` (or its subclasses :class:`TruncatedError`
 and :class:`ChecksumError`) and nothing else. Sizes are checked against the bytes
@@ -51,10 +51,11 @@ __all__ = ["FormatError", "TruncatedError", "ChecksumError", "StreamHeader", "Ch
 DTYPE_BF16 = 1
 DTYPE_FP8 = 2
 LANES = RANS_LANES  # the rANS core's lanes per block (one warp)
-# written: 4: sigma shifts in a coded chunk's aux; 3: stored chunks in a coded stream; 2: model 2 (tuned)
-FORMAT_VERSION = 4
-READ_VERSIONS = (2, 3, 4)  # read (each keeps its rules: version 2 has no stored chunk in a coded stream,
-# versions 2 and 3 no sigma shifts)
+# written: 5: an FP8 coded chunk's rounding byte (codes rounded toward zero); 4: sigma shifts in a
+# coded chunk's aux; 3: stored chunks in a coded stream; 2: model 2 (tuned)
+FORMAT_VERSION = 5
+READ_VERSIONS = (2, 3, 4, 5)  # read (each keeps its rules: version 2 has no stored chunk in a coded stream,
+# versions 2 and 3 no sigma shifts, versions 2 to 4 no rounding byte)
 MAGIC = b"SPKV"
 
 MODEL_STORED = 0  # model id of a stored stream: no rANS blocks, raw bytes in ``bits``

@@ -40,6 +40,23 @@ class Plan:
     # format 4: int8 sigma shifts per (layer, kv, head), already added into log2_sigma
     # (None: a version 2/3 stream, whose aux carries none)
     shifts: np.ndarray | None = None
+    # format 5, FP8: per layer, whether its chunk codes the engine's codes as rounded toward
+    # zero (``mu`` then holds ``toward_zero_mu`` of those layers; None: every layer nearest)
+    toward_zero: np.ndarray | None = None
+    predicted_mu: np.ndarray | None = None  # mu before ``rounded`` moved it (the fingerprints' mu)
+
+    @property
+    def mu_predicted(self) -> np.ndarray:
+        """mu as the predictor (and residual model) gave it: what ``mu_fingerprint`` digests."""
+        return self.mu if self.predicted_mu is None else self.predicted_mu
+
+    def chunk_counts(self, h: ct.StreamHeader) -> list[int]:
+        """Layers of each chunk the plan's arrays hold (they start at a chunk's first layer)."""
+        first, n = self.layer0 // h.layers_per_chunk, self.mu.shape[0]
+        counts: list[int] = []
+        while sum(counts) < n:
+            counts.append(h.chunk_layers(first + len(counts))[1])
+        return counts
 
     def chunk_slice(self, h: ct.StreamHeader, i: int) -> slice:
         """Chunk i's layers, relative to the plan's arrays."""
@@ -47,12 +64,26 @@ class Plan:
         return slice(start - self.layer0, start - self.layer0 + count)
 
     def aux(self, sl: slice, blocks: bool = True) -> bytes:
-        """A coded chunk's aux (FORMAT.md): FP8 scales, then (version 4, a chunk with rANS
-        ``blocks``) its sigma shifts."""
-        scales = b"" if self.scales is None else self.scales[sl].astype("<f4").tobytes()
+        """A coded chunk's aux (FORMAT.md): FP8 scales, then (version 5, a chunk with rANS
+        ``blocks`` rounded toward zero) its rounding byte, then (version 4, ``blocks``) its
+        sigma shifts."""
+        aux = b"" if self.scales is None else self.scales[sl].astype("<f4").tobytes()
+        if blocks and self.toward_zero is not None and self.toward_zero[sl].any():
+            aux += bytes([ROUND_TOWARD_ZERO])
         if self.shifts is None or not blocks or not self.shifts[sl].any():  # all 0: none written
-            return scales
-        return scales + self.shifts[sl].astype(np.int8).tobytes()
+            return aux
+        return aux + self.shifts[sl].astype(np.int8).tobytes()
+
+    def rounded(self, toward_zero: np.ndarray) -> "Plan":
+        """This FP8 plan coding the layers flagged in ``toward_zero`` (bool ``(layers,)``) as an
+        engine's codes rounded toward zero: their mu moves half an e4m3 step toward zero
+        (``toward_zero_mu``), so the nearest-rounding model predicts the truncated code."""
+        tz = np.asarray(toward_zero, bool)
+        if not tz.any():
+            return dataclasses.replace(self, toward_zero=None)
+        mu = self.mu_predicted.copy()
+        mu[tz] = toward_zero_mu(mu[tz])
+        return dataclasses.replace(self, mu=mu, predicted_mu=self.mu_predicted, toward_zero=tz)
 
     def shifted(self, shifts: np.ndarray) -> "Plan":
         """This plan coding with ``log2_sigma + shifts`` (int8 ``(layers, 2, heads)``, one per
@@ -63,6 +94,28 @@ class Plan:
     def unshifted(self, sl: slice) -> bool:
         """Whether every group of ``sl`` codes with the checkpoint's own L (shift 0)."""
         return self.shifts is None or not self.shifts[sl].any()
+
+
+ROUND_TOWARD_ZERO = 1  # the rounding byte of a version 5 FP8 chunk (FORMAT.md); absent = to nearest
+E4M3_MIN_EXP, E4M3_MANT = -6, 3  # e4m3: smallest normal binade 2^-6, 3 mantissa bits
+
+
+def toward_zero_mu(mu: np.ndarray) -> np.ndarray:
+    """FP32 mu bit patterns (uint32, in e4m3 units: mu / scale) moved half an e4m3 step toward
+    zero: ``sign(mu) max(|mu| - 2^(E - 4), 0)``, E = max(exponent of |mu|, -6) (the e4m3 step in
+    mu's binade is ``2^(E - 3)``, subnormals ``2^-9``); non-finite mu as it is.
+
+    NOTE: exact in IEEE fp32 (no rounding): 2^(E - 4) is a multiple of |mu|'s ULP and the
+    difference keeps at least |mu| / 2 or cancels below 2^(E - 3) (Sterbenz), or goes under 0
+    and is clamped; so every backend and machine moves mu to the same bits."""
+    bits = np.asarray(mu, np.uint32)
+    e = ((bits >> 23) & 0xFF).astype(np.int32) - 127
+    half = ((np.maximum(e, E4M3_MIN_EXP) - E4M3_MANT - 1 + 127).astype(np.uint32) << 23).view(np.float32)
+    f = bits.view(np.float32)
+    with np.errstate(invalid="ignore"):
+        mag = np.maximum(np.abs(f) - half, np.float32(0)).astype(np.float32)
+    moved = mag.view(np.uint32) | (bits & np.uint32(0x80000000))
+    return np.where(np.isfinite(f), moved, bits).astype(np.uint32)
 
 
 TABLES: dict[bytes, ContextTable] = {}  # by sigma digest: codecs of one checkpoint share one
@@ -111,30 +164,39 @@ def chunk_rel(h: ct.StreamHeader, i: int, start: int) -> slice:
     return slice(s - start, s - start + n)
 
 
-def chunk_aux(h: ct.StreamHeader, c: ct.Chunk) -> tuple[np.ndarray | None, np.ndarray | None]:
+def chunk_aux(h: ct.StreamHeader, c: ct.Chunk) -> tuple[np.ndarray | None, np.ndarray | None, bool]:
     """(FP8 scales ``(layer_count, 2)`` float32 or None for BF16, sigma shifts ``(layer_count,
-    2, kv_heads)`` int8 or None) of chunk ``c``'s ``aux`` (FORMAT.md): the scales of an FP8
-    stream, then in a version 4 stream's chunks with rANS blocks (``n_blocks > 0``: neither
-    stored nor empty) either nothing (every shift 0) or one shift per (layer, kv, head).
-    IntegrityError unless ``aux`` has exactly one of those lengths and every shift is within
+    2, kv_heads)`` int8 or None, rounded toward zero) of chunk ``c``'s ``aux`` (FORMAT.md): the
+    scales of an FP8 stream; then in a version 5 FP8 stream's chunks with rANS blocks
+    (``n_blocks > 0``: neither stored nor empty) nothing (to nearest) or the rounding byte
+    ``ROUND_TOWARD_ZERO``; then in a version 4+ stream's such chunks either nothing (every
+    shift 0) or one shift per (layer, kv, head). IntegrityError unless ``aux`` has exactly one
+    of those lengths, the rounding byte is ``ROUND_TOWARD_ZERO`` and every shift is within
     ``+-SHIFT_MAX``."""
     n = c.layer_count
     n_scales = 8 * n if h.dtype == ct.DTYPE_FP8 else 0
+    n_round = 1 if h.version >= 5 and n_scales and c.n_blocks > 0 else 0
     n_shifts = n * 2 * h.shape[2] if h.version >= 4 and c.n_blocks > 0 else 0
-    if len(c.aux) not in (n_scales, n_scales + n_shifts):
+    lengths = {n_scales + r + s for r in {0, n_round} for s in {0, n_shifts}}
+    if len(c.aux) not in lengths:
         what = f"{n_scales} bytes of FP8 scales" if n_scales else "no FP8 scales"
-        extra = f", then nothing or {n_shifts} bytes of sigma shifts" if n_shifts else ""
+        extra = (", then nothing or a rounding byte" if n_round else "") + (
+            f", then nothing or {n_shifts} bytes of sigma shifts" if n_shifts else "")
         raise IntegrityError(f"chunk {c.index}: aux holds {what}{extra}, not {len(c.aux)} bytes")
     aux = bytes(c.aux)
     scales = np.frombuffer(aux, "<f4", count=2 * n).astype(np.float32).reshape(n, 2) if n_scales else None
+    toward_zero = bool(n_round) and len(aux) - n_scales in (1, 1 + n_shifts)
+    if toward_zero and aux[n_scales] != ROUND_TOWARD_ZERO:
+        raise IntegrityError(f"chunk {c.index}: aux rounding byte {aux[n_scales]}, not {ROUND_TOWARD_ZERO}")
+    at = n_scales + int(toward_zero)
     if not n_shifts:
-        return scales, None
-    if len(aux) == n_scales:  # every shift 0
-        return scales, np.zeros((n, 2, h.shape[2]), np.int8)
-    shifts = np.frombuffer(aux, np.int8, offset=n_scales).reshape(n, 2, h.shape[2])
+        return scales, None, toward_zero
+    if len(aux) == at:  # every shift 0
+        return scales, np.zeros((n, 2, h.shape[2]), np.int8), toward_zero
+    shifts = np.frombuffer(aux, np.int8, offset=at).reshape(n, 2, h.shape[2])
     if (shifts < -SHIFT_MAX).any():
         raise IntegrityError(f"chunk {c.index}: a sigma shift outside +-{SHIFT_MAX}")
-    return scales, shifts
+    return scales, shifts, toward_zero
 
 
 def chunk_scales(h: ct.StreamHeader, chunks: Sequence[ct.Chunk]) -> np.ndarray:
@@ -151,6 +213,12 @@ def chunk_shifts(h: ct.StreamHeader, chunks: Sequence[ct.Chunk]) -> np.ndarray |
         return None
     return np.concatenate([np.zeros((c.layer_count, 2, h.shape[2]), np.int8) if p is None else p
                            for c, p in zip(chunks, parts, strict=True)])
+
+
+def chunk_rounding(h: ct.StreamHeader, chunks: Sequence[ct.Chunk]) -> np.ndarray:
+    """Per layer of consecutive chunks, whether its chunk's codes are rounded toward zero."""
+    return np.concatenate([np.full(c.layer_count, chunk_aux(h, c)[2]) for c in chunks]) if chunks \
+        else np.zeros(0, bool)
 
 
 def runs(indices: Sequence[int]) -> list[slice]:

@@ -263,7 +263,7 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
             for (c, wire), bits in zip(batch, await self._decode(t, h, mu, chunks), strict=True):
                 raw = lb * c.layer_count  # reserved with the record; FetchKV releases it per layer
                 t.holding.release(wire)
-                scales = chunk_aux(h, c)[0]  # FP8 scales (aux also holds a format 4 chunk's sigma shifts)
+                scales = chunk_aux(h, c)[0]  # FP8 scales (aux also holds a chunk's rounding byte and sigma shifts)
                 await t.publish(c.layer_start, bits, scales)
                 t.raw_bytes += raw
                 self.metrics.chunk(*labels, raw, wire, ct.HEADER_LEN if c.index == 0 else 0)

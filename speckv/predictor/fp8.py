@@ -37,15 +37,23 @@ def _finite_amax(x: "torch.Tensor", dims: tuple[int, ...]) -> "torch.Tensor":
     )
 
 
-def quantize_e4m3(x: "torch.Tensor", scale: "torch.Tensor") -> "torch.Tensor":
-    """e4m3 symbols (uint8) of ``x / scale``; ``scale`` broadcasts against x."""
+def quantize_e4m3(x: "torch.Tensor", scale: "torch.Tensor", toward_zero: bool = False) -> "torch.Tensor":
+    """e4m3 symbols (uint8) of ``x / scale``; ``scale`` broadcasts against x. Rounded to nearest
+    even, or (``toward_zero``) toward zero, as vLLM's CPU cache writer rounds
+    (benchmarks/research/vllm_fp8_rounding.py)."""
     import torch
 
     y = x.float() / scale
     y = torch.where(torch.isfinite(y), y, torch.full_like(y, float("nan")))
     # NOTE: torch rounds to nearest-even when casting to float8_e4m3fn; inputs are
     # within +-E4M3_MAX by construction of the scale, so nothing saturates.
-    return y.to(torch.float8_e4m3fn).view(torch.uint8)
+    q = y.to(torch.float8_e4m3fn)
+    if not toward_zero:
+        return q.view(torch.uint8)
+    out = q.view(torch.uint8).clone()
+    over = q.float().abs() > y.abs()  # rounded away from zero: one code back (codes are monotone in |v|)
+    out[over & ((out & 0x7F) > 0)] -= 1
+    return out
 
 
 def dequantize_e4m3(q: "torch.Tensor", scale: "torch.Tensor") -> "torch.Tensor":
@@ -55,10 +63,11 @@ def dequantize_e4m3(q: "torch.Tensor", scale: "torch.Tensor") -> "torch.Tensor":
     return q.view(torch.float8_e4m3fn).float() * scale
 
 
-def kv_to_fp8(kv: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
-    """BF16 KV (layers, 2, heads, tokens, dim) -> (uint8 symbols, fp32 scales (layers, 2))."""
+def kv_to_fp8(kv: "torch.Tensor", toward_zero: bool = False) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """BF16 KV (layers, 2, heads, tokens, dim) -> (uint8 symbols, fp32 scales (layers, 2)),
+    rounded to nearest (or toward zero: vLLM's CPU cache writer)."""
     scale = _safe_scale(_finite_amax(kv, (2, 3, 4)))  # (layers, 2)
-    return quantize_e4m3(kv, scale[:, :, None, None, None]), scale
+    return quantize_e4m3(kv, scale[:, :, None, None, None], toward_zero), scale
 
 
 def weight_to_fp8(w: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:

@@ -72,7 +72,7 @@ def test_other_engine_kv_gets_shifts_and_codes_smaller(make_codec):
     v4 = list(codec.encode(x, ids, bf16_tensor(mu)))
     v3 = versioned_records(codec, x, ids, bf16_tensor(mu), 3)
     h = ct.unpack_header(v4[0])[0]
-    assert h.version == 4
+    assert h.version == ct.FORMAT_VERSION
     shifts = _shifts(h, v4)
     assert (shifts[:EXACT] >= 64).all() and not shifts[EXACT:].any()  # the exact layers' sigma widened
     # the exact layers' chunks: ~15 bits a flipped scalar at shift 0 (stored by the guard in v3)
@@ -90,7 +90,7 @@ def test_same_kernel_kv_keeps_version_3_bytes(make_codec):
     ids = ids_for(T)
     v4 = list(codec.encode(x, ids, bf16_tensor(mu)))
     v3 = versioned_records(codec, x, ids, bf16_tensor(mu), 3)
-    assert v4[0][4:6] == b"\x04\x00" and v4[1:] == v3[1:]
+    assert v4[0][4:6] == bytes([ct.FORMAT_VERSION, 0]) and v4[1:] == v3[1:]
     assert np.array_equal(codec.decode(v4, ids, bf16_tensor(mu)), x)
 
 

@@ -1,5 +1,5 @@
 """Golden streams of the codec (``speckv.coder.codec``): fixed inputs (BF16 and FP8) whose
-streams in format versions 4, 3 and 2 are pinned by sha256 and length, decode bit for bit,
+streams in format versions 5, 4, 3 and 2 are pinned by sha256 and length, decode bit for bit,
 and differ between versions only where the format says they do.
 
 The inputs are synthetic and the codec is built from the shipped default checkpoint
@@ -46,19 +46,31 @@ def _golden_bf16_b() -> tuple[np.ndarray, np.ndarray, int]:
     return x, mu, 2
 
 
-def _golden_fp8() -> tuple[Fp8KV, np.ndarray, int]:
+def _golden_fp8(toward_zero: bool = False) -> tuple[Fp8KV, np.ndarray, int]:
     rng = np.random.default_rng(99)
     kv = torch.from_numpy((2.0 * rng.standard_normal(shape(2))).astype(np.float32)).to(torch.bfloat16)
-    q, s = kv_to_fp8(kv)
+    q, s = kv_to_fp8(kv, toward_zero=toward_zero)
     codes = q.numpy().copy()
     codes.reshape(-1)[:256] = ALL_CODES
     mu = bf16_from_float(kv.float().numpy() * (1 + 0.05 * rng.standard_normal(shape(2))).astype(np.float32))
     return Fp8KV(codes, s.numpy()), mu, 2
 
 
+def _golden_fp8_toward_zero() -> tuple[Fp8KV, np.ndarray, int]:
+    """FP8 codes rounded toward zero (vLLM's CPU cache writer) under a close mu: coded chunks
+    that carry the version 5 rounding byte."""
+    rng = np.random.default_rng(55)
+    kv = torch.from_numpy((2.0 * rng.standard_normal(shape(4))).astype(np.float32)).to(torch.bfloat16)
+    q, s = kv_to_fp8(kv, toward_zero=True)
+    codes = q.numpy().copy()
+    codes.reshape(-1)[:256] = ALL_CODES
+    mu = bf16_from_float(kv.float().numpy() * (1 + 0.01 * rng.standard_normal(shape(4))).astype(np.float32))
+    return Fp8KV(codes, s.numpy()), mu, 4
+
+
 # (name, input, (elems_per_lane, layers_per_chunk), (sha256, length, stored chunks) of the stream
-# in format version 4, (sha256, length) in version 3, which chunks of it are stored by the size
-# guard, (sha256, length) in version 2)
+# in format version 5, (sha256, length) in version 4, (sha256, length) in version 3, which chunks of it
+# are stored by the size guard, (sha256, length) in version 2)
 # NOTE: these pin the byte format AND the probability model / tables. If a change
 # to either is intended, update them (and say so); otherwise a failure is a bug.
 # Updated for format version 2: probability model 2 (tuned) under the hybrid:4 default checkpoint;
@@ -72,20 +84,34 @@ def _golden_fp8() -> tuple[Fp8KV, np.ndarray, int]:
 # codes below its stored size (the guard stored it in version 3).
 # Every version again when the default checkpoint became rung w8a8:4 (new pin, tables and calibration;
 # the same stored chunks; regenerated with the numpy reference and checked on the native coder).
+# Format version 5 (an FP8 chunk's rounding byte): new goldens (the first three differ from their
+# version 4 streams in the header's version only: their chunks round to nearest); the version 4, 3
+# and 2 ones did not move. fp8_tz (codes rounded toward zero) is new: its version 5 chunks carry the
+# rounding byte and code in 10,787 bytes against 15,655 in version 4.
 GOLDEN = [
     ("bf16_a", _golden_bf16_a, (4, 8),
-     ("81ff4da5644fd1c941fafe871cdb114f47a6ba572ec4b9b747c8d6b373b9a882", 19315, []),
+     ("588a272a43e0aef86db22fad5b788e5a0083e2a045e314130f57a6b794ae402b", 19315, []),
+     ("81ff4da5644fd1c941fafe871cdb114f47a6ba572ec4b9b747c8d6b373b9a882", 19315),
      ("aaea76bae16a3fe66651f17c4ad0f01e2a2303587a10b2336f641a9f31268f71", 20753), [0],
      ("def247c430420196d70435680c3f1a4b95cb79749228786202af697fe7a04d82", 22640)),
     ("bf16_b", _golden_bf16_b, (5, 30),
-     ("85f22dcb26daa3f50952aa1c454bfffb8c4de8d2511951b79492087302c07fef", 46270, [0]),
+     ("8afab311ea816c717cad4f59e501af53ec995031e25da0b5e98174525278788f", 46270, [0]),
+     ("85f22dcb26daa3f50952aa1c454bfffb8c4de8d2511951b79492087302c07fef", 46270),
      ("0df9c88e3ed8722d8ac042452bd08eb1fd115fb1006b325c1c5787b036e12fbe", 46270), [0],
      ("c40892edf37a1d621a88ec46921a08743413ae01d84564438d0974baa0e766fb", 275809)),
     ("fp8", _golden_fp8, (3, 16),
-     ("3baf285373855f8e2a10b01a590defd341c1c7ce18d0cfce028a3d161503db7b", 23550, [0, 1]),
+     ("e40890bd15cedbbcb0817323479dbb566f88fdaf8b902e2cf1076bb76146a04b", 23550, [0, 1]),
+     ("3baf285373855f8e2a10b01a590defd341c1c7ce18d0cfce028a3d161503db7b", 23550),
      ("15d86aaea28e2783a4132c05ccaebf6d4083398ef859126b9e1010e75d44f229", 23550), [0, 1],
      ("5d7bd6681b3964ca4999a1a1dde49aed0259016947d8e798e174690595d7fa0e", 34541)),
+    ("fp8_tz", _golden_fp8_toward_zero, (64, 16),
+     ("313780c6a81a79d77102f87284832312b4666dbfe4b8327e315a6aa7c677487e", 10787, []),
+     ("77ac4ced73fb4edd8d73f88d107f97489a2b38e9f764ebefdb832838b27739e6", 15655),
+     ("6177c960147a85c5bdf574abf69546b7fc9f8c3c22f0797bea666b05a2ebdf4d", 18386), [],
+     ("9f76672f235cb98e876ac61d899bd3e1a6d7191f5f65a553be92426d6dc63cad", 18386)),
 ]
+ARGS = "name,build,cfg,v5,v4,v3,stored,v2"
+IDS = [g[0] for g in GOLDEN]
 
 
 def _check_kv(out, kv) -> None:
@@ -96,22 +122,35 @@ def _check_kv(out, kv) -> None:
         assert np.array_equal(out, kv)
 
 
-@pytest.mark.parametrize("name,build,cfg,v4,v3,stored,v2", GOLDEN, ids=[g[0] for g in GOLDEN])
-def test_golden_streams(make_codec, name, build, cfg, v4, v3, stored, v2):
+@pytest.mark.parametrize(ARGS, GOLDEN, ids=IDS)
+def test_golden_streams(make_codec, name, build, cfg, v5, v4, v3, stored, v2):
     kv, mu, T = build()
     codec = make_codec(*cfg)
     ids = np.arange(100, 100 + T, dtype=np.int64)
     records = list(codec.encode(kv, ids, bf16_tensor(mu)))
     stream = b"".join(records)
     _check_kv(codec.decode(records, ids, bf16_tensor(mu)), kv)
-    assert (hashlib.sha256(stream).hexdigest(), len(stream)) == v4[:2]
+    assert (hashlib.sha256(stream).hexdigest(), len(stream)) == v5[:2]
     h = ct.unpack_header(records[0])[0]
-    assert h.version == 4
-    assert [i for i, r in enumerate(records[1:]) if ct.is_stored_chunk(h, ct.unpack_chunk(r, h)[0])] == v4[2]
+    assert h.version == 5
+    assert [i for i, r in enumerate(records[1:]) if ct.is_stored_chunk(h, ct.unpack_chunk(r, h)[0])] == v5[2]
 
 
-@pytest.mark.parametrize("name,build,cfg,v4,v3,stored,v2", GOLDEN, ids=[g[0] for g in GOLDEN])
-def test_golden_streams_version_3(make_codec, name, build, cfg, v4, v3, stored, v2):
+@pytest.mark.parametrize(ARGS, GOLDEN, ids=IDS)
+def test_golden_streams_version_4(make_codec, name, build, cfg, v5, v4, v3, stored, v2):
+    """Under a version 4 header the codec still writes the version 4 bytes (no rounding byte:
+    every FP8 chunk codes as rounded to nearest) and decodes them bit for bit."""
+    kv, mu, T = build()
+    codec = make_codec(*cfg)
+    ids = np.arange(100, 100 + T, dtype=np.int64)
+    records = versioned_records(codec, kv, ids, mu, 4)
+    assert (hashlib.sha256(b"".join(records)).hexdigest(), len(b"".join(records))) == v4
+    assert records[0][4:6] == b"\x04\x00"
+    _check_kv(codec.decode(records, ids, bf16_tensor(mu)), kv)
+
+
+@pytest.mark.parametrize(ARGS, GOLDEN, ids=IDS)
+def test_golden_streams_version_3(make_codec, name, build, cfg, v5, v4, v3, stored, v2):
     """Under a version 3 header the codec still writes the version 3 bytes (no sigma shifts:
     every group codes with the checkpoint's L) and decodes them bit for bit; version 4 differs
     in the header, each coded chunk's aux (its shifts) and the chunks whose shifts are not 0."""
@@ -126,8 +165,8 @@ def test_golden_streams_version_3(make_codec, name, build, cfg, v4, v3, stored, 
     _check_kv(codec.decode(records, ids, bf16_tensor(mu)), kv)
 
 
-@pytest.mark.parametrize("name,build,cfg,v4,v3,stored,v2", GOLDEN, ids=[g[0] for g in GOLDEN])
-def test_golden_streams_version_2(make_codec, name, build, cfg, v4, v3, stored, v2):
+@pytest.mark.parametrize(ARGS, GOLDEN, ids=IDS)
+def test_golden_streams_version_2(make_codec, name, build, cfg, v5, v4, v3, stored, v2):
     """Under a version 2 header the codec writes the version 2 bytes (every chunk coded, no
     size guard, blake2b-128 digests), and decodes them; version 3 differs in the header, the
     guarded chunks and every chunk's digests (XXH3-128)."""

@@ -143,7 +143,7 @@ def test_golden_bytes():
 def test_golden_bytes_version_2():
     """A version 2 stream still reads, keeps its version and re-packs to the same bytes."""
     h, c = golden_objects()
-    assert C.FORMAT_VERSION == 4 and C.READ_VERSIONS == (2, 3, 4)
+    assert C.FORMAT_VERSION == 5 and C.READ_VERSIONS == (2, 3, 4, 5)
     h2, chunks = unpack_stream(GOLDEN_V2)
     assert h2.version == 2 and h2 == dataclasses.replace(h, version=2) and chunks == [c]
     assert pack_stream(h2, chunks) == GOLDEN_V2 and pack_header(h2) == GOLDEN_V2[:110]
@@ -151,9 +151,10 @@ def test_golden_bytes_version_2():
 
 
 def test_golden_bytes_version_4():
-    """A version 4 stream (what writers write) reads, keeps its version and re-packs to the same bytes."""
+    """A version 4 stream (what writers wrote before version 5) reads, keeps its version and re-packs
+    to the same bytes."""
     h, c = golden_objects()
-    assert StreamHeader(**{**h.__dict__, "version": C.FORMAT_VERSION}).version == 4
+    assert StreamHeader(**{**h.__dict__, "version": C.FORMAT_VERSION}).version == 5
     h4, chunks = unpack_stream(GOLDEN_V4)
     assert h4.version == 4 and h4 == dataclasses.replace(h, version=4) and chunks == [c]
     assert pack_stream(h4, chunks) == GOLDEN_V4

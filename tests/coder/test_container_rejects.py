@@ -92,7 +92,7 @@ def test_bad_magic_and_version():
         unpack_stream(b"XPKV" + GOLDEN[4:])
     with pytest.raises(TruncatedError):
         unpack_header(b"SP")
-    for bad in (0, 1, 5, 0xFFFF):
+    for bad in (0, 1, 6, 0xFFFF):
         with pytest.raises(FormatError, match=f"unsupported format version {bad}$"):
             unpack_header(fix_crcs(GOLDEN[:4] + struct.pack("<H", bad) + GOLDEN[6:]))
         with pytest.raises(FormatError, match=f"unsupported format version {bad}$"):

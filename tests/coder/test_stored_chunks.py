@@ -106,7 +106,7 @@ def _stored_like(h: ct.StreamHeader, i: int, steps: int = 0) -> ct.Chunk:
 def test_container_accepts_stored_chunks_in_version_3_coded_streams_only():
     h = make_header(model=3)  # version 3, coded: chunk_blocks > 0
     h = dataclasses.replace(h, version=3)
-    assert ct.FORMAT_VERSION == 4 and h.chunk_blocks(1) > 0
+    assert ct.FORMAT_VERSION == 5 and h.chunk_blocks(1) > 0
     chunks = [make_chunk(h, 0), _stored_like(h, 1)]
     h2, back = ct.unpack_stream(ct.pack_stream(h, chunks))
     assert h2 == h and back == chunks
@@ -294,7 +294,7 @@ def test_guard_stores_incompressible_chunks(make_codec, dtype):
     records = list(codec.encode(kv, ids, bf16_tensor(mu)))
     assert records == list(ref.encode(kv, ids, bf16_tensor(mu)))
     h, _ = ct.unpack_header(records[0])
-    assert h.version == 4 and h.model != ct.MODEL_STORED and all(_stored_flags(h, records))
+    assert h.version == ct.FORMAT_VERSION and h.model != ct.MODEL_STORED and all(_stored_flags(h, records))
     coded = unguarded_records(codec, kv, ids, bf16_tensor(mu))  # what version 2 wrote: larger
     for i in range(h.n_chunks):
         assert len(records[1 + i]) == stored_record_len(h, i) < len(coded[1 + i])

@@ -18,25 +18,28 @@ from speckv.coder.codec import bf16_bits
 from speckv.errors import FormatError, UnsupportedVersionError
 from speckv.server.decoder import DecoderService
 
-OLD = 3  # the newest version the simulated older decoder reads
+OLD = 3  # the newest version the simulated older decoder reads (by default)
 
 
-def _refuse_newer(exc: type[FormatError]):
+def _refuse_newer(exc: type[FormatError], old: int = OLD):
     real = DecoderService._check_header
     seen: list[int] = []
 
     def check(self, hdr):
         h, _ = ct.unpack_header(hdr.header_record)
         seen.append(h.version)
-        if h.version > OLD:  # NOTE: the message decoders of version 3 gave
+        if h.version > old:  # NOTE: the message decoders of version 3 gave
             raise exc(f"unsupported format version {h.version}")
         return real(self, hdr)
     return check, seen
 
 
-@pytest.mark.parametrize("exc", [UnsupportedVersionError, FormatError], ids=["reason", "legacy-message"])
-def test_a_decoder_reading_older_versions_gets_an_older_coded_stream(embedded_session, monkeypatch, caplog, exc):
-    check, seen = _refuse_newer(exc)
+@pytest.mark.parametrize("exc,old", [(UnsupportedVersionError, 4), (UnsupportedVersionError, 3), (FormatError, 3)],
+                         ids=["reason-v4", "reason-v3", "legacy-message-v3"])
+def test_a_decoder_reading_older_versions_gets_an_older_coded_stream(embedded_session, monkeypatch, caplog, exc,
+                                                                      old):
+    """The encoder steps down one version per refusal until the decoder takes the stream."""
+    check, seen = _refuse_newer(exc, old)
     monkeypatch.setattr(DecoderService, "_check_header", check)
     target, p = embedded_session.target, embedded_session.predictor
     with running_pair(p, p) as ((enc, eaddr), (dec, daddr)):
@@ -44,14 +47,14 @@ def test_a_decoder_reading_older_versions_gets_an_older_coded_stream(embedded_se
             for k, text in enumerate(["A decoder one release behind.", "And its second transfer."]):
                 ids = target.tokenize(text)
                 kv = target.kv(ids)
-                res, back = _transfer(eaddr, daddr, f"ver-{exc.__name__}-{k}", kv, ids)
+                res, back = _transfer(eaddr, daddr, f"ver-{exc.__name__}-{old}-{k}", kv, ids)
                 assert np.array_equal(back, bf16_bits(kv))
                 assert (res.encoding, res.fallback, res.stored_chunks) == ("speckv", False, 0), res
-                assert res.wire_bytes < res.raw_bytes / 2  # still coded, in version 3
-        assert seen == [ct.FORMAT_VERSION, OLD] * 2  # refused, then taken one version older
+                assert res.wire_bytes < res.raw_bytes / 2  # still coded, in the older version
+        assert seen == list(range(ct.FORMAT_VERSION, old - 1, -1)) * 2  # refused, then taken older
         assert _metric(enc, "speckv_fallbacks_total", "pin_mismatch") == 0
-        warned = [r for r in caplog.records if r.name == "speckv.server.encoder" and "reads stream format 3" in
-                  r.getMessage()]
+        warned = [r for r in caplog.records if r.name == "speckv.server.encoder" and
+                  f"reads stream format {ct.FORMAT_VERSION - 1}" in r.getMessage()]
         assert len(warned) == 1  # once per peer
 
 
