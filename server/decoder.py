@@ -136,10 +136,14 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
         name, _ = dtype_of(hdr.dtype)
         shape = shape_of(hdr.shape)
         ids = np.asarray(hdr.prompt_token_ids, np.int64)
+        foreign = hdr.model_id != self.rt.model_id  # NOTE: only a stored stream of it is taken (Runtime.check)
+        if not foreign:  # the request's own faults first, before its header record's
+            self.rt.check(hdr.model_id, shape, ids, self.config.max_tokens)
         h, used = ct.unpack_header(hdr.header_record)
         if used != len(hdr.header_record):
             raise ct.FormatError("header_record has trailing bytes")
-        self.rt.check(hdr.model_id, shape, ids, self.config.max_tokens, stored=h.model == ct.MODEL_STORED)
+        if foreign:
+            self.rt.check(hdr.model_id, shape, ids, self.config.max_tokens, stored=h.model == ct.MODEL_STORED)
         if h.shape != shape or h.dtype != (ct.DTYPE_BF16 if name == "bf16" else ct.DTYPE_FP8):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "header_record disagrees with the header's dtype/shape")
         if h.model != ct.MODEL_STORED and hdr.predictor_pin != h.pin:
