@@ -100,7 +100,8 @@ def load_text(path: str | None) -> tuple[str, str]:
 def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf16",
               target: str = "default", predictor: str | None = None, pin: str | None = None,
               quiet: bool = False, coder: str = "auto", model: str = "auto",
-              timing_runs: int = 3, threads: int | None = None, engine: str = "sdpa") -> dict[str, Any]:
+              timing_runs: int = 3, threads: int | None = None, engine: str = "sdpa",
+              fp8_toward_zero: bool = False) -> dict[str, Any]:
     from speckv.coder.backends import backend_name
     from speckv.coder.codec import Codec, CodecConfig, Fp8KV, bf16_bits
     from speckv.predictor.engines import engine_kv
@@ -123,7 +124,7 @@ def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf
         if other is not None:  # the KV the encoder codes comes from that engine; mu stays the sidecar's
             pre.kv = other
         if dtype == "fp8":
-            q, scale = kv_to_fp8(pre.kv)
+            q, scale = kv_to_fp8(pre.kv, toward_zero=fp8_toward_zero)
             kv, raw = Fp8KV(q.numpy(), scale.numpy()), q.numpy().tobytes()
         else:
             kv = pre.kv
@@ -140,7 +141,9 @@ def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf
     coded = sum(len(r) for r in records)
     n = int(pre.kv.numel())
     mb = len(raw) / 1e6
-    return {"dtype": dtype, "engine": engine, "text": name, "tokens": int(len(ids)), "scalars": n,
+    return {"dtype": dtype, "engine": engine, "text": name,
+            "fp8_rounding": ("toward zero" if fp8_toward_zero else "nearest") if dtype == "fp8" else None,
+            "tokens": int(len(ids)), "scalars": n,
             "raw_bytes": len(raw), "coded_bytes": coded, "bits_per_scalar": 8 * coded / max(n, 1),
             # NOTE: the seed model's ideal code length (static sigma, the published mixture, mu as
             # predicted); the tuned model the codec uses by default can code below it

@@ -145,6 +145,9 @@ def _parser() -> argparse.ArgumentParser:
                             "thread, the AVX2 kernel path, a padded batch of two: KV differing in its last "
                             "bits, as another engine's would; speckv.predictor.engines); the predictor stays "
                             "as shipped")
+    bench.add_argument("--fp8-toward-zero", action="store_true",
+                       help="with --dtype fp8: round the KV's e4m3 codes toward zero, as vLLM's CPU cache "
+                            "writer does (format 5 codes them with its rounding byte), not to nearest")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--model", choices=("auto", "seed", "tuned"), default="auto",
                        help="residual model: seed (the published static mixture), tuned (affine mu "
@@ -300,7 +303,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     rep = run_bench(args.text, args.tokens, args.dtype, args.target, args.predictor, args.pin, quiet=args.json,
                     coder=args.coder, model=args.model, timing_runs=args.timing_runs, threads=args.threads,
-                    engine=args.engine)
+                    engine=args.engine, fp8_toward_zero=args.fp8_toward_zero)
     if args.json:
         print(json.dumps(rep))
     else:

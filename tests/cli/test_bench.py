@@ -91,7 +91,7 @@ def bf16_bench(slice_file):
         proc.communicate()
 
 
-def run_bench_in_process(slice_file: Path, dtype: str, session, pre, monkeypatch, capsys) -> dict:
+def run_bench_in_process(slice_file: Path, dtype: str, session, pre, monkeypatch, capsys, *extra: str) -> dict:
     def fake_open(cls, target="default", predictor=None, pin=None):
         assert str(target) == "default" and predictor is None and pin is None
         return session
@@ -104,7 +104,7 @@ def run_bench_in_process(slice_file: Path, dtype: str, session, pre, monkeypatch
     monkeypatch.setattr(Session, "prefill", shared_prefill)
     monkeypatch.setattr(bench, "fp8_copy_forward", lambda target: lambda ids: None)
     rc = main(["bench", "--text", str(slice_file), "--tokens", str(TOKENS), "--timing-runs", "1",
-               "--dtype", dtype, "--json"])
+               "--dtype", dtype, "--json", *extra])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     return json.loads(captured.out)
@@ -168,3 +168,13 @@ def test_bench_fp8(slice_file, reference, embedded_session, monkeypatch, capsys)
     check_report(rep, "fp8", ref["fp8"], embedded_session, slice_file)
     # the command's coded bytes (native coder) are the numpy reference's on the same KV and mu
     assert rep["coded_bytes"] == ref["fp8"]["coded_bytes"]
+    assert rep["fp8_rounding"] == "nearest"
+
+
+def test_bench_fp8_toward_zero(slice_file, reference, embedded_session, monkeypatch, capsys):
+    """--fp8-toward-zero: the KV's codes rounded as vLLM's CPU cache writer rounds them; format 5's
+    rounding byte codes them within 5% of the nearest-rounded codes' bytes, bit for bit."""
+    pre, ref = reference
+    rep = run_bench_in_process(slice_file, "fp8", embedded_session, pre, monkeypatch, capsys, "--fp8-toward-zero")
+    assert (rep["fp8_rounding"], rep["lossless"]) == ("toward zero", True)
+    assert ref["fp8"]["coded_bytes"] < rep["coded_bytes"] < 1.05 * ref["fp8"]["coded_bytes"]
