@@ -17,7 +17,11 @@ Engines (``ENGINES``; all take the same weights and prompt, and give
 - ``avx2``: the sidecars' computation in a child process with ``ATEN_CPU_CAPABILITY=avx2``
   and ``ONEDNN_MAX_CPU_ISA=AVX2`` (another CPU kernel path: vectorised ops and oneDNN);
 - ``batch2``: a right-padded batch of two (the prompt beside a shorter one, with an attention
-  mask), as an engine batches requests; the prompt's row is returned.
+  mask), as an engine batches requests; the prompt's row is returned;
+- ``fp8cache``: an FP8 KV cache that attention reads, as vLLM's with ``kv_cache_dtype=fp8``:
+  each layer's K and V are rounded to e4m3 (per (layer, kv) scale amax / 448, as
+  ``fp8.kv_to_fp8``) before attention, so every later layer's K/V derive from FP8-rounded ones;
+  the returned KV holds the rounded values (meant for ``--dtype fp8``).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 SAME = "sdpa"  # the sidecars' own kernels
-ENGINES = (SAME, "eager", "fp32", "bf16", "threads1", "avx2", "batch2")
+ENGINES = (SAME, "eager", "fp32", "bf16", "threads1", "avx2", "batch2", "fp8cache")
 ATTENTION_ENGINES = (SAME, "eager")  # a transformers attention implementation each (benchmarks/e2e.py)
 CHILD_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}  # the ``avx2`` engine
 CHILD_TIMEOUT_S = 1800.0
@@ -132,9 +136,32 @@ def _child_process(target: tgt.Target, ids: np.ndarray) -> "torch.Tensor":
         return torch.from_numpy(np.load(dst)).view(torch.bfloat16)
 
 
+def _fp8cache(target: tgt.Target, ids: np.ndarray) -> "torch.Tensor":
+    """The sidecars' computation with each layer's K/V rounded to e4m3 before attention reads them."""
+    from transformers import cache_utils
+
+    from .fp8 import dequantize_e4m3, kv_to_fp8
+
+    def rounded(x: "torch.Tensor") -> "torch.Tensor":  # (1, heads, tokens, dim)
+        q, s = kv_to_fp8(x[0][None, None])  # one scale for the layer's K (or V)
+        return dequantize_e4m3(q, s[:, :, None, None, None])[0, 0][None].to(x.dtype)
+
+    real = cache_utils.DynamicLayer.update
+
+    def update(self: Any, key: "torch.Tensor", value: "torch.Tensor", *args: Any, **kwargs: Any) -> Any:
+        return real(self, rounded(key), rounded(value), *args, **kwargs)
+
+    # NOTE: patched on the class, inside the forward lock's caller: this process runs no other forward
+    cache_utils.DynamicLayer.update = update  # type: ignore[assignment,method-assign]
+    try:
+        return target.kv(ids)
+    finally:
+        cache_utils.DynamicLayer.update = real  # type: ignore[method-assign]
+
+
 _RUNNERS: dict[str, Callable[[tgt.Target, np.ndarray], "torch.Tensor"]] = {
     "eager": _attention("eager"), "fp32": _plain("float32"), "bf16": _plain("bfloat16"),
-    "threads1": _threads1, "avx2": _child_process, "batch2": _batch2}
+    "threads1": _threads1, "avx2": _child_process, "batch2": _batch2, "fp8cache": _fp8cache}
 
 
 def differing_fraction(kv: "torch.Tensor", same: "torch.Tensor") -> float:

@@ -64,6 +64,7 @@ WIRE_BITS = {
     ("fp8z", "batch2", 5): 2.187114800347222,
     ("fp8z", "sdpa", 4): 2.7631768120659723,
     ("fp8z", "eager", 4): 2.7789171006944446,
+    ("fp8", "fp8cache", 5): 2.7488498263888888,  # over the bar: test_fp8_cache_engine
 }
 
 
@@ -134,21 +135,25 @@ def test_other_engine_kv_gains(wire_bits):
     assert wire_bits("bf16", "eager", 5) <= 6.2 and wire_bits("fp8", "eager", 5) <= 2.5
 
 
+BF16_CACHE = [e for e in engines.ENGINES if e != "fp8cache"]  # engines whose attention reads a BF16 cache
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-@pytest.mark.parametrize("engine", [e for e in engines.ENGINES if e not in ("sdpa", "eager")])
+@pytest.mark.parametrize("engine", [e for e in BF16_CACHE if e not in ("sdpa", "eager")])
 def test_bits_per_scalar_on_other_engines(wire_bits, dtype, engine):
     assert wire_bits(dtype, engine, 5) == pytest.approx(WIRE_BITS[dtype, engine, 5], rel=REL)
 
 
 def test_worst_engine_meets_the_bar(wire_bits):
-    """The issue's bar, judged by the worst engine stand-in: BF16 <= 6.2, FP8 <= 2.5 bits; the worst
-    (fp32 compute here) within 0.43 / 0.09 bits of same-kernel KV (measured 0.396 / 0.073)."""
-    worst = {dt: max(wire_bits(dt, e, 5) for e in engines.ENGINES) for dt in ("bf16", "fp8")}
+    """The issue's bar, judged by the worst engine stand-in with a BF16 cache: BF16 <= 6.2, FP8 <= 2.5
+    bits; the worst (fp32 compute here) within 0.43 / 0.09 bits of same-kernel KV (measured 0.396 /
+    0.073). An FP8 cache that attention reads misses it: test_fp8_cache_engine."""
+    worst = {dt: max(wire_bits(dt, e, 5) for e in BF16_CACHE) for dt in ("bf16", "fp8")}
     assert worst["bf16"] <= min(6.2, wire_bits("bf16", "sdpa", 5) + 0.43)
     assert worst["fp8"] <= min(2.5, wire_bits("fp8", "sdpa", 5) + 0.09)
 
 
-@pytest.mark.parametrize("engine", engines.ENGINES)
+@pytest.mark.parametrize("engine", BF16_CACHE)
 def test_fp8_rounded_toward_zero(wire_bits, engine):
     """FP8 codes rounded toward zero (vLLM's CPU cache writer): version 5's rounding byte codes them
     within 0.1 bits of codes rounded to nearest, where version 4 lost ~0.6 (measured on sdpa: 2.187
@@ -159,3 +164,14 @@ def test_fp8_rounded_toward_zero(wire_bits, engine):
     if engine in ("sdpa", "eager"):
         assert wire_bits("fp8z", engine, 4) == pytest.approx(WIRE_BITS["fp8z", engine, 4], rel=REL)
         assert bits <= wire_bits("fp8z", engine, 4) - 0.5
+
+
+def test_fp8_cache_engine(wire_bits):
+    """KNOWN GAP (issue 17): an engine whose attention reads its FP8 cache (vLLM with an FP8 KV cache)
+    computes every later layer from FP8-rounded K/V, which the sidecars' predictor does not: its FP8
+    KV codes ~0.6 bits an element worse than a BF16-cache engine's, over the issue's 2.5 bar. The
+    figure is pinned so that a fix (a predictor whose attention reads the same rounded K/V:
+    benchmarks/research/fp8_attention.py measured 3.37 -> 2.42 bits on vLLM-style truncated codes)
+    or a regression shows."""
+    bits = wire_bits("fp8", "fp8cache", 5)
+    assert bits == pytest.approx(WIRE_BITS["fp8", "fp8cache", 5], rel=REL)
