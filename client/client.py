@@ -21,6 +21,7 @@ Every failure raises :class:`RpcFailed` (a SpeckvError) carrying the gRPC code.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator
 
@@ -28,7 +29,7 @@ import grpc
 import numpy as np
 
 from speckv.errors import RpcFailed
-from speckv.kv import Fp8KV
+from speckv.kv import Fp8Attention, Fp8KV
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.v1 import decoder_pb2_grpc as dgrpc
 from speckv.v1 import encoder_pb2_grpc as egrpc
@@ -73,14 +74,16 @@ class EncoderClient:
 
     def submit(self, request_id: str, kv: Any, prompt_token_ids: Any, decoder_address: str, model_id: str,
                *, encoding: str = "speckv", expected_pin: str | None = None,
-               timeout: float | None = None, retries: int = 0, backoff_s: float = 0.5) -> SubmitResult:
+               timeout: float | None = None, retries: int = 0, backoff_s: float = 0.5,
+               fp8_attention: Fp8Attention | None = None) -> SubmitResult:
         """Submit one request's KV; with ``retries``, an UNAVAILABLE failure (the encoder
         or the decoder unreachable, a connection reset, a restart) is retried under the
         same request id after ``backoff_s`` (doubling): the decoder keeps no state of a
-        transfer whose call ended, so a retry starts afresh."""
+        transfer whose call ended, so a retry starts afresh. ``fp8_attention`` (FP8 KV): how
+        the engine's attention read its FP8 cache; both predictors then follow it."""
         for attempt in range(retries + 1):
             reqs = submit_requests(request_id, kv, prompt_token_ids, decoder_address, model_id, encoding,
-                                   expected_pin, framed=True, handoff=self.handoff)
+                                   expected_pin, framed=True, handoff=self.handoff, fp8_attention=fp8_attention)
             try:
                 return _result(self._submit(reqs, timeout=timeout or self.timeout))
             except grpc.RpcError as e:
@@ -89,13 +92,14 @@ class EncoderClient:
 
     def open_submit(self, request_id: str, shape: tuple[int, int, int, int, int], prompt_token_ids: Any,
                     decoder_address: str, model_id: str, *, dtype: str = "bf16", encoding: str = "speckv",
-                    expected_pin: str | None = None, timeout: float | None = None) -> SubmitStream:
+                    expected_pin: str | None = None, timeout: float | None = None,
+                    fp8_attention: Fp8Attention | None = None) -> SubmitStream:
         """Open a Submit whose layers follow one at a time (``SubmitStream.send_layer``), for an
         engine that produces the KV layer by layer: the header goes now, so both sidecars start
         their predictors while the engine still prefills. No retries: a failed stream raises."""
         return SubmitStream(self._submit, request_id, shape, prompt_token_ids, decoder_address, model_id,
                             dtype=dtype, encoding=encoding, expected_pin=expected_pin,
-                            timeout=timeout or self.timeout, handoff=self.handoff)
+                            timeout=timeout or self.timeout, handoff=self.handoff, fp8_attention=fp8_attention)
 
     def close(self) -> None:
         self.channel.close()
@@ -191,12 +195,14 @@ class AsyncEncoderClient:
 
     async def submit(self, request_id: str, kv: Any, prompt_token_ids: Any, decoder_address: str,
                      model_id: str, *, encoding: str = "speckv", expected_pin: str | None = None,
-                     timeout: float | None = None, retries: int = 0, backoff_s: float = 0.5) -> SubmitResult:
+                     timeout: float | None = None, retries: int = 0, backoff_s: float = 0.5,
+                     fp8_attention: Fp8Attention | None = None) -> SubmitResult:
         """As the blocking client's ``submit`` (the same retries)."""
         for attempt in range(retries + 1):
             # NOTE: the memfd is written off the loop (a copy of the whole KV)
-            reqs = await asyncio.to_thread(submit_requests, request_id, kv, prompt_token_ids, decoder_address,
-                                           model_id, encoding, expected_pin, framed=True, handoff=self.handoff)
+            reqs = await asyncio.to_thread(functools.partial(
+                submit_requests, request_id, kv, prompt_token_ids, decoder_address, model_id, encoding,
+                expected_pin, framed=True, handoff=self.handoff, fp8_attention=fp8_attention))
             try:
                 # NOTE: grpc.aio takes a plain iterator for a request stream
                 return _result(await self._submit(reqs, timeout=timeout or self.timeout))

@@ -16,7 +16,7 @@ import numpy as np
 from speckv import frames
 from speckv.digests import ALGORITHMS, BLAKE2B_128, XXH3_128, KVDigest
 from speckv.errors import RpcFailed
-from speckv.kv import Fp8KV, bf16_bits
+from speckv.kv import Fp8Attention, Fp8KV, bf16_bits
 from speckv.status import error_details
 from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
@@ -27,6 +27,7 @@ from speckv.wire import (
     PART_BYTES,
     LayerAssembler,
     dtype_of,
+    fp8_attention_msg,
     kv_shape,
     layer_frames,
     layer_messages,
@@ -139,7 +140,8 @@ def _as_kv(kv: Any) -> tuple[int, np.ndarray, np.ndarray | None]:
 def submit_requests(request_id: str, kv: Any, prompt_token_ids: Any, decoder_address: str,
                     model_id: str, encoding: str = "speckv", expected_pin: str | None = None,
                     part_bytes: int = PART_BYTES, *, framed: bool = False,
-                    handoff: "LocalHandoff | None" = None) -> Iterator[Any]:
+                    handoff: "LocalHandoff | None" = None, fp8_attention: Fp8Attention | None = None,
+                    ) -> Iterator[Any]:
     """The SubmitRequest stream: header, then every layer in parts. The KV is checked
     here, before any call starts (ValueError / TypeError). ``framed``: the layer parts
     come pre-serialised (bytes, each part's data copied once: ``speckv.frames``), for a
@@ -157,16 +159,16 @@ def submit_requests(request_id: str, kv: Any, prompt_token_ids: Any, decoder_add
         from .local import local_submit_requests
 
         header = submit_header(request_id, dtype, kv_shape(bits.shape), prompt_token_ids, decoder_address, model_id,
-                               encoding, expected_pin)
+                               encoding, expected_pin, fp8_attention)
         return local_submit_requests(handoff, header, bits, scales)
-    return _submit_stream(request_id, bits, scales, dtype, kv_shape(bits.shape), prompt_token_ids,
-                          decoder_address, model_id, encoding, expected_pin, part_bytes, framed)
+    header = submit_header(request_id, dtype, kv_shape(bits.shape), prompt_token_ids, decoder_address, model_id,
+                           encoding, expected_pin, fp8_attention)
+    return _submit_stream(header, bits, scales, dtype, kv_shape(bits.shape), part_bytes, framed)
 
 
-def _submit_stream(request_id: str, bits: np.ndarray, scales: np.ndarray | None, dtype: int, shape: pb.KVShape,
-                   prompt_token_ids: Any, decoder_address: str, model_id: str, encoding: str,
-                   expected_pin: str | None, part_bytes: int, framed: bool) -> Iterator[Any]:
-    yield submit_header(request_id, dtype, shape, prompt_token_ids, decoder_address, model_id, encoding, expected_pin)
+def _submit_stream(header: epb.SubmitRequest, bits: np.ndarray, scales: np.ndarray | None, dtype: int,
+                   shape: pb.KVShape, part_bytes: int, framed: bool) -> Iterator[Any]:
+    yield header
     for layer in range(bits.shape[0]):
         sc = None if scales is None else scales[layer]
         if framed:
@@ -177,15 +179,19 @@ def _submit_stream(request_id: str, bits: np.ndarray, scales: np.ndarray | None,
 
 
 def submit_header(request_id: str, dtype: int, shape: pb.KVShape, prompt_token_ids: Any, decoder_address: str,
-                  model_id: str, encoding: str, expected_pin: str | None) -> epb.SubmitRequest:
-    """The first SubmitRequest of a call: what both sidecars need to start their predictors."""
+                  model_id: str, encoding: str, expected_pin: str | None,
+                  fp8_attention: Fp8Attention | None = None) -> epb.SubmitRequest:
+    """The first SubmitRequest of a call: what both sidecars need to start their predictors
+    (``fp8_attention``: how the engine's attention read its FP8 cache, FP8 KV only)."""
     if encoding not in ENCODINGS:
         raise ValueError(f"encoding must be one of {sorted(ENCODINGS)}, not {encoding!r}")
+    if fp8_attention is not None and dtype != pb.DTYPE_FP8_E4M3:
+        raise ValueError("fp8_attention is for FP8 KV only")
     return epb.SubmitRequest(header=epb.SubmitHeader(
         request_id=request_id, decoder_address=decoder_address, model_id=model_id, dtype=dtype,
         shape=shape, prompt_token_ids=[int(t) for t in np.asarray(prompt_token_ids).ravel()],
         expected_predictor_pin=bytes.fromhex(expected_pin) if expected_pin else b"",
-        encoding=ENCODINGS[encoding]))
+        encoding=ENCODINGS[encoding], fp8_attention=fp8_attention_msg(fp8_attention)))
 
 
 def submit_layer_frames(layer: int, arr: np.ndarray, dtype: int, shape: pb.KVShape, part_bytes: int,

@@ -35,6 +35,25 @@ PROBE_DIGITS = {torch.bfloat16: (4096, 2), torch.uint8: (16, 4)}
 Writer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
+# between e4m3 codes 1.0 and 1.125, nearer 1.125 (exact in BF16): where it lands tells the rounding
+ROUNDING_PROBE = 1.09375
+
+
+def fp8_rounds_toward_zero(write: Writer, block_size: int, head_dim: int) -> bool:
+    """Whether the engine's FP8 cache writer (scale 1.0) rounds toward zero (True) or to nearest
+    (False), asked by writing +-ROUNDING_PROBE; ValueError for any other result."""
+    cache = torch.zeros(1, 1, block_size, 2 * head_dim, dtype=torch.uint8)
+    kc, vc = cache.view(1, 1, 2 * block_size, head_dim).chunk(2, dim=2)
+    probe = torch.full((block_size, 1, head_dim), ROUNDING_PROBE, dtype=torch.bfloat16)
+    probe[::2] = -ROUNDING_PROBE
+    write(probe, probe.clone(), kc, vc, torch.arange(block_size, dtype=torch.int64))
+    got = set(cache.view(torch.float8_e4m3fn).float().abs().reshape(-1).tolist())
+    if got in ({1.0}, {1.125}):
+        return got == {1.0}
+    raise ValueError(f"the engine's FP8 cache writer stored {sorted(got)} for +-{ROUNDING_PROBE}: "
+                     "neither rounding to nearest nor toward zero")
+
+
 @dataclass(frozen=True)
 class PagedLayout:
     """Offsets of (token offset, dim) of K and of V inside one (block, head) of a layer

@@ -29,6 +29,7 @@ import grpc
 import numpy as np
 
 from speckv.errors import RpcFailed
+from speckv.kv import Fp8Attention
 from speckv.v1 import common_pb2 as pb
 from speckv.wire import NAN_SCALES, PART_BYTES, kv_shape
 
@@ -45,7 +46,7 @@ class SubmitStream:
     def __init__(self, stub: Any, request_id: str, shape: tuple[int, int, int, int, int], prompt_token_ids: Any,
                  decoder_address: str, model_id: str, *, dtype: str = "bf16", encoding: str = "speckv",
                  expected_pin: str | None = None, timeout: float = 600.0, part_bytes: int = PART_BYTES,
-                 handoff: LocalHandoff | None = None) -> None:
+                 handoff: LocalHandoff | None = None, fp8_attention: Fp8Attention | None = None) -> None:
         if len(shape) != 5 or shape[1] != 2 or min(shape) < 0:
             raise ValueError(f"shape must be (layers, 2, kv_heads, tokens, head_dim), not {shape}")
         if dtype not in DTYPES:
@@ -60,7 +61,7 @@ class SubmitStream:
         self._queue: queue.Queue[Any] = queue.Queue()
         self._lock = threading.Lock()
         header = submit_header(request_id, self._dtype, self._pb_shape, prompt_token_ids, decoder_address,
-                               model_id, encoding, expected_pin)
+                               model_id, encoding, expected_pin, fp8_attention)
         self._future = stub.future(self._requests(header), timeout=timeout)
         # NOTE: however the call ends, the request stream ends too: else grpc's thread that
         # reads it stays parked in _requests for good after a call that failed mid-stream

@@ -20,10 +20,11 @@ import numpy as np
 import torch
 
 from speckv.errors import RpcFailed
+from speckv.kv import Fp8Attention
 
 from .client import DecoderClient, EncoderClient
 from .core import tls_credentials
-from .paged import PagedLayout
+from .paged import PagedLayout, fp8_rounds_toward_zero
 from .pd import LoadSpec, StepPlan, block_span
 from .stream import SubmitStream
 from .vllm_stats import SpeckvConnectorStats
@@ -78,6 +79,7 @@ class Worker:
         self.lock = threading.Lock()
         self._opened_for: StepPlan | None = None  # the step plan whose Submits are open
         self._layout: PagedLayout | None = None
+        self._fp8_attention: Fp8Attention | None = None  # learned on first use (fp8_attention)
         self.stats = SpeckvConnectorStats()
         self.received: set[str] = set()
         self.errors: set[int] = set()
@@ -108,10 +110,24 @@ class Worker:
 
     def scales(self, name: str) -> np.ndarray | None:
         """An FP8 layer's (k, v) scales, as vLLM's attention layer applies them (None for BF16)."""
-        if not self.fp8:
-            return None
+        return self._scales(name) if self.fp8 else None
+
+    def _scales(self, name: str) -> np.ndarray:
         layer = self.conn._vllm_config.compilation_config.static_forward_context[name]
         return np.array([layer._k_scale_float, layer._v_scale_float], np.float32)
+
+    def fp8_attention(self) -> Fp8Attention | None:
+        """How this engine's attention reads its FP8 cache (None for BF16): every layer's (k, v)
+        scales and the cache writer's rounding, learned from the writer on first use."""
+        if not self.fp8:
+            return None
+        with self.lock:
+            if self._fp8_attention is None:
+                scales = np.array([self._scales(name) for name in self.layers], np.float32)  # (layers, 2)
+                write = _cpu_writer(self.conn, self.layers[0], self.head_dim, True)
+                self._fp8_attention = Fp8Attention(tuple(map(float, scales[:, 0])), tuple(map(float, scales[:, 1])),
+                                                   fp8_rounds_toward_zero(write, self.conn.block_size, self.head_dim))
+            return self._fp8_attention
 
     def layout(self) -> PagedLayout:
         """The CPU kernel's block interior, learned from its own cache writer on first use
@@ -149,7 +165,8 @@ class Worker:
         shape = (len(self.layers), 2, self.heads, len(prompt), self.head_dim)
         try:
             stream = self.encoder.open_submit(tid, shape, np.asarray(prompt, np.int64), decoder, self.conn.model_id,
-                                              dtype="fp8_e4m3" if self.fp8 else "bf16", encoding=self.conn.encoding)
+                                              dtype="fp8_e4m3" if self.fp8 else "bf16", encoding=self.conn.encoding,
+                                              fp8_attention=self.fp8_attention())
         except Exception as e:  # noqa: BLE001 -- never the engine's forward: the decode side recomputes
             logger.warning("speckv: cannot open the submit of %s: %s", tid, e)
             with self.lock:
@@ -260,6 +277,12 @@ class Worker:
 
 def _learn_cpu_layout(conn: Settings, layer_name: str, head_dim: int, fp8: bool) -> PagedLayout:
     """Probe vLLM's CPU cache writer with the ISA its attention layers use."""
+    write = _cpu_writer(conn, layer_name, head_dim, fp8)
+    return PagedLayout.learn(write, conn.block_size, head_dim, torch.uint8 if fp8 else torch.bfloat16)
+
+
+def _cpu_writer(conn: Settings, layer_name: str, head_dim: int, fp8: bool) -> Callable[..., None]:
+    """vLLM's CPU cache writer (scale 1.0) with the ISA its attention layers use."""
     from vllm import _custom_ops as ops
 
     layer = conn._vllm_config.compilation_config.static_forward_context.get(layer_name)
@@ -273,7 +296,7 @@ def _learn_cpu_layout(conn: Settings, layer_name: str, head_dim: int, fp8: bool)
     def write(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor) -> None:
         ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa, 1.0, 1.0, cache_dtype)
 
-    return PagedLayout.learn(write, conn.block_size, head_dim, torch.uint8 if fp8 else torch.bfloat16)
+    return write
 
 
 def _layer_index(name: str) -> int:

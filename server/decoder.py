@@ -31,7 +31,7 @@ from speckv.status import abort, in_band, integrity_kind, outcome, to_status
 from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.v1 import decoder_pb2_grpc as dgrpc
-from speckv.wire import RecordAssembler, dtype_of, layer_bytes, shape_of
+from speckv.wire import RecordAssembler, dtype_of, fp8_attention_of, layer_bytes, shape_of
 
 from . import tracing
 from .aio import drain_batch, drain_requests, peer_host
@@ -74,11 +74,13 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
             logs.bind(request_id=first.header.request_id or None)
             tracing.annotate(span, request_id=first.header.request_id)
             h, ids, labels = self._check_header(first.header)
+            fp8_attention = fp8_attention_of(first.header.fp8_attention, h.shape[0], first.header.dtype)
             t = DecoderTransfer(first.header.request_id, h.shape[0], h.n_chunks, self.budget.holding(),
                                 algorithm_of(h.version))
             t.layer_bytes = layer_bytes(h.shape, dtype_of_header(h))
             t.peer = context.peer() or "?"
             t.model_id = first.header.model_id
+            t.fp8_attention = fp8_attention
             self._check_peer(t.peer)
             await self.table.add(t)
             self._gauges()
@@ -157,7 +159,8 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
         speckv stream, run the predictor and send each chunk's PredictorCheck as soon as its
         layers' mu exists (the encoder codes that chunk under the predictor only if it matches)."""
         queue: asyncio.Queue[tuple[ct.Chunk, int] | None] = asyncio.Queue()
-        mu, t.mu_hit = (None, False) if h.model == ct.MODEL_STORED else self.mu_cache.take(self.rt, ids)
+        mu, t.mu_hit = (None, False) if h.model == ct.MODEL_STORED else self.mu_cache.take(self.rt, ids,
+                                                                                         t.fp8_attention)
         if mu is not None:
             self.metrics.mu_cache(t.mu_hit)
         t.encoding = labels[1]

@@ -36,7 +36,7 @@ from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.v1 import encoder_pb2 as epb
 from speckv.v1 import encoder_pb2_grpc as egrpc
-from speckv.wire import LayerAssembler, bad, dtype_of, layer_bytes, shape_of
+from speckv.wire import LayerAssembler, bad, dtype_of, fp8_attention_of, layer_bytes, shape_of
 
 from . import tracing
 from .aio import drain_batch, peer_host, watched
@@ -165,11 +165,14 @@ class EncoderService(egrpc.EncoderServiceServicer):
         h = self.rt.codec.stream_header(name == "bf16", shape, ids, lpc, stored)
         if stored:  # NOTE: a stored stream is the same in every version since 3: any such decoder reads it
             h = replace(h, version=min(h.version, STORED_VERSION))
-        return Job(hdr, h, ids, (name, "stored" if stored else "speckv"), self.budget.holding())
+        job = Job(hdr, h, ids, (name, "stored" if stored else "speckv"), self.budget.holding())
+        job.fp8_attention = fp8_attention_of(hdr.fp8_attention, shape[0], hdr.dtype)
+        return job
 
     async def _run(self, job: Job, it: AsyncIterator, context: grpc.aio.ServicerContext,
                    t0: float) -> epb.SubmitResponse:
-        mu, job.mu_hit = (None, False) if job.h.model == ct.MODEL_STORED else self.mu_cache.take(self.rt, job.ids)
+        mu, job.mu_hit = (None, False) if job.h.model == ct.MODEL_STORED else self.mu_cache.take(
+            self.rt, job.ids, job.fp8_attention)
         if mu is not None:
             self.metrics.mu_cache(job.mu_hit)
         queue: asyncio.Queue[int | None] = asyncio.Queue()

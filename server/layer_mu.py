@@ -21,6 +21,7 @@ import numpy as np
 from speckv.digests import digest
 
 if TYPE_CHECKING:  # pragma: no cover
+    from speckv.kv import Fp8Attention
     from speckv.predictor.predict import Predictor
 
 
@@ -45,14 +46,16 @@ class LayerMu:
         self.task: asyncio.Future | None = None
 
     @classmethod
-    def start(cls, predictor: "Predictor", ids: np.ndarray, shape: tuple[int, ...]) -> "LayerMu":
+    def start(cls, predictor: "Predictor", ids: np.ndarray, shape: tuple[int, ...],
+              fp8_attention: "Fp8Attention | None" = None) -> "LayerMu":
+        """The pass on a worker thread (``fp8_attention``: as ``Predictor.mu``)."""
         mu = cls(shape, asyncio.get_running_loop())
-        mu.task = asyncio.get_running_loop().create_task(asyncio.to_thread(mu._run, predictor, ids),
+        mu.task = asyncio.get_running_loop().create_task(asyncio.to_thread(mu._run, predictor, ids, fp8_attention),
                                                          name=PREDICTOR_TASK)
         mu.task.add_done_callback(mu._ended)
         return mu
 
-    def _run(self, predictor: "Predictor", ids: np.ndarray) -> None:
+    def _run(self, predictor: "Predictor", ids: np.ndarray, fp8_attention: "Fp8Attention | None") -> None:
         t0 = time.perf_counter()
 
         def on_layer(i: int, bits: np.ndarray) -> None:  # NOTE: on the worker thread
@@ -60,7 +63,7 @@ class LayerMu:
                 raise PredictorStopped("the transfer no longer needs this predictor pass")
             self.bits[i] = bits
             self._loop.call_soon_threadsafe(self._advance, i + 1)
-        predictor.mu(ids, on_layer)
+        predictor.mu(ids, on_layer, fp8_attention)
         self.seconds = time.perf_counter() - t0
 
     def _advance(self, count: int) -> None:

@@ -26,6 +26,8 @@ import numpy as np
 from .layer_mu import LayerMu
 
 if TYPE_CHECKING:  # pragma: no cover
+    from speckv.kv import Fp8Attention
+
     from .runtime import Runtime
 
 
@@ -41,16 +43,18 @@ class MuCache:
         self._entries: OrderedDict[bytes, LayerMu] = OrderedDict()
         self._users: dict[int, int] = {}  # id(LayerMu) -> transfers using it
 
-    def take(self, runtime: "Runtime", ids: np.ndarray) -> tuple[LayerMu, bool]:
-        """mu of ``ids`` (hit: a cached or shared pass) for one transfer; give it back after."""
-        key = prompt_key(ids)
+    def take(self, runtime: "Runtime", ids: np.ndarray,
+             fp8_attention: "Fp8Attention | None" = None) -> tuple[LayerMu, bool]:
+        """mu of ``ids`` (and the engine's FP8 attention: another mu) (hit: a cached or shared
+        pass) for one transfer; give it back after."""
+        key = prompt_key(ids) + (b"" if fp8_attention is None else fp8_attention.key)
         mu = self._entries.get(key)
         hit = mu is not None and mu.error is None
         if mu is not None and hit:
             self._entries.move_to_end(key)
         else:
             self._entries.pop(key, None)
-            mu = runtime.mu_layers(ids)
+            mu = runtime.mu_layers(ids, fp8_attention)
             if self.max_bytes and mu.bits.nbytes <= self.max_bytes:
                 self._entries[key] = mu
         self._users[id(mu)] = self._users.get(id(mu), 0) + 1

@@ -20,6 +20,7 @@ import numpy as np
 
 from speckv.coder.codec import Codec, CodecConfig
 from speckv.errors import PinMismatchError, RpcError
+from speckv.kv import Fp8Attention
 
 from .config import FALLBACK_MAX_TOKENS
 from .layer_mu import LayerMu
@@ -135,10 +136,10 @@ class Runtime:
     def vocab_size(self) -> int:
         return int(self.predictor.model.config.vocab_size)
 
-    def mu_layers(self, ids: np.ndarray) -> LayerMu:
+    def mu_layers(self, ids: np.ndarray, fp8_attention: Fp8Attention | None = None) -> LayerMu:
         """Start the predictor on ``ids``; its mu arrives layer by layer (see LayerMu)."""
         L, H, D = self.geometry
-        return LayerMu.start(self.predictor, ids, (L, 2, H, len(ids), D))
+        return LayerMu.start(self.predictor, ids, (L, 2, H, len(ids), D), fp8_attention)
 
 
 def model_context(config: Any) -> int | None:

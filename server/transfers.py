@@ -23,6 +23,7 @@ import numpy as np
 
 from speckv.digests import KVDigest
 from speckv.errors import RpcError
+from speckv.kv import Fp8Attention
 from speckv.status import in_band
 from speckv.v1 import decoder_pb2 as dpb
 
@@ -69,6 +70,7 @@ class DecoderTransfer:
         self.stored_reason = ""  # Chunk.stored_reason of the record being reassembled
         self.peer = "?"
         self.model_id = ""  # the model the encoder named (FetchKVRequest.model_id is checked against it)
+        self.fp8_attention: Fp8Attention | None = None  # how the engine's attention read its FP8 cache (mu follows)
         self.touched = time.monotonic()
         self.stopped = asyncio.Event()  # set when ended with an error: wakes the Transfer handler
         self._cond = asyncio.Condition()

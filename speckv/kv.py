@@ -34,3 +34,47 @@ def bf16_bits(t: "torch.Tensor | np.ndarray") -> np.ndarray:
     if t.dtype != torch.bfloat16:
         raise TypeError(f"KV and mu tensors must be torch.bfloat16, not {t.dtype}")
     return t.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+E4M3_MAX = 448.0  # the largest finite e4m3 value
+
+
+@dataclass(frozen=True)
+class Fp8Attention:
+    """How an engine's attention reads its FP8 KV cache: each layer's K and V rounded to e4m3 at
+    that layer's scale (value = code * scale), to nearest even or toward zero (vLLM's CPU cache
+    writer). An engine whose attention reads such a cache computes every later layer's K/V from
+    the rounded ones; a predictor told so rounds its own K/V the same way before its attention
+    (``Predictor.mu(..., fp8_attention=)``), so its mu follows the engine's.
+    """
+
+    k_scales: tuple[float, ...]  # one per layer (fp32)
+    v_scales: tuple[float, ...]
+    toward_zero: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.k_scales) != len(self.v_scales) or not self.k_scales:
+            raise ValueError("fp8_attention: one K and one V scale per layer")
+        scales = np.asarray(self.k_scales + self.v_scales, np.float64)
+        if not (np.isfinite(scales).all() and (scales > 0).all()):
+            raise ValueError("fp8_attention: scales must be finite and positive")
+
+    @property
+    def key(self) -> bytes:
+        """A stable identity (what a mu cache keys on)."""
+        scales = np.asarray(self.k_scales + self.v_scales, np.float32)
+        return scales.tobytes() + bytes([self.toward_zero])
+
+    def round(self, x: "torch.Tensor", layer: int, kv: int) -> "torch.Tensor":
+        """``x`` (K if ``kv`` is 0, else V, of ``layer``) as the engine's attention reads it: e4m3 at the
+        layer's scale (saturating at +-448), back in ``x``'s dtype."""
+        import torch
+
+        scale = float(np.float32((self.k_scales if kv == 0 else self.v_scales)[layer]))
+        y = (x.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX)
+        q = y.to(torch.float8_e4m3fn)
+        if self.toward_zero:  # one code back where nearest rounded away from zero
+            codes = q.view(torch.uint8).clone()
+            codes[(q.float().abs() > y.abs()) & ((codes & 0x7F) > 0)] -= 1
+            q = codes.view(torch.float8_e4m3fn)
+        return (q.float() * scale).to(x.dtype)

@@ -26,6 +26,8 @@ from .errors import RpcError
 if TYPE_CHECKING:
     from speckv.v1 import decoder_pb2 as dpb
 
+    from .kv import Fp8Attention
+
 DTYPES: dict[int, tuple[str, np.dtype[Any]]] = {pb.DTYPE_BF16: ("bf16", np.dtype("<u2")),
                                                  pb.DTYPE_FP8_E4M3: ("fp8", np.dtype("u1"))}
 MAX_DIM = 1 << 24  # any one dimension; products are checked against the caller's limits
@@ -48,6 +50,33 @@ def shape_of(s: pb.KVShape) -> tuple[int, int, int, int, int]:
     if s.kv != 2 or min(s.layers, s.kv_heads, s.head_dim) < 1 or max(shape) > MAX_DIM:
         raise bad(f"shape {shape} is not a KV shape (layers >= 1, kv = 2, heads >= 1, head_dim >= 1)")
     return shape
+
+
+def fp8_attention_of(m: pb.Fp8Attention, layers: int, dtype: int) -> "Fp8Attention | None":
+    """A header's ``fp8_attention`` (None when unset), checked: FP8 KV only, one finite positive
+    scale per layer for K and for V, a rounding set (INVALID_ARGUMENT otherwise)."""
+    from .kv import Fp8Attention
+
+    if not (m.k_scales or m.v_scales or m.rounding):
+        return None
+    if dtype != pb.DTYPE_FP8_E4M3:
+        raise bad("fp8_attention is for FP8 KV only")
+    if m.rounding not in (pb.FP8_ROUNDING_NEAREST, pb.FP8_ROUNDING_TOWARD_ZERO):
+        raise bad(f"fp8_attention.rounding must be set (NEAREST or TOWARD_ZERO), not {m.rounding}")
+    if not len(m.k_scales) == len(m.v_scales) == layers:
+        raise bad(f"fp8_attention needs {layers} K and {layers} V scales, not {len(m.k_scales)} and {len(m.v_scales)}")
+    try:
+        return Fp8Attention(tuple(m.k_scales), tuple(m.v_scales), m.rounding == pb.FP8_ROUNDING_TOWARD_ZERO)
+    except ValueError as e:
+        raise bad(str(e)) from None
+
+
+def fp8_attention_msg(fa: "Fp8Attention | None") -> pb.Fp8Attention | None:
+    """``fp8_attention`` as the headers carry it (None: unset)."""
+    if fa is None:
+        return None
+    return pb.Fp8Attention(k_scales=fa.k_scales, v_scales=fa.v_scales, rounding=(
+        pb.FP8_ROUNDING_TOWARD_ZERO if fa.toward_zero else pb.FP8_ROUNDING_NEAREST))
 
 
 def kv_shape(shape: tuple[int, ...]) -> pb.KVShape:

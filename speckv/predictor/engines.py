@@ -19,9 +19,9 @@ Engines (``ENGINES``; all take the same weights and prompt, and give
 - ``batch2``: a right-padded batch of two (the prompt beside a shorter one, with an attention
   mask), as an engine batches requests; the prompt's row is returned;
 - ``fp8cache``: an FP8 KV cache that attention reads, as vLLM's with ``kv_cache_dtype=fp8``:
-  each layer's K and V are rounded to e4m3 (per (layer, kv) scale amax / 448, as
-  ``fp8.kv_to_fp8``) before attention, so every later layer's K/V derive from FP8-rounded ones;
-  the returned KV holds the rounded values (meant for ``--dtype fp8``).
+  each layer's K and V are rounded to e4m3 (static per (layer, kv) scales: ``fp8_attention_of``
+  the sidecars' own KV) before attention, so every later layer's K/V derive from FP8-rounded
+  ones; the returned KV holds the rounded values (meant for ``--dtype fp8``).
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
+
+from speckv.kv import Fp8Attention
 
 from . import target as tgt
 
@@ -137,26 +139,28 @@ def _child_process(target: tgt.Target, ids: np.ndarray) -> "torch.Tensor":
 
 
 def _fp8cache(target: tgt.Target, ids: np.ndarray) -> "torch.Tensor":
-    """The sidecars' computation with each layer's K/V rounded to e4m3 before attention reads them."""
-    from transformers import cache_utils
+    """The sidecars' computation with each layer's K/V rounded to e4m3 before attention reads them
+    (scale amax / 448 per (layer, kv), as ``fp8.kv_to_fp8``, from a pass without rounding: an engine
+    with static scales calibrated on such KV); the KV returned is the rounded one."""
+    import torch
 
-    from .fp8 import dequantize_e4m3, kv_to_fp8
 
-    def rounded(x: "torch.Tensor") -> "torch.Tensor":  # (1, heads, tokens, dim)
-        q, s = kv_to_fp8(x[0][None, None])  # one scale for the layer's K (or V)
-        return dequantize_e4m3(q, s[:, :, None, None, None])[0, 0][None].to(x.dtype)
-
-    real = cache_utils.DynamicLayer.update
-
-    def update(self: Any, key: "torch.Tensor", value: "torch.Tensor", *args: Any, **kwargs: Any) -> Any:
-        return real(self, rounded(key), rounded(value), *args, **kwargs)
-
-    # NOTE: patched on the class, inside the forward lock's caller: this process runs no other forward
-    cache_utils.DynamicLayer.update = update  # type: ignore[assignment,method-assign]
+    fp8 = fp8_attention_of(target.kv(ids))
+    token = tgt.FP8_ATTENTION.set(fp8)
     try:
-        return target.kv(ids)
+        kv = target.kv(ids)
     finally:
-        cache_utils.DynamicLayer.update = real  # type: ignore[method-assign]
+        tgt.FP8_ATTENTION.reset(token)
+    return torch.stack([torch.stack([fp8.round(kv[i, j], i, j) for j in (0, 1)]) for i in range(len(kv))])
+
+
+def fp8_attention_of(kv: "torch.Tensor", toward_zero: bool = False) -> Fp8Attention:
+    """The ``fp8cache`` engine's cache rounding: ``kv_to_fp8``'s per-(layer, kv) scales of ``kv``."""
+    from .fp8 import kv_to_fp8
+
+    _, scales = kv_to_fp8(kv)
+    s = scales.numpy().astype(np.float32)
+    return Fp8Attention(tuple(map(float, s[:, 0])), tuple(map(float, s[:, 1])), toward_zero)
 
 
 _RUNNERS: dict[str, Callable[[tgt.Target, np.ndarray], "torch.Tensor"]] = {

@@ -21,6 +21,7 @@ later loads read that directory.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import importlib.util
 import logging
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import numpy as np
 
 from speckv.errors import ModelLoadError
-from speckv.kv import bf16_bits
+from speckv.kv import Fp8Attention, bf16_bits
 from speckv.paths import cache_dir
 
 from .store import state_digest
@@ -67,6 +68,9 @@ def embedded_gguf_path() -> Path:
 
 
 _FORWARD_LOCK = threading.Lock()  # the settings below are process-global
+# NOTE: set (per thread) only around a predictor's pass (``Predictor.mu(..., fp8_attention=)``) or an
+# engine stand-in's: every attention of the pass then reads its K/V rounded as the engine's does
+FP8_ATTENTION: contextvars.ContextVar[Fp8Attention | None] = contextvars.ContextVar("fp8_attention", default=None)
 
 
 @contextlib.contextmanager
@@ -180,11 +184,28 @@ def hooked_forward(model: Any, ids: np.ndarray, on_layer: LayerSink | None) -> A
     handles = [] if on_layer is None else [
         layer.register_forward_hook(_layer_hook(i, on_layer), with_kwargs=True)
         for i, layer in enumerate(model.model.layers)]
+    fp8 = FP8_ATTENTION.get()
     try:
+        if fp8 is not None:
+            return model.model(input_ids=inp, use_cache=True, cache=rounding_cache(model.config, fp8))
         return model.model(input_ids=inp, use_cache=True)
     finally:
         for h in handles:
             h.remove()
+
+
+def rounding_cache(config: Any, fp8: Fp8Attention) -> Any:
+    """A transformers cache that keeps each layer's K/V as computed (mu reads them) and hands
+    attention the K/V rounded as ``fp8`` says the engine's attention reads them."""
+    from transformers.cache_utils import DynamicCache
+
+    class RoundingCache(DynamicCache):
+        def update(self, key_states: "torch.Tensor", value_states: "torch.Tensor", layer_idx: int,
+                   *args: Any, **kwargs: Any) -> tuple["torch.Tensor", "torch.Tensor"]:
+            k, v = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            return fp8.round(k, layer_idx, 0), fp8.round(v, layer_idx, 1)
+
+    return RoundingCache(config=config)
 
 
 def output_cache(out: Any) -> Any:

@@ -47,7 +47,15 @@ from .early import EMBED, exact_head
 from .integer import int_mm, native_with
 from .ladder import layer_index
 from .store import SMOOTH_FILE, save_npz_stable
-from .target import COMPUTE_THREADS, LayerSink, cache_layer, deterministic_torch, hooked_forward, output_cache
+from .target import (
+    COMPUTE_THREADS,
+    FP8_ATTENTION,
+    LayerSink,
+    cache_layer,
+    deterministic_torch,
+    hooked_forward,
+    output_cache,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -340,6 +348,8 @@ def w8a8_kv(model: Any, ids: np.ndarray, on_layer: LayerSink | None = None) -> "
             if on_layer is not None:
                 on_layer(i, bf16_bits(layers[-1].contiguous().cpu()))
             if q is not None:
+                if (fp8 := FP8_ATTENTION.get()) is not None:  # attention reads K/V as the engine's does
+                    key, value = fp8.round(key, i, 0), fp8.round(value, i, 1)
                 h = _block_rest(h, t, _rope(q, H, cos, sin), key, value[None], float(cfg.rms_norm_eps), scratch)
     return torch.stack(layers).to(torch.bfloat16).contiguous().cpu()
 

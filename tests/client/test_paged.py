@@ -291,3 +291,34 @@ def test_fp8_codes_gather_and_scatter_bit_for_bit():
 def test_learn_refuses_a_cache_dtype_it_cannot_probe():
     with pytest.raises(ValueError, match="no probe"):
         PagedLayout.learn(token_major_writer, 16, 16, torch.float16)
+
+
+def _rounding_writer(toward_zero: bool | None):
+    """An FP8 cache writer (uint8 e4m3 codes at scale 1.0) rounding to nearest, toward zero, or (None)
+    one code above nearest (no rounding at all)."""
+    def write(key, value, key_cache, value_cache, slots):
+        for src, cache in ((key, key_cache), (value, value_cache)):
+            y = src.float()
+            q = y.to(torch.float8_e4m3fn).view(torch.uint8).clone()
+            dec = q.view(torch.float8_e4m3fn).float()
+            if toward_zero:
+                q[(dec.abs() > y.abs()) & ((q & 0x7F) > 0)] -= 1
+            elif toward_zero is None:
+                q += 1
+            for i, slot in enumerate(slots.tolist()):
+                cache[0, :, slot, :] = q[i]
+    return write
+
+
+@pytest.mark.parametrize("toward_zero", [True, False])
+def test_fp8_rounding_probe(toward_zero):
+    from speckv.client.paged import fp8_rounds_toward_zero
+
+    assert fp8_rounds_toward_zero(_rounding_writer(toward_zero), 16, 32) is toward_zero
+
+
+def test_fp8_rounding_probe_refuses_other_roundings():
+    from speckv.client.paged import fp8_rounds_toward_zero
+
+    with pytest.raises(ValueError, match="neither rounding to nearest nor toward zero"):
+        fp8_rounds_toward_zero(_rounding_writer(None), 16, 32)

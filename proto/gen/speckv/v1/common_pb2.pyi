@@ -19,6 +19,12 @@ class DigestAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DIGEST_ALGORITHM_BLAKE2B_128: _ClassVar[DigestAlgorithm]
     DIGEST_ALGORITHM_XXH3_128: _ClassVar[DigestAlgorithm]
 
+class Fp8Rounding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FP8_ROUNDING_UNSPECIFIED: _ClassVar[Fp8Rounding]
+    FP8_ROUNDING_NEAREST: _ClassVar[Fp8Rounding]
+    FP8_ROUNDING_TOWARD_ZERO: _ClassVar[Fp8Rounding]
+
 class StatusCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     STATUS_CODE_UNSPECIFIED: _ClassVar[StatusCode]
@@ -46,6 +52,9 @@ DTYPE_FP8_E4M3: Dtype
 DIGEST_ALGORITHM_UNSPECIFIED: DigestAlgorithm
 DIGEST_ALGORITHM_BLAKE2B_128: DigestAlgorithm
 DIGEST_ALGORITHM_XXH3_128: DigestAlgorithm
+FP8_ROUNDING_UNSPECIFIED: Fp8Rounding
+FP8_ROUNDING_NEAREST: Fp8Rounding
+FP8_ROUNDING_TOWARD_ZERO: Fp8Rounding
 STATUS_CODE_UNSPECIFIED: StatusCode
 STATUS_CODE_OK: StatusCode
 STATUS_CODE_INVALID_ARGUMENT: StatusCode
@@ -101,6 +110,16 @@ class KVLayer(_message.Message):
     data: bytes
     fp8_scales: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, layer: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Union[KVShape, _Mapping]] = ..., part_index: _Optional[int] = ..., part_count: _Optional[int] = ..., byte_offset: _Optional[int] = ..., layer_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., fp8_scales: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class Fp8Attention(_message.Message):
+    __slots__ = ("k_scales", "v_scales", "rounding")
+    K_SCALES_FIELD_NUMBER: _ClassVar[int]
+    V_SCALES_FIELD_NUMBER: _ClassVar[int]
+    ROUNDING_FIELD_NUMBER: _ClassVar[int]
+    k_scales: _containers.RepeatedScalarFieldContainer[float]
+    v_scales: _containers.RepeatedScalarFieldContainer[float]
+    rounding: Fp8Rounding
+    def __init__(self, k_scales: _Optional[_Iterable[float]] = ..., v_scales: _Optional[_Iterable[float]] = ..., rounding: _Optional[_Union[Fp8Rounding, str]] = ...) -> None: ...
 
 class Status(_message.Message):
     __slots__ = ("code", "message", "reason")

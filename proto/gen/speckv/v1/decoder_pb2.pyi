@@ -24,7 +24,7 @@ TRANSFER_STATE_FAILED: TransferState
 TRANSFER_STATE_CANCELLED: TransferState
 
 class TransferHeader(_message.Message):
-    __slots__ = ("request_id", "predictor_pin", "model_id", "dtype", "shape", "prompt_token_ids", "header_record")
+    __slots__ = ("request_id", "predictor_pin", "model_id", "dtype", "shape", "prompt_token_ids", "header_record", "fp8_attention")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREDICTOR_PIN_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class TransferHeader(_message.Message):
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HEADER_RECORD_FIELD_NUMBER: _ClassVar[int]
+    FP8_ATTENTION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     predictor_pin: bytes
     model_id: str
@@ -39,7 +40,8 @@ class TransferHeader(_message.Message):
     shape: _common_pb2.KVShape
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     header_record: bytes
-    def __init__(self, request_id: _Optional[str] = ..., predictor_pin: _Optional[bytes] = ..., model_id: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ..., shape: _Optional[_Union[_common_pb2.KVShape, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., header_record: _Optional[bytes] = ...) -> None: ...
+    fp8_attention: _common_pb2.Fp8Attention
+    def __init__(self, request_id: _Optional[str] = ..., predictor_pin: _Optional[bytes] = ..., model_id: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ..., shape: _Optional[_Union[_common_pb2.KVShape, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., header_record: _Optional[bytes] = ..., fp8_attention: _Optional[_Union[_common_pb2.Fp8Attention, _Mapping]] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("index", "record", "byte_offset", "record_bytes", "stored_reason")
