@@ -167,11 +167,10 @@ def test_fp8_rounded_toward_zero(wire_bits, engine):
 
 
 def test_fp8_cache_engine(wire_bits):
-    """KNOWN GAP (issue 17): an engine whose attention reads its FP8 cache (vLLM with an FP8 KV cache)
-    computes every later layer from FP8-rounded K/V, which the sidecars' predictor does not: its FP8
-    KV codes ~0.6 bits an element worse than a BF16-cache engine's, over the issue's 2.5 bar. The
-    figure is pinned so that a fix (a predictor whose attention reads the same rounded K/V:
-    benchmarks/research/fp8_attention.py measured 3.37 -> 2.42 bits on vLLM-style truncated codes)
-    or a regression shows."""
+    """An engine whose attention reads its FP8 cache (vLLM with an FP8 KV cache) computes every later
+    layer from FP8-rounded K/V. Under plain mu its FP8 KV codes ~0.6 bits an element worse than a
+    BF16-cache engine's, over the issue's 2.5 bar; the figure is pinned here. Told the engine's
+    rounding (SubmitHeader.fp8_attention), the predictors follow it and win most of that back:
+    tests/predictor/test_fp8_attention.py, tests/server/test_fp8_attention.py."""
     bits = wire_bits("fp8", "fp8cache", 5)
     assert bits == pytest.approx(WIRE_BITS["fp8", "fp8cache", 5], rel=REL)
