@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calib", type=Path, default=CORPUS / "wikitext2-valid.txt")
     ap.add_argument("--calib-tokens", type=int, default=4096)
     ap.add_argument("--json", type=Path, default=None, help="write the rows and settings here")
+    ap.add_argument("--fp8-attention", action="store_true",
+                    help="code the fp8cache engine's KV under mu told how its attention reads its cache "
+                         "(SubmitHeader.fp8_attention), not plain mu")
     ap.add_argument("--fp8-toward-zero", action="store_true",
                     help="FP8 codes rounded toward zero (vLLM's CPU cache writer) instead of to nearest")
     args = ap.parse_args(argv)
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from speckv.coder.codec import Codec, CodecConfig
     from speckv.predictor.calibrate import read_text
-    from speckv.predictor.engines import ENGINES, differing_fraction, engine_kv
+    from speckv.predictor.engines import ENGINES, differing_fraction, engine_kv, fp8_attention_of
     from speckv.predictor.predict import Predictor
     from speckv.predictor.target import load_target
 
@@ -117,9 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     target = load_target()
     ids = target.tokenize(read_text(args.text, chars=args.tokens * 16), args.tokens)
     same = target.kv(ids)
+    fa = fp8_attention_of(same) if args.fp8_attention else None  # the fp8cache engine's static scales
     kvs = {e: (same if e == "sdpa" else engine_kv(target, ids, e)) for e in engines}
     meta = {"target": target.name, "text": args.text.name, "tokens": int(len(ids)), "engines": engines,
             "fp8_rounding": "toward zero" if args.fp8_toward_zero else "nearest",
+            "fp8cache_mu": "fp8_attention" if args.fp8_attention else "plain",
             "differ": {e: differing_fraction(kv, same) for e, kv in kvs.items()}}
     print("differing scalars:", meta["differ"], file=sys.stderr)
     rows: list[dict[str, Any]] = []
@@ -129,8 +134,10 @@ def main(argv: list[str] | None = None) -> int:
             ck = checkpoint(rung, target, calib_target, Path(tmp), args)
             pred = Predictor.from_checkpoint(ck, target)
             mu = pred.mu(ids)
+            # the fp8cache engine's KV under the mu told how its attention reads its cache
+            mus = {e: pred.mu(ids, fp8_attention=fa) if e == "fp8cache" and fa is not None else mu for e in engines}
             codec = Codec.from_predictor(pred, CodecConfig())
-            bits = {f"{dt}/{e}": coded_bits(codec, kvs[e], ids, mu, dt, args.fp8_toward_zero)
+            bits = {f"{dt}/{e}": coded_bits(codec, kvs[e], ids, mus[e], dt, args.fp8_toward_zero)
                     for e in engines for dt in DTYPES}
             rows.append({"rung": rung, "pin": ck.pin, "bits": bits})
             print(rung, {k: round(v, 3) for k, v in bits.items()}, file=sys.stderr, flush=True)
