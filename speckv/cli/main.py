@@ -146,7 +146,7 @@ def _parser() -> argparse.ArgumentParser:
                             "bits, as another engine's would; speckv.predictor.engines); the predictor stays "
                             "as shipped")
     bench.add_argument("--fp8-toward-zero", action="store_true",
-                       help="with --dtype fp8: round the KV's e4m3 codes toward zero, as vLLM's CPU cache "
+                       help="FP8 KV only: round its e4m3 codes toward zero, as vLLM's CPU cache "
                             "writer does (format 5 codes them with its rounding byte), not to nearest")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--model", choices=("auto", "seed", "tuned"), default="auto",
