@@ -43,16 +43,21 @@ def checkpoint(rung: str, target: Any, calib_target: Any, root: Path, args: argp
     return load_checkpoint(out, pin=pin)
 
 
-def coded_bits(codec: Any, kv: Any, ids: Any, mu: Any, dtype: str, fp8_toward_zero: bool = False) -> float:
-    """Wire bits per scalar of the real codec's stream, after a bit-exact round trip."""
+def coded_bits(codec: Any, kv: Any, ids: Any, mu: Any, dtype: str, fp8_toward_zero: bool = False,
+               fp8_cache: Any = None) -> float:
+    """Wire bits per scalar of the real codec's stream, after a bit-exact round trip (``fp8_cache``:
+    the FP8-cache engine's Fp8Attention, whose static scales its codes are at)."""
     import numpy as np
 
     from speckv.coder.codec import Fp8KV, bf16_bits
+    from speckv.predictor.engines import fp8_cache_codes
     from speckv.predictor.fp8 import kv_to_fp8
 
-    if dtype == "fp8":
+    if dtype == "fp8" and fp8_cache is not None:
+        x: Any = fp8_cache_codes(kv, fp8_cache)
+    elif dtype == "fp8":
         q, s = kv_to_fp8(kv, toward_zero=fp8_toward_zero)
-        x: Any = Fp8KV(q.numpy(), s.numpy())
+        x = Fp8KV(q.numpy(), s.numpy())
     else:
         x = bf16_bits(kv)
     records = list(codec.encode(x, ids, mu))
@@ -120,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     target = load_target()
     ids = target.tokenize(read_text(args.text, chars=args.tokens * 16), args.tokens)
     same = target.kv(ids)
-    fa = fp8_attention_of(same) if args.fp8_attention else None  # the fp8cache engine's static scales
+    engine_fa = fp8_attention_of(same)  # the fp8cache engine's static scales and rounding (nearest)
+    fa = engine_fa if args.fp8_attention else None
     kvs = {e: (same if e == "sdpa" else engine_kv(target, ids, e)) for e in engines}
     meta = {"target": target.name, "text": args.text.name, "tokens": int(len(ids)), "engines": engines,
             "fp8_rounding": "toward zero" if args.fp8_toward_zero else "nearest",
@@ -137,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             # the fp8cache engine's KV under the mu told how its attention reads its cache
             mus = {e: pred.mu(ids, fp8_attention=fa) if e == "fp8cache" and fa is not None else mu for e in engines}
             codec = Codec.from_predictor(pred, CodecConfig())
-            bits = {f"{dt}/{e}": coded_bits(codec, kvs[e], ids, mus[e], dt, args.fp8_toward_zero)
+            bits = {f"{dt}/{e}": coded_bits(codec, kvs[e], ids, mus[e], dt, args.fp8_toward_zero,
+                                            engine_fa if e == "fp8cache" else None)
                     for e in engines for dt in DTYPES}
             rows.append({"rung": rung, "pin": ck.pin, "bits": bits})
             print(rung, {k: round(v, 3) for k, v in bits.items()}, file=sys.stderr, flush=True)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from speckv.kv import Fp8Attention
+from speckv.kv import Fp8Attention, Fp8KV
 
 from . import target as tgt
 
@@ -142,16 +142,30 @@ def _fp8cache(target: tgt.Target, ids: np.ndarray) -> "torch.Tensor":
     """The sidecars' computation with each layer's K/V rounded to e4m3 before attention reads them
     (scale amax / 448 per (layer, kv), as ``fp8.kv_to_fp8``, from a pass without rounding: an engine
     with static scales calibrated on such KV); the KV returned is the rounded one."""
+    return fp8_cache_kv(target, ids, fp8_attention_of(target.kv(ids)))
+
+
+def fp8_cache_kv(target: tgt.Target, ids: np.ndarray, fa: Fp8Attention) -> "torch.Tensor":
+    """The KV an engine whose attention reads its FP8 cache stores, ``fa`` its scales and rounding:
+    every layer's attention reads K/V rounded so, and the KV returned is rounded the same way."""
     import torch
 
-
-    fp8 = fp8_attention_of(target.kv(ids))
-    token = tgt.FP8_ATTENTION.set(fp8)
-    try:
+    with tgt.reading_fp8(fa, target.config.num_hidden_layers):  # the engine: every layer its own
         kv = target.kv(ids)
-    finally:
-        tgt.FP8_ATTENTION.reset(token)
-    return torch.stack([torch.stack([fp8.round(kv[i, j], i, j) for j in (0, 1)]) for i in range(len(kv))])
+    return torch.stack([torch.stack([fa.round(kv[i, j], i, j) for j in (0, 1)]) for i in range(len(kv))])
+
+
+def fp8_cache_codes(kv: "torch.Tensor", fa: Fp8Attention) -> Fp8KV:
+    """The e4m3 codes an FP8-cache engine stores for ``kv`` (values it rounded with ``fa``, so each is
+    exactly ``code * scale`` at ``fa``'s static scales), and those scales."""
+    import torch
+
+    scales = np.stack([np.asarray(fa.k_scales, np.float32), np.asarray(fa.v_scales, np.float32)], axis=1)
+    s = torch.from_numpy(scales)[:, :, None, None, None]
+    codes = (kv.float() / s).to(torch.float8_e4m3fn)
+    if not torch.equal((codes.float() * s).to(kv.dtype), kv):
+        raise ValueError("the KV is not on the e4m3 grid of these scales")
+    return Fp8KV(codes.view(torch.uint8).numpy(), scales)
 
 
 def fp8_attention_of(kv: "torch.Tensor", toward_zero: bool = False) -> Fp8Attention:

@@ -32,7 +32,7 @@ from .fp8 import dequantize_e4m3
 from .ladder import EARLY, MEANS, PORTABLE, W8A8, Rung, load_means, mean_model
 from .portable import build_portable_model, portable_canary, portable_kv, portable_state
 from .store import CONFIG, FP8_SUFFIX, SCALE_SUFFIX, WEIGHTS, state_digest
-from .target import FP8_ATTENTION, LINEAR_NAMES, LayerSink, emit_all, extract_kv, load_target, replace_linears
+from .target import LINEAR_NAMES, LayerSink, emit_all, extract_kv, load_target, reading_fp8, replace_linears
 from .w8a8 import build_w8a8_model, load_smooth, w8a8_kv, w8a8_state
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -172,18 +172,22 @@ class Predictor:
            fp8_attention: "Fp8Attention | None" = None) -> "torch.Tensor":
         """Predicted KV ``(layers, 2, kv_heads, tokens, head_dim)`` BF16; ``on_layer(i, bits)``
         (optional) gets each layer's BF16 bits as soon as it exists (see ``extract_kv``).
-        ``fp8_attention``: the engine's attention reads its FP8 cache so; every attention of this
-        pass then reads its K/V rounded the same way (mu itself stays unrounded). NOTE: rung
-        ``portable`` computes attention in integers and ignores it; rungs ``none`` and ``early:K``'s
-        tail have no attention."""
+        ``fp8_attention``: the engine's attention reads its FP8 cache so; the attention of this
+        pass then reads its K/V rounded the same way (mu itself stays unrounded): in the layers this
+        rung computes exactly (the target's own first K of ``hybrid:K``, ``w8a8:K``, ``early:K``),
+        which then stay bit-equal to the engine's, and, for rounding toward zero, in every layer.
+        NOTE: rounding toward zero shrinks every K/V by half a step on average, a bias every later
+        layer inherits and a predictor follows; rounding to nearest is unbiased noise that an
+        approximate layer, whose own K/V differ from the engine's, cannot follow (rounding them
+        costs more than it wins: benchmarks/RESULTS.md, "FP8 caches that attention reads").
+        Rung ``portable``'s integer attention ignores it."""
         layers = self.checkpoint.manifest["arch"]["layers"]
         if fp8_attention is not None and len(fp8_attention.k_scales) != layers:
             raise ValueError(f"fp8_attention has {len(fp8_attention.k_scales)} layers' scales, the model {layers}")
-        token = FP8_ATTENTION.set(fp8_attention)
-        try:
+        toward_zero = fp8_attention is not None and fp8_attention.toward_zero
+        rounded = layers if toward_zero else self.checkpoint.rung.bf16_layers
+        with reading_fp8(fp8_attention, rounded):
             return predictor_kv(self.model, ids, on_layer)
-        finally:
-            FP8_ATTENTION.reset(token)
 
 
 def predictor_kv(model: Any, ids: np.ndarray, on_layer: "LayerSink | None" = None) -> "torch.Tensor":

@@ -68,9 +68,21 @@ def embedded_gguf_path() -> Path:
 
 
 _FORWARD_LOCK = threading.Lock()  # the settings below are process-global
-# NOTE: set (per thread) only around a predictor's pass (``Predictor.mu(..., fp8_attention=)``) or an
-# engine stand-in's: every attention of the pass then reads its K/V rounded as the engine's does
-FP8_ATTENTION: contextvars.ContextVar[Fp8Attention | None] = contextvars.ContextVar("fp8_attention", default=None)
+# NOTE: set (per thread) only by ``reading_fp8``, around a predictor's pass or an engine stand-in's:
+# the attention of layers < n then reads its K/V rounded as the engine's does
+FP8_ATTENTION: contextvars.ContextVar[tuple[Fp8Attention, int] | None] = contextvars.ContextVar(
+    "fp8_attention", default=None)
+
+
+@contextlib.contextmanager
+def reading_fp8(fa: Fp8Attention | None, layers: int) -> Iterator[None]:
+    """Within (this thread): the attention of layers < ``layers`` of any forward reads its K/V
+    rounded as ``fa`` says (nothing when ``fa`` is None or ``layers`` is 0)."""
+    token = FP8_ATTENTION.set(None if fa is None or layers <= 0 else (fa, layers))
+    try:
+        yield
+    finally:
+        FP8_ATTENTION.reset(token)
 
 
 @contextlib.contextmanager
@@ -187,22 +199,24 @@ def hooked_forward(model: Any, ids: np.ndarray, on_layer: LayerSink | None) -> A
     fp8 = FP8_ATTENTION.get()
     try:
         if fp8 is not None:
-            return model.model(input_ids=inp, use_cache=True, cache=rounding_cache(model.config, fp8))
+            return model.model(input_ids=inp, use_cache=True, cache=rounding_cache(model.config, *fp8))
         return model.model(input_ids=inp, use_cache=True)
     finally:
         for h in handles:
             h.remove()
 
 
-def rounding_cache(config: Any, fp8: Fp8Attention) -> Any:
-    """A transformers cache that keeps each layer's K/V as computed (mu reads them) and hands
-    attention the K/V rounded as ``fp8`` says the engine's attention reads them."""
+def rounding_cache(config: Any, fp8: Fp8Attention, layers: int) -> Any:
+    """A transformers cache that keeps each layer's K/V as computed (mu reads them) and hands the
+    attention of layers < ``layers`` the K/V rounded as ``fp8`` says the engine's attention reads them."""
     from transformers.cache_utils import DynamicCache
 
     class RoundingCache(DynamicCache):
         def update(self, key_states: "torch.Tensor", value_states: "torch.Tensor", layer_idx: int,
                    *args: Any, **kwargs: Any) -> tuple["torch.Tensor", "torch.Tensor"]:
             k, v = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            if layer_idx >= layers:
+                return k, v
             return fp8.round(k, layer_idx, 0), fp8.round(v, layer_idx, 1)
 
     return RoundingCache(config=config)

@@ -348,8 +348,8 @@ def w8a8_kv(model: Any, ids: np.ndarray, on_layer: LayerSink | None = None) -> "
             if on_layer is not None:
                 on_layer(i, bf16_bits(layers[-1].contiguous().cpu()))
             if q is not None:
-                if (fp8 := FP8_ATTENTION.get()) is not None:  # attention reads K/V as the engine's does
-                    key, value = fp8.round(key, i, 0), fp8.round(value, i, 1)
+                if (fp8 := FP8_ATTENTION.get()) is not None and i < fp8[1]:  # attention reads the engine's K/V
+                    key, value = fp8[0].round(key, i, 0), fp8[0].round(value, i, 1)
                 h = _block_rest(h, t, _rope(q, H, cos, sin), key, value[None], float(cfg.rms_norm_eps), scratch)
     return torch.stack(layers).to(torch.bfloat16).contiguous().cpu()
 

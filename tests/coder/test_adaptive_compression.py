@@ -64,7 +64,7 @@ WIRE_BITS = {
     ("fp8z", "batch2", 5): 2.187114800347222,
     ("fp8z", "sdpa", 4): 2.7631768120659723,
     ("fp8z", "eager", 4): 2.7789171006944446,
-    ("fp8", "fp8cache", 5): 2.7488498263888888,  # over the bar: test_fp8_cache_engine
+    ("fp8", "fp8cache", 5): 2.7623942057291666,  # over the bar under plain mu: test_fp8_cache_engine
 }
 
 
@@ -89,7 +89,10 @@ def wire_bits(engine_kv, ckpt, embedded_session):
         key = (dtype, engine, version)
         if key not in cache:
             kv = kvs[engine]
-            if dtype in ("fp8", "fp8z"):
+            if dtype == "fp8" and engine == "fp8cache":  # its codes at the engine's static scales
+                want = engines.fp8_cache_codes(kv, engines.fp8_attention_of(kvs[engines.SAME]))
+                x, scales = want.codes, want.scales
+            elif dtype in ("fp8", "fp8z"):
                 q, s = kv_to_fp8(kv, toward_zero=dtype == "fp8z")
                 x, scales, want = q.numpy(), s.numpy(), Fp8KV(q.numpy(), s.numpy())
             else:
@@ -171,6 +174,6 @@ def test_fp8_cache_engine(wire_bits):
     layer from FP8-rounded K/V. Under plain mu its FP8 KV codes ~0.6 bits an element worse than a
     BF16-cache engine's, over the issue's 2.5 bar; the figure is pinned here. Told the engine's
     rounding (SubmitHeader.fp8_attention), the predictors follow it and win most of that back:
-    tests/predictor/test_fp8_attention.py, tests/server/test_fp8_attention.py."""
+    tests/predictor/test_fp8_attention.py, tests/server/test_transfer_fp8_attention.py."""
     bits = wire_bits("fp8", "fp8cache", 5)
     assert bits == pytest.approx(WIRE_BITS["fp8", "fp8cache", 5], rel=REL)
