@@ -1,14 +1,13 @@
 """What an engine whose attention reads its FP8 KV cache (vLLM with ``kv_cache_dtype=fp8``) costs
-speckv, and what a predictor whose attention reads the same rounded K/V would win back:
+speckv, and what ``fp8_attention`` (the predictor's attention reading K/V rounded the same way) wins
+back, on KV stored as vLLM's CPU backend stores it: e4m3 codes at scale 1.0, rounded toward zero
+(benchmarks/research/vllm_fp8_rounding.py).
 
     .venv/bin/python benchmarks/research/fp8_attention.py [--tokens 512]
 
-The engine is emulated as vLLM's CPU backend stores FP8: e4m3 codes at scale 1.0, rounded toward
-zero (benchmarks/research/vllm_fp8_rounding.py), and attention reads them (every later layer's K/V
-then derive from FP8-rounded K/V). Prints the shipped checkpoint's bits per FP8 element (format 5)
-on (1) the sidecars' own KV truncated to FP8 (a BF16-cache engine), (2) the FP8-cache engine's KV
-under today's mu, (3) the same KV under a mu whose predictor attention reads FP8-rounded K/V too
-(``w8a8._block_rest`` and the exact layers' cache patched here: an experiment, not a product path).
+Prints the shipped checkpoint's bits per FP8 element (format 5) on (1) the sidecars' own KV
+rounded so (a BF16-cache engine), (2) the FP8-cache engine's KV under plain mu, (3) the same KV
+under ``Predictor.mu(..., fp8_attention=)``.
 """
 from __future__ import annotations
 
@@ -16,41 +15,14 @@ import argparse
 from pathlib import Path
 
 import numpy as np
-import torch
-from transformers import cache_utils
 
 from speckv.coder.codec import Codec, CodecConfig, Fp8KV
-from speckv.predictor import w8a8
+from speckv.kv import Fp8Attention
+from speckv.predictor import engines
 from speckv.predictor.calibrate import read_text
 from speckv.predictor.session import Session
 
 TEXT = Path(__file__).resolve().parents[2].parent / "shared" / "corpus" / "tinyshakespeare.txt"
-
-
-def truncated(x: torch.Tensor) -> torch.Tensor:
-    """uint8 e4m3 codes of x (scale 1.0) rounded toward zero."""
-    y = x.float()
-    q = y.to(torch.float8_e4m3fn)
-    c = q.view(torch.uint8).clone()
-    c[(q.float().abs() > y.abs()) & ((c & 0x7F) > 0)] -= 1
-    return c
-
-
-def rounded(x: torch.Tensor) -> torch.Tensor:
-    return truncated(x).view(torch.float8_e4m3fn).to(x.dtype)
-
-
-class FP8Attention:
-    """Within the block, attention reads FP8-rounded K/V (the exact layers' cache and w8a8's layers)."""
-
-    def __enter__(self) -> None:
-        self.update, self.rest = cache_utils.DynamicLayer.update, w8a8._block_rest
-        update, rest = self.update, self.rest
-        cache_utils.DynamicLayer.update = lambda s, k, v, *a, **kw: update(s, rounded(k), rounded(v), *a, **kw)
-        w8a8._block_rest = lambda h, t, q, k, v, eps, sc: rest(h, t, q, rounded(k), rounded(v), eps, sc)
-
-    def __exit__(self, *exc: object) -> None:
-        cache_utils.DynamicLayer.update, w8a8._block_rest = self.update, self.rest
 
 
 def main() -> None:
@@ -60,21 +32,24 @@ def main() -> None:
     s = Session.open("default", None, None)
     ids = s.target.tokenize(read_text(TEXT, chars=args.tokens * 32), args.tokens)
     pre = s.prefill(ids)
+    layers = s.target.config.num_hidden_layers
+    fa = Fp8Attention((1.0,) * layers, (1.0,) * layers, toward_zero=True)  # vLLM's CPU backend, default scales
     codec = Codec.from_predictor(s.predictor, CodecConfig())
 
-    def bits(codes: torch.Tensor, mu: torch.Tensor) -> float:
-        x = Fp8KV(codes.numpy(), np.ones((codes.shape[0], 2), np.float32))
+    def bits(x: Fp8KV, mu: object) -> float:
         recs = list(codec.encode(x, ids, mu))
         assert np.array_equal(codec.decode(recs, ids, mu).codes, x.codes)
-        return 8 * sum(map(len, recs)) / codes.numel()
+        return 8 * sum(map(len, recs)) / x.codes.size
 
-    with FP8Attention():
-        engine = s.target.kv(ids).float().to(torch.float8_e4m3fn).view(torch.uint8)  # exact: already rounded
-        mu8 = s.predictor.mu(ids)
+    import torch
+
+    bf16_cache = torch.stack([torch.stack([fa.round(pre.kv[i, j], i, j) for j in (0, 1)]) for i in range(layers)])
+    engine = engines.fp8_cache_kv(s.target, ids, fa)
     print(f"{len(ids)} tokens, bits per FP8 element (scale 1.0, rounded toward zero):")
-    print(f"  BF16-cache engine's KV, today's mu:          {bits(truncated(pre.kv), pre.mu):.3f}")
-    print(f"  FP8-cache engine's KV, today's mu:           {bits(engine, pre.mu):.3f}")
-    print(f"  FP8-cache engine's KV, FP8-attention mu:     {bits(engine, mu8):.3f}")
+    print(f"  BF16-cache engine's KV, plain mu:       {bits(engines.fp8_cache_codes(bf16_cache, fa), pre.mu):.3f}")
+    print(f"  FP8-cache engine's KV, plain mu:        {bits(engines.fp8_cache_codes(engine, fa), pre.mu):.3f}")
+    mu = s.predictor.mu(ids, fp8_attention=fa)
+    print(f"  FP8-cache engine's KV, fp8_attention:   {bits(engines.fp8_cache_codes(engine, fa), mu):.3f}")
 
 
 if __name__ == "__main__":

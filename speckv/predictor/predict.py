@@ -173,9 +173,10 @@ class Predictor:
         """Predicted KV ``(layers, 2, kv_heads, tokens, head_dim)`` BF16; ``on_layer(i, bits)``
         (optional) gets each layer's BF16 bits as soon as it exists (see ``extract_kv``).
         ``fp8_attention``: the engine's attention reads its FP8 cache so; the attention of this
-        pass then reads its K/V rounded the same way (mu itself stays unrounded): in the layers this
-        rung computes exactly (the target's own first K of ``hybrid:K``, ``w8a8:K``, ``early:K``),
-        which then stay bit-equal to the engine's, and, for rounding toward zero, in every layer.
+        pass then reads its K/V rounded the same way: in the layers this rung computes exactly (the
+        target's own first K of ``hybrid:K``, ``w8a8:K``, ``early:K``), whose mu is then the
+        engine's rounded value itself, and, for rounding toward zero, in every layer (whose mu
+        stays unrounded: an approximate value tells the coder more than its rounding).
         NOTE: rounding toward zero shrinks every K/V by half a step on average, a bias every later
         layer inherits and a predictor follows; rounding to nearest is unbiased noise that an
         approximate layer, whose own K/V differ from the engine's, cannot follow (rounding them
@@ -184,10 +185,32 @@ class Predictor:
         layers = self.checkpoint.manifest["arch"]["layers"]
         if fp8_attention is not None and len(fp8_attention.k_scales) != layers:
             raise ValueError(f"fp8_attention has {len(fp8_attention.k_scales)} layers' scales, the model {layers}")
+        exact = self.checkpoint.rung.bf16_layers if fp8_attention is not None else 0
         toward_zero = fp8_attention is not None and fp8_attention.toward_zero
-        rounded = layers if toward_zero else self.checkpoint.rung.bf16_layers
-        with reading_fp8(fp8_attention, rounded):
-            return predictor_kv(self.model, ids, on_layer)
+        with reading_fp8(fp8_attention, layers if toward_zero else exact):
+            if not exact:
+                return predictor_kv(self.model, ids, on_layer)
+            assert fp8_attention is not None
+            sink = None if on_layer is None else rounded_sink(on_layer, fp8_attention, exact)
+            mu = predictor_kv(self.model, ids, sink)
+        import torch
+
+        for i in range(exact):  # NOTE: the same rounding rounded_sink applied to what on_layer got
+            mu[i] = torch.stack([fp8_attention.round(mu[i, j], i, j) for j in (0, 1)])
+        return mu
+
+
+def rounded_sink(on_layer: "LayerSink", fa: "Fp8Attention", exact: int) -> "LayerSink":
+    """``on_layer`` given layers < ``exact`` rounded as the engine stores them (``fa``)."""
+    import torch
+
+    def sink(i: int, bits: np.ndarray) -> None:
+        if i < exact:
+            t = torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
+            t = torch.stack([fa.round(t[j], i, j) for j in (0, 1)])
+            bits = t.view(torch.int16).numpy().view(np.uint16)
+        on_layer(i, bits)
+    return sink
 
 
 def predictor_kv(model: Any, ids: np.ndarray, on_layer: "LayerSink | None" = None) -> "torch.Tensor":

@@ -56,19 +56,18 @@ def test_mu_is_deterministic_and_differs_past_the_first_attention(embedded_sessi
     ids, _, _, fa, plain, mu = fp8cache
     again = embedded_session.predictor.mu(ids, fp8_attention=fa)
     assert np.array_equal(bf16_bits(again), bf16_bits(mu))
-    assert np.array_equal(bf16_bits(mu[0]), bf16_bits(plain[0]))  # layer 0's K/V precede any attention
+    # layer 0's K/V precede any attention: mu there is plain mu rounded as the engine stores it
+    assert torch.equal(mu[0], torch.stack([fa.round(plain[0, j], 0, j) for j in (0, 1)]))
     assert (bf16_bits(mu[1:]) != bf16_bits(plain[1:])).mean() > 0.5
     assert tgt.FP8_ATTENTION.get() is None  # reset after the pass
     assert np.array_equal(bf16_bits(embedded_session.predictor.mu(ids)), bf16_bits(plain))
 
 
 def test_exact_layers_round_to_the_engines_kv(fp8cache):
-    """The exact layers (the target's own) computed under the engine's rounding: mu rounded as the
-    engine rounds is the engine's KV bit for bit."""
-    _, _, kv, fa, _, mu = fp8cache
-    for i in range(EXACT):
-        for j in (0, 1):
-            assert torch.equal(fa.round(mu[i, j], i, j), kv[i, j]), (i, j)
+    """The exact layers (the target's own) computed under the engine's rounding: their mu is the
+    engine's KV bit for bit (rounded as it stores it)."""
+    _, _, kv, _, _, mu = fp8cache
+    assert torch.equal(mu[:EXACT], kv[:EXACT])
 
 
 def _bits(session, ids, x: Fp8KV, mus: dict) -> dict:
@@ -84,7 +83,7 @@ def _bits(session, ids, x: Fp8KV, mus: dict) -> dict:
 
 def test_it_saves_bits_on_an_fp8_cache_engines_kv(embedded_session, fp8cache):
     """Rounding to nearest, the exact layers follow it: measured at 256 tokens 2.864 bits per FP8
-    element under plain mu, 2.473 under the engine's rounding; each stream decodes bit for bit."""
+    element under plain mu, 2.467 under the engine's rounding; each stream decodes bit for bit."""
     ids, _, kv, fa, plain, mu = fp8cache
     bits = _bits(embedded_session, ids, engines.fp8_cache_codes(kv, fa), {"plain": plain, "fp8_attention": mu})
     assert bits["fp8_attention"] <= bits["plain"] - 0.35
@@ -93,7 +92,7 @@ def test_it_saves_bits_on_an_fp8_cache_engines_kv(embedded_session, fp8cache):
 def test_rounding_toward_zero_is_followed_in_every_layer(embedded_session, fp8cache):
     """An engine rounding toward zero (vLLM's CPU backend) biases every later layer: the predictor
     rounds in every layer then, which wins more than its exact layers alone (measured at 256 tokens:
-    plain 3.094, exact layers only 2.761, every layer 2.485 bits per FP8 element)."""
+    plain 3.094, exact layers only 2.761, every layer 2.417 bits per FP8 element)."""
     ids, same, _, fa, plain, _ = fp8cache
     tz = Fp8Attention(fa.k_scales, fa.v_scales, toward_zero=True)
     kv = engines.fp8_cache_kv(embedded_session.target, ids, tz)
@@ -102,7 +101,7 @@ def test_rounding_toward_zero_is_followed_in_every_layer(embedded_session, fp8ca
     mu = embedded_session.predictor.mu(ids, fp8_attention=tz)
     bits = _bits(embedded_session, ids, engines.fp8_cache_codes(kv, tz),
                  {"plain": plain, "exact_only": exact_only, "every_layer": mu})
-    assert bits["every_layer"] <= bits["exact_only"] - 0.22
+    assert bits["every_layer"] <= bits["exact_only"] - 0.3
     assert bits["exact_only"] <= bits["plain"] - 0.28
 
 

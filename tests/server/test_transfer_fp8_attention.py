@@ -35,7 +35,7 @@ def test_both_predictors_follow_the_engines_fp8_attention(pair, engine_fp8):
     plain, back = pair.transfer(rid("no-fa"), kv, ids)
     assert np.array_equal(back.codes, kv.codes)
     print(f"\n{len(ids)} tokens: {with_fa.wire_bytes} wire bytes with fp8_attention, {plain.wire_bytes} without")
-    assert with_fa.wire_bytes < 0.82 * plain.wire_bytes  # measured 161,472 vs 211,318 (0.76)
+    assert with_fa.wire_bytes < 0.8 * plain.wire_bytes  # measured 157,287 vs 211,318 (0.744)
 
 
 @pytest.mark.parametrize("how", ["layers", "rounding", "bf16", "scale"])
