@@ -71,7 +71,7 @@ def local_part(job: Job, m: epb.LocalLayer, handoffs: Handoffs) -> tuple[pb.KVLa
 
 
 TRANSFER = "/speckv.v1.DecoderService/Transfer"
-STORED_VERSION = 3  # the version stored streams are written in (versions 3 and 4 read them alike)
+STORED_VERSION = 3  # the version stored streams are written in (versions 3 to 5 read them alike)
 
 
 def transfer_header(job: Job) -> dpb.TransferHeader:

@@ -103,7 +103,9 @@ class Runtime:
         (``max_tokens``: config.max_tokens; None for the model's context). A ``stored`` stream
         of another model passes with its token count checked alone: it needs no predictor,
         and refusing it would fail a transfer between sidecars serving different models (a
-        rolling upgrade); FetchKV checks the model its engine names (``check_fetch_model``)."""
+        rolling upgrade); FetchKV checks the model its engine names (server/fetch.py). Another
+        model's prompt is bounded by config.max_tokens alone (this model's context says nothing
+        of it), else FALLBACK_MAX_TOKENS."""
         if not self.numeric_ok:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
                            f"this sidecar computes another mu than predictor {self.pin[:12]} records (its canary "
@@ -124,7 +126,7 @@ class Runtime:
         if not foreign and context is not None and len(ids) > context:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"{len(ids)} tokens exceed the context of {self.model_id} ({context} tokens)")
-        limit = self.max_tokens(max_tokens)
+        limit = (max_tokens or FALLBACK_MAX_TOKENS) if foreign else self.max_tokens(max_tokens)
         if not 1 <= len(ids) <= limit:
             raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"{len(ids)} tokens: this sidecar takes 1 to {limit}")

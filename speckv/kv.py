@@ -55,9 +55,9 @@ class Fp8Attention:
     def __post_init__(self) -> None:
         if len(self.k_scales) != len(self.v_scales) or not self.k_scales:
             raise ValueError("fp8_attention: one K and one V scale per layer")
-        scales = np.asarray(self.k_scales + self.v_scales, np.float64)
+        scales = np.asarray(self.k_scales + self.v_scales, np.float64).astype(np.float32)  # as round() uses them
         if not (np.isfinite(scales).all() and (scales > 0).all()):
-            raise ValueError("fp8_attention: scales must be finite and positive")
+            raise ValueError("fp8_attention: scales must be finite and positive fp32 values")
 
     @property
     def key(self) -> bytes:

@@ -104,7 +104,7 @@ def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf
               fp8_toward_zero: bool = False) -> dict[str, Any]:
     from speckv.coder.backends import backend_name
     from speckv.coder.codec import Codec, CodecConfig, Fp8KV, bf16_bits
-    from speckv.predictor.engines import engine_kv
+    from speckv.predictor.engines import engine_kv, fp8_cache_attention, fp8_cache_codes
     from speckv.predictor.fp8 import kv_to_fp8
     from speckv.predictor.session import Session
 
@@ -123,7 +123,10 @@ def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf
         other = engine_kv(sess.target, ids, engine)
         if other is not None:  # the KV the encoder codes comes from that engine; mu stays the sidecar's
             pre.kv = other
-        if dtype == "fp8":
+        if dtype == "fp8" and engine == "fp8cache":  # its codes at its static scales, not re-quantised
+            kv = fp8_cache_codes(pre.kv, fp8_cache_attention(sess.target.kv(ids)))
+            raw = kv.codes.tobytes()
+        elif dtype == "fp8":
             q, scale = kv_to_fp8(pre.kv, toward_zero=fp8_toward_zero)
             kv, raw = Fp8KV(q.numpy(), scale.numpy()), q.numpy().tobytes()
         else:

@@ -143,8 +143,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="where the coded KV comes from: sdpa (the sidecars' own kernels) or another "
                             "engine configuration (eager attention, fp32 compute, transformers' BF16 GEMMs, 1 "
                             "thread, the AVX2 kernel path, a padded batch of two: KV differing in its last "
-                            "bits, as another engine's would; speckv.predictor.engines); the predictor stays "
-                            "as shipped")
+                            "bits, as another engine's would; fp8cache: attention reads an FP8 cache; "
+                            "speckv.predictor.engines); the predictor stays as shipped")
     bench.add_argument("--fp8-toward-zero", action="store_true",
                        help="FP8 KV only: round its e4m3 codes toward zero, as vLLM's CPU cache "
                             "writer does (format 5 codes them with its rounding byte), not to nearest")

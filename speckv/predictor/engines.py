@@ -19,7 +19,7 @@ Engines (``ENGINES``; all take the same weights and prompt, and give
 - ``batch2``: a right-padded batch of two (the prompt beside a shorter one, with an attention
   mask), as an engine batches requests; the prompt's row is returned;
 - ``fp8cache``: an FP8 KV cache that attention reads, as vLLM's with ``kv_cache_dtype=fp8``:
-  each layer's K and V are rounded to e4m3 (static per (layer, kv) scales: ``fp8_attention_of``
+  each layer's K and V are rounded to e4m3 (static per (layer, kv) scales: ``fp8_cache_attention``
   the sidecars' own KV) before attention, so every later layer's K/V derive from FP8-rounded
   ones; the returned KV holds the rounded values (meant for ``--dtype fp8``).
 """
@@ -142,7 +142,7 @@ def _fp8cache(target: tgt.Target, ids: np.ndarray) -> "torch.Tensor":
     """The sidecars' computation with each layer's K/V rounded to e4m3 before attention reads them
     (scale amax / 448 per (layer, kv), as ``fp8.kv_to_fp8``, from a pass without rounding: an engine
     with static scales calibrated on such KV); the KV returned is the rounded one."""
-    return fp8_cache_kv(target, ids, fp8_attention_of(target.kv(ids)))
+    return fp8_cache_kv(target, ids, fp8_cache_attention(target.kv(ids)))
 
 
 def fp8_cache_kv(target: tgt.Target, ids: np.ndarray, fa: Fp8Attention) -> "torch.Tensor":
@@ -168,7 +168,7 @@ def fp8_cache_codes(kv: "torch.Tensor", fa: Fp8Attention) -> Fp8KV:
     return Fp8KV(codes.view(torch.uint8).numpy(), scales)
 
 
-def fp8_attention_of(kv: "torch.Tensor", toward_zero: bool = False) -> Fp8Attention:
+def fp8_cache_attention(kv: "torch.Tensor", toward_zero: bool = False) -> Fp8Attention:
     """The ``fp8cache`` engine's cache rounding: ``kv_to_fp8``'s per-(layer, kv) scales of ``kv``."""
     from .fp8 import kv_to_fp8
 

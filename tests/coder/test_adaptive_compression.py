@@ -90,7 +90,7 @@ def wire_bits(engine_kv, ckpt, embedded_session):
         if key not in cache:
             kv = kvs[engine]
             if dtype == "fp8" and engine == "fp8cache":  # its codes at the engine's static scales
-                want = engines.fp8_cache_codes(kv, engines.fp8_attention_of(kvs[engines.SAME]))
+                want = engines.fp8_cache_codes(kv, engines.fp8_cache_attention(kvs[engines.SAME]))
                 x, scales = want.codes, want.scales
             elif dtype in ("fp8", "fp8z"):
                 q, s = kv_to_fp8(kv, toward_zero=dtype == "fp8z")

@@ -88,7 +88,7 @@ def test_fp8cache_kv_is_fp8_rounded_and_feeds_attention(embedded_target, prompt)
     import torch
 
     ids, same = prompt
-    fa = engines.fp8_attention_of(same)
+    fa = engines.fp8_cache_attention(same)
     kv = engines.engine_kv(embedded_target, ids, "fp8cache")
     for i in range(kv.shape[0]):
         for j in (0, 1):

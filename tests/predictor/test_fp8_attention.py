@@ -46,7 +46,7 @@ def fp8cache(embedded_session, corpus_file):
     target = embedded_session.target
     ids = target.tokenize(read_text(corpus_file("tinyshakespeare.txt"), chars=TOKENS * 32), TOKENS)
     pre = embedded_session.prefill(ids)
-    fa = engines.fp8_attention_of(pre.kv)
+    fa = engines.fp8_cache_attention(pre.kv)
     kv = engines.engine_kv(target, ids, "fp8cache")
     mu = embedded_session.predictor.mu(ids, fp8_attention=fa)
     return ids, pre.kv, kv, fa, pre.mu, mu

@@ -82,3 +82,19 @@ def test_runtime_check_takes_another_model_only_stored(pair):
         rt.check("other-model-7B", (4, 2, 2, 6, 16), ids, None, stored=True)
     with pytest.raises(RpcError, match="does not fit"):  # this model's stored streams keep its geometry
         rt.check(rt.model_id, shape, ids, None, stored=True)
+
+
+def test_another_models_prompt_is_bounded_by_the_configured_limit_not_this_context(pair):
+    """Another model's context is its own: a stored stream of it longer than this model's context
+    passes (up to FALLBACK_MAX_TOKENS, or config.max_tokens when set)."""
+    from speckv.server.config import FALLBACK_MAX_TOKENS
+
+    rt = pair.decoder.service.rt
+    n = rt.context + 1
+    ids = np.zeros(n, np.int64)
+    rt.check("other-model-7B", (1, 2, 1, n, 8), ids, None, stored=True)
+    with pytest.raises(RpcError, match="takes 1 to"):
+        rt.check("other-model-7B", (1, 2, 1, n, 8), ids, n - 1, stored=True)
+    with pytest.raises(RpcError, match="exceed the context"):
+        rt.check(rt.model_id, rt.geometry[:1] + (2,) + rt.geometry[1:2] + (n,) + rt.geometry[2:], ids, None)
+    assert n <= FALLBACK_MAX_TOKENS

@@ -23,7 +23,7 @@ def engine_fp8(embedded_session):
     """(ids, the fp8cache engine's FP8 KV, its Fp8Attention)."""
     target = embedded_session.target
     ids = target.tokenize(TEXT)
-    fa = engines.fp8_attention_of(target.kv(ids), toward_zero=True)
+    fa = engines.fp8_cache_attention(target.kv(ids), toward_zero=True)
     return ids, engines.fp8_cache_codes(engines.fp8_cache_kv(target, ids, fa), fa), fa
 
 
