@@ -63,10 +63,7 @@ class LayerMu:
                 raise PredictorStopped("the transfer no longer needs this predictor pass")
             self.bits[i] = bits
             self._loop.call_soon_threadsafe(self._advance, i + 1)
-        if fp8_attention is None:  # NOTE: mu sources without the keyword (tests' stand-ins) serve plain mu
-            predictor.mu(ids, on_layer)
-        else:
-            predictor.mu(ids, on_layer, fp8_attention=fp8_attention)
+        predictor.mu(ids, on_layer, fp8_attention=fp8_attention)
         self.seconds = time.perf_counter() - t0
 
     def _advance(self, count: int) -> None:

@@ -54,7 +54,7 @@ class MuCache:
             self._entries.move_to_end(key)
         else:
             self._entries.pop(key, None)
-            mu = runtime.mu_layers(ids) if fp8_attention is None else runtime.mu_layers(ids, fp8_attention)
+            mu = runtime.mu_layers(ids, fp8_attention)
             if self.max_bytes and mu.bits.nbytes <= self.max_bytes:
                 self._entries[key] = mu
         self._users[id(mu)] = self._users.get(id(mu), 0) + 1

@@ -104,7 +104,7 @@ def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf
               fp8_toward_zero: bool = False) -> dict[str, Any]:
     from speckv.coder.backends import backend_name
     from speckv.coder.codec import Codec, CodecConfig, Fp8KV, bf16_bits
-    from speckv.predictor.engines import engine_kv, fp8_cache_attention, fp8_cache_codes
+    from speckv.predictor.engines import engine_kv, fp8_cache_attention, fp8_cache_codes, fp8_cache_kv
     from speckv.predictor.fp8 import kv_to_fp8
     from speckv.predictor.session import Session
 
@@ -120,11 +120,13 @@ def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf
         pre, target_s, predictor_s, fp8_s = timed_prefill(sess, ids, timing_runs, fp8_copy)
         cfg = CodecConfig(coder=coder, model=model, **({"threads": threads} if threads else {}))
         codec = Codec.from_predictor(sess.predictor, cfg)
-        other = engine_kv(sess.target, ids, engine)
+        # NOTE: fp8cache's static scales come from the sidecars' own KV, already computed
+        fa = fp8_cache_attention(pre.kv) if engine == "fp8cache" else None
+        other = engine_kv(sess.target, ids, engine) if fa is None else fp8_cache_kv(sess.target, ids, fa)
         if other is not None:  # the KV the encoder codes comes from that engine; mu stays the sidecar's
             pre.kv = other
-        if dtype == "fp8" and engine == "fp8cache":  # its codes at its static scales, not re-quantised
-            kv = fp8_cache_codes(pre.kv, fp8_cache_attention(sess.target.kv(ids)))
+        if dtype == "fp8" and fa is not None:  # the engine's codes at its static scales, not re-quantised
+            kv = fp8_cache_codes(pre.kv, fa)
             raw = kv.codes.tobytes()
         elif dtype == "fp8":
             q, scale = kv_to_fp8(pre.kv, toward_zero=fp8_toward_zero)

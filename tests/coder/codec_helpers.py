@@ -84,6 +84,12 @@ def round_trip_fp8(codec: Codec, codes: np.ndarray, scales: np.ndarray, mu_bits:
     return records
 
 
+def with_aux(h: ct.StreamHeader, rec: bytes, aux: bytes) -> bytes:
+    """Chunk record ``rec`` with another ``aux``: a valid record (its crc recomputed)."""
+    c = ct.unpack_chunk(rec, h)[0]
+    return ct.pack_chunk(dataclasses.replace(c, aux=aux))
+
+
 def versioned_records(codec: Codec, kv, ids: np.ndarray, mu, version: int) -> list[bytes]:
     """``kv``'s stream under a header of format ``version`` (the bytes that version's writers wrote)."""
     x, scales = (kv.codes, kv.scales) if isinstance(kv, Fp8KV) else (bf16_bits(kv), None)

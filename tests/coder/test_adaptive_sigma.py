@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from codec_helpers import bf16_from_float, bf16_tensor, ids_for, shape, versioned_records
+from codec_helpers import bf16_from_float, bf16_tensor, ids_for, shape, versioned_records, with_aux
 
 from speckv.coder import adapt
 from speckv.coder import container as ct
@@ -153,11 +153,6 @@ def _coded_with_shifts(make_codec, dtype: str = "bf16"):
     return codec, h, records, ids, mu
 
 
-def _with_aux(h: ct.StreamHeader, rec: bytes, aux: bytes) -> bytes:
-    c = ct.unpack_chunk(rec, h)[0]
-    return ct.pack_chunk(dataclasses.replace(c, aux=aux))  # a valid record: the crc is recomputed
-
-
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("how", ["short", "long", "minus_128", "v3_header", "changed"])
 def test_corrupt_aux_is_an_integrity_error(make_codec, dtype, how):
@@ -169,18 +164,18 @@ def test_corrupt_aux_is_an_integrity_error(make_codec, dtype, how):
     bad = list(records)
     match: str | None = "aux"
     if how == "short":
-        bad[1] = _with_aux(h, records[1], bytes(aux[:-1]))
+        bad[1] = with_aux(h, records[1], bytes(aux[:-1]))
     elif how == "long":
-        bad[1] = _with_aux(h, records[1], bytes(aux) + b"\x00")
+        bad[1] = with_aux(h, records[1], bytes(aux) + b"\x00")
     elif how == "minus_128":
         aux[n_scales] = 0x80
-        bad[1], match = _with_aux(h, records[1], bytes(aux)), "sigma shift"
+        bad[1], match = with_aux(h, records[1], bytes(aux)), "sigma shift"
     elif how == "v3_header":  # version 3 has no shifts: this aux is too long there
         h3 = dataclasses.replace(h, version=3)
         bad = [ct.pack_header(h3)] + records[1:]
     else:  # in range, but not what the encoder chose: the decode differs and must not pass
         aux[n_scales] ^= 0x10
-        bad[1], match = _with_aux(h, records[1], bytes(aux)), None
+        bad[1], match = with_aux(h, records[1], bytes(aux)), None
     with pytest.raises(SpeckvError, match=match) as info:
         codec.decode(bad, ids, bf16_tensor(mu))
     if how != "changed":
@@ -198,6 +193,6 @@ def test_shifts_never_in_stored_chunks(make_codec):
     h = ct.unpack_header(records[0])[0]
     c = ct.unpack_chunk(records[1], h)[0]
     assert ct.is_stored_chunk(h, c) and c.aux == b""
-    bad = [records[0], _with_aux(h, records[1], bytes(2 * h.shape[2] * c.layer_count))] + records[2:]
+    bad = [records[0], with_aux(h, records[1], bytes(2 * h.shape[2] * c.layer_count))] + records[2:]
     with pytest.raises(IntegrityError):
         codec.decode(bad, ids, bf16_tensor(mu))

@@ -46,26 +46,25 @@ def _golden_bf16_b() -> tuple[np.ndarray, np.ndarray, int]:
     return x, mu, 2
 
 
-def _golden_fp8(toward_zero: bool = False) -> tuple[Fp8KV, np.ndarray, int]:
-    rng = np.random.default_rng(99)
-    kv = torch.from_numpy((2.0 * rng.standard_normal(shape(2))).astype(np.float32)).to(torch.bfloat16)
+def _fp8_input(seed: int, tokens: int, mu_noise: float, toward_zero: bool) -> tuple[Fp8KV, np.ndarray, int]:
+    """FP8 codes of random KV (every e4m3 code among the first 256) and a mu off by ``mu_noise``."""
+    rng = np.random.default_rng(seed)
+    kv = torch.from_numpy((2.0 * rng.standard_normal(shape(tokens))).astype(np.float32)).to(torch.bfloat16)
     q, s = kv_to_fp8(kv, toward_zero=toward_zero)
     codes = q.numpy().copy()
     codes.reshape(-1)[:256] = ALL_CODES
-    mu = bf16_from_float(kv.float().numpy() * (1 + 0.05 * rng.standard_normal(shape(2))).astype(np.float32))
-    return Fp8KV(codes, s.numpy()), mu, 2
+    mu = bf16_from_float(kv.float().numpy() * (1 + mu_noise * rng.standard_normal(shape(tokens))).astype(np.float32))
+    return Fp8KV(codes, s.numpy()), mu, tokens
+
+
+def _golden_fp8() -> tuple[Fp8KV, np.ndarray, int]:
+    return _fp8_input(99, 2, 0.05, toward_zero=False)
 
 
 def _golden_fp8_toward_zero() -> tuple[Fp8KV, np.ndarray, int]:
     """FP8 codes rounded toward zero (vLLM's CPU cache writer) under a close mu: coded chunks
     that carry the version 5 rounding byte."""
-    rng = np.random.default_rng(55)
-    kv = torch.from_numpy((2.0 * rng.standard_normal(shape(4))).astype(np.float32)).to(torch.bfloat16)
-    q, s = kv_to_fp8(kv, toward_zero=True)
-    codes = q.numpy().copy()
-    codes.reshape(-1)[:256] = ALL_CODES
-    mu = bf16_from_float(kv.float().numpy() * (1 + 0.01 * rng.standard_normal(shape(4))).astype(np.float32))
-    return Fp8KV(codes, s.numpy()), mu, 4
+    return _fp8_input(55, 4, 0.01, toward_zero=True)
 
 
 # (name, input, (elems_per_lane, layers_per_chunk), (sha256, length, stored chunks) of the stream

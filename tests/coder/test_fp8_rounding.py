@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from codec_helpers import bf16_from_float, bf16_tensor, ids_for, shape, versioned_records
+from codec_helpers import bf16_from_float, bf16_tensor, ids_for, shape, versioned_records, with_aux
 
 from speckv.coder import container as ct
 from speckv.coder.codec import Fp8KV
@@ -35,6 +35,15 @@ def _kv(toward_zero: bool, seed: int = 7) -> tuple[Fp8KV, np.ndarray]:
     x = bf16_from_float(mu_f + 0.01 * rng.standard_normal(shape(T)).astype(np.float32))
     q, s = kv_to_fp8(torch.from_numpy(x.view(np.int16)).view(torch.bfloat16), toward_zero=toward_zero)
     return Fp8KV(q.numpy(), s.numpy()), mu
+
+
+def _encoded(make_codec, toward_zero: bool):
+    """(codec, kv, mu, ids, records, header) of ``_kv(toward_zero)`` as the codec writes it."""
+    codec = make_codec(EPL, LPC)
+    kv, mu = _kv(toward_zero)
+    ids = ids_for(T)
+    records = list(codec.encode(kv, ids, bf16_tensor(mu)))
+    return codec, kv, mu, ids, records, ct.unpack_header(records[0])[0]
 
 
 def _rounding(h: ct.StreamHeader, records: list[bytes]) -> list[bool]:
@@ -70,11 +79,7 @@ def test_toward_zero_mu_is_exact():
 
 @pytest.mark.parametrize("toward_zero", [True, False], ids=["toward_zero", "nearest"])
 def test_the_encoder_picks_the_engines_rounding(make_codec, toward_zero):
-    codec = make_codec(EPL, LPC)
-    kv, mu = _kv(toward_zero)
-    ids = ids_for(T)
-    records = list(codec.encode(kv, ids, bf16_tensor(mu)))
-    h = ct.unpack_header(records[0])[0]
+    codec, kv, mu, ids, records, h = _encoded(make_codec, toward_zero)
     assert h.version == ct.FORMAT_VERSION == 5
     assert _rounding(h, records) == [toward_zero] * h.n_chunks
     back = codec.decode(records, ids, bf16_tensor(mu))
@@ -100,27 +105,18 @@ def test_native_writes_the_references_bytes(make_codec):
     assert np.array_equal(back.codes, kv.codes)
 
 
-def _with_aux(h: ct.StreamHeader, rec: bytes, aux: bytes) -> bytes:
-    c = ct.unpack_chunk(rec, h)[0]
-    return ct.pack_chunk(dataclasses.replace(c, aux=aux))  # a valid record: the crc is recomputed
-
-
 @pytest.mark.parametrize("how", ["zero_byte", "two", "dropped", "v4_header", "bf16"])
 def test_a_bad_rounding_byte_is_rejected(make_codec, how):
-    codec = make_codec(EPL, LPC)
-    kv, mu = _kv(True)
-    ids = ids_for(T)
-    records = list(codec.encode(kv, ids, bf16_tensor(mu)))
-    h = ct.unpack_header(records[0])[0]
+    codec, kv, mu, ids, records, h = _encoded(make_codec, True)
     c = ct.unpack_chunk(records[1], h)[0]
     n_scales = 8 * c.layer_count
     assert c.aux[n_scales] == ROUND_TOWARD_ZERO
     aux, bad, match = bytearray(c.aux), list(records), "rounding byte"
     if how in ("zero_byte", "two"):
         aux[n_scales] = 0 if how == "zero_byte" else 2
-        bad[1] = _with_aux(h, records[1], bytes(aux))
+        bad[1] = with_aux(h, records[1], bytes(aux))
     elif how == "dropped":  # decodes as rounded to nearest: another KV, caught by the raw digest
-        bad[1], match = _with_aux(h, records[1], bytes(aux[:n_scales] + aux[n_scales + 1:])), None
+        bad[1], match = with_aux(h, records[1], bytes(aux[:n_scales] + aux[n_scales + 1:])), None
     elif how == "v4_header":  # version 4 has no rounding byte: the aux length is wrong there
         bad[0], match = ct.pack_header(dataclasses.replace(h, version=4)), "aux"
     else:  # BF16 chunks never carry one
@@ -128,7 +124,7 @@ def test_a_bad_rounding_byte_is_rejected(make_codec, how):
         bf = list(codec.encode(x, ids, bf16_tensor(x)))
         hb = ct.unpack_header(bf[0])[0]
         cb = ct.unpack_chunk(bf[1], hb)[0]
-        bad = [bf[0], _with_aux(hb, bf[1], bytes(cb.aux) + bytes([ROUND_TOWARD_ZERO]))] + bf[2:]
+        bad = [bf[0], with_aux(hb, bf[1], bytes(cb.aux) + bytes([ROUND_TOWARD_ZERO]))] + bf[2:]
         mu, match = x, "aux"
     with pytest.raises(SpeckvError, match=match) as info:
         codec.decode(bad, ids, bf16_tensor(mu))

@@ -41,8 +41,8 @@ class WrappedPredictor:
     def device(self) -> str:
         return self.inner.device
 
-    def mu(self, ids, on_layer=None):
-        m = self.inner.mu(ids)  # the whole pass first: no lock held while emit waits
+    def mu(self, ids, on_layer=None, fp8_attention=None):
+        m = self.inner.mu(ids, fp8_attention=fp8_attention)  # the whole pass first: no lock held while emit waits
         bits = bf16_bits(m).copy()
         self.skew(bits)
         for i in range(bits.shape[0] if on_layer else 0):
