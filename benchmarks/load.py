@@ -1,7 +1,7 @@
 """Load test: N concurrent engines moving real KV caches through two sidecar processes.
 
 Starts a decoder and an encoder as separate ``speckv serve`` processes on loopback
-(so each one's resident memory can be sampled from /proc every 0.2 s), prefills a
+(so each one's resident memory, and its kernel-recorded peak VmHWM, can be read from /proc), prefills a
 few real KV caches of 32-128 tokens with the embedded model in this process, then
 runs ``--clients`` threads for ``--seconds``. Each thread has its own EncoderClient
 and DecoderClient and loops: pick a prompt, submit it under a unique request id
@@ -10,7 +10,8 @@ the submitted one bit for bit, record the latency (Submit start to the last laye
 fetched and verified). ``--stored-fraction`` of the transfers use encoding="stored".
 
 Reports transfers completed, transfers/s, p50/p99 latency (per encoding), raw
-throughput, peak RSS per sidecar, lost transfers (Submit OK but the fetch failed),
+throughput, peak RSS per sidecar (against the target's BF16 weights, and beside the runtime floor:
+the peak of a process that only imports what a sidecar runs on), lost transfers (Submit OK but the fetch failed),
 corrupt ones (fetched, not bit-equal), errors by gRPC code, and the sidecars'
 health, in-flight bytes and transfers after the run. Exit status 1 if anything was
 lost or corrupt, or a sidecar is unhealthy afterwards.
@@ -39,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from speckv.server.memory import peak_rss_bytes, rss_bytes, runtime_floor_bytes
 
 MODEL = "SmolLM2-135M-Instruct"
 CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "corpus" / "tinyshakespeare.txt"
@@ -72,10 +75,6 @@ class Sidecar:
         if self.port is None:
             raise RuntimeError(f"{role} sidecar exited with {self.proc.wait()} (see {self.log.name})")
         threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
-        self.rss_peak = self.rss_now = 0
-        self.samples: list[int] = []
-        self._stop = threading.Event()
-        threading.Thread(target=self._sample, daemon=True).start()
 
     @property
     def address(self) -> str:
@@ -83,21 +82,11 @@ class Sidecar:
 
     def rss(self) -> int:
         """VmRSS in bytes (0 once the process is gone)."""
-        try:
-            with open(f"/proc/{self.proc.pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return 0
+        return rss_bytes(self.proc.pid)
 
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self.rss_now = self.rss()
-            self.samples.append(self.rss_now)
-            self.rss_peak = max(self.rss_peak, self.rss_now)
-            time.sleep(0.2)
+    def rss_peak(self) -> int:
+        """The kernel's high-water mark VmHWM in bytes: the true peak, not a sample."""
+        return peak_rss_bytes(self.proc.pid)
 
     def metric(self, name: str) -> float | None:
         """Sum of a Prometheus metric's samples from /metrics."""
@@ -120,7 +109,6 @@ class Sidecar:
                 return f"error {e.code().name}"
 
     def stop(self) -> int:
-        self._stop.set()
         self.proc.terminate()
         try:
             rc = self.proc.wait(30)
@@ -282,6 +270,21 @@ def stop_and_read_log(s: Sidecar, logdir: str) -> dict[str, int]:
                                            if line.startswith(("ERROR", "CRITICAL")) or "Traceback" in line)}
 
 
+def memory_context(rss: dict[str, Any]) -> dict[str, Any]:
+    """The target's BF16 weight size, the runtime floor, and each sidecar's peak against them."""
+    from speckv.predictor.weights import target_weights
+
+    weights = target_weights()
+    w = weights.bf16_bytes if weights is not None else 0
+    floor = runtime_floor_bytes()
+    out: dict[str, Any] = {"target_bf16_mib": round(w / 2**20), "runtime_floor_mib": round(floor / 2**20)}
+    for role in ("decoder", "encoder"):
+        peak = rss[role]["peak_mib"] * 2**20
+        rss[role]["peak_x_weights"] = round(peak / w, 2) if w else None
+        rss[role]["above_floor_x_weights"] = round((peak - floor) / w, 2) if w else None
+    return out
+
+
 def build_report(args, lengths, stats: Stats, wall: float, hung: int, rss, after, logs, logdir) -> dict[str, Any]:
     total = sum(stats.completed.values())
     lat_all = [x for v in stats.latency.values() for x in v]
@@ -311,13 +314,16 @@ def print_report(r: dict[str, Any]) -> None:
         print(f"| {e} | {x['completed']} | {x['p50_s']:.3f} | {x['p99_s']:.3f} | {x['submit_p50_s']:.3f} | "
               f"{x['raw_mib_per_s']} | {x['ratio']} |")
     print()
-    print("| sidecar | RSS idle (MiB) | RSS peak (MiB) | RSS end (MiB) | health after | in-flight bytes after | "
-          "in-flight transfers after | error lines in log |")
-    print("|---|---:|---:|---:|---|---:|---:|---:|")
+    print("| sidecar | RSS idle (MiB) | RSS peak (MiB) | RSS end (MiB) | peak / weights | (peak - floor) / weights "
+          "| health after | in-flight bytes after | in-flight transfers after | error lines in log |")
+    print("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|")
     for role in ("decoder", "encoder"):
         a, m = r["after"][role], r["rss"][role]
-        print(f"| {role} | {m['idle_mib']} | {m['peak_mib']} | {m['end_mib']} | {a['health']} | "
-              f"{a['inflight_bytes']} | {a['inflight_transfers']} | {r['sidecar_logs'][role]['error_lines']} |")
+        print(f"| {role} | {m['idle_mib']} | {m['peak_mib']} | {m['end_mib']} | {m['peak_x_weights']} | "
+              f"{m['above_floor_x_weights']} | {a['health']} | {a['inflight_bytes']} | {a['inflight_transfers']} | "
+              f"{r['sidecar_logs'][role]['error_lines']} |")
+    print(f"target BF16 weights {r['rss']['target_bf16_mib']} MiB; runtime floor (a process importing what a "
+          f"sidecar runs on) {r['rss']['runtime_floor_mib']} MiB")
     for ex in r["examples"]:
         print("example:", ex)
 
@@ -336,8 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     wall, hung = run_clients(args, enc, dec, data, stats)
     time.sleep(1.0)  # then: health, and every buffer given back
     after = {s.role: sidecar_state(s) for s in (dec, enc)}
-    rss = {s.role: {"idle_mib": round(idle[s.role] / 2**20), "peak_mib": round(s.rss_peak / 2**20),
-                    "end_mib": round(s.rss() / 2**20)} for s in (dec, enc)}
+    rss: dict[str, Any] = {s.role: {"idle_mib": round(idle[s.role] / 2**20), "peak_mib": round(s.rss_peak() / 2**20),
+                                    "end_mib": round(s.rss() / 2**20)} for s in (dec, enc)}
+    rss.update(memory_context(rss))
     logs = {s.role: stop_and_read_log(s, logdir) for s in (dec, enc)}
     report = build_report(args, lengths, stats, wall, hung, rss, after, logs, logdir)
     print_report(report)

@@ -89,6 +89,13 @@ class Codec:
         """The BF16 context table of the model this codec encodes with."""
         return self._bf16_table(self.models[self.model_id])
 
+    def warm(self) -> None:
+        """Build before serving what this codec's path will need: the numpy reference's BF16
+        context table (tens of MB; the native and CUDA backends compute each context in place
+        and never build it)."""
+        if self.backend is None:
+            self.bf16_contexts  # noqa: B018
+
     def _bf16_table(self, model: ResidualModel) -> ContextTable:
         """The BF16 context table of ``model``'s sigma (shared per process, kept per codec)."""
         if model.model_id not in self._bf16_tables:

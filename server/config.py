@@ -16,6 +16,8 @@ from speckv.coder.backends import CODERS
 from speckv.quantity import format_size, parse_size
 from speckv.wire import MAX_MESSAGE_BYTES, PART_BYTES
 
+from .batcher import DEFAULT_BATCH_TOKENS
+
 ROLES = ("encoder", "decoder")
 FALLBACK_MAX_TOKENS = 131072  # max_tokens left unset and a model config that names no context
 
@@ -53,6 +55,7 @@ class ServerConfig:
     threads: int = 2  # coder threads
     coder: str = "auto"  # per-scalar coder: numpy | native (CPU extension) | cuda (opt-in) | auto
     predictor_device: str = "cpu"  # where the predictor runs: cpu | cuda[:N] | auto
+    predictor_batch_tokens: int = DEFAULT_BATCH_TOKENS  # concurrent prompts one predictor pass takes; 0 = off
     tls_cert: str | None = None  # PEM files: serve TLS (cert + key); with tls_ca, require client certs
     tls_key: str | None = None
     tls_ca: str | None = None  # CA bundle: verifies clients (mTLS) and, on the encoder, the decoder
@@ -77,6 +80,8 @@ class ServerConfig:
             raise ValueError(f"metrics_port must be -1 (off), 0 (ephemeral) or a port, not {self.metrics_port}")
         if self.mu_cache_bytes < 0:
             raise ValueError(f"mu_cache_bytes must be >= 0, not {self.mu_cache_bytes}")
+        if self.predictor_batch_tokens < 0:
+            raise ValueError(f"predictor_batch_tokens must be >= 0 (0 = off), not {self.predictor_batch_tokens}")
         if not 64 * 1024 <= self.message_bytes <= self.max_receive_bytes - 64 * 1024:
             raise ValueError("message_bytes must be >= 64 KiB and leave 64 KiB of max_receive_bytes "
                              "for framing")
@@ -180,6 +185,8 @@ FIELDS = (
     _field("layers_per_chunk", int, "layers per coded chunk"),
     _field("threads", int, "coder threads"),
     _field("predictor_device", str, "predictor device: cpu | cuda[:N] | auto (both sidecars alike!)"),
+    _field("predictor_batch_tokens", int, "tokens of concurrent transfers' prompts one predictor pass takes "
+                                          "(server/batcher.py; mu stays bit for bit; 0 = one pass per prompt)"),
     _field("coder", str, "per-scalar coder: numpy | native | cuda (opt-in) | auto (native, else numpy)"),
     _field("tls_cert", _opt_str, "PEM certificate: serve TLS"),
     _field("tls_key", _opt_str, "PEM private key of tls_cert"),

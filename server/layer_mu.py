@@ -1,8 +1,9 @@
 """The predictor's mu of one prompt, layer by layer, as the forward pass produces it.
 
 Lifecycle: ``LayerMu.start(predictor, ids, shape)`` runs the predictor in a
-worker thread; each decoder layer's mu lands in ``bits`` (filled in place) the
-moment that layer has run, so a sidecar codes or decodes chunk i (and checks its
+worker thread (or, given a ``batcher.PredictorBatcher``, queues the prompt
+there); each decoder layer's mu lands in ``bits`` (filled in place) the moment
+that layer has run, so a sidecar codes or decodes chunk i (and checks its
 mu digest with the peer) while the predictor still computes the later layers:
 no whole-mu gate. ``await upto(n)`` waits for layers ``[0, n)``;
 ``stop()`` ends the pass at its next layer (a cancelled transfer stops paying for
@@ -23,6 +24,8 @@ from speckv.digests import digest
 if TYPE_CHECKING:  # pragma: no cover
     from speckv.kv import Fp8Attention
     from speckv.predictor.predict import Predictor
+
+    from .batcher import PredictorBatcher
 
 
 PREDICTOR_TASK = "speckv-predictor"  # the name of every LayerMu task (a stopping sidecar waits for them)
@@ -47,30 +50,41 @@ class LayerMu:
 
     @classmethod
     def start(cls, predictor: "Predictor", ids: np.ndarray, shape: tuple[int, ...],
-              fp8_attention: "Fp8Attention | None" = None) -> "LayerMu":
-        """The pass on a worker thread (``fp8_attention``: as ``Predictor.mu``)."""
-        mu = cls(shape, asyncio.get_running_loop())
-        mu.task = asyncio.get_running_loop().create_task(asyncio.to_thread(mu._run, predictor, ids, fp8_attention),
-                                                         name=PREDICTOR_TASK)
+              fp8_attention: "Fp8Attention | None" = None, batcher: "PredictorBatcher | None" = None) -> "LayerMu":
+        """The pass on a worker thread, or queued on ``batcher`` to run with other transfers'
+        prompts (``fp8_attention``: as ``Predictor.mu``)."""
+        loop = asyncio.get_running_loop()
+        mu = cls(shape, loop)
+        work = mu._batched(batcher, ids, fp8_attention) if batcher is not None else \
+            asyncio.to_thread(mu._run, predictor, ids, fp8_attention)
+        mu.task = loop.create_task(work, name=PREDICTOR_TASK)
         mu.task.add_done_callback(mu._ended)
         return mu
 
+    def _on_layer(self, i: int, bits: np.ndarray) -> None:  # NOTE: on the predictor's thread
+        if self._stopped:
+            raise PredictorStopped("the transfer no longer needs this predictor pass")
+        self.bits[i] = bits
+        self._loop.call_soon_threadsafe(self._advance, i + 1)
+
     def _run(self, predictor: "Predictor", ids: np.ndarray, fp8_attention: "Fp8Attention | None") -> None:
         t0 = time.perf_counter()
-
-        def on_layer(i: int, bits: np.ndarray) -> None:  # NOTE: on the worker thread
-            if self._stopped:
-                raise PredictorStopped("the transfer no longer needs this predictor pass")
-            self.bits[i] = bits
-            self._loop.call_soon_threadsafe(self._advance, i + 1)
-        predictor.mu(ids, on_layer, fp8_attention=fp8_attention)
+        predictor.stream(ids, self._on_layer, fp8_attention=fp8_attention)  # bits holds them: the pass keeps none
         self.seconds = time.perf_counter() - t0
+
+    async def _batched(self, batcher: "PredictorBatcher", ids: np.ndarray,
+                       fp8_attention: "Fp8Attention | None") -> None:
+        t0 = time.perf_counter()
+        await asyncio.wrap_future(batcher.submit(ids, self._on_layer, fp8_attention))
+        self.seconds = time.perf_counter() - t0  # NOTE: its wait in the queue included
 
     def _advance(self, count: int) -> None:
         self.count = max(self.count, count)
         self._notify()
 
     def _ended(self, task: "asyncio.Future[Any]") -> None:
+        if task.cancelled():
+            self._stopped = True  # a batched pass still running drops this prompt at its next layer
         err = PredictorStopped("cancelled") if task.cancelled() else task.exception()
         if err is None and self.count < self.bits.shape[0]:
             err = RuntimeError(f"the predictor produced {self.count} of {self.bits.shape[0]} layers")

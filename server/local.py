@@ -42,7 +42,7 @@ class LocalPair:
         for role in ("decoder", "encoder"):
             config = ServerConfig(role=role, metrics_port=0 if self.metrics else -1, **self.overrides)
             runtime = Runtime.from_predictor(self.predictor, config)
-            runtime.codec.bf16_contexts  # noqa: B018 -- build (or share) the context table before serving
+            runtime.codec.warm()  # the reference's context table, if it is the path
 
             async def make(config: ServerConfig = config, runtime: Runtime = runtime) -> tuple[Sidecar, int]:
                 sidecar, port = create_server(config, runtime)

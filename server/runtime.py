@@ -22,8 +22,10 @@ from speckv.coder.codec import Codec, CodecConfig
 from speckv.errors import PinMismatchError, RpcError
 from speckv.kv import Fp8Attention
 
+from .batcher import PredictorBatcher
 from .config import FALLBACK_MAX_TOKENS
 from .layer_mu import LayerMu
+from .memory import loading_arena, rss_bytes
 from .replies import MODEL_MISMATCH
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -41,28 +43,32 @@ class Runtime:
     predictor: "Predictor"
     model_id: str
     numeric_ok: bool = True  # False: the predictor's canary mu differs here; health stays NOT_SERVING
+    batcher: PredictorBatcher | None = None  # concurrent transfers' predictor passes batched; None: one by one
 
     @classmethod
     def load(cls, config: "ServerConfig") -> "Runtime":
         from speckv.predictor.checkpoint import load_checkpoint
         from speckv.predictor.predict import Predictor
         from speckv.predictor.store import CONFIG, default_checkpoint_dir
-        from speckv.predictor.target import load_target
+        from speckv.predictor.weights import derivation_source
 
         ckpt = load_checkpoint(config.predictor or default_checkpoint_dir(), config.pin)
         # NOTE: a max_tokens past the context is refused before the models load (config.json is pinned)
         check_max_tokens(config, model_context(json.loads((ckpt.path / CONFIG).read_bytes())),
                          config.model_id or ckpt.manifest["target"]["name"])
-        target = load_target(config.target) if ckpt.derived_weights else None
-        predictor = Predictor.from_checkpoint(ckpt, target).to(config.predictor_device)
-        runtime = cls.from_predictor(predictor, config)
-        if predictor.canary_ok() is False:
-            runtime.numeric_ok = False
-            logger.error("refusing to serve: this machine computes a different mu for predictor %s than the "
-                         "machine that built it (run `speckv predictor check`); health stays NOT_SERVING",
-                         ckpt.pin[:12])
-        runtime.codec.bf16_contexts  # noqa: B018 -- build the BF16 context table before serving
-        logger.info("loaded predictor %s for model %s", ckpt.pin, runtime.model_id)
+        with loading_arena():  # NOTE: the loader's garbage goes back to the kernel (server/memory.py)
+            target = derivation_source(config.target) if ckpt.derived_weights else None  # read lazily
+            predictor = Predictor.from_checkpoint(ckpt, target).to(config.predictor_device)
+            del target
+            runtime = cls.from_predictor(predictor, config)
+            if predictor.canary_ok() is False:
+                runtime.numeric_ok = False
+                logger.error("refusing to serve: this machine computes a different mu for predictor %s than the "
+                             "machine that built it (run `speckv predictor check`); health stays NOT_SERVING",
+                             ckpt.pin[:12])
+            runtime.codec.warm()  # the reference's context table, if it is the path
+        logger.info("loaded predictor %s for model %s (resident %d MiB)", ckpt.pin, runtime.model_id,
+                    rss_bytes() >> 20)
         return runtime
 
     @classmethod
@@ -72,7 +78,10 @@ class Runtime:
             raise PinMismatchError(f"predictor pin mismatch: expected {config.pin}, loaded {predictor.pin}")
         codec = Codec.from_predictor(predictor, CodecConfig(layers_per_chunk=config.layers_per_chunk,
                                                             threads=config.threads, coder=config.coder))
-        runtime = cls(codec, predictor, config.model_id or predictor.checkpoint.manifest["target"]["name"])
+        batcher = PredictorBatcher(predictor, config.predictor_batch_tokens) \
+            if config.predictor_batch_tokens and getattr(predictor, "batches", False) else None
+        model_id = config.model_id or predictor.checkpoint.manifest["target"]["name"]
+        runtime = cls(codec, predictor, model_id, batcher=batcher)
         check_max_tokens(config, runtime.context, runtime.model_id)
         return runtime
 
@@ -141,7 +150,7 @@ class Runtime:
     def mu_layers(self, ids: np.ndarray, fp8_attention: Fp8Attention | None = None) -> LayerMu:
         """Start the predictor on ``ids``; its mu arrives layer by layer (see LayerMu)."""
         L, H, D = self.geometry
-        return LayerMu.start(self.predictor, ids, (L, 2, H, len(ids), D), fp8_attention)
+        return LayerMu.start(self.predictor, ids, (L, 2, H, len(ids), D), fp8_attention, self.batcher)
 
 
 def model_context(config: Any) -> int | None:

@@ -149,6 +149,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="FP8 KV only: round its e4m3 codes toward zero, as vLLM's CPU cache "
                             "writer does (format 5 codes them with its rounding byte), not to nearest")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
+    bench.add_argument("--no-memory", dest="memory", action="store_false",
+                       help="skip the decoder sidecar's peak-RSS probe (a child process)")
     bench.add_argument("--model", choices=("auto", "seed", "tuned"), default="auto",
                        help="residual model: seed (the published static mixture), tuned (affine mu "
                             "correction, refit sigma, escape 1e-4), auto (the best the checkpoint has)")
@@ -303,7 +305,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     rep = run_bench(args.text, args.tokens, args.dtype, args.target, args.predictor, args.pin, quiet=args.json,
                     coder=args.coder, model=args.model, timing_runs=args.timing_runs, threads=args.threads,
-                    engine=args.engine, fp8_toward_zero=args.fp8_toward_zero)
+                    engine=args.engine, fp8_toward_zero=args.fp8_toward_zero, memory=args.memory)
     if args.json:
         print(json.dumps(rep))
     else:

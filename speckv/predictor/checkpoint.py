@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,7 +57,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 
-def fp8_state(target_state: dict[str, "torch.Tensor"], rung: "Rung | None" = None) -> dict[str, "torch.Tensor"]:
+def fp8_state(target_state: Mapping[str, "torch.Tensor"], rung: "Rung | None" = None) -> dict[str, "torch.Tensor"]:
     """The predictor's weights: e4m3 decoder-layer linears, everything else as is.
 
     Under a ``hybrid:k`` rung the linears of layers < k stay the target's BF16 ones.

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -48,7 +49,7 @@ TAIL_PARTS = (".input_layernorm.weight", ".self_attn.k_proj.weight", ".self_attn
 EMBED = "model.embed_tokens.weight"
 
 
-def early_state(target_state: dict[str, "torch.Tensor"], rung: Rung) -> dict[str, "torch.Tensor"]:
+def early_state(target_state: Mapping[str, "torch.Tensor"], rung: Rung) -> dict[str, "torch.Tensor"]:
     """The target's BF16 tensors ``early:k`` computes with, nothing else."""
     out = {}
     for name, t in target_state.items():
@@ -74,16 +75,21 @@ def exact_head(config: Any, state: dict[str, "torch.Tensor"], k: int, rung: str)
     head = copy.deepcopy(config)
     head.num_hidden_layers = k
     head._attn_implementation = "sdpa"
-    model = AutoModelForCausalLM.from_config(head, dtype=torch.bfloat16)
+    with torch.device("meta"):  # NOTE: no weights allocated: the state's own tensors are assigned below
+        model = AutoModelForCausalLM.from_config(head, dtype=torch.bfloat16)
     first = {n: t for n, t in state.items() if n == EMBED or (layer_index(n) or 0) < k}
-    missing, unexpected = model.load_state_dict(first, strict=False)
+    missing, unexpected = model.load_state_dict(first, strict=False, assign=True)  # shared, not copied
     missing = [m for m in missing if m not in ("lm_head.weight", "model.norm.weight")]
     if missing or unexpected:
         raise CheckpointError(f"{rung} weights do not fit the config: missing {missing[:4]}, "
                               f"unexpected {unexpected[:4]}")
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=head)  # its buffers were made on meta
     model.model.norm = torch.nn.Identity()  # NOTE: last_hidden_state is then h after layer k - 1
     model.lm_head = None  # never computes logits
     replace_linears(model, lambda _name, w: w.float())  # exactly as the target runs them
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise CheckpointError(f"{rung}: the exact head has tensors with no weights: {left[:4]}")
     return model
 
 

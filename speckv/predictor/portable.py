@@ -25,6 +25,7 @@ FP32 ones of the emulated-BF16 rungs.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -51,7 +52,7 @@ def _quantise_weight(w: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]
     return q.contiguous(), ix.div(amax, ix.Q_MAX)
 
 
-def portable_state(target_state: dict[str, "torch.Tensor"], config: Any) -> dict[str, "torch.Tensor"]:
+def portable_state(target_state: Mapping[str, "torch.Tensor"], config: Any) -> dict[str, "torch.Tensor"]:
     """int8 fused linears + float64 scales, the BF16 norms and embeddings, the integer tables."""
     import torch
 

@@ -19,6 +19,7 @@ two processes with the same torch build compute the same bits.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,18 +33,22 @@ from .fp8 import dequantize_e4m3
 from .ladder import EARLY, MEANS, PORTABLE, W8A8, Rung, load_means, mean_model
 from .portable import build_portable_model, portable_canary, portable_kv, portable_state
 from .store import CONFIG, FP8_SUFFIX, SCALE_SUFFIX, WEIGHTS, state_digest
-from .target import LINEAR_NAMES, LayerSink, emit_all, extract_kv, load_target, reading_fp8, replace_linears
-from .w8a8 import build_w8a8_model, load_smooth, w8a8_kv, w8a8_state
+from .target import LINEAR_NAMES, LayerSink, emit_all, extract_kv, reading_fp8, replace_linears
+from .w8a8 import build_w8a8_model, load_smooth, w8a8_state
+from .w8a8_pass import MuRequest, w8a8_kv, w8a8_passes
+from .weights import derivation_source
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from .target import Target
+    from .weights import TargetWeights
 
 logger = logging.getLogger(__name__)
+MuPrompt = tuple  # (ids, on_layer, fp8_attention | None): one prompt of ``Predictor.stream_batch``
 
 
-def rung_state(target_state: dict[str, "torch.Tensor"], rung: Rung, config: Any = None,
+def rung_state(target_state: Mapping[str, "torch.Tensor"], rung: Rung, config: Any = None,
                smooth: dict[str, np.ndarray] | None = None) -> dict[str, "torch.Tensor"]:
     """The weights ``rung`` computes with, from the target's (fp8, hybrid:k, early:k, portable:
     which needs the target's ``config`` for its tables; w8a8:k: and the smoothing exponents)."""
@@ -107,8 +112,9 @@ class Predictor:
         return self.checkpoint.pin
 
     @classmethod
-    def from_checkpoint(cls, ckpt: Checkpoint, target: "Target | None" = None) -> "Predictor":
-        """Build the checkpoint's rung; derived weights need the (embedded) target."""
+    def from_checkpoint(cls, ckpt: Checkpoint, target: "Target | TargetWeights | None" = None) -> "Predictor":
+        """Build the checkpoint's rung; derived weights need the (embedded) target, whole or as
+        ``weights.TargetWeights`` (read lazily: a sidecar never builds the target)."""
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(ckpt.path / CONFIG, local_files_only=True)
@@ -168,6 +174,13 @@ class Predictor:
             return False
         return True
 
+    def stream(self, ids: np.ndarray, on_layer: "LayerSink",
+               fp8_attention: "Fp8Attention | None" = None) -> None:
+        """``mu`` for a caller that takes every layer from ``on_layer`` (a sidecar's LayerMu): a
+        rung that can (``w8a8:K``) keeps no layer once ``on_layer`` has it, which saves the whole
+        mu twice over (the layers and their stack) at the sidecar's peak."""
+        self._pass(ids, on_layer, fp8_attention, keep=False)
+
     def mu(self, ids: np.ndarray, on_layer: "LayerSink | None" = None,
            fp8_attention: "Fp8Attention | None" = None) -> "torch.Tensor":
         """Predicted KV ``(layers, 2, kv_heads, tokens, head_dim)`` BF16; ``on_layer(i, bits)``
@@ -182,17 +195,62 @@ class Predictor:
         approximate layer, whose own K/V differ from the engine's, cannot follow (rounding them
         costs more than it wins: benchmarks/RESULTS.md, "FP8 caches that attention reads").
         Rung ``portable``'s integer attention ignores it."""
+        mu = self._pass(ids, on_layer, fp8_attention, keep=True)
+        assert mu is not None
+        return mu
+
+    @property
+    def batches(self) -> bool:
+        """Whether ``stream_batch`` runs several prompts as one pass (rung ``w8a8:K``)."""
+        return self.checkpoint.rung.kind == W8A8
+
+    def stream_batch(self, reqs: "list[MuPrompt]") -> list[BaseException | None]:
+        """``stream`` of several (ids, on_layer, fp8_attention) at once: one pass where the rung
+        batches (``w8a8_pass``: each prompt's mu bit for bit its ``stream`` alone), else one by one.
+        Each prompt's error (its ``on_layer``'s, or its pass's) is its own, returned in order."""
+        if self.batches and len(reqs) > 1 and all(len(ids) for ids, _, _ in reqs):
+            batch = [MuRequest(np.asarray(ids), self._sink(on_layer, fa), self._reading(fa), keep=False)
+                     for ids, on_layer, fa in reqs]
+            try:
+                w8a8_passes(self.model, batch)
+                return [r.error for r in batch]
+            except Exception:  # noqa: BLE001 -- the batch's own (a non-finite activation): find whose, alone
+                logger.debug("a batched predictor pass failed; running its %d prompts one by one", len(reqs))
+        errors: list[BaseException | None] = []
+        for ids, on_layer, fa in reqs:
+            try:
+                self.stream(ids, on_layer, fa)
+                errors.append(None)
+            except Exception as e:  # noqa: BLE001 -- this prompt's alone
+                errors.append(e)
+        return errors
+
+    def _exact(self, fa: "Fp8Attention | None") -> int:
+        """The layers whose mu is the engine's rounded value under ``fa`` (this rung's exact ones)."""
         layers = self.checkpoint.manifest["arch"]["layers"]
-        if fp8_attention is not None and len(fp8_attention.k_scales) != layers:
-            raise ValueError(f"fp8_attention has {len(fp8_attention.k_scales)} layers' scales, the model {layers}")
-        exact = self.checkpoint.rung.bf16_layers if fp8_attention is not None else 0
-        toward_zero = fp8_attention is not None and fp8_attention.toward_zero
-        with reading_fp8(fp8_attention, layers if toward_zero else exact):
-            if not exact:
-                return predictor_kv(self.model, ids, on_layer)
-            assert fp8_attention is not None
-            sink = None if on_layer is None else rounded_sink(on_layer, fp8_attention, exact)
-            mu = predictor_kv(self.model, ids, sink)
+        if fa is not None and len(fa.k_scales) != layers:
+            raise ValueError(f"fp8_attention has {len(fa.k_scales)} layers' scales, the model {layers}")
+        return self.checkpoint.rung.bf16_layers if fa is not None else 0
+
+    def _reading(self, fa: "Fp8Attention | None") -> "tuple[Fp8Attention, int] | None":
+        """(fa, n): the attention of layers < n reads its K/V rounded (``Predictor.mu``)."""
+        n = self.checkpoint.manifest["arch"]["layers"] if fa is not None and fa.toward_zero else self._exact(fa)
+        return None if fa is None or n <= 0 else (fa, n)
+
+    def _sink(self, on_layer: "LayerSink", fa: "Fp8Attention | None") -> "LayerSink":
+        exact = self._exact(fa)
+        return on_layer if fa is None or not exact else rounded_sink(on_layer, fa, exact)
+
+    def _pass(self, ids: np.ndarray, on_layer: "LayerSink | None", fp8_attention: "Fp8Attention | None",
+              keep: bool) -> "torch.Tensor | None":
+        exact = self._exact(fp8_attention)
+        fa_n = self._reading(fp8_attention)
+        with reading_fp8(*(fa_n or (None, 0))):
+            sink = None if on_layer is None else self._sink(on_layer, fp8_attention)
+            mu = rung_pass(self.model, ids, sink, keep)
+        if mu is None or not keep or not exact:
+            return mu if keep else None
+        assert fp8_attention is not None
         import torch
 
         for i in range(exact):  # NOTE: the same rounding rounded_sink applied to what on_layer got
@@ -215,6 +273,14 @@ def rounded_sink(on_layer: "LayerSink", fa: "Fp8Attention", exact: int) -> "Laye
 
 def predictor_kv(model: Any, ids: np.ndarray, on_layer: "LayerSink | None" = None) -> "torch.Tensor":
     """mu of any rung's model (``build_model``, ``ladder.mean_model``) for ``ids``."""
+    mu = rung_pass(model, ids, on_layer, keep=True)
+    assert mu is not None
+    return mu
+
+
+def rung_pass(model: Any, ids: np.ndarray, on_layer: "LayerSink | None", keep: bool) -> "torch.Tensor | None":
+    """``predictor_kv``; ``keep=False``: as ``Predictor.stream`` (the rungs that cannot drop their
+    layers return them anyway)."""
     if hasattr(model, "mean_kv"):  # rung none: every layer at once
         mu = model.mean_kv(len(ids))
         emit_all(mu, on_layer)
@@ -224,18 +290,17 @@ def predictor_kv(model: Any, ids: np.ndarray, on_layer: "LayerSink | None" = Non
     if hasattr(model, "names"):  # portable
         return portable_kv(model, ids, on_layer)
     if hasattr(model, "rotary"):  # w8a8:k
-        return w8a8_kv(model, ids, on_layer)
+        return w8a8_kv(model, ids, on_layer, keep)
     return extract_kv(model, ids, on_layer)
 
 
-def _derive_state(ckpt: Checkpoint, target: "Target | None") -> dict[str, "torch.Tensor"]:
-
+def _derive_state(ckpt: Checkpoint, target: "Target | TargetWeights | None") -> dict[str, "torch.Tensor"]:
     want = ckpt.manifest["target"]
     if target is None:
         if want.get("source") != "embedded":
             raise CheckpointError("checkpoint derives its weights from a target that is not embedded; "
                                   "pass the target model")
-        target = load_target()
+        target = derivation_source()
     if target.weights_sha256 != want["weights_sha256"]:
         raise PinMismatchError(f"target weights {target.weights_sha256} differ from the ones this "
                                f"predictor was derived from ({want['weights_sha256']})")

@@ -10,10 +10,11 @@ import io
 import json
 import logging
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -57,7 +58,7 @@ def canonical_json(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode() + b"\n"
 
 
-def state_digest(state: dict[str, "torch.Tensor"]) -> str:
+def state_digest(state: Mapping[str, "torch.Tensor"]) -> str:
     """sha256 over a state dict's (name, dtype, shape, bytes) in name order."""
     import torch
 
@@ -65,7 +66,7 @@ def state_digest(state: dict[str, "torch.Tensor"]) -> str:
     for name in sorted(state):
         t = state[name].detach().contiguous().cpu()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)  # the tensor's bytes, not a copy
     return h.hexdigest()
 
 

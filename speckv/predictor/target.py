@@ -367,10 +367,14 @@ def load_hf(path: str | Path) -> tuple[Any, Any]:
     return model, tok
 
 
+def target_dir(spec: str | Path = DEFAULT_TARGET) -> Path:
+    """The Hugging Face directory of ``"default"`` (the embedded model, converted once) or a path."""
+    return _embedded_dir() if str(spec) == DEFAULT_TARGET else Path(spec)
+
+
 def load_target(spec: str | Path = DEFAULT_TARGET) -> Target:
     """Load ``"default"`` (embedded SmolLM2-135M) or a local HF directory."""
-    path = _embedded_dir() if str(spec) == DEFAULT_TARGET else Path(spec)
-    model, tok = load_hf(path)
+    model, tok = load_hf(target_dir(spec))
     state = dict(model.state_dict())
     digest = state_digest(state)
     replace_linears(model, lambda _name, w: w.float())

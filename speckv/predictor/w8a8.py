@@ -13,7 +13,7 @@ weights (SmoothQuant, alpha ``SMOOTH_ALPHA``); the exponents are the
 checkpoint's ``smooth.npz``. ``w8a8_state(target_state, config, k, smooth)``
 derives the int8 weights from the target's BF16 ones and the exponents
 (exact IEEE steps only, so a derived checkpoint rebuilds them bit for bit);
-``build_w8a8_model`` wraps them; ``w8a8_kv(model, ids, on_layer)`` runs::
+``build_w8a8_model`` wraps them; ``w8a8_pass.w8a8_kv(model, ids, on_layer)`` runs::
 
     layers < k: the target's own, exactly as target.py runs them (hybrid)
     for each layer l >= k, x = h (BF16, the residual stream):
@@ -35,13 +35,13 @@ from a VNNI machine's. ``speckv predictor check`` shows it (ONEDNN_MAX_CPU_ISA=A
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from speckv.errors import CheckpointError
-from speckv.kv import bf16_bits
 
 from .early import EMBED, exact_head
 from .integer import int_mm, native_with
@@ -49,12 +49,8 @@ from .ladder import layer_index
 from .store import SMOOTH_FILE, save_npz_stable
 from .target import (
     COMPUTE_THREADS,
-    FP8_ATTENTION,
-    LayerSink,
-    cache_layer,
     deterministic_torch,
     hooked_forward,
-    output_cache,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -144,7 +140,7 @@ def quantise_weight(w: "torch.Tensor", e: "torch.Tensor") -> tuple["torch.Tensor
     return torch.round(ws_in / ws[:, None]).clamp(-Q_MAX, Q_MAX).to(torch.int8).contiguous(), ws
 
 
-def w8a8_state(target_state: dict[str, "torch.Tensor"], config: Any, k: int,
+def w8a8_state(target_state: Mapping[str, "torch.Tensor"], config: Any, k: int,
                smooth: dict[str, np.ndarray]) -> dict[str, "torch.Tensor"]:
     """The target's BF16 tensors of layers < k, then per later layer its norms and fused int8 linears
     (with their smoothing exponents), and the embeddings."""
@@ -152,10 +148,10 @@ def w8a8_state(target_state: dict[str, "torch.Tensor"], config: Any, k: int,
 
     L = config.num_hidden_layers
     out = {EMBED: target_state[EMBED].detach().clone()}
-    for name, t in target_state.items():
+    for name in target_state:  # NOTE: by name: a lazy mapping (weights.TargetWeights) reads only these
         index = layer_index(name)
         if index is not None and index < k:
-            out[name] = t.detach().clone()
+            out[name] = target_state[name].detach().clone()
     for i in range(k, L):
         p = f"model.layers.{i}."
         for norm in NORMS[:1] if i == L - 1 else NORMS:
@@ -315,64 +311,3 @@ def norm_linear(h: "torch.Tensor", t: Callable[[str], "torch.Tensor"], f: str, e
     q, xs = quantise_rows(h, t("in_" + f))
     xs = xs * torch.rsqrt(h.float().pow(2).mean(1) + eps)  # NOTE: the norm's per-row factor cancels in q
     return linear(q, xs, t(f + W8), t(f + WS), scratch=scratch, name=f)
-
-
-def w8a8_kv(model: Any, ids: np.ndarray, on_layer: LayerSink | None = None) -> "torch.Tensor":
-    """mu ``(layers, 2, kv_heads, tokens, head_dim)`` BF16 of ``w8a8:k``; ``on_layer`` as in
-    ``target.extract_kv``."""
-    import torch
-
-    cfg = model.config
-    L, H, Hk = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
-    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
-    T, k = len(ids), model.k
-    if T == 0:
-        return torch.empty((L, 2, Hk, 0, D), dtype=torch.bfloat16)
-    with deterministic_torch():
-        if model.head is not None:
-            out = hooked_forward(model.head, ids, on_layer)
-            h, layers = out.last_hidden_state[0], [cache_layer(output_cache(out), i) for i in range(k)]
-        else:
-            tok = torch.as_tensor(np.asarray(ids, dtype=np.int64), device=model.embed.device)
-            h, layers = model.embed[tok], []
-        cos, sin = model.rotary(h[None], position_ids=torch.arange(T, device=h.device)[None])  # (1, T, D)
-        scratch: Scratch = {}
-        for i in range(k, L):
-            t = functools.partial(model.t, i)
-            last = i == L - 1
-            y = norm_linear(h, t, "kv" if last else "qkv", float(cfg.rms_norm_eps), scratch)
-            q, kv = (None, y) if last else (y[:, : H * D], y[:, H * D:])
-            key = _rope(kv[:, : Hk * D], Hk, cos, sin)
-            value = kv[:, Hk * D:].to(torch.bfloat16).view(T, Hk, D).transpose(0, 1)
-            layers.append(torch.stack([key[0], value]))  # (2, kv_heads, tokens, head_dim)
-            if on_layer is not None:
-                on_layer(i, bf16_bits(layers[-1].contiguous().cpu()))
-            if q is not None:
-                if (fp8 := FP8_ATTENTION.get()) is not None and i < fp8[1]:  # attention reads the engine's K/V
-                    key, value = fp8[0].round(key, i, 0), fp8[0].round(value, i, 1)
-                h = _block_rest(h, t, _rope(q, H, cos, sin), key, value[None], float(cfg.rms_norm_eps), scratch)
-    return torch.stack(layers).to(torch.bfloat16).contiguous().cpu()
-
-
-def _rope(x: "torch.Tensor", heads: int, cos: "torch.Tensor", sin: "torch.Tensor") -> "torch.Tensor":
-    """float32 (T, heads * D) -> BF16 (1, heads, T, D) with the target's rotary embedding."""
-    import torch
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    x = x.to(torch.bfloat16).view(1, x.shape[0], heads, -1).transpose(1, 2)
-    return apply_rotary_pos_emb(x, x, cos, sin)[0]
-
-
-def _block_rest(h: "torch.Tensor", t: Callable[[str], "torch.Tensor"], q: "torch.Tensor", key: "torch.Tensor",
-                value: "torch.Tensor", eps: float, scratch: Scratch) -> "torch.Tensor":
-    """The layer after its K/V: attention, o, residual, MLP, residual; BF16 rows (T, hidden).
-    NOTE: the residual stream alternates between two scratch buffers (each update reads the other)."""
-    import torch.nn.functional as F
-
-    att = F.scaled_dot_product_attention(q, key, value, is_causal=True, enable_gqa=True)  # (1, heads, T, D)
-    att = att[0].transpose(0, 1).reshape(h.shape[0], -1)  # (T, heads * D) BF16
-    h = linear(*quantise_rows(att, t("in_o")), t("o" + W8), t("o" + WS), add=h, scratch=scratch, name="h.o")
-    g, u = norm_linear(h, t, "gate_up", eps, scratch).chunk(2, dim=1)
-    m = F.silu(g).mul_(u)
-    return linear(*quantise_rows(m, t("in_down")), t("down" + W8), t("down" + WS), add=h, scratch=scratch,
-                  name="h.down")

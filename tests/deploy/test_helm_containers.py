@@ -64,6 +64,7 @@ def test_serve_env_is_a_valid_sidecar_config(rendered, case):
             assert cfg.listen == f"0.0.0.0:{port_of(c, 'grpc')}"
             assert (cfg.metrics_host, cfg.metrics_port) == ("0.0.0.0", port_of(c, "metrics"))
             assert cfg.grace_s == float(values["config"]["graceSeconds"])
+            assert cfg.predictor_batch_tokens == int(values["config"]["predictorBatchTokens"])
             assert cfg.pin == (values["predictor"]["pin"] or None)
             assert env["SPECKV_CACHE"] == "/cache" and not mounts(c)["/cache"].get("readOnly")
             assert "emptyDir" in volumes(spec)[mounts(c)["/cache"]["name"]]

@@ -49,6 +49,9 @@ class WrappedPredictor:
             self.emit(i, bits[i], on_layer)
         return m
 
+    def stream(self, ids, on_layer, fp8_attention=None) -> None:
+        self.mu(ids, on_layer, fp8_attention)
+
     def skew(self, bits: np.ndarray) -> None:
         pass
 

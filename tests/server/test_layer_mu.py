@@ -22,7 +22,7 @@ class Stepped:
         self.steps = [threading.Event() for _ in range(SHAPE[0])]
         self.fail_at, self.layers, self.emitted = fail_at, layers, 0
 
-    def mu(self, ids, on_layer, fp8_attention=None):
+    def stream(self, ids, on_layer, fp8_attention=None):
         assert fp8_attention is None
         for i in range(self.layers):
             assert self.steps[i].wait(30)

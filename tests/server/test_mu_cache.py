@@ -20,7 +20,7 @@ class Predictor:
         self.gate = threading.Event()
         self.gate.set()
 
-    def mu(self, ids, on_layer, fp8_attention=None):
+    def stream(self, ids, on_layer, fp8_attention=None):
         assert fp8_attention is None
         self.passes += 1
         for i in range(LAYERS):

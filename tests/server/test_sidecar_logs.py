@@ -130,4 +130,5 @@ def test_info_lines_are_the_lifecycle_only(logged):
     info = [o["message"] for o in dec_lines if o["level"] == "INFO"]
     info += [m["rest"] for m in (TEXT_LINE.fullmatch(x) for x in enc_lines) if m and m["level"] == "INFO"]
     assert info and not [x for x in info if any(v in x for v in r.values())], info
-    assert sum(x.startswith("loaded predictor ") and x.endswith(f" for model {MODEL}") for x in info) == 2, info
+    loaded = re.compile(rf"loaded predictor [0-9a-f]{{64}} for model {re.escape(MODEL)} \(resident \d+ MiB\)$")
+    assert sum(bool(loaded.match(x)) for x in info) == 2, info

@@ -116,6 +116,8 @@ app.kubernetes.io/part-of: speckv
   value: {{ $v.config.maxTransfers | int | quote }}
 - name: SPECKV_MU_CACHE_BYTES
   value: {{ $v.config.muCacheBytes | quote }}
+- name: SPECKV_PREDICTOR_BATCH_TOKENS
+  value: {{ $v.config.predictorBatchTokens | int | quote }}
 - name: SPECKV_GRACE_S
   value: {{ $v.config.graceSeconds | toString | quote }}
 - name: SPECKV_LEASE_S

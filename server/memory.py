@@ -1,0 +1,95 @@
+"""A sidecar's resident memory: how it loads without a lasting peak, and what it reports.
+
+Loading a predictor allocates and frees hundreds of tensors of 1-60 MB (the target's
+tensors read one at a time, the derived weights, the model's copies). glibc serves
+a freed block's size from its heap afterwards (its mmap threshold rises to the
+largest block freed, up to 32 MiB), so the loader's garbage stays resident between
+kept tensors: measured here, the sidecar idled ~180 MB above the tensors it holds.
+
+``loading_arena()`` maps every block of 128 KiB or more on its own while the
+predictor loads (a freed one goes straight back to the kernel), then fixes the
+threshold at glibc's own ceiling (32 MiB) for serving, where reusing heap blocks
+is what keeps a forward pass from page-faulting its activations afresh (a 128 KiB
+threshold made a 2,048-token pass 1.3x slower here), and trims the heap once.
+Elsewhere than glibc it does nothing.
+
+``peak_rss_bytes()`` is the kernel's high-water mark of this process (VmHWM):
+every byte ever resident at once, not a sample. ``runtime_floor_bytes()`` is that
+of a fresh process that only imports what a sidecar runs on (torch, transformers'
+Llama code, grpc, the sidecar's modules): the part of a sidecar's peak that no
+model or request of its own adds, which benchmarks report beside the peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import functools
+import subprocess
+import sys
+from collections.abc import Iterator
+
+M_TRIM_THRESHOLD = -1  # mallopt parameters (glibc malloc.h)
+M_MMAP_THRESHOLD = -3
+LOADING_MMAP = 128 << 10  # glibc's initial threshold: each block this size or larger is its own mapping
+SERVING_MMAP = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: where the dynamic one ends up
+SERVING_TRIM = 2 * SERVING_MMAP  # what glibc's dynamic rule pairs with it
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        return libc if libc is not None and hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def loading_arena() -> Iterator[None]:
+    """Allocate what runs inside so that the loader's freed blocks leave no resident garbage."""
+    libc = _glibc()
+    if libc is None:
+        yield
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, LOADING_MMAP)
+    try:
+        yield
+    finally:
+        libc.mallopt(M_MMAP_THRESHOLD, SERVING_MMAP)
+        libc.mallopt(M_TRIM_THRESHOLD, SERVING_TRIM)
+        libc.malloc_trim(0)
+
+
+def _status_kib(field: str, pid: int | str = "self") -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def peak_rss_bytes(pid: int | str = "self") -> int:
+    """The process's peak resident set (VmHWM), in bytes; 0 where /proc has none."""
+    return _status_kib("VmHWM", pid) * 1024
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    """The process's resident set now (VmRSS), in bytes; 0 where /proc has none."""
+    return _status_kib("VmRSS", pid) * 1024
+
+
+FLOOR_IMPORTS = ("import torch, grpc, transformers.models.llama.modeling_llama, speckv.server.app, "
+                 "speckv.predictor.predict")
+
+
+def runtime_floor_bytes() -> int:
+    """Peak RSS of a fresh interpreter that imports what a sidecar runs on, and nothing more."""
+    code = f"{FLOOR_IMPORTS}; from speckv.server.memory import peak_rss_bytes; print(peak_rss_bytes())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    return int(out.stdout.split()[-1])

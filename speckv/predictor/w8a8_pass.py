@@ -1,0 +1,172 @@
+"""The W8A8 rung's forward pass, for one prompt or a batch of them with the same bits.
+
+A sidecar under load runs many short predictor passes; each pays a fixed cost per
+layer (dozens of small ops) whatever its length. ``w8a8_passes`` runs several
+prompts as one pass: each prompt's exact head (the target's first k layers) alone,
+exactly as ``target.py`` runs it, then every later layer over the prompts' rows
+stacked, with attention per prompt::
+
+    h = cat(h_1, ..., h_n)                      # (sum T_r, hidden) BF16
+    y = norm_linear(h)                          # per row: quantise, int32 sums, dequantise
+    for r: k_r, v_r = rope(y[rows r]); emit; att_r = SDPA(q_r, k_r, v_r)   # per prompt
+    h = o(cat(att_r)) + h;  h = down(silu(g) * u) + h                      # per row
+
+Batch invariance (a prompt's mu never depends on what else is in the batch) holds
+by construction: every op on stacked rows is row-wise (per-token quantisation, exact
+integer sums, elementwise dequantisation, norms over a row), and what mixes tokens
+(RoPE tables, attention, the exact head) runs per prompt; tests compare bit for bit.
+
+One prompt's error stays its own: an ``on_layer`` that raises (a transfer that
+stopped) ends that prompt only. An error of the batch itself (a non-finite
+activation) is raised to the caller, who runs the prompts alone to find whose it is.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from speckv.kv import Fp8Attention, bf16_bits
+
+from .target import (
+    FP8_ATTENTION,
+    LayerSink,
+    cache_layer,
+    deterministic_torch,
+    hooked_forward,
+    output_cache,
+    reading_fp8,
+)
+from .w8a8 import W8, WS, Scratch, linear, norm_linear, quantise_rows
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+
+@dataclass
+class MuRequest:
+    """One prompt of a pass: its ids, where its layers go, how its engine's attention reads FP8."""
+
+    ids: np.ndarray
+    on_layer: LayerSink | None = None
+    fp8: tuple[Fp8Attention, int] | None = None  # (fa, n): attention of layers < n reads K/V rounded
+    keep: bool = True  # keep the layers (the result); False: on_layer has them
+    layers: list = field(default_factory=list)  # (2, kv_heads, T, head_dim) BF16 each, when keep
+    error: BaseException | None = None
+
+    def deliver(self, i: int, bits: np.ndarray) -> None:
+        """Layer i's BF16 bits to ``on_layer``; what it raises becomes this prompt's error."""
+        if self.error is not None or self.on_layer is None:
+            return
+        try:
+            self.on_layer(i, bits)
+        except Exception as e:  # noqa: BLE001 -- the prompt's own error (e.g. its transfer stopped)
+            self.error = e
+
+    def emit(self, i: int, kv_i: "torch.Tensor") -> None:
+        self.deliver(i, bf16_bits(kv_i.contiguous().cpu()))
+        if self.keep and self.error is None:
+            self.layers.append(kv_i)
+
+
+def w8a8_kv(model: Any, ids: np.ndarray, on_layer: LayerSink | None = None,
+            keep: bool = True) -> "torch.Tensor | None":
+    """mu ``(layers, 2, kv_heads, tokens, head_dim)`` BF16 of ``w8a8:k``; ``on_layer`` as in
+    ``target.extract_kv`` (an error it raises ends the pass); ``keep=False``: each layer is dropped
+    once ``on_layer`` has it, and the result is None."""
+    import torch
+
+    cfg = model.config
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if len(ids) == 0:
+        return torch.empty((cfg.num_hidden_layers, 2, cfg.num_key_value_heads, 0, D), dtype=torch.bfloat16)
+    fp8 = FP8_ATTENTION.get()
+    req = MuRequest(np.asarray(ids), on_layer, fp8, keep)
+    w8a8_passes(model, [req])
+    if req.error is not None:
+        raise req.error
+    return torch.stack(req.layers).to(torch.bfloat16).contiguous().cpu() if keep else None
+
+
+def w8a8_passes(model: Any, reqs: list[MuRequest]) -> None:
+    """Every request's mu in one pass (module docstring); each request's layers go to its
+    ``on_layer`` as they exist, its error to ``req.error``. Prompts must not be empty."""
+    import torch
+
+    cfg = model.config
+    L, H, Hk, eps = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, float(cfg.rms_norm_eps)
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    with deterministic_torch():
+        heads = [_head(model, r) for r in reqs]
+        rows = np.cumsum([0] + [len(r.ids) for r in reqs])
+        h = torch.cat(heads) if len(heads) > 1 else heads[0]  # (sum T_r, hidden) BF16
+        tables = [model.rotary(hr[None], position_ids=torch.arange(len(hr), device=h.device)[None]) for hr in heads]
+        del heads
+        scratch: Scratch = {}
+        for i in range(model.k, L):
+            if all(r.error is not None for r in reqs):
+                return  # no request wants the later layers
+            t = functools.partial(model.t, i)
+            last = i == L - 1
+            y = norm_linear(h, t, "kv" if last else "qkv", eps, scratch)
+            att = []
+            for r, (cos, sin), a, b in zip(reqs, tables, rows[:-1], rows[1:], strict=True):
+                q, kv = (None, y[a:b]) if last else (y[a:b, : H * D], y[a:b, H * D:])
+                key = _rope(kv[:, : Hk * D], Hk, cos, sin)
+                value = kv[:, Hk * D:].to(torch.bfloat16).view(b - a, Hk, D).transpose(0, 1)
+                r.emit(i, torch.stack([key[0], value]))  # (2, kv_heads, tokens, head_dim)
+                if q is not None:
+                    if r.fp8 is not None and i < r.fp8[1]:  # attention reads the engine's K/V
+                        key, value = r.fp8[0].round(key, i, 0), r.fp8[0].round(value, i, 1)
+                    att.append(_attend(_rope(q, H, cos, sin), key, value[None]))
+            if att:
+                h = _block_rest(h, t, torch.cat(att) if len(att) > 1 else att[0], eps, scratch)
+
+
+def _head(model: Any, r: MuRequest) -> "torch.Tensor":
+    """h after the exact layers (the target's own first k, run on this prompt alone) or the
+    embeddings; emits (and keeps) those layers."""
+    import torch
+
+    if model.head is None:
+        tok = torch.as_tensor(np.asarray(r.ids, dtype=np.int64), device=model.embed.device)
+        return model.embed[tok]
+    fa, n = r.fp8 if r.fp8 is not None else (None, 0)
+    with reading_fp8(fa, n):  # each layer to on_layer as soon as it has run
+        out = hooked_forward(model.head, r.ids, None if r.on_layer is None else r.deliver)
+    if r.keep and r.error is None:
+        r.layers += [cache_layer(output_cache(out), i) for i in range(model.k)]
+    return out.last_hidden_state[0]
+
+
+def _rope(x: "torch.Tensor", heads: int, cos: "torch.Tensor", sin: "torch.Tensor") -> "torch.Tensor":
+    """float32 (T, heads * D) -> BF16 (1, heads, T, D) with the target's rotary embedding."""
+    import torch
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    x = x.to(torch.bfloat16).view(1, x.shape[0], heads, -1).transpose(1, 2)
+    return apply_rotary_pos_emb(x, x, cos, sin)[0]
+
+
+def _attend(q: "torch.Tensor", key: "torch.Tensor", value: "torch.Tensor") -> "torch.Tensor":
+    """Causal attention of one prompt: (1, heads, T, D) BF16 -> rows (T, heads * D)."""
+    import torch.nn.functional as F
+
+    att = F.scaled_dot_product_attention(q, key, value, is_causal=True, enable_gqa=True)  # (1, heads, T, D)
+    return att[0].transpose(0, 1).reshape(q.shape[2], -1)
+
+
+def _block_rest(h: "torch.Tensor", t: Callable[[str], "torch.Tensor"], att: "torch.Tensor", eps: float,
+                scratch: Scratch) -> "torch.Tensor":
+    """The layer after its attention: o, residual, MLP, residual; BF16 rows (T, hidden).
+    NOTE: the residual stream alternates between two scratch buffers (each update reads the other)."""
+    import torch.nn.functional as F
+
+    h = linear(*quantise_rows(att, t("in_o")), t("o" + W8), t("o" + WS), add=h, scratch=scratch, name="h.o")
+    g, u = norm_linear(h, t, "gate_up", eps, scratch).chunk(2, dim=1)
+    m = F.silu(g).mul_(u)
+    return linear(*quantise_rows(m, t("in_down")), t("down" + W8), t("down" + WS), add=h, scratch=scratch,
+                  name="h.down")

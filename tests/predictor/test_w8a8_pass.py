@@ -1,0 +1,120 @@
+"""speckv.predictor.w8a8_pass: several prompts in one pass give each prompt the bits of its
+pass alone, whatever else is in the batch (lengths, order, FP8 readings); one prompt's error
+stays its own."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from speckv.kv import Fp8Attention
+from speckv.predictor import w8a8_pass
+from speckv.predictor.calibrate import build_checkpoint
+from speckv.predictor.checkpoint import load_checkpoint
+from speckv.predictor.predict import Predictor
+from speckv.server.layer_mu import PredictorStopped
+
+
+@pytest.fixture(scope="module", params=["w8a8", "w8a8:1"])
+def tiny_pred(request, tiny_target, tiny_text, tmp_path_factory):
+    d = tmp_path_factory.mktemp(request.param.replace(":", "_"))
+    pin = build_checkpoint(tiny_target, tiny_text, d, tokens=64, segment=32, rung=request.param, derive_weights=True)
+    return Predictor.from_checkpoint(load_checkpoint(d, pin=pin), tiny_target)
+
+
+def alone(pred: Predictor, ids: np.ndarray, fa: Fp8Attention | None = None) -> dict[int, np.ndarray]:
+    got: dict[int, np.ndarray] = {}
+    pred.stream(ids, lambda i, b: got.__setitem__(i, b.copy()), fa)
+    return got
+
+
+def batched(pred: Predictor, prompts: list, fas: list | None = None) -> tuple[list[dict], list]:
+    got: list[dict[int, np.ndarray]] = [{} for _ in prompts]
+    sinks = [lambda i, b, g=g: g.__setitem__(i, b.copy()) for g in got]
+    fas = fas or [None] * len(prompts)
+    errors = pred.stream_batch(list(zip(prompts, sinks, fas, strict=True)))
+    return got, errors
+
+
+def same(a: dict[int, np.ndarray], b: dict[int, np.ndarray]) -> bool:
+    return sorted(a) == sorted(b) and all(np.array_equal(a[i], b[i]) for i in a)
+
+
+def prompts_of(vocab: int, lengths: list[int], seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).astype(np.int64) for n in lengths]
+
+
+@pytest.mark.parametrize("lengths", [[1, 7], [33, 1, 64, 5], [17, 17, 17]])
+def test_each_prompt_of_a_batch_has_its_lone_bits(tiny_pred, lengths):
+    prompts = prompts_of(tiny_pred.model.config.vocab_size, lengths, len(lengths))
+    got, errors = batched(tiny_pred, prompts)
+    assert errors == [None] * len(prompts) and tiny_pred.batches
+    for ids, g in zip(prompts, got, strict=True):
+        assert len(g) == tiny_pred.model.config.num_hidden_layers and same(g, alone(tiny_pred, ids))
+    back, _ = batched(tiny_pred, prompts[::-1])  # another order, other neighbours
+    assert all(same(a, b) for a, b in zip(got, back[::-1], strict=True))
+
+
+def test_batch_of_real_prompts_on_the_shipped_predictor(embedded_session, embedded_target):
+    """The shipped w8a8:4 on real text: three prompts batched equal their lone passes."""
+    pred = embedded_session.predictor
+    text = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer " * 8
+    ids = embedded_target.tokenize(text)
+    prompts = [ids[:96], ids[5:6], ids[10:150]]
+    got, errors = batched(pred, prompts)
+    assert errors == [None] * 3
+    for p, g in zip(prompts, got, strict=True):
+        assert same(g, alone(pred, p))
+    mu = pred.mu(prompts[2]).contiguous().view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(np.stack([got[2][i] for i in range(len(got[2]))]), mu)
+
+
+def test_fp8_readings_stay_per_prompt(tiny_pred):
+    L = tiny_pred.model.config.num_hidden_layers
+    fa = Fp8Attention((0.02,) * L, (0.03,) * L, toward_zero=True)
+    prompts = prompts_of(tiny_pred.model.config.vocab_size, [20, 31], 7)
+    got, errors = batched(tiny_pred, prompts, [fa, None])
+    assert errors == [None, None]
+    assert same(got[0], alone(tiny_pred, prompts[0], fa)) and same(got[1], alone(tiny_pred, prompts[1]))
+    assert not same(got[0], alone(tiny_pred, prompts[0]))  # the reading changed that prompt's mu
+
+
+def test_a_prompts_error_stays_its_own(tiny_pred):
+    prompts = prompts_of(tiny_pred.model.config.vocab_size, [12, 9, 30], 3)
+    got: list[dict] = [{}, {}, {}]
+
+    def stopping(i: int, b: np.ndarray) -> None:
+        if i == 1:
+            raise PredictorStopped("its transfer ended")
+        got[1][i] = b.copy()
+
+    sinks = [lambda i, b: got[0].__setitem__(i, b.copy()), stopping, lambda i, b: got[2].__setitem__(i, b.copy())]
+    errors = tiny_pred.stream_batch(list(zip(prompts, sinks, [None] * 3, strict=True)))
+    assert errors[0] is None and errors[2] is None and isinstance(errors[1], PredictorStopped)
+    assert same(got[0], alone(tiny_pred, prompts[0])) and same(got[2], alone(tiny_pred, prompts[2]))
+    assert sorted(got[1]) == [0]  # nothing after its error
+
+
+def test_a_batch_error_falls_back_to_lone_passes(tiny_pred, monkeypatch):
+    prompts = prompts_of(tiny_pred.model.config.vocab_size, [12, 9], 4)
+    want = [alone(tiny_pred, p) for p in prompts]
+    real = w8a8_pass.w8a8_passes
+
+    def fail_batches(model, reqs):
+        if len(reqs) > 1:
+            raise ValueError("a non-finite activation somewhere in the batch")
+        return real(model, reqs)
+
+    monkeypatch.setattr("speckv.predictor.predict.w8a8_passes", fail_batches)
+    got, errors = batched(tiny_pred, prompts)
+    assert errors == [None, None] and all(same(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_rungs_that_do_not_batch_run_one_by_one(tiny_target, tiny_text, tmp_path):
+    pin = build_checkpoint(tiny_target, tiny_text, tmp_path, tokens=64, segment=32, rung="fp8")
+    pred = Predictor.from_checkpoint(load_checkpoint(tmp_path, pin=pin))
+    prompts = prompts_of(tiny_target.config.vocab_size, [8, 3], 5)
+    got, errors = batched(pred, prompts)
+    assert not pred.batches and errors == [None, None]
+    assert all(same(g, alone(pred, p)) for g, p in zip(got, prompts, strict=True))

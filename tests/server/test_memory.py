@@ -1,0 +1,133 @@
+"""A sidecar's memory: it derives its predictor without building the target, builds the
+numpy reference's context table only when that is its coder, reads its peak from the
+kernel, and the memory probe ``speckv bench`` runs decodes what it is given."""
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from speckv.coder import native
+from speckv.coder.codec import Codec, CodecConfig
+from speckv.predictor import target as tgt
+from speckv.predictor.calibrate import build_checkpoint
+from speckv.predictor.checkpoint import load_checkpoint
+from speckv.server import memory, memprobe
+from speckv.server.config import ServerConfig
+from speckv.server.runtime import Runtime
+
+
+@pytest.fixture(scope="module")
+def derived(tiny_target, tiny_text, tmp_path_factory):
+    d = tmp_path_factory.mktemp("derived")
+    build_checkpoint(tiny_target, tiny_text, d, tokens=64, segment=32, rung="w8a8:1", derive_weights=True)
+    return d
+
+
+def test_runtime_derives_its_predictor_without_building_the_target(derived, tiny_model_dir, monkeypatch):
+    def no(*_a, **_k):
+        raise AssertionError("the sidecar built the whole target")
+
+    monkeypatch.setattr(tgt, "load_target", no)
+    monkeypatch.setattr("speckv.predictor.weights.load_target", no)
+    rt = Runtime.load(ServerConfig(role="decoder", predictor=str(derived), target=str(tiny_model_dir)))
+    assert rt.predictor.checkpoint.derived_weights and rt.numeric_ok
+
+
+@pytest.mark.parametrize("coder", ["numpy", "native"])
+def test_warm_builds_the_context_table_only_for_the_reference(derived, coder):
+    if coder == "native" and not native.available():
+        pytest.skip("the native extension is not built (CI requires it: SPECKV_REQUIRE_NATIVE)")
+    codec = Codec.from_checkpoint(load_checkpoint(derived), CodecConfig(coder=coder))
+    codec.warm()
+    assert bool(codec._bf16_tables) is (coder == "numpy")
+
+
+PEAK_CHILD = """
+import numpy as np
+from speckv.server.memory import peak_rss_bytes, rss_bytes
+before = rss_bytes()
+block = np.ones(64 << 20, np.uint8)  # 64 MiB, touched
+during = rss_bytes()
+del block
+print(before, during, rss_bytes(), peak_rss_bytes())
+"""
+
+
+def test_peak_and_current_rss_come_from_the_kernel():
+    """In a fresh process (this one's heap has a history): a touched 64 MiB block shows in VmRSS
+    while it lives, and in VmHWM after it is gone."""
+    out = subprocess.run([sys.executable, "-c", PEAK_CHILD], capture_output=True, text=True, timeout=60, check=True)
+    before, during, after, peak = map(int, out.stdout.split())
+    # NOTE: the kernel's RSS counters are per-CPU and read approximately (a few hundred KiB off)
+    assert during >= before + (60 << 20) and after < during - (60 << 20) and peak >= during - (1 << 20)
+    assert 0 < memory.rss_bytes() <= memory.peak_rss_bytes()
+    assert memory.rss_bytes(2**31 - 1) == 0 and memory.peak_rss_bytes(2**31 - 1) == 0  # no such process
+
+
+ARENA_CHILD = """
+import contextlib, sys
+import numpy as np
+from speckv.server.memory import loading_arena, rss_bytes
+prime = np.ones(30 << 20, np.uint8)
+del prime  # glibc's dynamic mmap threshold rises to 30 MiB: smaller blocks now come from its heap
+with loading_arena() if sys.argv[1] == "arena" else contextlib.nullcontext():
+    before = rss_bytes()
+    blocks, kept = [], []
+    for _ in range(8):  # a loader's pattern: garbage between the tensors it keeps
+        blocks.append(np.ones(8 << 20, np.uint8))
+        kept.append(np.ones(1 << 20, np.uint8))
+    during = rss_bytes()
+    del blocks
+    after = rss_bytes()
+print(before, during, after)
+"""
+
+
+def arena_child(mode: str) -> tuple[int, int, int]:
+    out = subprocess.run([sys.executable, "-c", ARENA_CHILD, mode], capture_output=True, text=True, timeout=60,
+                         check=True)
+    before, during, after = map(int, out.stdout.split())
+    assert during >= before + (68 << 20)
+    return before, during, after
+
+
+def test_loading_arena_gives_freed_blocks_back():
+    """In fresh processes (glibc), a loader's freed blocks between kept ones: 64 MiB stay resident
+    without the arena, none with it; the body's exceptions pass through."""
+    if memory._glibc() is None:
+        pytest.skip("not glibc: loading_arena does nothing here")
+    before, _, after = arena_child("plain")
+    assert after > before + (60 << 20)
+    before, _, after = arena_child("arena")
+    assert after < before + (16 << 20)  # the 8 MiB kept, and nothing else
+    with pytest.raises(ValueError), memory.loading_arena():
+        raise ValueError("passes through")
+
+
+def test_runtime_floor_is_a_fresh_process_importing_the_runtime():
+    floor = memory.runtime_floor_bytes()
+    assert 100 << 20 < floor < memory.peak_rss_bytes()  # torch alone is over 100 MiB; this process has more
+
+
+def test_memprobe_decodes_a_stream_and_reports_its_peak(derived, tiny_model_dir, tiny_target, tmp_path):
+    ids = tiny_target.tokenize("Every bit the coder spends is the mismatch between model and data.")
+    kv = tiny_target.kv(ids)
+    rt = Runtime.load(ServerConfig(role="decoder", predictor=str(derived), target=str(tiny_model_dir)))
+    records = list(rt.codec.encode(kv, ids))
+    memprobe.write_records(str(tmp_path / "s.bin"), records)
+    assert memprobe.read_records(str(tmp_path / "s.bin")) == [bytes(r) for r in records]
+    np.save(tmp_path / "ids.npy", ids)
+    want = hashlib.sha256(kv.contiguous().view(torch.int16).numpy().data).hexdigest()
+    args = [sys.executable, "-m", "speckv.server.memprobe", "--ids", str(tmp_path / "ids.npy"), "--stream",
+            str(tmp_path / "s.bin"), "--predictor", str(derived), "--target", str(tiny_model_dir)]
+    for expect, lossless in ((want, True), ("0" * 64, False)):
+        out = subprocess.run([*args, "--expect", expect], capture_output=True, text=True, timeout=300, check=True)
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        assert r["lossless"] is lossless
+        assert 0 < r["runtime_floor_bytes"] < r["loaded_peak_bytes"] <= r["peak_bytes"]
