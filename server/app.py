@@ -135,6 +135,8 @@ def create_server(config: ServerConfig, runtime: Runtime | None = None,
     budget = ByteBudget(config.max_inflight_bytes,
                         lambda used: metrics.inflight_bytes.labels(config.role, runtime.model_id).set(used))
     metrics.gauges(0, 0, config.max_inflight_bytes)
+    if runtime.batcher is not None:
+        runtime.batcher.on_pass = metrics.predictor_pass
     # NOTE: the metrics interceptor comes first (outermost): it sees the handler the others
     # leave and every status they end a call with
     server = grpc.aio.server(interceptors=[metrics.grpc.interceptor(), *(interceptors or ())], options=[

@@ -22,7 +22,7 @@ import concurrent.futures as cf
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -52,6 +52,7 @@ class PredictorBatcher:
         self._lock = threading.Lock()
         self._running = False
         self.passes = self.prompts = 0  # passes run, prompts they carried (sizes: prompts / passes)
+        self.on_pass: Callable[[int], None] | None = None  # each pass's prompt count (metrics), on the worker
 
     def submit(self, ids: np.ndarray, on_layer: "LayerSink",
                fp8_attention: "Fp8Attention | None" = None) -> "cf.Future[None]":
@@ -86,6 +87,8 @@ class PredictorBatcher:
         if not batch:
             return
         self.passes, self.prompts = self.passes + 1, self.prompts + len(batch)
+        if self.on_pass is not None:
+            self.on_pass(len(batch))
         try:
             errors = self.predictor.stream_batch([(p.ids, p.on_layer, p.fp8_attention) for p in batch])
         except BaseException as e:  # noqa: BLE001 -- every prompt of the pass learns of it

@@ -35,12 +35,14 @@ from prometheus_client import (
 )
 
 from .grpc_metrics import GrpcMetrics
+from .memory import peak_rss_bytes
 
 logger = logging.getLogger(__name__)
 
 _SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # wire bytes per scalar (x 8 = bits per scalar): 0.5 .. 17 bits
 _PER_SCALAR = tuple(b / 8 for b in (0.5, 1, 1.5, 2, 2.5, 3, 4, 5, 5.5, 6, 6.5, 7, 8, 10, 12, 16, 17))
+_PROMPTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 # why a speckv chunk goes stored
 FALLBACK_REASONS = ("mu_mismatch", "larger_than_stored", "pin_mismatch", "model_mismatch")
 
@@ -111,6 +113,14 @@ class Metrics:
                                     ("role", "model"), registry=r)
         self.inflight_limit = Gauge("speckv_inflight_limit_bytes", "Cap on buffered KV bytes.",
                                     ("role", "model"), registry=r)
+        self.pass_prompts = Histogram("speckv_predictor_pass_prompts",
+                                      "Prompts per predictor pass: concurrent transfers' prompts batched "
+                                      "into one pass (server/batcher.py).", ("role", "model"),
+                                      buckets=_PROMPTS, registry=r)
+        self.peak_resident = Gauge("speckv_peak_resident_bytes",
+                                   "Peak resident memory of this process (the kernel's VmHWM).",
+                                   ("role", "model"), registry=r)
+        self.peak_resident.labels(role, model).set_function(peak_rss_bytes)
         self.grpc = GrpcMetrics(r)
         self._http: Any = None
 
@@ -142,6 +152,10 @@ class Metrics:
 
     def build_info(self, version: str, pin: str, coder: str, predictor_device: str, format_version: int) -> None:
         self.build.labels(self.role, self.model, version, pin, coder, predictor_device, str(format_version)).set(1)
+
+    def predictor_pass(self, prompts: int) -> None:
+        """One predictor pass of ``prompts`` prompts (called on the batcher's thread)."""
+        self.pass_prompts.labels(self.role, self.model).observe(prompts)
 
     def mu_cache(self, hit: bool) -> None:
         self.mu_cache_lookups.labels(self.role, self.model, "hit" if hit else "miss").inc()

@@ -10,12 +10,14 @@ import threading
 import numpy as np
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from speckv.predictor.calibrate import build_checkpoint
 from speckv.predictor.checkpoint import load_checkpoint
 from speckv.predictor.predict import Predictor
 from speckv.server.batcher import PredictorBatcher
 from speckv.server.config import ServerConfig
+from speckv.server.metrics import Metrics
 from speckv.server.runtime import Runtime
 
 
@@ -45,6 +47,8 @@ def workers() -> int:
 def test_queued_prompts_share_the_next_pass_up_to_max_tokens():
     rec = Recording()
     b = PredictorBatcher(rec, max_tokens=100)
+    metrics = Metrics("decoder", "m", registry=CollectorRegistry())
+    b.on_pass = metrics.predictor_pass
     first = b.submit(np.zeros(5), lambda i, x: None)
     assert rec.entered.wait(30)
     futs = [b.submit(np.zeros(n), lambda i, x: None) for n in (40, 13, 50, 200, 7)]  # queued during pass 1
@@ -57,6 +61,12 @@ def test_queued_prompts_share_the_next_pass_up_to_max_tokens():
     assert isinstance(futs[1].exception(), ValueError)  # the 13-token prompt's own error
     assert all(f.exception() is None for f in (first, futs[0], *futs[2:]))
     assert (b.passes, b.prompts) == (5, 6)
+    sample = metrics.registry.get_sample_value
+    labels = {"role": "decoder", "model": "m"}
+    assert sample("speckv_predictor_pass_prompts_count", labels) == 5
+    assert sample("speckv_predictor_pass_prompts_sum", labels) == 6
+    assert sample("speckv_predictor_pass_prompts_bucket", {**labels, "le": "1.0"}) == 4
+    assert sample("speckv_peak_resident_bytes", labels) >= 100 << 20  # this process's VmHWM
     for _ in range(100):  # the worker ends with the queue
         if not workers():
             break
