@@ -5,13 +5,12 @@ then time speckv's encode and decode (coder alone, mu given, one process),
 verify the round trip bit for bit, and push the same raw KV bytes through the
 peers (zstd 3 and 19, lz4, byte-split + zstd as ZipNN does, and the order-0
 entropy bound). All throughputs are raw KV bytes per second. Last (unless
-``--no-memory``), a child process does a decoder sidecar's work on the stream
-(``speckv.server.memprobe``) and reports its peak RSS.
+``--no-memory``), child processes do each sidecar's work on this transfer
+(``speckv.server.memprobe``) and report their peak RSS (``sidecar_memory``).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -112,6 +111,7 @@ def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf
     from speckv.predictor.session import Session
 
     from .progress import steps
+    from .sidecar_memory import sidecar_memory
 
     with steps(6 if memory else 5, quiet=quiet) as step:
         step("loading target and predictor")
@@ -147,8 +147,8 @@ def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf
         ideal = sess.entropy(pre, dtype)
         peer_rows = peers(raw, 2 if dtype == "bf16" else 1, ideal["order0_bits_per_scalar"])
         if memory:
-            step("a decoder sidecar's peak memory, in a child process")
-            mem = decoder_memory(ids, records, back, predictor, pin, target)
+            step("each sidecar's peak memory, in child processes")
+            mem = sidecar_memory(ids, kv, records, back, codec, pre.mu, predictor, pin, target)
     coded = sum(len(r) for r in records)
     n = int(pre.kv.numel())
     mb = len(raw) / 1e6
@@ -170,41 +170,6 @@ def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf
             # and every decode computes, on one thread, against the whole encode / decode
             "digest_s": digest_s, "encode_s": te, "decode_s": td,
             "vs_zstd3": _vs(mb / te, mb / td, peer_rows), "memory": mem if memory else None}
-
-
-def decoder_memory(ids: np.ndarray, records: list[bytes], back: Any, predictor: str | None, pin: str | None,
-                   target: str) -> dict[str, Any]:
-    """Peak RSS of a decoder sidecar's work on this stream (``speckv.server.memprobe``, a fresh
-    process), beside the target's BF16 weight size and the runtime floor, in MiB."""
-    import subprocess
-    import sys
-    import tempfile
-
-    from speckv.predictor.weights import target_weights
-    from speckv.server.memory import peak_rss_bytes
-    from speckv.server.memprobe import decoded_sha256, write_records
-
-    with tempfile.TemporaryDirectory(prefix="speckv-memprobe-") as tmp:
-        np.save(f"{tmp}/ids.npy", np.asarray(ids, np.int64))
-        write_records(f"{tmp}/stream.bin", records)
-        cmd = [sys.executable, "-m", "speckv.server.memprobe", "--ids", f"{tmp}/ids.npy", "--stream",
-               f"{tmp}/stream.bin", "--expect", decoded_sha256(back), "--target", str(target)]
-        cmd += ["--predictor", predictor] if predictor else []
-        cmd += ["--pin", pin] if pin else []
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    if out.returncode != 0:
-        raise RuntimeError(f"the decoder memory probe failed: {out.stderr[-2000:]}")
-    m = json.loads(out.stdout.strip().splitlines()[-1])
-    if not m["lossless"]:
-        raise RuntimeError("the decoder memory probe decoded other bytes than this process")
-    weights = target_weights(target)
-    w = weights.bf16_bytes if weights is not None else 0
-    mib = 1 << 20
-    return {"decoder_peak_mib": m["peak_bytes"] / mib, "decoder_loaded_peak_mib": m["loaded_peak_bytes"] / mib,
-            "runtime_floor_mib": m["runtime_floor_bytes"] / mib, "target_bf16_mib": w / mib,
-            "decoder_peak_x_weights": m["peak_bytes"] / w if w else None,
-            "decoder_above_floor_x_weights": (m["peak_bytes"] - m["runtime_floor_bytes"]) / w if w else None,
-            "decoder_lossless": m["lossless"], "bench_peak_mib": peak_rss_bytes() / mib}
 
 
 def digest_time(raw: bytes, mu: bytes) -> float:
@@ -302,12 +267,12 @@ def print_report(r: dict[str, Any]) -> None:
                         f"decode speed; of its {r['encode_s']:.3f} s encode and {r['decode_s']:.3f} s decode, the "
                         f"format's digests (xxh3-128) take {r['digest_s']:.3f} s on one thread")
     if (m := r.get("memory")) is not None:
-        Console().print(f"decoder sidecar peak RSS {m['decoder_peak_mib']:.0f} MiB = "
-                        f"{m['decoder_peak_x_weights']:.2f} x the target's BF16 weights "
-                        f"({m['target_bf16_mib']:.0f} MiB); "
-                        f"{m['decoder_above_floor_x_weights']:.2f} x above the runtime floor "
-                        f"({m['runtime_floor_mib']:.0f} MiB: torch, transformers, grpc imported); loaded "
-                        f"{m['decoder_loaded_peak_mib']:.0f} MiB; decoded lossless {m['decoder_lossless']}")
+        for role in ("decoder", "encoder"):
+            Console().print(f"{role} sidecar peak RSS {m[role + '_peak_mib']:.0f} MiB = "
+                            f"{m[role + '_peak_x_weights']:.2f} x the target's BF16 weights "
+                            f"({m['target_bf16_mib']:.0f} MiB), {m[role + '_above_floor_x_weights']:.2f} x above "
+                            f"the runtime floor ({m['runtime_floor_mib']:.0f} MiB: torch, transformers, grpc "
+                            f"imported); loaded {m[role + '_loaded_peak_mib']:.0f} MiB; its bytes lossless")
     Console().print(f"model {r['model']}; predictor ({r['rung']}) {r['predictor_s']:.2f} s = "
                     f"{r['predictor_cost']:.2f} x the target prefill {r['target_s']:.2f} s "
                     f"(medians of {r['timing_runs']}), pin {r['pin'][:16]}")
