@@ -129,5 +129,16 @@ def test_memprobe_decodes_a_stream_and_reports_its_peak(derived, tiny_model_dir,
     for expect, lossless in ((want, True), ("0" * 64, False)):
         out = subprocess.run([*args, "--expect", expect], capture_output=True, text=True, timeout=300, check=True)
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        assert r["lossless"] is lossless
+        assert r["lossless"] is lossless and r["role"] == "decoder"
         assert 0 < r["runtime_floor_bytes"] < r["loaded_peak_bytes"] <= r["peak_bytes"]
+    # the encoder's work: it codes the KV; its stream decodes here to the same bits
+    np.save(tmp_path / "kv.npy", kv.contiguous().view(torch.int16).numpy().view(np.uint16))
+    enc = [sys.executable, "-m", "speckv.server.memprobe", "--role", "encoder", "--ids", str(tmp_path / "ids.npy"),
+           "--kv", str(tmp_path / "kv.npy"), "--out", str(tmp_path / "e.bin"), "--predictor", str(derived),
+           "--target", str(tiny_model_dir)]
+    r = json.loads(subprocess.run(enc, capture_output=True, text=True, timeout=300, check=True).stdout.splitlines()[-1])
+    assert r["role"] == "encoder" and 0 < r["loaded_peak_bytes"] <= r["peak_bytes"]
+    back = rt.codec.decode(memprobe.read_records(str(tmp_path / "e.bin")), ids)
+    assert np.array_equal(back, kv.contiguous().view(torch.int16).numpy().view(np.uint16))
+    bad = subprocess.run(enc[:-6], capture_output=True, text=True, timeout=300)  # no --out
+    assert bad.returncode == 2 and "needs --kv and --out" in bad.stderr
