@@ -30,7 +30,7 @@ def measure(tokens: int, text: str | None) -> list[dict[str, Any]]:
     out = []
     for dtype in ("bf16", "fp8"):
         for coder, threads in ROWS:
-            r = run_bench(text, tokens, dtype, quiet=True, coder=coder, threads=threads, timing_runs=1)
+            r = run_bench(text, tokens, dtype, quiet=True, coder=coder, threads=threads, timing_runs=1, memory=False)
             assert r["coder"] == coder and r["threads"] == threads and r["lossless"], r
             zstd = next(p for p in r["peers"] if p["name"] == "zstd-3")
             out.append({k: r[k] for k in ("dtype", "coder", "threads", "tokens", "raw_bytes", "coded_bytes",

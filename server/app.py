@@ -94,6 +94,9 @@ class Sidecar:
             logger.info("%s stopping: health NOT_SERVING, %.1f s grace", self.config.role, grace)
             await self.server.stop(grace)
             await _drain_rpc_tasks(RPC_DRAIN_S)
+            batcher = getattr(getattr(self.service, "rt", None), "batcher", None)
+            if batcher is not None and not await asyncio.to_thread(batcher.join, RPC_DRAIN_S):
+                logger.warning("%s: a predictor pass still runs after the drain", self.config.role)
             if self.health_server is not None:
                 await self.health_server.stop(0)
             if self._reaper is not None:

@@ -50,7 +50,7 @@ class PredictorBatcher:
         self.predictor, self.max_tokens = predictor, max_tokens
         self._pending: deque[_Pending] = deque()
         self._lock = threading.Lock()
-        self._running = False
+        self._worker: threading.Thread | None = None  # the running worker, while there is work
         self.passes = self.prompts = 0  # passes run, prompts they carried (sizes: prompts / passes)
         self.on_pass: Callable[[int], None] | None = None  # each pass's prompt count (metrics), on the worker
 
@@ -60,10 +60,24 @@ class PredictorBatcher:
         p = _Pending(np.asarray(ids), on_layer, fp8_attention, cf.Future())
         with self._lock:
             self._pending.append(p)
-            if not self._running:
-                self._running = True
-                threading.Thread(target=self._drain, name="speckv-predictor", daemon=True).start()
+            if self._worker is None:
+                worker = threading.Thread(target=self._drain, name="speckv-predictor", daemon=True)
+                try:
+                    worker.start()
+                except BaseException:  # e.g. no thread left: this prompt fails, the queue stays usable
+                    self._pending.remove(p)
+                    raise
+                self._worker = worker
         return p.future
+
+    def join(self, timeout: float) -> bool:
+        """Wait for the worker to finish what is queued (a stopping sidecar: its transfers'
+        prompts stop at their next layer); False if it is still running after ``timeout``."""
+        worker = self._worker
+        if worker is not None:
+            worker.join(timeout)
+            return not worker.is_alive()
+        return True
 
     def _take(self) -> list[_Pending]:
         """The next batch, first come first served (call with the lock held)."""
@@ -78,19 +92,23 @@ class PredictorBatcher:
         while True:
             with self._lock:
                 if not self._pending:
-                    self._running = False
+                    self._worker = None
                     return
                 batch = self._take()
-            self._run([p for p in batch if p.future.set_running_or_notify_cancel()])
+            self._run([p for p in batch if p.future.set_running_or_notify_cancel()])  # cancelled: skipped
 
     def _run(self, batch: list[_Pending]) -> None:
+        """One pass; every future of it ends, whatever fails (NOTE: a worker that died here would
+        leave every later prompt waiting)."""
         if not batch:
             return
-        self.passes, self.prompts = self.passes + 1, self.prompts + len(batch)
-        if self.on_pass is not None:
-            self.on_pass(len(batch))
         try:
-            errors = self.predictor.stream_batch([(p.ids, p.on_layer, p.fp8_attention) for p in batch])
+            self.passes, self.prompts = self.passes + 1, self.prompts + len(batch)
+            if self.on_pass is not None:
+                self.on_pass(len(batch))
+            errors = list(self.predictor.stream_batch([(p.ids, p.on_layer, p.fp8_attention) for p in batch]))
+            if len(errors) != len(batch):
+                raise RuntimeError(f"the predictor answered {len(errors)} of {len(batch)} prompts")
         except BaseException as e:  # noqa: BLE001 -- every prompt of the pass learns of it
             errors = [e] * len(batch)
         for p, err in zip(batch, errors, strict=True):

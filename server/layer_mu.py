@@ -14,6 +14,7 @@ later ``upto``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,7 @@ class LayerMu:
         self._changed = asyncio.Event()
         self._stopped = False
         self.task: asyncio.Future | None = None
+        self._queued: "concurrent.futures.Future[None] | None" = None  # its place in a batcher's queue
 
     @classmethod
     def start(cls, predictor: "Predictor", ids: np.ndarray, shape: tuple[int, ...],
@@ -75,7 +77,8 @@ class LayerMu:
     async def _batched(self, batcher: "PredictorBatcher", ids: np.ndarray,
                        fp8_attention: "Fp8Attention | None") -> None:
         t0 = time.perf_counter()
-        await asyncio.wrap_future(batcher.submit(ids, self._on_layer, fp8_attention))
+        self._queued = batcher.submit(ids, self._on_layer, fp8_attention)
+        await asyncio.wrap_future(self._queued)
         self.seconds = time.perf_counter() - t0  # NOTE: its wait in the queue included
 
     def _advance(self, count: int) -> None:
@@ -120,6 +123,8 @@ class LayerMu:
     def stop(self) -> None:
         """End the pass at its next layer (idempotent); waiting callers get PredictorStopped."""
         self._stopped = True
+        if self._queued is not None:
+            self._queued.cancel()  # still queued: it never runs (running: it stops at its next layer)
         if self.error is None and self.count < self.bits.shape[0]:
             self.error = PredictorStopped("the transfer ended before its predictor")
             self._notify()

@@ -269,8 +269,8 @@ def print_report(r: dict[str, Any]) -> None:
     if (m := r.get("memory")) is not None:
         for role in ("decoder", "encoder"):
             Console().print(f"{role} sidecar peak RSS {m[role + '_peak_mib']:.0f} MiB = "
-                            f"{m[role + '_peak_x_weights']:.2f} x the target's BF16 weights "
-                            f"({m['target_bf16_mib']:.0f} MiB), {m[role + '_above_floor_x_weights']:.2f} x above "
+                            f"{fmt(m[role + '_peak_x_weights'])} x the target's BF16 weights "
+                            f"({m['target_bf16_mib']:.0f} MiB), {fmt(m[role + '_above_floor_x_weights'])} x above "
                             f"the runtime floor ({m['runtime_floor_mib']:.0f} MiB: torch, transformers, grpc "
                             f"imported); loaded {m[role + '_loaded_peak_mib']:.0f} MiB; its bytes lossless")
     Console().print(f"model {r['model']}; predictor ({r['rung']}) {r['predictor_s']:.2f} s = "

@@ -150,7 +150,7 @@ def _parser() -> argparse.ArgumentParser:
                             "writer does (format 5 codes them with its rounding byte), not to nearest")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--no-memory", dest="memory", action="store_false",
-                       help="skip the decoder sidecar's peak-RSS probe (a child process)")
+                       help="skip the sidecars' peak-RSS probes (child processes)")
     bench.add_argument("--model", choices=("auto", "seed", "tuned"), default="auto",
                        help="residual model: seed (the published static mixture), tuned (affine mu "
                             "correction, refit sigma, escape 1e-4), auto (the best the checkpoint has)")

@@ -12,8 +12,9 @@ Determinism: the linears compute ``bf16(x_f32 @ (e4m3 * scale)^T)`` (the FP8
 weights dequantised exactly into FP32; FP8 matmul where available is a later
 GPU path), attention is torch SDPA in BF16, one fixed thread count and
 ``torch.use_deterministic_algorithms`` (``target.deterministic_torch``), and
-the prompt is always run whole (one fixed shape per prompt, no batching), so
-two processes with the same torch build compute the same bits.
+the prompt is always run whole (one fixed shape per prompt; a batched pass,
+``stream_batch``, runs only ops whose every row is computed as in the prompt's
+own pass), so two processes with the same torch build compute the same bits.
 """
 
 from __future__ import annotations
@@ -33,16 +34,15 @@ from .fp8 import dequantize_e4m3
 from .ladder import EARLY, MEANS, PORTABLE, W8A8, Rung, load_means, mean_model
 from .portable import build_portable_model, portable_canary, portable_kv, portable_state
 from .store import CONFIG, FP8_SUFFIX, SCALE_SUFFIX, WEIGHTS, state_digest
-from .target import LINEAR_NAMES, LayerSink, emit_all, extract_kv, reading_fp8, replace_linears
+from .target import LINEAR_NAMES, LayerSink, emit_all, extract_kv, load_target, reading_fp8, replace_linears
 from .w8a8 import build_w8a8_model, load_smooth, w8a8_state
 from .w8a8_pass import MuRequest, w8a8_kv, w8a8_passes
-from .weights import derivation_source
+from .weights import TargetWeights, derivation_source
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from .target import Target
-    from .weights import TargetWeights
 
 logger = logging.getLogger(__name__)
 MuPrompt = tuple  # (ids, on_layer, fp8_attention | None): one prompt of ``Predictor.stream_batch``
@@ -201,28 +201,36 @@ class Predictor:
 
     @property
     def batches(self) -> bool:
-        """Whether ``stream_batch`` runs several prompts as one pass (rung ``w8a8:K``)."""
-        return self.checkpoint.rung.kind == W8A8
+        """Whether ``stream_batch`` runs several prompts as one pass: rung ``w8a8:K`` on a CPU
+        (NOTE: on CUDA a row's reduction may split by the row count, see ``w8a8_pass``)."""
+        return self.checkpoint.rung.kind == W8A8 and self.device == "cpu"
 
     def stream_batch(self, reqs: "list[MuPrompt]") -> list[BaseException | None]:
         """``stream`` of several (ids, on_layer, fp8_attention) at once: one pass where the rung
         batches (``w8a8_pass``: each prompt's mu bit for bit its ``stream`` alone), else one by one.
-        Each prompt's error (its ``on_layer``'s, or its pass's) is its own, returned in order."""
+        Each prompt's error (its ``on_layer``'s, or its pass's) is its own, returned in order. When
+        the batched pass itself fails (a non-finite activation), the prompts still without an error
+        run alone, so only the one it came from fails (a layer it already had arrives again: the
+        same bits)."""
+        errors: list[BaseException | None] = [None] * len(reqs)
         if self.batches and len(reqs) > 1 and all(len(ids) for ids, _, _ in reqs):
-            batch = [MuRequest(np.asarray(ids), self._sink(on_layer, fa), self._reading(fa), keep=False)
-                     for ids, on_layer, fa in reqs]
+            batch: list[MuRequest] = []
             try:
+                batch = [MuRequest(np.asarray(ids), self._sink(on_layer, fa), self._reading(fa), keep=False)
+                         for ids, on_layer, fa in reqs]
                 w8a8_passes(self.model, batch)
                 return [r.error for r in batch]
-            except Exception:  # noqa: BLE001 -- the batch's own (a non-finite activation): find whose, alone
-                logger.debug("a batched predictor pass failed; running its %d prompts one by one", len(reqs))
-        errors: list[BaseException | None] = []
-        for ids, on_layer, fa in reqs:
+            except Exception as e:  # noqa: BLE001 -- the batch's own: find whose, alone
+                logger.warning("a batched predictor pass of %d prompts failed (%s); running them one by one",
+                               len(reqs), e)
+                errors = [r.error for r in batch] or errors
+        for k, (ids, on_layer, fa) in enumerate(reqs):
+            if errors[k] is not None:
+                continue  # its own error came first
             try:
                 self.stream(ids, on_layer, fa)
-                errors.append(None)
             except Exception as e:  # noqa: BLE001 -- this prompt's alone
-                errors.append(e)
+                errors[k] = e
         return errors
 
     def _exact(self, fa: "Fp8Attention | None") -> int:
@@ -301,6 +309,11 @@ def _derive_state(ckpt: Checkpoint, target: "Target | TargetWeights | None") -> 
             raise CheckpointError("checkpoint derives its weights from a target that is not embedded; "
                                   "pass the target model")
         target = derivation_source()
+    if isinstance(target, TargetWeights) and target.weights_sha256 != want["weights_sha256"]:
+        # NOTE: files may name other tensors than the loaded model's state_dict (renamed keys, extra
+        # buffers): then the whole target, as the checkpoint was built from it, decides
+        logger.info("target %s: its files' digest differs from its state_dict's; loading it whole", target.path)
+        target = load_target(target.spec)
     if target.weights_sha256 != want["weights_sha256"]:
         raise PinMismatchError(f"target weights {target.weights_sha256} differ from the ones this "
                                f"predictor was derived from ({want['weights_sha256']})")

@@ -17,12 +17,20 @@ integer sums, elementwise dequantisation, norms over a row), and what mixes toke
 (RoPE tables, attention, the exact head) runs per prompt; tests compare bit for bit.
 
 One prompt's error stays its own: an ``on_layer`` that raises (a transfer that
-stopped) ends that prompt only. An error of the batch itself (a non-finite
-activation) is raised to the caller, who runs the prompts alone to find whose it is.
+stopped) ends that prompt only, at once (its exact head stops at that layer, its
+rows leave the batch before the next layer). An error of the batch itself (a
+non-finite activation) is raised to the caller, who runs the prompts alone to
+find whose it is.
+
+NOTE: batch invariance is measured on CPUs, where a reduction over a row (the
+RMSNorm's mean of squares) runs the same whatever the row count. On CUDA the
+split of a row's sum across threads depends on the row count, so a GPU sidecar
+runs one pass per prompt (``Predictor.batches``) until a device check shows otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -58,16 +66,26 @@ class MuRequest:
     error: BaseException | None = None
 
     def deliver(self, i: int, bits: np.ndarray) -> None:
-        """Layer i's BF16 bits to ``on_layer``; what it raises becomes this prompt's error."""
-        if self.error is not None or self.on_layer is None:
+        """Layer i's BF16 bits to ``on_layer``; what it raises becomes this prompt's error and is
+        raised again (inside the exact head's forward that ends this prompt's head at once)."""
+        if self.error is not None:
+            raise self.error
+        if self.on_layer is None:
             return
         try:
             self.on_layer(i, bits)
         except Exception as e:  # noqa: BLE001 -- the prompt's own error (e.g. its transfer stopped)
             self.error = e
+            raise
 
     def emit(self, i: int, kv_i: "torch.Tensor") -> None:
-        self.deliver(i, bf16_bits(kv_i.contiguous().cpu()))
+        """Layer i of a later layer: to ``on_layer`` (if any) and kept (if asked); a failed prompt's
+        error stays on it (the batch goes on without it)."""
+        if self.error is not None:
+            return
+        if self.on_layer is not None:
+            with contextlib.suppress(Exception):
+                self.deliver(i, bf16_bits(kv_i.contiguous().cpu()))
         if self.keep and self.error is None:
             self.layers.append(kv_i)
 
@@ -100,15 +118,24 @@ def w8a8_passes(model: Any, reqs: list[MuRequest]) -> None:
     L, H, Hk, eps = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, float(cfg.rms_norm_eps)
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
     with deterministic_torch():
-        heads = [_head(model, r) for r in reqs]
-        rows = np.cumsum([0] + [len(r.ids) for r in reqs])
-        h = torch.cat(heads) if len(heads) > 1 else heads[0]  # (sum T_r, hidden) BF16
-        tables = [model.rotary(hr[None], position_ids=torch.arange(len(hr), device=h.device)[None]) for hr in heads]
+        heads = [(r, hr) for r in reqs if (hr := _head(model, r)) is not None]  # a failed prompt leaves here
+        if not heads:
+            return
+        reqs = [r for r, _ in heads]
+        h = torch.cat([hr for _, hr in heads]) if len(heads) > 1 else heads[0][1]  # (sum T_r, hidden) BF16
+        tables = [model.rotary(hr[None], position_ids=torch.arange(len(hr), device=h.device)[None])
+                  for _, hr in heads]
         del heads
+        rows = np.cumsum([0] + [len(r.ids) for r in reqs])
         scratch: Scratch = {}
         for i in range(model.k, L):
-            if all(r.error is not None for r in reqs):
-                return  # no request wants the later layers
+            if any(r.error is not None for r in reqs):  # NOTE: rows are independent: drop a failed prompt's
+                if all(r.error is not None for r in reqs):
+                    return  # no request wants the later layers
+                live = [j for j, r in enumerate(reqs) if r.error is None]
+                h = torch.cat([h[rows[j]:rows[j + 1]] for j in live])
+                reqs, tables = [reqs[j] for j in live], [tables[j] for j in live]
+                rows = np.cumsum([0] + [len(r.ids) for r in reqs])
             t = functools.partial(model.t, i)
             last = i == L - 1
             y = norm_linear(h, t, "kv" if last else "qkv", eps, scratch)
@@ -126,18 +153,24 @@ def w8a8_passes(model: Any, reqs: list[MuRequest]) -> None:
                 h = _block_rest(h, t, torch.cat(att) if len(att) > 1 else att[0], eps, scratch)
 
 
-def _head(model: Any, r: MuRequest) -> "torch.Tensor":
+def _head(model: Any, r: MuRequest) -> "torch.Tensor | None":
     """h after the exact layers (the target's own first k, run on this prompt alone) or the
-    embeddings; emits (and keeps) those layers."""
+    embeddings; emits (and keeps) those layers. None when the prompt's ``on_layer`` failed (its
+    head stops at that layer)."""
     import torch
 
     if model.head is None:
         tok = torch.as_tensor(np.asarray(r.ids, dtype=np.int64), device=model.embed.device)
         return model.embed[tok]
     fa, n = r.fp8 if r.fp8 is not None else (None, 0)
-    with reading_fp8(fa, n):  # each layer to on_layer as soon as it has run
-        out = hooked_forward(model.head, r.ids, None if r.on_layer is None else r.deliver)
-    if r.keep and r.error is None:
+    try:
+        with reading_fp8(fa, n):  # each layer to on_layer as soon as it has run
+            out = hooked_forward(model.head, r.ids, None if r.on_layer is None else r.deliver)
+    except Exception:
+        if r.error is None:
+            raise  # the forward's own error: the batch's
+        return None
+    if r.keep:
         r.layers += [cache_layer(output_cache(out), i) for i in range(model.k)]
     return out.last_hidden_state[0]
 

@@ -40,8 +40,9 @@ EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 class TargetWeights(Mapping):
     """A target's BF16 tensors by state-dict name, each read from disk when asked for."""
 
-    def __init__(self, path: Path, name: str, config: Any, files: dict[str, Path]) -> None:
-        self.path, self.name, self.config = path, name, config
+    def __init__(self, path: Path, name: str, config: Any, files: dict[str, Path],
+                 spec: str | Path = DEFAULT_TARGET) -> None:
+        self.path, self.name, self.config, self.spec = path, name, config, spec  # spec: as load_target takes it
         self._files = files  # tensor name -> the file holding it
         self._tied = {LM_HEAD: EMBED} if getattr(config, "tie_word_embeddings", False) and \
             LM_HEAD not in files and EMBED in files else {}  # NOTE: state_dict() lists a tied lm_head too
@@ -113,7 +114,7 @@ def target_weights(spec: str | Path = DEFAULT_TARGET) -> TargetWeights | None:
         return None
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     name = EMBEDDED_NAME if str(spec) == DEFAULT_TARGET else Path(spec).name
-    return TargetWeights(path, name, config, files)
+    return TargetWeights(path, name, config, files, spec)
 
 
 def derivation_source(spec: str | Path = DEFAULT_TARGET) -> "TargetWeights | Target":

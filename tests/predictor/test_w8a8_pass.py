@@ -80,12 +80,15 @@ def test_fp8_readings_stay_per_prompt(tiny_pred):
     assert not same(got[0], alone(tiny_pred, prompts[0]))  # the reading changed that prompt's mu
 
 
-def test_a_prompts_error_stays_its_own(tiny_pred):
+@pytest.mark.parametrize("at", [0, 1])
+def test_a_prompts_error_stays_its_own(tiny_pred, at):
+    """A prompt whose on_layer raises at layer ``at`` (w8a8:1: 0 is its exact head's, w8a8: a later
+    layer's) gets nothing more, and leaves the batch: the others keep their lone bits."""
     prompts = prompts_of(tiny_pred.model.config.vocab_size, [12, 9, 30], 3)
     got: list[dict] = [{}, {}, {}]
 
     def stopping(i: int, b: np.ndarray) -> None:
-        if i == 1:
+        if i == at:
             raise PredictorStopped("its transfer ended")
         got[1][i] = b.copy()
 
@@ -93,22 +96,48 @@ def test_a_prompts_error_stays_its_own(tiny_pred):
     errors = tiny_pred.stream_batch(list(zip(prompts, sinks, [None] * 3, strict=True)))
     assert errors[0] is None and errors[2] is None and isinstance(errors[1], PredictorStopped)
     assert same(got[0], alone(tiny_pred, prompts[0])) and same(got[2], alone(tiny_pred, prompts[2]))
-    assert sorted(got[1]) == [0]  # nothing after its error
+    assert sorted(got[1]) == list(range(at))  # nothing from its error on
 
 
-def test_a_batch_error_falls_back_to_lone_passes(tiny_pred, monkeypatch):
-    prompts = prompts_of(tiny_pred.model.config.vocab_size, [12, 9], 4)
+def test_kept_layers_only_when_asked(tiny_pred):
+    ids = prompts_of(tiny_pred.model.config.vocab_size, [10], 9)[0]
+    for keep, n in ((False, 0), (True, tiny_pred.model.config.num_hidden_layers)):
+        r = w8a8_pass.MuRequest(ids, lambda i, b: None, None, keep)
+        w8a8_pass.w8a8_passes(tiny_pred.model, [r])
+        assert r.error is None and len(r.layers) == n
+
+
+def test_a_batch_error_falls_back_to_lone_passes(tiny_pred, monkeypatch, caplog):
+    """The batch fails at its first later layer, after the exact heads' layers reached their prompts
+    (w8a8:1): the prompts run alone (those layers arrive again, the same bits); one that had its own
+    error first stays failed."""
+    prompts = prompts_of(tiny_pred.model.config.vocab_size, [12, 9, 7], 4)
     want = [alone(tiny_pred, p) for p in prompts]
-    real = w8a8_pass.w8a8_passes
+    real = w8a8_pass.norm_linear
 
-    def fail_batches(model, reqs):
-        if len(reqs) > 1:
+    def fail_batches(h, *a, **k):
+        if h.shape[0] > max(len(p) for p in prompts):  # stacked rows: the batch, not a lone pass
             raise ValueError("a non-finite activation somewhere in the batch")
-        return real(model, reqs)
+        return real(h, *a, **k)
 
-    monkeypatch.setattr("speckv.predictor.predict.w8a8_passes", fail_batches)
-    got, errors = batched(tiny_pred, prompts)
-    assert errors == [None, None] and all(same(g, w) for g, w in zip(got, want, strict=True))
+    monkeypatch.setattr(w8a8_pass, "norm_linear", fail_batches)
+    got: list[dict] = [{}, {}, {}]
+    calls = [0, 0, 0]
+
+    def sink(k: int):
+        def on(i: int, b: np.ndarray) -> None:
+            calls[k] += 1
+            if k == 2:
+                raise PredictorStopped("its transfer ended")
+            got[k][i] = b.copy()
+        return on
+
+    errors = tiny_pred.stream_batch([(p, sink(k), None) for k, p in enumerate(prompts)])
+    assert errors[:2] == [None, None] and isinstance(errors[2], PredictorStopped)
+    assert all(same(g, w) for g, w in zip(got[:2], want[:2], strict=True))
+    L, k0 = tiny_pred.model.config.num_hidden_layers, tiny_pred.model.k
+    assert calls[:2] == [k0 + L] * 2 and calls[2] == 1  # the head's layers twice, the rest once; one
+    assert "running them one by one" in caplog.text
 
 
 def test_rungs_that_do_not_batch_run_one_by_one(tiny_target, tiny_text, tmp_path):

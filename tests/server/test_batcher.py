@@ -74,6 +74,27 @@ def test_queued_prompts_share_the_next_pass_up_to_max_tokens():
     assert workers() == 0
 
 
+def test_cancelled_prompts_are_skipped_and_a_broken_hook_fails_only_its_pass():
+    rec = Recording()
+    b = PredictorBatcher(rec)
+    first = b.submit(np.zeros(5), lambda i, x: None)
+    assert rec.entered.wait(30)
+    gone, kept = b.submit(np.zeros(7), lambda i, x: None), b.submit(np.zeros(9), lambda i, x: None)
+    assert gone.cancel()  # still queued (what LayerMu.stop does)
+    rec.gate.set()
+    assert first.result(30) is None and kept.result(30) is None and rec.passes == [[5], [9]]
+    assert b.join(30)
+
+    def broken(n: int) -> None:
+        raise RuntimeError("metrics fell over")
+
+    b.on_pass = broken
+    with pytest.raises(RuntimeError, match="metrics fell over"):
+        b.submit(np.zeros(3), lambda i, x: None).result(30)
+    b.on_pass = None
+    assert b.submit(np.zeros(3), lambda i, x: None).result(30) is None  # a worker still serves the queue
+
+
 def test_a_failing_pass_fails_its_prompts_and_the_batcher_goes_on():
     class Broken:
         calls = 0
@@ -120,3 +141,26 @@ def test_concurrent_transfers_get_their_lone_mu(w8a8_dir, tiny_target):
     assert off.batcher is None
     with pytest.raises(ValueError, match="predictor_batch_tokens"):
         ServerConfig(role="decoder", predictor_batch_tokens=-1)
+
+
+def test_a_stopped_layer_mu_leaves_the_queue():
+    """LayerMu.stop() on a prompt still queued cancels it: it never runs, and its waiters learn why."""
+    from speckv.server.layer_mu import LayerMu, PredictorStopped
+
+    rec = Recording()
+    b = PredictorBatcher(rec)
+
+    async def go():
+        first = LayerMu.start(None, np.zeros(5), (1, 1), batcher=b)
+        await asyncio.to_thread(rec.entered.wait, 30)
+        second = LayerMu.start(None, np.zeros(6), (1, 1), batcher=b)
+        await asyncio.sleep(0)  # its task submits it
+        second.stop()
+        rec.gate.set()
+        await first.done()
+        with pytest.raises(PredictorStopped):
+            await second.upto(1)
+        await asyncio.wait([second.task], timeout=30)
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+    assert b.join(30) and rec.passes == [[5]]

@@ -112,7 +112,7 @@ def test_loading_arena_gives_freed_blocks_back():
 
 def test_runtime_floor_is_a_fresh_process_importing_the_runtime():
     floor = memory.runtime_floor_bytes()
-    assert 100 << 20 < floor < memory.peak_rss_bytes()  # torch alone is over 100 MiB; this process has more
+    assert 100 << 20 < floor < 2 << 30  # torch alone is over 100 MiB
 
 
 def test_memprobe_decodes_a_stream_and_reports_its_peak(derived, tiny_model_dir, tiny_target, tmp_path):
