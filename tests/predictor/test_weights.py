@@ -116,3 +116,22 @@ def test_stream_emits_mu_and_keeps_nothing(tiny_target, tiny_text, tmp_path):
     mu = bits(pred.mu(ids)).numpy().view(np.uint16)
     assert sorted(got) == list(range(mu.shape[0]))
     assert np.array_equal(np.stack([got[i] for i in sorted(got)]), mu)
+
+
+def test_files_naming_other_tensors_fall_back_to_the_whole_target(tiny_model_dir, tiny_target, tiny_text, tmp_path):
+    """A file with a tensor the model does not load (an old buffer): the lazy digest differs from the
+    state_dict's, so the whole target derives the weights, and the predictor is the same."""
+    import shutil
+
+    d = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, d)
+    state = load_file(str(d / wt.SINGLE))
+    save_file({**state, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}, str(d / wt.SINGLE))
+    lazy = wt.target_weights(d)
+    assert lazy is not None and lazy.weights_sha256 != tiny_target.weights_sha256
+    ck_dir = tmp_path / "ck"
+    pin = build_checkpoint(tiny_target, tiny_text, ck_dir, tokens=64, segment=32, rung="w8a8:1", derive_weights=True)
+    ck = load_checkpoint(ck_dir, pin=pin)
+    ids = tiny_target.tokenize(PROMPT)
+    got = Predictor.from_checkpoint(ck, lazy).mu(ids)
+    assert torch.equal(bits(got), bits(Predictor.from_checkpoint(ck, tiny_target).mu(ids)))
