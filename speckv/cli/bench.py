@@ -148,7 +148,7 @@ def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf
         peer_rows = peers(raw, 2 if dtype == "bf16" else 1, ideal["order0_bits_per_scalar"])
         if memory:
             step("each sidecar's peak memory, in child processes")
-            mem = sidecar_memory(ids, kv, records, back, codec, pre.mu, predictor, pin, target)
+            mem = sidecar_memory(ids, kv, records, back, codec, pre.mu, predictor, pin, target, _equal)
     coded = sum(len(r) for r in records)
     n = int(pre.kv.numel())
     mb = len(raw) / 1e6

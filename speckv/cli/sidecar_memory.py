@@ -14,7 +14,7 @@ import json
 import subprocess
 import sys
 import tempfile
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -43,18 +43,11 @@ def _save_kv(tmp: str, kv: Any) -> list[str]:
     return ["--kv", f"{tmp}/kv.npy"]
 
 
-def _same(back: Any, kv: Any) -> bool:
-    from speckv.coder.codec import Fp8KV, bf16_bits
-
-    if isinstance(kv, Fp8KV):
-        return np.array_equal(back.codes, kv.codes) and np.array_equal(back.scales, kv.scales)
-    return np.array_equal(back, bf16_bits(kv))
-
-
 def sidecar_memory(ids: np.ndarray, kv: Any, records: list[bytes], back: Any, codec: Any, mu: Any,
-                   predictor: str | None, pin: str | None, target: str) -> dict[str, Any]:
+                   predictor: str | None, pin: str | None, target: str,
+                   equal: Callable[[Any, Any], bool]) -> dict[str, Any]:
     """Both sidecars' peaks on this transfer (module docstring); raises if either probe's bytes
-    are not this process's."""
+    are not this process's (``equal(decoded, kv)``: bench's own bit-for-bit comparison)."""
     from speckv.predictor.weights import target_weights
     from speckv.server.memory import peak_rss_bytes
     from speckv.server.memprobe import decoded_sha256, read_records, write_records
@@ -66,7 +59,7 @@ def sidecar_memory(ids: np.ndarray, kv: Any, records: list[bytes], back: Any, co
                                  "--expect", decoded_sha256(back)], predictor, pin, target)
         enc = _probe("encoder", ["--ids", f"{tmp}/ids.npy", *_save_kv(tmp, kv), "--out", f"{tmp}/enc.bin"],
                      predictor, pin, target)
-        enc["lossless"] = _same(codec.decode(read_records(f"{tmp}/enc.bin"), ids, mu), kv)
+        enc["lossless"] = equal(codec.decode(read_records(f"{tmp}/enc.bin"), ids, mu), kv)
     if not (dec["lossless"] and enc["lossless"]):
         raise RuntimeError(f"a memory probe's bytes differ from this process's (decoder {dec['lossless']}, "
                            f"encoder {enc['lossless']})")
