@@ -287,6 +287,7 @@ PyObject* py_contexts(PyObject*, PyObject* args) {
 
 #include "spk_portable_py.h"  // the portable predictor's stages (its own file: one concept per file)
 #include "spk_w8a8_py.h"      // the W8A8 predictor's stages
+#include "spk_attn_py.h"      // the W8A8 predictor's int8 attention
 
 namespace {
 
@@ -296,6 +297,7 @@ PyMethodDef methods[] = {
     {"wide_dequant", py_wide_dequant, METH_VARARGS, "the portable predictor's wide dequantisation (integer.py)"},
     {"w8a8_quantise", py_w8a8_quantise, METH_VARARGS, "the W8A8 predictor's row quantisation (w8a8.py)"},
     {"w8a8_dequant", py_w8a8_dequant, METH_VARARGS, "the W8A8 predictor's dequantisation (w8a8.py)"},
+    {"int8_attention", py_int8_attention, METH_VARARGS, "the W8A8 predictor's int8 attention (int8_attention.py)"},
     {"int_softmax", py_int_softmax, METH_VARARGS, "the portable predictor's softmax numerators (int_attention.py)"},
     {"contexts", py_contexts, METH_VARARGS, "packed contexts of (mu, L) pairs (tests)"},
     {"prepare_mu", py_prepare_mu, METH_VARARGS, "mu correction (model 2) and the FP8 division, threaded"},

@@ -75,7 +75,7 @@ def build_model(config: Any, state: dict[str, "torch.Tensor"], rung: Rung | None
     if rung is not None and rung.kind == PORTABLE:
         return build_portable_model(config, state)
     if rung is not None and rung.kind == W8A8:
-        return build_w8a8_model(config, state, rung.bf16_layers)
+        return build_w8a8_model(config, state, rung.bf16_layers, rung.int_attention)
 
     config._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)

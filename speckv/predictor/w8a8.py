@@ -199,8 +199,8 @@ def _module_class() -> type:
     return W8A8KV
 
 
-def build_w8a8_model(config: Any, state: dict[str, "torch.Tensor"], k: int) -> Any:
-    """``w8a8:k`` over ``w8a8_state``'s tensors for a model of ``config``."""
+def build_w8a8_model(config: Any, state: dict[str, "torch.Tensor"], k: int, int_attention: bool = False) -> Any:
+    """``w8a8:k`` (``int_attention``: ``w8a8i:k``) over ``w8a8_state``'s tensors for a model of ``config``."""
     import torch
 
     L = config.num_hidden_layers
@@ -225,7 +225,9 @@ def build_w8a8_model(config: Any, state: dict[str, "torch.Tensor"], k: int) -> A
     want += sum(len(NORMS[:1] if i == L - 1 else NORMS) + 3 * len(fused_of(L, i)) for i in range(k, L))
     if len(state) != want:
         raise CheckpointError(f"w8a8:{k} weights do not fit the config: {len(state)} tensors, {want} expected")
-    return _module_class()(config, head, embed, tensors).eval()
+    model = _module_class()(config, head, embed, tensors).eval()
+    model.int_attention = int_attention
+    return model
 
 
 # ------------------------------------------------------------------ forward

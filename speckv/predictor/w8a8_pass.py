@@ -39,6 +39,7 @@ import numpy as np
 
 from speckv.kv import Fp8Attention, bf16_bits
 
+from . import int8_attention
 from .target import (
     FP8_ATTENTION,
     LayerSink,
@@ -148,7 +149,7 @@ def w8a8_passes(model: Any, reqs: list[MuRequest]) -> None:
                 if q is not None:
                     if r.fp8 is not None and i < r.fp8[1]:  # attention reads the engine's K/V
                         key, value = r.fp8[0].round(key, i, 0), r.fp8[0].round(value, i, 1)
-                    att.append(_attend(_rope(q, H, cos, sin), key, value[None]))
+                    att.append(_attend(_rope(q, H, cos, sin), key, value[None], model.int_attention))
             if att:
                 h = _block_rest(h, t, torch.cat(att) if len(att) > 1 else att[0], eps, scratch)
 
@@ -184,9 +185,14 @@ def _rope(x: "torch.Tensor", heads: int, cos: "torch.Tensor", sin: "torch.Tensor
     return apply_rotary_pos_emb(x, x, cos, sin)[0]
 
 
-def _attend(q: "torch.Tensor", key: "torch.Tensor", value: "torch.Tensor") -> "torch.Tensor":
-    """Causal attention of one prompt: (1, heads, T, D) BF16 -> rows (T, heads * D)."""
+def _attend(q: "torch.Tensor", key: "torch.Tensor", value: "torch.Tensor", int8: bool) -> "torch.Tensor":
+    """Causal attention of one prompt: (1, heads, T, D) BF16 -> rows (T, heads * D); ``int8``: the
+    w8a8i rungs' (int8_attention.py, on the CPU)."""
     import torch.nn.functional as F
+
+    if int8:
+        att = int8_attention.attention(q[0].cpu(), key[0].cpu(), value[0].cpu()).to(q.device)  # (T, heads, D)
+        return att.view(q.shape[2], -1)
 
     att = F.scaled_dot_product_attention(q, key, value, is_causal=True, enable_gqa=True)  # (1, heads, T, D)
     return att[0].transpose(0, 1).reshape(q.shape[2], -1)
