@@ -30,7 +30,7 @@ from speckv.predictor.session import Session
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOKENS = 256
-SIDECAR_ABOVE_FLOOR_MAX = 1.40  # measured <= 1.28 (speckv bench --tokens 256, w8a8:4); building the target: ~4.5
+SIDECAR_ABOVE_FLOOR_MAX = 1.40  # measured <= 1.28 (speckv bench --tokens 256, w8a8i:4); building the target: ~4.5
 SLICE_CHARS = 6000  # the first 6000 characters of tinyshakespeare.txt (> 256 tokens)
 PER_TOKEN = 30 * 2 * 3 * 64  # scalars per token of the embedded model's KV
 SYMBOL_BITS = {"bf16": 16, "fp8": 8}
@@ -117,7 +117,7 @@ def check_report(rep: dict, dtype: str, ref: dict, session, slice_file: Path) ->
     n = TOKENS * PER_TOKEN
     assert (rep["dtype"], rep["text"], rep["tokens"], rep["scalars"]) == (dtype, str(slice_file), TOKENS, n)
     assert rep["raw_bytes"] == n * SYMBOL_BITS[dtype] // 8
-    assert (rep["pin"], rep["rung"], rep["model"]) == (session.pin, "w8a8:4", "tuned")
+    assert (rep["pin"], rep["rung"], rep["model"]) == (session.pin, "w8a8i:4", "tuned")
     # the coder's round trip, verified bit for bit by the command itself
     assert rep["lossless"] is True
     # the speckv row: its own figures agree, and agree with the codec run here
@@ -168,7 +168,7 @@ def test_bench_bf16_subprocess(bf16_bench, slice_file, reference, embedded_sessi
 
 def check_memory(m: dict) -> None:
     """Each sidecar's probe wrote this process's bytes, and its peak stays near what a sidecar needs:
-    the runtime floor, the rung's own weights (w8a8:4: ~0.8x the target's) and one transfer's work.
+    the runtime floor, the rung's own weights (w8a8i:4: ~0.8x the target's) and one transfer's work.
     Building the whole target (BF16 + FP32 linears) would add ~3x the weights."""
     assert 0 < m["target_bf16_mib"] == pytest.approx(256.6, abs=0.1)  # SmolLM2-135M: 134.5 M BF16 parameters
     for role in ("decoder", "encoder"):

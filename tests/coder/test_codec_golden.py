@@ -81,33 +81,34 @@ def _golden_fp8_toward_zero() -> tuple[Fp8KV, np.ndarray, int]:
 # Format version 4 (sigma shifts in aux): new goldens; the version 3 and 2 ones did not move (written
 # under those headers); a chunk whose shifts are all 0 is its version 3 bytes. bf16_a's chunk 0 now
 # codes below its stored size (the guard stored it in version 3).
-# Every version again when the default checkpoint became rung w8a8:4 (new pin, tables and calibration;
-# the same stored chunks; regenerated with the numpy reference and checked on the native coder).
+# Every version again when the default checkpoint became rung w8a8:4, and again when it became w8a8i:4
+# (new pin, tables and calibration; the same stored chunks; regenerated with the numpy reference and
+# checked on the native coder).
 # Format version 5 (an FP8 chunk's rounding byte): new goldens (the first three differ from their
 # version 4 streams in the header's version only: their chunks round to nearest); the version 4, 3
 # and 2 ones did not move. fp8_tz (codes rounded toward zero) is new: its version 5 chunks carry the
-# rounding byte and code in 10,787 bytes against 15,655 in version 4.
+# rounding byte and code in 10,931 bytes against 15,574 in version 4 (w8a8i:4).
 GOLDEN = [
     ("bf16_a", _golden_bf16_a, (4, 8),
-     ("588a272a43e0aef86db22fad5b788e5a0083e2a045e314130f57a6b794ae402b", 19315, []),
-     ("81ff4da5644fd1c941fafe871cdb114f47a6ba572ec4b9b747c8d6b373b9a882", 19315),
-     ("aaea76bae16a3fe66651f17c4ad0f01e2a2303587a10b2336f641a9f31268f71", 20753), [0],
-     ("def247c430420196d70435680c3f1a4b95cb79749228786202af697fe7a04d82", 22640)),
+     ("a9525197a39714c47739f68ee0748030f8b8bf759b7f1067fb245f24c0b34d14", 19379, []),
+     ("fa1fe1964262f47080ebcaf40b7e9b501c78d34bf68407fc07b023e2c4fe705f", 19379),
+     ("870973ddb785251ac1483e196dd81e0335eb010cd468f0108e8b1a3d18a36956", 20814), [0],
+     ("441249791cef938c25eba225331043a7bccb6dbaaf2076c6e943be3420f9ac84", 22705)),
     ("bf16_b", _golden_bf16_b, (5, 30),
-     ("8afab311ea816c717cad4f59e501af53ec995031e25da0b5e98174525278788f", 46270, [0]),
-     ("85f22dcb26daa3f50952aa1c454bfffb8c4de8d2511951b79492087302c07fef", 46270),
-     ("0df9c88e3ed8722d8ac042452bd08eb1fd115fb1006b325c1c5787b036e12fbe", 46270), [0],
-     ("c40892edf37a1d621a88ec46921a08743413ae01d84564438d0974baa0e766fb", 275809)),
+     ("711fe100444a2835f27c50ddada049bea3718c651ffa6ab11d1c29a285ec6afc", 46270, [0]),
+     ("f8e41d59e6107a10e3a4699efe4806a8c7aee0c6fd3dc70afd8900be5f9c85ca", 46270),
+     ("9000f58be303a002b1c9a3139472b1ccabb8a6e0d8c4fa9b110bbddfd950ddd3", 46270), [0],
+     ("eb2a0bcc0de77bcd4acded369ef2f6f3264316c7162b2f6f5820eafe20867019", 275984)),
     ("fp8", _golden_fp8, (3, 16),
-     ("e40890bd15cedbbcb0817323479dbb566f88fdaf8b902e2cf1076bb76146a04b", 23550, [0, 1]),
-     ("3baf285373855f8e2a10b01a590defd341c1c7ce18d0cfce028a3d161503db7b", 23550),
-     ("15d86aaea28e2783a4132c05ccaebf6d4083398ef859126b9e1010e75d44f229", 23550), [0, 1],
-     ("5d7bd6681b3964ca4999a1a1dde49aed0259016947d8e798e174690595d7fa0e", 34541)),
+     ("d8fc104b05af50076311cddb5e6dc00e2d837a28920f48e0afdc49b24d3f3254", 23550, [0, 1]),
+     ("ae9a3a4d214c8bde1361ed4f25e15c25959fd829f1e8c2094bf54d3dde51edfb", 23550),
+     ("a0ab90d34aa6e5bf01949c3c48506b27d3e6f68f6cb18a547814ca47a9fc971f", 23550), [0, 1],
+     ("9b647294c13b5ad58679eb5d463617cabe80ecea40a68c848ed4ba73c4b7c7c9", 34528)),
     ("fp8_tz", _golden_fp8_toward_zero, (64, 16),
-     ("313780c6a81a79d77102f87284832312b4666dbfe4b8327e315a6aa7c677487e", 10787, []),
-     ("77ac4ced73fb4edd8d73f88d107f97489a2b38e9f764ebefdb832838b27739e6", 15655),
-     ("6177c960147a85c5bdf574abf69546b7fc9f8c3c22f0797bea666b05a2ebdf4d", 18386), [],
-     ("9f76672f235cb98e876ac61d899bd3e1a6d7191f5f65a553be92426d6dc63cad", 18386)),
+     ("ee667b5dc011ca7061066acac493573e16fa942f85e2f7cdb32286848e6189cd", 10931, []),
+     ("d0eaa8dad7dfc08baed5b79d73c42a293643f1937a0181b3a5a8b01464edb563", 15574),
+     ("9f879b797d981e7b0abc11e077978448b28b4548954e4ab8ef907c369835b7ea", 18279), [],
+     ("370d7c9ccfc28dc9920e3320006d9282423879702f174ae408c7cbc876d06225", 18279)),
 ]
 ARGS = "name,build,cfg,v5,v4,v3,stored,v2"
 IDS = [g[0] for g in GOLDEN]

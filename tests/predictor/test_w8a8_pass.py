@@ -15,7 +15,7 @@ from speckv.predictor.predict import Predictor
 from speckv.server.layer_mu import PredictorStopped
 
 
-@pytest.fixture(scope="module", params=["w8a8", "w8a8:1"])
+@pytest.fixture(scope="module", params=["w8a8", "w8a8:1", "w8a8i"])
 def tiny_pred(request, tiny_target, tiny_text, tmp_path_factory):
     d = tmp_path_factory.mktemp(request.param.replace(":", "_"))
     pin = build_checkpoint(tiny_target, tiny_text, d, tokens=64, segment=32, rung=request.param, derive_weights=True)
@@ -57,7 +57,7 @@ def test_each_prompt_of_a_batch_has_its_lone_bits(tiny_pred, lengths):
 
 
 def test_batch_of_real_prompts_on_the_shipped_predictor(embedded_session, embedded_target):
-    """The shipped w8a8:4 on real text: three prompts batched equal their lone passes."""
+    """The shipped w8a8i:4 on real text: three prompts batched equal their lone passes."""
     pred = embedded_session.predictor
     text = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer " * 8
     ids = embedded_target.tokenize(text)
