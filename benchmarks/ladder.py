@@ -124,9 +124,6 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from speckv.predictor.target import passive_openmp
-
-    passive_openmp()  # as the sidecars run (speckv's CLI sets it)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rungs", nargs="+", default=DEFAULT_RUNGS)
     ap.add_argument("--text", type=Path, default=CORPUS / "tinyshakespeare.txt")

@@ -67,9 +67,6 @@ def identical(a: list[dict], b: list[dict]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from speckv.predictor.target import passive_openmp
-
-    passive_openmp()  # as the sidecars run (speckv's CLI sets it)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)

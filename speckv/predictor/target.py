@@ -51,15 +51,6 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 # NOTE: one fixed thread count for every forward pass. FP32 GEMM reductions may
 # be split differently with other thread counts, which would change mu.
 COMPUTE_THREADS = 2
-OMP_WAIT_ENV = "OMP_WAIT_POLICY"
-
-
-def passive_openmp() -> None:
-    """Let torch's OpenMP threads sleep at once after each parallel region (unless the environment
-    says otherwise). NOTE: by default they spin a while, on the very cores the native stages' own
-    threads then need (the W8A8 quantise/dequantise, the int8 attention): that cost a w8a8i pass
-    20-30% here. libgomp reads the setting once, when torch is first imported: call this before."""
-    os.environ.setdefault(OMP_WAIT_ENV, "PASSIVE")
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

@@ -5,8 +5,8 @@ recomputation) and when it comes from the sidecar's own kernels, against the sam
 stream written as format version 3 (no shifts), BF16 and FP8; and, in version 4, on
 every engine stand-in of ``speckv.predictor.engines``, judged by the worst of them.
 
-The shipped w8a8i:4 checkpoint's exact layers 0-3 (w8a8:4's and hybrid:4's before it) have sigma calibrated to a residual
-of ~0; in version 3 their rounding-level differences cost ~15 bits a scalar and their
+The shipped w8a8i:4 checkpoint's exact layers 0-3 (w8a8:4's and hybrid:4's before it) have sigma
+calibrated to a residual of ~0; in version 3 their rounding-level differences cost ~15 bits a scalar and their
 chunks go stored. Version 4's shifts widen those groups' sigma.
 
 Figures: ``WIRE_BITS`` below, measured on this repository's build machine with
