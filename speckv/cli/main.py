@@ -345,6 +345,7 @@ SERVER_EXTRA_MODULES = frozenset({"torch", "transformers", "safetensors", "gguf"
 
 def main(argv: Sequence[str] | None = None) -> int:
     from speckv.errors import SpeckvError
+
     args = _parser().parse_args(argv)
     try:
         fmt = logs.resolve(getattr(args, "log_format", None), logs.FORMAT_ENV, "text", logs.FORMATS)

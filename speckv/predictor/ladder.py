@@ -28,7 +28,7 @@ manifest without the field is ``fp8``, so the shipped default keeps its pin):
   calibrated on the target's activations, int8 activations per token.
 - ``w8a8i`` / ``w8a8i:k``: ``w8a8[:k]`` with attention in int8 too
   (``int8_attention.py``: per-token int8 q, k and v, uint8 softmax weights,
-  exact int32 sums), 2.5-3x faster than float32 SDPA here at about +0.05 bits.
+  exact int32 sums), 2.6-2.7x faster than float32 SDPA here at +0.03-0.04 bits.
 - ``none``: no model: mu is a per-(layer, kv, head, channel) constant, the
   calibration mean of the target's KV rounded to BF16, stored in ``means.npz``.
 
