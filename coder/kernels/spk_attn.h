@@ -119,7 +119,7 @@ struct AttnPacked {
     const int8_t* k4;       // (key groups of 16, D / 4, 16 keys, 4 channels)
     const int32_t* ksum;    // (keys padded to 16): 128 * sum_d k8
     const float* ks;        // (keys padded to 16), 0 past the prompt
-    const int8_t* v4;       // (keys padded to ATT_KEY_BLOCK / 4 ... as groups of 4 keys, D, 4 keys)
+    const int8_t* v4;       // (keys padded to ATT_KEY_BLOCK, in groups of 4: group, D, 4 keys)
     const float* vs;        // (keys padded to ATT_KEY_BLOCK), 0 past the prompt
 };
 

@@ -3,6 +3,7 @@
 #pragma once
 #include "spk_attn.h"
 #include "spk_py.h"
+#include "spk_w8a8_py.h"  // w8a8_avx2: the W8A8 row quantisation's path choice
 
 namespace {
 
@@ -14,9 +15,9 @@ bool attn_vnni(int scalar, int64_t D) {
 
 // Each row of x (rows, D) BF16 bits -> q8 int8 and its scale (the W8A8 row quantisation, unit factors:
 // its AVX2 and scalar rows give the same bits).
-void quantise_rows(const uint16_t* x, int64_t rows, int64_t D, int8_t* q, float* s) {
+void quantise_rows(const uint16_t* x, int64_t rows, int64_t D, int8_t* q, float* s, int scalar) {
     const std::vector<float> one((size_t)D, 1.0f);
-    const bool avx2 = __builtin_cpu_supports("avx2");
+    const bool avx2 = w8a8_avx2(scalar);
     for (int64_t r = 0; r < rows; ++r) {
         const float amax = avx2 ? spk::w8a8_quantise_row_avx2(x + r * D, one.data(), D, q + r * D)
                                 : spk::w8a8_quantise_row(x + r * D, one.data(), D, q + r * D);
@@ -52,14 +53,14 @@ PyObject* py_int8_attention(PyObject*, PyObject* args) {
     Py_BEGIN_ALLOW_THREADS
     parallel_for(H + Hk, threads, [&](int64_t h) {  // quantise: the query heads, then the kv heads
         if (h < H) {
-            quantise_rows(q.as<uint16_t>() + h * T * D, T, D, q8.data() + h * T * D, qs.data() + h * T);
+            quantise_rows(q.as<uint16_t>() + h * T * D, T, D, q8.data() + h * T * D, qs.data() + h * T, scalar);
             if (vnni) for (int64_t n = h * T * D; n < (h + 1) * T * D; ++n) qu[n] = (uint8_t)(q8[n] + 128);
             return;
         }
         const int64_t g = h - H;
         int8_t *kq = k8.data() + g * T * D, *vq = v8.data() + g * T * D;
-        quantise_rows(k.as<uint16_t>() + g * T * D, T, D, kq, ks.data() + g * T16);
-        quantise_rows(v.as<uint16_t>() + g * T * D, T, D, vq, vs.data() + g * T64);
+        quantise_rows(k.as<uint16_t>() + g * T * D, T, D, kq, ks.data() + g * T16, scalar);
+        quantise_rows(v.as<uint16_t>() + g * T * D, T, D, vq, vs.data() + g * T64, scalar);
         if (vnni) spk::attn_pack_kv(kq, vq, T, D, k4.data() + g * T16 * D, ksum.data() + g * T16, v4.data() + g * T64 * D);
     });
     parallel_for(H * tiles, threads, [&](int64_t task) {

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from speckv.errors import CheckpointError
 
+from .integer import native_with
 from .target import COMPUTE_THREADS
 from .w8a8 import quantise_rows
 
@@ -114,13 +115,12 @@ def attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", scalar: b
     the reference is for tests, far too slow for a sidecar)."""
     import torch
 
-    try:
-        from speckv.coder import _native
-    except ImportError as e:
-        raise CheckpointError("the w8a8i rungs need speckv's native extension, which is not built here") from e
+    nat = native_with("int8_attention")
+    if nat is None:
+        raise CheckpointError("the w8a8i rungs need speckv's native extension with int8_attention, not built here")
     H, T, D = q.shape
     qc, kc, vc = (t.to(torch.bfloat16).contiguous() for t in (q, k, v))
     out = torch.empty(T, H, D, dtype=torch.bfloat16)
-    _native.int8_attention(qc.view(torch.int16).numpy(), kc.view(torch.int16).numpy(), vc.view(torch.int16).numpy(),
+    nat.int8_attention(qc.view(torch.int16).numpy(), kc.view(torch.int16).numpy(), vc.view(torch.int16).numpy(),
                            out.view(torch.int16).numpy(), H, kc.shape[0], T, D, THREADS, scalar)
     return out
