@@ -220,7 +220,7 @@ class Codec:
         coster = self.backend if hasattr(self.backend, "group_costs") else None
         if h.version >= 5 and plan.fmt is E4M3:
             plan = plan.rounded(choose_rounding(plan.fmt, plan.fmt_mu, plan.model.tables, x, plan.mu,
-                                                toward_zero_mu(plan.mu), plan.log2_sigma, plan.chunk_counts(h),
+                                                toward_zero_mu, plan.log2_sigma, plan.chunk_counts(h),
                                                 coster))
         return plan.shifted(choose_shifts(plan.fmt, plan.fmt_mu, plan.model.tables, x, plan.mu,
                                           plan.log2_sigma, coster))

@@ -81,8 +81,11 @@ class Plan:
         tz = np.asarray(toward_zero, bool)
         if not tz.any():
             return dataclasses.replace(self, toward_zero=None)
-        mu = self.mu_predicted.copy()
-        mu[tz] = toward_zero_mu(mu[tz])
+        if tz.all():  # a toward-zero engine's every layer: no masked copy
+            mu = toward_zero_mu(self.mu_predicted)
+        else:
+            mu = self.mu_predicted.copy()
+            mu[tz] = toward_zero_mu(mu[tz])
         return dataclasses.replace(self, mu=mu, predicted_mu=self.mu_predicted, toward_zero=tz)
 
     def shifted(self, shifts: np.ndarray) -> "Plan":
@@ -109,13 +112,18 @@ def toward_zero_mu(mu: np.ndarray) -> np.ndarray:
     difference keeps at least |mu| / 2 or cancels below 2^(E - 3) (Sterbenz), or goes under 0
     and is clamped; so every backend and machine moves mu to the same bits."""
     bits = np.asarray(mu, np.uint32)
-    e = ((bits >> 23) & 0xFF).astype(np.int32) - 127
-    half = ((np.maximum(e, E4M3_MIN_EXP) - E4M3_MANT - 1 + 127).astype(np.uint32) << 23).view(np.float32)
-    f = bits.view(np.float32)
+    # 2^(E - 4) as fp32 bits: the exponent field clamped at the smallest normal binade, minus 4
+    half = (bits >> 23) & np.uint32(0xFF)
+    np.maximum(half, np.uint32(E4M3_MIN_EXP + 127), out=half)
+    half -= np.uint32(E4M3_MANT + 1)
+    half <<= 23
+    mag = bits & np.uint32(0x7FFFFFFF)  # |mu|
+    finite = mag < np.uint32(0x7F800000)
     with np.errstate(invalid="ignore"):
-        mag = np.maximum(np.abs(f) - half, np.float32(0)).astype(np.float32)
-    moved = mag.view(np.uint32) | (bits & np.uint32(0x80000000))
-    return np.where(np.isfinite(f), moved, bits).astype(np.uint32)
+        np.subtract(mag.view(np.float32), half.view(np.float32), out=mag.view(np.float32))
+    np.maximum(mag.view(np.float32), np.float32(0), out=mag.view(np.float32))
+    mag |= bits & np.uint32(0x80000000)
+    return np.where(finite, mag, bits)
 
 
 TABLES: dict[bytes, ContextTable] = {}  # by sigma digest: codecs of one checkpoint share one
