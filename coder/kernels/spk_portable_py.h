@@ -4,6 +4,7 @@
 #pragma once
 #include "spk_portable.h"
 #include "spk_py.h"
+#include "spk_wide.h"
 
 namespace {
 
@@ -112,6 +113,75 @@ PyObject* py_silu_mul(PyObject*, PyObject* args) {
     });
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
+}
+
+bool wide_vnni() {
+    static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                            __builtin_cpu_supports("avx512vnni");
+    return yes;
+}
+
+PyObject* py_wide_vnni(PyObject*, PyObject*) { return PyBool_FromLong(wide_vnni()); }
+
+// wide_pack(w8 int8 (N, K), N, K, out int8 (wide_pad(N, 64) * wide_pad(K, 2))): wide_linear's weight layout
+PyObject* py_wide_pack(PyObject*, PyObject* args) {
+    PyObject *w_o, *out_o;
+    long long N, K;
+    if (!PyArg_ParseTuple(args, "OLLO", &w_o, &N, &K, &out_o)) return nullptr;
+    Buf w, out;
+    if (N <= 0 || K <= 0) return PyErr_Format(PyExc_ValueError, "wide_pack: N and K must be positive");
+    if (!get_buf(w_o, w, N * K, "w8") ||
+        !get_buf(out_o, out, spk::wide_pad(N, spk::WIDE_COLS) * spk::wide_pad(K, 2), "packed", true))
+        return nullptr;
+    Py_BEGIN_ALLOW_THREADS
+    spk::wide_pack(w.as<int8_t>(), N, K, out.as<int8_t>());
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+// wide_linear(x int64 (M, K), w float64 (K) or None, rms float64 (M) or None, wide_max, packed int8 (wide_pack),
+//             w8 int8 (N, K), ws float64 (N), add int64 (M, N) or None, out int64 (M, N), threads[, scalar])
+//   -> whether the VNNI path ran (spk_wide.h; integer.wide_linear is the reference)
+PyObject* py_wide_linear(PyObject*, PyObject* args) {
+    PyObject *x_o, *w_o, *rms_o, *p_o, *w8_o, *ws_o, *add_o, *out_o;
+    double wide_max;
+    int threads, scalar = 0;
+    if (!PyArg_ParseTuple(args, "OOOdOOOOOi|p", &x_o, &w_o, &rms_o, &wide_max, &p_o, &w8_o, &ws_o, &add_o, &out_o,
+                          &threads, &scalar))
+        return nullptr;
+    Buf x, w, rms, packed, w8, ws, add, out;
+    if (!get_buf(ws_o, ws, -1, "ws") || !get_buf(x_o, x, -1, "x")) return nullptr;
+    const int64_t N = ws.count(8);
+    if (!get_buf(w8_o, w8, -1, "w8")) return nullptr;
+    const int64_t K = N ? w8.count(1) / N : 0, M = K ? x.count(8) / K : 0;
+    if (N <= 0 || K <= 0 || K > spk::WIDE_MAX_K || w8.count(1) != N * K || x.count(8) != M * K)
+        return PyErr_Format(PyExc_ValueError, "wide_linear: w8 must be (N, K) with 0 < K <= %lld and x (M, K)",
+                            (long long)spk::WIDE_MAX_K);
+    if (!get_buf(p_o, packed, spk::wide_pad(N, spk::WIDE_COLS) * spk::wide_pad(K, 2), "packed") ||
+        !get_buf(out_o, out, 8 * M * N, "out", true) || (w_o != Py_None && !get_buf(w_o, w, 8 * K, "w")) ||
+        (rms_o != Py_None && !get_buf(rms_o, rms, 8 * M, "rms")) ||
+        (add_o != Py_None && !get_buf(add_o, add, 8 * M * N, "add")))
+        return nullptr;
+    const spk::WideJob J{x.as<int64_t>(), w_o != Py_None ? w.as<double>() : nullptr,
+                         rms_o != Py_None ? rms.as<double>() : nullptr, wide_max, packed.as<int8_t>(),
+                         w8.as<int8_t>(), ws.as<double>(), add_o != Py_None ? add.as<int64_t>() : nullptr,
+                         out.as<int64_t>(), M, K, N};
+    const bool vnni = wide_vnni() && !scalar;
+    const int64_t row_tasks = (M + spk::WIDE_TASK_ROWS - 1) / spk::WIDE_TASK_ROWS;
+    const int64_t tiles = spk::wide_pad(N, spk::WIDE_COLS) / spk::WIDE_COLS;
+    // NOTE: few rows (a short prompt) split the channels too, so every thread has work
+    const int64_t groups = std::min<int64_t>(tiles, std::max<int64_t>(1, (4 * threads + row_tasks - 1) / row_tasks));
+    Py_BEGIN_ALLOW_THREADS
+    parallel_for(row_tasks * groups, threads, [&](int64_t task) {
+        const int64_t i0 = (task / groups) * spk::WIDE_TASK_ROWS, g = task % groups;
+        const int64_t i1 = std::min(M, i0 + spk::WIDE_TASK_ROWS);
+        const int64_t t0 = tiles * g / groups, t1 = tiles * (g + 1) / groups;
+        if (vnni) spk::wide_rows_vnni(J, i0, i1, t0, t1);
+        else spk::wide_rows_scalar(J, i0, i1, t0 * spk::WIDE_COLS, std::min(N, t1 * spk::WIDE_COLS));
+    });
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(vnni);
 }
 
 }  // namespace

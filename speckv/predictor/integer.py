@@ -50,6 +50,13 @@ SILU_LEN = 2 * SILU_RANGE << SILU_STEP_BITS
 ROPE_FRAC = 16  # cos/sin tables' fixed point
 NATIVE = True  # the native extension's stages where it is built (same integers either way)
 NATIVE_THREADS = 1
+# NOTE: the fused linear runs 20-40 ms a call at 2048 tokens, long enough for 2 threads to pay
+# (1.9x) beside torch's OpenMP workers, which spin for a while after each torch call; the
+# short per-block stages above do not scale beside them and stay on 1
+FUSED_THREADS = 2
+FUSED = True  # the fused linear where it runs (tests: off, to compare the paths)
+FUSED_SCALAR = False  # the fused kernel's scalar loops instead of its VNNI ones (tests: the same bits)
+WIDE_FUSED_MAX_K = 2048  # the fused kernel's int32 sums: 127 * 2^13 * K < 2^31
 
 
 class IntegerRangeError(ValueError):
@@ -131,15 +138,36 @@ def dequantise(acc: "torch.Tensor", row: "torch.Tensor", ws: "torch.Tensor") -> 
 
 
 def linear(x: "torch.Tensor", w8: "torch.Tensor", ws: "torch.Tensor", exact: bool = False,
-           add: "torch.Tensor | None" = None) -> "torch.Tensor":
+           add: "torch.Tensor | None" = None, packed: "torch.Tensor | None" = None,
+           out: "torch.Tensor | None" = None) -> "torch.Tensor":
     """int64 fixed-point rows -> int64 fixed-point ``x @ W^T`` (+ ``add``) with W = w8 * ws (per output row)."""
-    return wide_linear(x, w8, ws, None, None, add, exact)
+    return wide_linear(x, w8, ws, None, None, add, exact, packed, out)
+
+
+def wide_pack(w8: "torch.Tensor") -> "torch.Tensor | None":
+    """``w8`` in the fused kernel's layout (``_native.wide_pack``), or None where that kernel does not
+    run (no extension, no AVX-512 VNNI, ``NATIVE`` off, K too long for its int32 sums)."""
+    import torch
+
+    nat = native_with("wide_linear") if NATIVE and FUSED else None
+    N, K = w8.shape
+    if nat is None or not (nat.wide_vnni() or FUSED_SCALAR) or w8.device.type != "cpu" or K > WIDE_FUSED_MAX_K:
+        return None
+    out = torch.empty(-(-N // 64) * 64 * -(-K // 2) * 2, dtype=torch.int8)
+    nat.wide_pack(w8.contiguous().numpy(), N, K, out.numpy())
+    return out
 
 
 def wide_linear(x: "torch.Tensor", w8: "torch.Tensor", ws: "torch.Tensor", norm_w: "torch.Tensor | None",
-                rms: "torch.Tensor | None", add: "torch.Tensor | None", exact: bool) -> "torch.Tensor":
-    """``linear`` with the norm weights and 1 / rms folded in; the native stages where built
-    (``_native.wide_quantise`` / ``wide_dequant``: the same operations in the same order)."""
+                rms: "torch.Tensor | None", add: "torch.Tensor | None", exact: bool,
+                packed: "torch.Tensor | None" = None, out: "torch.Tensor | None" = None) -> "torch.Tensor":
+    """``linear`` with the norm weights and 1 / rms folded in. ``packed`` (``wide_pack`` of ``w8``):
+    the fused native kernel (``_native.wide_linear``: quantisation, one int16 x int8 product per
+    pair of terms with exact int32 sums, dequantisation; 3.8x this path's two int8 products on
+    this CPU); else the native stages where built (``wide_quantise`` / ``wide_dequant``); all give
+    the same bits as the torch reference (``exact``). ``out``: the fused kernel's (rows, out)
+    int64 destination, reused by the caller (fresh large buffers page-fault on every call); it
+    may be ``add`` itself (each element is read, then written, by one thread)."""
     import torch
 
     nat = _native()
@@ -152,9 +180,16 @@ def wide_linear(x: "torch.Tensor", w8: "torch.Tensor", ws: "torch.Tensor", norm_
     x = x.contiguous()
     M, K = x.shape
     threads = NATIVE_THREADS
+    w = norm_w.double().contiguous().numpy() if norm_w is not None else None
+    if packed is not None:
+        if out is None:
+            out = torch.empty((M, w8.shape[0]), dtype=torch.int64)
+        nat.wide_linear(x.numpy(), w, None if rms is None else rms.double().contiguous().numpy(), WIDE_MAX,
+                        packed.numpy(), w8.contiguous().numpy(), ws.contiguous().numpy(),
+                        None if add is None else add.contiguous().numpy(), out.numpy(), FUSED_THREADS, FUSED_SCALAR)
+        return out
     hl = torch.empty((2 * M, K), dtype=torch.int8)
     amax = torch.empty(M, dtype=torch.float64)
-    w = norm_w.double().contiguous().numpy() if norm_w is not None else None
     nat.wide_quantise(x.numpy(), w, WIDE_MAX, WIDE_SPLIT, hl[:M].numpy(), hl[M:].numpy(), amax.numpy(), threads)
     row = div(amax, WIDE_MAX)
     row = row if rms is None else row / rms
@@ -196,9 +231,10 @@ def rms_inv_factor(x: "torch.Tensor", eps: float) -> "torch.Tensor":
 
 
 def norm_linear(x: "torch.Tensor", norm_w: "torch.Tensor", eps: float, w8: "torch.Tensor",
-                ws: "torch.Tensor", exact: bool = False) -> "torch.Tensor":
+                ws: "torch.Tensor", exact: bool = False, packed: "torch.Tensor | None" = None,
+                out: "torch.Tensor | None" = None) -> "torch.Tensor":
     """``linear(rmsnorm(x) * norm_w)``: the norm folds into the row quantisation."""
-    return wide_linear(x, w8, ws, norm_w, rms_inv_factor(x, eps), None, exact)
+    return wide_linear(x, w8, ws, norm_w, rms_inv_factor(x, eps), None, exact, packed, out)
 
 
 def round_shift(x: "torch.Tensor", bits: int) -> "torch.Tensor":
@@ -226,15 +262,18 @@ def silu(x: "torch.Tensor", table: "torch.Tensor") -> "torch.Tensor":
     return torch.where(idx >= SILU_LEN, x, torch.where(idx < 0, torch.zeros_like(x), inside))
 
 
-def silu_mul(gu: "torch.Tensor", table: "torch.Tensor", exact: bool = False) -> "torch.Tensor":
-    """round_shift(silu(gate) * up, FRAC) of int64 ``gu`` (rows, 2 inter) = [gate | up]."""
+def silu_mul(gu: "torch.Tensor", table: "torch.Tensor", exact: bool = False,
+             out: "torch.Tensor | None" = None) -> "torch.Tensor":
+    """round_shift(silu(gate) * up, FRAC) of int64 ``gu`` (rows, 2 inter) = [gate | up]; the native
+    stage writes into ``out`` where given."""
     import torch
 
     inter = gu.shape[1] // 2
     nat = _native()
     if exact or nat is None or gu.device.type != "cpu":
         return round_shift(silu(gu[:, :inter], table) * gu[:, inter:], FRAC)
-    out = torch.empty((gu.shape[0], inter), dtype=torch.int64)
+    if out is None:
+        out = torch.empty((gu.shape[0], inter), dtype=torch.int64)
     nat.silu_mul(gu.contiguous().numpy(), table.contiguous().numpy(), FRAC, SILU_STEP_BITS, SILU_RANGE, out.numpy(),
                  NATIVE_THREADS)
     return out

@@ -85,9 +85,18 @@ def _module_class() -> type:
             self.names = sorted(n for n in state if n != EMBED)
             for j, name in enumerate(self.names):
                 self.register_buffer(f"t{j}", state[name], persistent=False)
+            self._packed: dict[tuple[str, int, bool, bool], torch.Tensor | None] = {}
 
         def get(self, name: str) -> "torch.Tensor":
             return getattr(self, f"t{self.names.index(name)}")
+
+        def packed(self, name: str, rows: int = 0) -> "torch.Tensor | None":
+            """``ix.wide_pack`` of int8 weights ``name`` from output row ``rows`` on, built at first
+            use and kept (None where the fused kernel does not run: then nothing is kept)."""
+            key = (name, rows, ix.NATIVE and ix.FUSED, ix.FUSED_SCALAR)
+            if key not in self._packed:
+                self._packed[key] = ix.wide_pack(self.get(name)[rows:])
+            return self._packed[key]
 
     return PortableKV
 
@@ -130,6 +139,7 @@ def portable_kv(model: Any, ids: np.ndarray, on_layer: LayerSink | None = None,
         dev = model.embed.device
         tok = torch.as_tensor(np.asarray(ids, dtype=np.int64), device=dev)
         h = torch.round(model.embed[tok].double() * float(1 << ix.FRAC)).to(torch.int64)  # (T, hidden)
+        work = _Workspace()  # the fused kernels' outputs, reused by every layer; h is updated in place
         cos, sin = get("portable.rope_cos")[:T], get("portable.rope_sin")[:T]
         for i in range(L):
             p = f"model.layers.{i}."
@@ -137,7 +147,9 @@ def portable_kv(model: Any, ids: np.ndarray, on_layer: LayerSink | None = None,
             w8, ws = get(p + "qkv.w8"), get(p + "qkv.ws")
             if last:  # only K and V
                 w8, ws = w8[H * D:], ws[H * D:]
-            qkv = ix.norm_linear(h, get(p + "input_layernorm.weight"), eps, w8, ws, exact)
+            packed = None if exact else model.packed(p + "qkv.w8", H * D if last else 0)
+            qkv = ix.norm_linear(h, get(p + "input_layernorm.weight"), eps, w8, ws, exact, packed,
+                                 work.get("qkv", (T, w8.shape[0])))
             kv = qkv if last else qkv[:, H * D:]
             k = ix.rope(kv[:, : Hk * D].reshape(T, Hk, D), cos, sin)
             v = kv[:, Hk * D:].reshape(T, Hk, D)
@@ -148,19 +160,40 @@ def portable_kv(model: Any, ids: np.ndarray, on_layer: LayerSink | None = None,
             if last:
                 break
             q = ix.rope(qkv[:, : H * D].reshape(T, H, D), cos, sin)
-            h = _block_rest(model, p, h, attention(q, k, v, get("portable.exp"), exact), eps, exact)
+            h = _block_rest(model, p, h, attention(q, k, v, get("portable.exp"), exact), eps, exact, work)
     return torch.stack(layers).contiguous()
 
 
+class _Workspace:
+    """int64 buffers by role, allocated at a forward's first layer and reused by the others."""
+
+    def __init__(self) -> None:
+        self.bufs: dict[str, "torch.Tensor"] = {}
+
+    def get(self, role: str, shape: tuple[int, int]) -> "torch.Tensor":
+        import torch
+
+        buf = self.bufs.get(role)
+        if buf is None or buf.numel() < shape[0] * shape[1]:
+            buf = self.bufs[role] = torch.empty(shape[0] * shape[1], dtype=torch.int64)
+        return buf[: shape[0] * shape[1]].view(shape)
+
+
 def _block_rest(model: Any, p: str, h: "torch.Tensor", att: "torch.Tensor", eps: float,
-                exact: bool) -> "torch.Tensor":
-    """The layer after attention: output projection, residual, MLP, residual."""
+                exact: bool, work: _Workspace) -> "torch.Tensor":
+    """The layer after attention: output projection, residual, MLP, residual (the fused kernel
+    adds each residual into ``h`` in place)."""
     get = model.get
-    h = ix.linear(att.reshape(h.shape[0], -1), get(p + "o.w8"), get(p + "o.ws"), exact, add=h)
-    gu = ix.norm_linear(h, get(p + "post_attention_layernorm.weight"), eps, get(p + "gate_up.w8"),
-                        get(p + "gate_up.ws"), exact)
-    m = ix.silu_mul(gu, get("portable.silu"), exact)
-    return ix.linear(m, get(p + "down.w8"), get(p + "down.ws"), exact, add=h)
+
+    def pk(name: str) -> "torch.Tensor | None":
+        return None if exact else model.packed(p + name)
+
+    T, w_gu = h.shape[0], get(p + "gate_up.w8")
+    h = ix.linear(att.reshape(T, -1), get(p + "o.w8"), get(p + "o.ws"), exact, add=h, packed=pk("o.w8"), out=h)
+    gu = ix.norm_linear(h, get(p + "post_attention_layernorm.weight"), eps, w_gu, get(p + "gate_up.ws"), exact,
+                        pk("gate_up.w8"), work.get("gate_up", (T, w_gu.shape[0])))
+    m = ix.silu_mul(gu, get("portable.silu"), exact, work.get("mlp", (T, w_gu.shape[0] // 2)))
+    return ix.linear(m, get(p + "down.w8"), get(p + "down.ws"), exact, add=h, packed=pk("down.w8"), out=h)
 
 
 def canary_ids(vocab: int, tokens: int = CANARY_TOKENS) -> np.ndarray:

@@ -126,6 +126,33 @@ def test_native_wide_linear_is_the_torch_one():
         assert torch.equal(native, ix.wide_linear(x, w8, amax / ix.Q_MAX, *args, exact=True))
 
 
+@pytest.mark.parametrize("scalar", [False, True])
+@pytest.mark.parametrize(("rows", "k", "n"), [(1, 1, 1), (5, 9, 70), (33, 96, 64), (130, 576, 200), (3, 2048, 17)])
+def test_fused_wide_linear_is_the_torch_one(monkeypatch, scalar, rows, k, n):
+    """The fused kernel (VNNI where the CPU has it, and its scalar loops) against the int64
+    reference: odd shapes (row tiles of 4, channel tiles of 64, odd K), the norm folded in,
+    activations over the whole int64 range the rung uses, the residual added in place."""
+    monkeypatch.setattr(ix, "FUSED_SCALAR", scalar)
+    g = torch.Generator().manual_seed(rows * 7 + k)
+    w8, amax = ix.quantise(torch.randn(n, k, generator=g))
+    w8[0] = 127  # the int32 sums' extreme: +-127 against +-2^13 over K = 2048
+    x = (torch.randn(rows, k, generator=g) * 2.0 ** torch.randint(0, 40, (rows, 1), generator=g)).round().long()
+    x[0] = 1 << 40
+    packed = ix.wide_pack(w8)
+    if packed is None:
+        assert not scalar, "the fused kernel's scalar loops run everywhere the extension is built"
+        pytest.skip("this CPU has no AVX-512 VNNI (the fused kernel's fast path)")
+    ws = amax / ix.Q_MAX
+    norm_w, rms = torch.rand(k, generator=g).bfloat16(), torch.rand(rows, generator=g).double() + 0.5
+    add = (torch.randn(rows, n, generator=g) * 2 ** 30).round().long()
+    for args in ((None, None, None), (norm_w, rms, None), (None, None, add)):
+        want = ix.wide_linear(x, w8, ws, *args, exact=True)
+        assert torch.equal(ix.wide_linear(x, w8, ws, *args, exact=False, packed=packed), want)
+    inplace = add.clone()
+    assert ix.wide_linear(x, w8, ws, None, None, inplace, False, packed, out=inplace) is inplace
+    assert torch.equal(inplace, ix.wide_linear(x, w8, ws, None, None, add, exact=True))
+
+
 @pytest.mark.parametrize("dim", [16, 64, 128])
 def test_attention_is_softmax_attention(tables, dim):
     """Against float64 causal softmax attention with peaked scores (the integer scale, exp table and

@@ -44,6 +44,12 @@ def portable(portable_dir):
 def _paths(model, ids, monkeypatch) -> dict[str, str]:
     out = {"default": mu_digest(portable_kv(model, ids)),
            "int64 reference": mu_digest(portable_kv(model, ids, exact=True))}
+    monkeypatch.setattr(integer, "FUSED_SCALAR", True)
+    out["fused linear, scalar loops"] = mu_digest(portable_kv(model, ids))
+    monkeypatch.setattr(integer, "FUSED_SCALAR", False)
+    monkeypatch.setattr(integer, "FUSED", False)
+    out["native stages, unfused"] = mu_digest(portable_kv(model, ids))
+    monkeypatch.setattr(integer, "FUSED", True)
     monkeypatch.setattr(integer, "NATIVE", False)
     out["torch stages"] = mu_digest(portable_kv(model, ids))
     monkeypatch.setattr(integer, "NATIVE", True)

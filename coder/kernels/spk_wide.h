@@ -1,0 +1,145 @@
+// The portable rung's linear in one pass (speckv/predictor/integer.py, wide_linear): the row
+// quantisation, the integer product and the dequantisation fused, so the int32 products never go
+// through memory. The torch code there is the reference; both give the same bits.
+//
+// Per row i of int64 fixed-point x (M, K), with the norm weights w (or none) and 1 / rms folded in:
+//
+//   xf_ik  = double(x_ik) * w_k                    one IEEE product per element (none without w)
+//   a_i    = max_k |xf_ik|                         exact in any order
+//   q_ik   = nearbyint(xf_ik * (WIDE_MAX / a_i))   14 bits: |q| <= 2^13 (0 when a_i = 0)
+//   acc_ij = sum_k w8_jk q_ik                      int32, exact: 127 * 2^13 * K < 2^31 for K <= 2048
+//   y_ij   = nearbyint((double(acc_ij) * r_i) * ws_j) (+ add_ij)     r_i = (a_i / WIDE_MAX) / rms_i
+//
+// The reference splits q = hi * 2^7 + lo into two int8 products, (w8 @ hi << 7) + w8 @ lo: the same
+// integer. Here one AVX-512 VNNI vpdpwssd takes two int16 products per lane: q as int16 pairs of
+// one row (broadcast) against 16 output channels' int8 weights widened to int16. Weights come
+// packed by wide_pack: (N / 16, K / 2, 16, 2), N padded to WIDE_COLS and K to 2 with zeros.
+// NOTE: every float step is one IEEE operation on one element (the build passes -ffp-contract=off),
+// so the VNNI path, the scalar path and torch agree bit for bit.
+#pragma once
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace spk {
+
+constexpr int WIDE_ROWS = 4;        // rows per register tile
+constexpr int WIDE_COLS = 64;       // output channels per register tile (4 x 16 lanes)
+constexpr int64_t WIDE_MAX_K = 2048;  // the int32 sums stay exact up to here
+constexpr int64_t WIDE_TASK_ROWS = 32;  // rows per task
+
+inline int64_t wide_pad(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// w8 (N, K) row-major -> packed (Np / 16, Kp / 2, 16, 2), Np = wide_pad(N, WIDE_COLS), Kp = wide_pad(K, 2).
+inline void wide_pack(const int8_t* w8, int64_t N, int64_t K, int8_t* out) {
+    const int64_t Np = wide_pad(N, WIDE_COLS), Kp = wide_pad(K, 2);
+    std::memset(out, 0, (size_t)(Np * Kp));
+    for (int64_t j = 0; j < N; ++j)
+        for (int64_t k = 0; k < K; ++k) out[((j / 16) * (Kp / 2) + k / 2) * 32 + (j % 16) * 2 + (k % 2)] = w8[j * K + k];
+}
+
+// One row quantised to int16 q (Kp entries, zero padded); returns a_i.
+inline double wide_q_row(const int64_t* x, const double* w, int64_t K, int64_t Kp, double wide_max, int16_t* q,
+                         double* xf) {
+    double amax = 0.0;
+    for (int64_t k = 0; k < K; ++k) {
+        xf[k] = w ? (double)x[k] * w[k] : (double)x[k];
+        const double a = std::fabs(xf[k]);
+        amax = a > amax ? a : amax;
+    }
+    const double inv = amax > 0 ? wide_max / amax : 0.0;
+    for (int64_t k = 0; k < K; ++k) q[k] = (int16_t)std::nearbyint(xf[k] * inv);
+    for (int64_t k = K; k < Kp; ++k) q[k] = 0;
+    return amax;
+}
+
+inline double wide_row_factor(double amax, double wide_max, const double* rms, int64_t i) {
+    const double r = amax / wide_max;
+    return rms ? r / rms[i] : r;
+}
+
+// What one call computes; rows [i0, i1) and channel tiles [c0, c1) make one task.
+struct WideJob {
+    const int64_t* x; const double* w; const double* rms; double wide_max;
+    const int8_t* packed; const int8_t* w8; const double* ws; const int64_t* add; int64_t* out;
+    int64_t M, K, N;
+};
+
+// The scalar path: the same integers and float steps, one element at a time.
+inline void wide_rows_scalar(const WideJob& J, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
+    std::vector<int16_t> q((size_t)J.K);
+    std::vector<double> xf((size_t)J.K);
+    for (int64_t i = i0; i < i1; ++i) {
+        const double r = wide_row_factor(wide_q_row(J.x + i * J.K, J.w, J.K, J.K, J.wide_max, q.data(), xf.data()),
+                                         J.wide_max, J.rms, i);
+        for (int64_t j = j0; j < j1; ++j) {
+            int32_t acc = 0;
+            for (int64_t k = 0; k < J.K; ++k) acc += (int32_t)J.w8[j * J.K + k] * q[k];
+            const int64_t y = (int64_t)std::nearbyint(((double)acc * r) * J.ws[j]);
+            J.out[i * J.N + j] = J.add ? J.add[i * J.N + j] + y : y;
+        }
+    }
+}
+
+#define SPK_WIDE_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+// 8 int32 lanes -> y = nearbyint((double(acc) * r) * ws) (+ add) into out[0..n), n <= 8.
+SPK_WIDE_VNNI inline void wide_store8(__m256i acc, __m512d r, const double* ws, const int64_t* add, int64_t* out,
+                                      int n) {
+    const __mmask8 m = (__mmask8)((1u << n) - 1);
+    __m512d y = _mm512_mul_pd(_mm512_mul_pd(_mm512_cvtepi32_pd(acc), r), _mm512_maskz_loadu_pd(m, ws));
+    __m512i v = _mm512_cvtpd_epi64(_mm512_roundscale_pd(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    if (add) v = _mm512_add_epi64(v, _mm512_maskz_loadu_epi64(m, add));
+    _mm512_mask_storeu_epi64(out, m, v);
+}
+
+// Rows [i0, i0 + WIDE_ROWS) of q (those below i_end are written) (Kp int16 each) against channel tile t: the 4 x 64 accumulators,
+// then the epilogue for the rows below M and the channels below N.
+SPK_WIDE_VNNI inline void wide_tile(const WideJob& J, const int16_t* q, int64_t Kp, const double* r, int64_t i0,
+                                    int64_t i_end, int64_t t) {
+    __m512i acc[WIDE_ROWS][4];
+    for (auto& row : acc) for (auto& a : row) a = _mm512_setzero_si512();
+    const int64_t pairs = Kp / 2;
+    const int8_t* wt = J.packed + t * 4 * pairs * 32;
+    for (int64_t p = 0; p < pairs; ++p) {
+        __m512i w[4];
+        for (int c = 0; c < 4; ++c)
+            w[c] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(wt + (c * pairs + p) * 32)));
+        for (int rr = 0; rr < WIDE_ROWS; ++rr) {
+            int32_t pair;
+            std::memcpy(&pair, q + rr * Kp + 2 * p, 4);
+            const __m512i a = _mm512_set1_epi32(pair);
+            for (int c = 0; c < 4; ++c) acc[rr][c] = _mm512_dpwssd_epi32(acc[rr][c], a, w[c]);
+        }
+    }
+    for (int rr = 0; rr < WIDE_ROWS && i0 + rr < i_end; ++rr) {
+        const int64_t i = i0 + rr;
+        const __m512d rv = _mm512_set1_pd(r[rr]);
+        for (int c = 0; c < 4; ++c)
+            for (int h = 0; h < 2; ++h) {
+                const int64_t j = t * WIDE_COLS + c * 16 + h * 8;
+                if (j >= J.N) break;
+                const __m256i a8 = h ? _mm512_extracti64x4_epi64(acc[rr][c], 1) : _mm512_castsi512_si256(acc[rr][c]);
+                wide_store8(a8, rv, J.ws + j, J.add ? J.add + i * J.N + j : nullptr, J.out + i * J.N + j,
+                            (int)std::min<int64_t>(8, J.N - j));
+            }
+    }
+}
+
+// A task: rows [i0, i1) quantised once, then channel tiles [t0, t1) of them.
+SPK_WIDE_VNNI inline void wide_rows_vnni(const WideJob& J, int64_t i0, int64_t i1, int64_t t0, int64_t t1) {
+    const int64_t Kp = wide_pad(J.K, 2), rows = wide_pad(i1 - i0, WIDE_ROWS);
+    std::vector<int16_t> q((size_t)(rows * Kp), 0);
+    std::vector<double> xf((size_t)J.K), r((size_t)rows, 0.0);
+    for (int64_t i = i0; i < i1; ++i)
+        r[i - i0] = wide_row_factor(wide_q_row(J.x + i * J.K, J.w, J.K, Kp, J.wide_max, q.data() + (i - i0) * Kp,
+                                               xf.data()), J.wide_max, J.rms, i);
+    for (int64_t t = t0; t < t1; ++t)
+        for (int64_t b = 0; b < rows; b += WIDE_ROWS) wide_tile(J, q.data() + b * Kp, Kp, r.data() + b, i0 + b, i1, t);
+}
+
+}  // namespace spk
