@@ -4,6 +4,7 @@
 #pragma once
 #include "spk_portable.h"
 #include "spk_py.h"
+#include "spk_iattn.h"
 #include "spk_wide.h"
 
 namespace {
@@ -140,15 +141,16 @@ PyObject* py_wide_pack(PyObject*, PyObject* args) {
     Py_RETURN_NONE;
 }
 
-// wide_linear(x int64 (M, K), w float64 (K) or None, rms float64 (M) or None, wide_max, packed int8 (wide_pack),
-//             w8 int8 (N, K), ws float64 (N), add int64 (M, N) or None, out int64 (M, N), threads[, scalar])
+// wide_linear(x int64 (M, K), w float64 (K) or None, rms float64 (M) or None, eps, frac, wide_max, packed int8
+//             (wide_pack), w8 int8 (N, K), ws float64 (N), add int64 (M, N) or None, out int64 (M, N), threads[, scalar]):
+//   rms None and eps >= 0: each row's rms computed here (integer.rms_inv_factor with x's frac bits)
 //   -> whether the VNNI path ran (spk_wide.h; integer.wide_linear is the reference)
 PyObject* py_wide_linear(PyObject*, PyObject* args) {
     PyObject *x_o, *w_o, *rms_o, *p_o, *w8_o, *ws_o, *add_o, *out_o;
-    double wide_max;
-    int threads, scalar = 0;
-    if (!PyArg_ParseTuple(args, "OOOdOOOOOi|p", &x_o, &w_o, &rms_o, &wide_max, &p_o, &w8_o, &ws_o, &add_o, &out_o,
-                          &threads, &scalar))
+    double eps, wide_max;
+    int frac, threads, scalar = 0;
+    if (!PyArg_ParseTuple(args, "OOOdidOOOOOi|p", &x_o, &w_o, &rms_o, &eps, &frac, &wide_max, &p_o, &w8_o, &ws_o,
+                          &add_o, &out_o, &threads, &scalar))
         return nullptr;
     Buf x, w, rms, packed, w8, ws, add, out;
     if (!get_buf(ws_o, ws, -1, "ws") || !get_buf(x_o, x, -1, "x")) return nullptr;
@@ -164,7 +166,7 @@ PyObject* py_wide_linear(PyObject*, PyObject* args) {
         (add_o != Py_None && !get_buf(add_o, add, 8 * M * N, "add")))
         return nullptr;
     const spk::WideJob J{x.as<int64_t>(), w_o != Py_None ? w.as<double>() : nullptr,
-                         rms_o != Py_None ? rms.as<double>() : nullptr, wide_max, packed.as<int8_t>(),
+                         rms_o != Py_None ? rms.as<double>() : nullptr, eps, frac, wide_max, packed.as<int8_t>(),
                          w8.as<int8_t>(), ws.as<double>(), add_o != Py_None ? add.as<int64_t>() : nullptr,
                          out.as<int64_t>(), M, K, N};
     const bool vnni = wide_vnni() && !scalar;
@@ -179,6 +181,43 @@ PyObject* py_wide_linear(PyObject*, PyObject* args) {
         const int64_t t0 = tiles * g / groups, t1 = tiles * (g + 1) / groups;
         if (vnni) spk::wide_rows_vnni(J, i0, i1, t0, t1);
         else spk::wide_rows_scalar(J, i0, i1, t0 * spk::WIDE_COLS, std::min(N, t1 * spk::WIDE_COLS));
+    });
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(vnni);
+}
+
+// int_attention(q int64 (T, H, D), k int64 (T, Hk, D), v int64 (T, Hk, D), table int32 (ending with 0),
+//               out int64 (T, H, D), threads[, scalar]) -> whether the VNNI path ran (spk_iattn.h;
+//               int_attention.attention is the reference)
+PyObject* py_int_attention(PyObject*, PyObject* args) {
+    PyObject *q_o, *k_o, *v_o, *tab_o, *out_o;
+    long long T, H, Hk, D;
+    int threads, scalar = 0;
+    if (!PyArg_ParseTuple(args, "OOOOOLLLLi|p", &q_o, &k_o, &v_o, &tab_o, &out_o, &T, &H, &Hk, &D, &threads, &scalar))
+        return nullptr;
+    if (T <= 0 || D <= 0 || Hk <= 0 || H % Hk != 0)
+        return PyErr_Format(PyExc_ValueError, "int_attention: heads must be a positive multiple of kv heads, T and D > 0");
+    Buf q, k, v, tab, out;
+    if (!get_buf(q_o, q, 8 * T * H * D, "q") || !get_buf(k_o, k, 8 * T * Hk * D, "k") ||
+        !get_buf(v_o, v, 8 * T * Hk * D, "v") || !get_buf(tab_o, tab, -1, "table") ||
+        !get_buf(out_o, out, 8 * T * H * D, "out", true))
+        return nullptr;
+    const int32_t len = (int32_t)tab.count(4);
+    if (len < 1 || tab.as<int32_t>()[len - 1] != 0) return PyErr_Format(PyExc_ValueError, "the exp table must end with 0");
+    const bool vnni = wide_vnni() && !scalar && D % 16 == 0 && D <= spk::IATT_MAX_D;
+    const int64_t G = H / Hk, tiles = (T + spk::IATT_ROWS - 1) / spk::IATT_ROWS;
+    std::vector<spk::IattHead> heads((size_t)Hk);
+    Py_BEGIN_ALLOW_THREADS
+    parallel_for(Hk, threads, [&](int64_t g) {
+        spk::iatt_prepare(k.as<int64_t>() + g * D, v.as<int64_t>() + g * D, T, Hk * D, D, vnni, heads[g]);
+    });
+    // NOTE: the last rows see the most keys: hand them out first
+    parallel_for(tiles * H, threads, [&](int64_t task) {
+        const int64_t h = task % H, i0 = (tiles - 1 - task / H) * spk::IATT_ROWS, i1 = std::min<int64_t>(T, i0 + spk::IATT_ROWS);
+        const int64_t* qh = q.as<int64_t>() + h * D;
+        int64_t* oh = out.as<int64_t>() + h * D;
+        if (vnni) spk::iatt_rows_vnni(heads[h / G], qh, H * D, D, tab.as<int32_t>(), len, i0, i1, oh, H * D);
+        else spk::iatt_rows_scalar(heads[h / G], qh, H * D, D, tab.as<int32_t>(), len, i0, i1, oh, H * D);
     });
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(vnni);

@@ -2,7 +2,8 @@
 // quantisation, the integer product and the dequantisation fused, so the int32 products never go
 // through memory. The torch code there is the reference; both give the same bits.
 //
-// Per row i of int64 fixed-point x (M, K), with the norm weights w (or none) and 1 / rms folded in:
+// Per row i of int64 fixed-point x (M, K), with the norm weights w (or none) and 1 / rms folded in
+// (rms given, or computed here from an exact integer sum of squares: wide_rms):
 //
 //   xf_ik  = double(x_ik) * w_k                    one IEEE product per element (none without w)
 //   a_i    = max_k |xf_ik|                         exact in any order
@@ -57,25 +58,47 @@ inline double wide_q_row(const int64_t* x, const double* w, int64_t K, int64_t K
     return amax;
 }
 
-inline double wide_row_factor(double amax, double wide_max, const double* rms, int64_t i) {
-    const double r = amax / wide_max;
-    return rms ? r / rms[i] : r;
+// integer.rms_inv_factor of one row: sqrt(mean + eps) from an exact integer sum of squares of
+// x >> shift, the shift keeping the sum inside int64; every float step one IEEE operation.
+inline double wide_rms(const int64_t* x, int64_t K, int frac, double eps) {
+    int bits_n = 0;
+    for (int64_t m = std::max<int64_t>(K - 1, 1); m; m >>= 1) ++bits_n;
+    const int ss_bits = (62 - bits_n) / 2;
+    int64_t amax = 0;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, x[k] < 0 ? -x[k] : x[k]);
+    int e = 0;
+    std::frexp((double)amax, &e);
+    const int shift = std::max(e - ss_bits, 0);
+    int64_t ss = 0;
+    for (int64_t k = 0; k < K; ++k) {
+        const int64_t xs = x[k] >> shift;  // NOTE: arithmetic shift (floor), as torch's >> on int64
+        ss += xs * xs;
+    }
+    const double up = std::ldexp(1.0, 2 * shift);  // exact
+    const double mean = ((double)ss * up) / (double)(K << (2 * frac));
+    return std::sqrt(mean + eps);
 }
 
-// What one call computes; rows [i0, i1) and channel tiles [c0, c1) make one task.
+// What one call computes; rows [i0, i1) and channel tiles [c0, c1) make one task. rms: given per
+// row, or (null, eps >= 0) computed here by wide_rms, or (null, eps < 0) none.
 struct WideJob {
-    const int64_t* x; const double* w; const double* rms; double wide_max;
+    const int64_t* x; const double* w; const double* rms; double eps; int frac; double wide_max;
     const int8_t* packed; const int8_t* w8; const double* ws; const int64_t* add; int64_t* out;
     int64_t M, K, N;
 };
+
+inline double wide_row_factor(const WideJob& J, double amax, int64_t i) {
+    const double r = amax / J.wide_max;
+    if (J.rms) return r / J.rms[i];
+    return J.eps >= 0 ? r / wide_rms(J.x + i * J.K, J.K, J.frac, J.eps) : r;
+}
 
 // The scalar path: the same integers and float steps, one element at a time.
 inline void wide_rows_scalar(const WideJob& J, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
     std::vector<int16_t> q((size_t)J.K);
     std::vector<double> xf((size_t)J.K);
     for (int64_t i = i0; i < i1; ++i) {
-        const double r = wide_row_factor(wide_q_row(J.x + i * J.K, J.w, J.K, J.K, J.wide_max, q.data(), xf.data()),
-                                         J.wide_max, J.rms, i);
+        const double r = wide_row_factor(J, wide_q_row(J.x + i * J.K, J.w, J.K, J.K, J.wide_max, q.data(), xf.data()), i);
         for (int64_t j = j0; j < j1; ++j) {
             int32_t acc = 0;
             for (int64_t k = 0; k < J.K; ++k) acc += (int32_t)J.w8[j * J.K + k] * q[k];
@@ -136,8 +159,8 @@ SPK_WIDE_VNNI inline void wide_rows_vnni(const WideJob& J, int64_t i0, int64_t i
     std::vector<int16_t> q((size_t)(rows * Kp), 0);
     std::vector<double> xf((size_t)J.K), r((size_t)rows, 0.0);
     for (int64_t i = i0; i < i1; ++i)
-        r[i - i0] = wide_row_factor(wide_q_row(J.x + i * J.K, J.w, J.K, Kp, J.wide_max, q.data() + (i - i0) * Kp,
-                                               xf.data()), J.wide_max, J.rms, i);
+        r[i - i0] = wide_row_factor(J, wide_q_row(J.x + i * J.K, J.w, J.K, Kp, J.wide_max, q.data() + (i - i0) * Kp,
+                                                  xf.data()), i);
     for (int64_t t = t0; t < t1; ++t)
         for (int64_t b = 0; b < rows; b += WIDE_ROWS) wide_tile(J, q.data() + b * Kp, Kp, r.data() + b, i0 + b, i1, t);
 }

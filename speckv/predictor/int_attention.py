@@ -13,9 +13,10 @@ Per kv head (its query heads share it, GQA)::
 Every second operand stays within +-64 (``integer.B_MAX``): k8 for the scores, the
 numerators' halves for (P @ V)^T = V^T @ P^T.
 
-Memory is (block rows, tokens) per step, so long prompts fit; the exp stage runs
-in the native extension when it is built (``_native.int_softmax``, the same
-integers) and in torch otherwise.
+Memory is (block rows, tokens) per step, so long prompts fit. Where the extension
+is built and the CPU has AVX-512 VNNI the whole attention is one native call
+(``_native.int_attention``); else the exp stage alone runs natively
+(``_native.int_softmax``); the same integers either way.
 """
 
 from __future__ import annotations
@@ -77,6 +78,16 @@ def _native_exp() -> Any:
     return getattr(_native, "int_softmax", None)
 
 
+def _native_fused() -> Any:
+    """The whole attention in one native call (``_native.int_attention``, coder/kernels/spk_iattn.h:
+    VNNI scores and P @ V, the same integers), where built and the CPU has AVX-512 VNNI (else
+    its scalar loops would be slower than the tiled torch products below)."""
+    nat = integer.native_with("int_attention")
+    if nat is None or not (nat.wide_vnni() or integer.FUSED_SCALAR):
+        return None
+    return nat.int_attention
+
+
 def _exp_stage(S: "torch.Tensor", pos: "torch.Tensor", mf: "torch.Tensor", table: "torch.Tensor",
                native: bool, buf: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
     """(int8 (2 rows, keys): the hi rows then the lo rows, int64 row sums); the native stage
@@ -104,6 +115,12 @@ def attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", table: "t
     T, H, D = q.shape
     if T > MAX_TOKENS:
         raise IntegerRangeError(f"{T} tokens: the integer attention's int32 sums hold {MAX_TOKENS}")
+    fused = None if exact or q.device.type != "cpu" or not (integer.NATIVE and integer.FUSED) else _native_fused()
+    if fused is not None:
+        out = torch.empty_like(q)
+        fused(q.contiguous().numpy(), k.contiguous().numpy(), v.contiguous().numpy(), table.contiguous().numpy(),
+              out.numpy(), T, H, k.shape[1], D, integer.FUSED_THREADS, integer.FUSED_SCALAR)
+        return out
     G = H // k.shape[1]
     out = torch.empty_like(q)
     cpu = not exact and q.device.type == "cpu"

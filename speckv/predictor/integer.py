@@ -159,13 +159,14 @@ def wide_pack(w8: "torch.Tensor") -> "torch.Tensor | None":
 
 
 def wide_linear(x: "torch.Tensor", w8: "torch.Tensor", ws: "torch.Tensor", norm_w: "torch.Tensor | None",
-                rms: "torch.Tensor | None", add: "torch.Tensor | None", exact: bool,
+                rms: "torch.Tensor | float | None", add: "torch.Tensor | None", exact: bool,
                 packed: "torch.Tensor | None" = None, out: "torch.Tensor | None" = None) -> "torch.Tensor":
     """``linear`` with the norm weights and 1 / rms folded in. ``packed`` (``wide_pack`` of ``w8``):
     the fused native kernel (``_native.wide_linear``: quantisation, one int16 x int8 product per
     pair of terms with exact int32 sums, dequantisation; 3.8x this path's two int8 products on
     this CPU); else the native stages where built (``wide_quantise`` / ``wide_dequant``); all give
-    the same bits as the torch reference (``exact``). ``out``: the fused kernel's (rows, out)
+    the same bits as the torch reference (``exact``). ``rms``: per row, or (fused kernel only) the
+    norm's eps, each row's ``rms_inv_factor`` then computed natively. ``out``: the fused kernel's (rows, out)
     int64 destination, reused by the caller (fresh large buffers page-fault on every call); it
     may be ``add`` itself (each element is read, then written, by one thread)."""
     import torch
@@ -184,7 +185,9 @@ def wide_linear(x: "torch.Tensor", w8: "torch.Tensor", ws: "torch.Tensor", norm_
     if packed is not None:
         if out is None:
             out = torch.empty((M, w8.shape[0]), dtype=torch.int64)
-        nat.wide_linear(x.numpy(), w, None if rms is None else rms.double().contiguous().numpy(), WIDE_MAX,
+        rms_arr = rms.double().contiguous().numpy() if isinstance(rms, torch.Tensor) else None
+        eps = float(rms) if isinstance(rms, float) else -1.0  # a float: the row's rms computed natively
+        nat.wide_linear(x.numpy(), w, rms_arr, eps, FRAC, WIDE_MAX,
                         packed.numpy(), w8.contiguous().numpy(), ws.contiguous().numpy(),
                         None if add is None else add.contiguous().numpy(), out.numpy(), FUSED_THREADS, FUSED_SCALAR)
         return out
@@ -233,8 +236,10 @@ def rms_inv_factor(x: "torch.Tensor", eps: float) -> "torch.Tensor":
 def norm_linear(x: "torch.Tensor", norm_w: "torch.Tensor", eps: float, w8: "torch.Tensor",
                 ws: "torch.Tensor", exact: bool = False, packed: "torch.Tensor | None" = None,
                 out: "torch.Tensor | None" = None) -> "torch.Tensor":
-    """``linear(rmsnorm(x) * norm_w)``: the norm folds into the row quantisation."""
-    return wide_linear(x, w8, ws, norm_w, rms_inv_factor(x, eps), None, exact, packed, out)
+    """``linear(rmsnorm(x) * norm_w)``: the norm folds into the row quantisation (the fused kernel
+    computes ``rms_inv_factor`` itself, from ``eps``)."""
+    rms = eps if packed is not None and not exact else rms_inv_factor(x, eps)
+    return wide_linear(x, w8, ws, norm_w, rms, None, exact, packed, out)
 
 
 def round_shift(x: "torch.Tensor", bits: int) -> "torch.Tensor":

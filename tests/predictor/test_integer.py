@@ -130,7 +130,8 @@ def test_native_wide_linear_is_the_torch_one():
 @pytest.mark.parametrize(("rows", "k", "n"), [(1, 1, 1), (5, 9, 70), (33, 96, 64), (130, 576, 200), (3, 2048, 17)])
 def test_fused_wide_linear_is_the_torch_one(monkeypatch, scalar, rows, k, n):
     """The fused kernel (VNNI where the CPU has it, and its scalar loops) against the int64
-    reference: odd shapes (row tiles of 4, channel tiles of 64, odd K), the norm folded in,
+    reference: odd shapes (row tiles of 4, channel tiles of 64, odd K), the norm folded in (its
+    rms given, and computed in the kernel),
     activations over the whole int64 range the rung uses, the residual added in place."""
     monkeypatch.setattr(ix, "FUSED_SCALAR", scalar)
     g = torch.Generator().manual_seed(rows * 7 + k)
@@ -148,6 +149,11 @@ def test_fused_wide_linear_is_the_torch_one(monkeypatch, scalar, rows, k, n):
     for args in ((None, None, None), (norm_w, rms, None), (None, None, add)):
         want = ix.wide_linear(x, w8, ws, *args, exact=True)
         assert torch.equal(ix.wide_linear(x, w8, ws, *args, exact=False, packed=packed), want)
+    # the norm's rms computed in the kernel: rows over the whole magnitude range, a zero row
+    xr = x.clone()
+    xr[-1] = 0
+    want = ix.norm_linear(xr, norm_w, 1e-5, w8, ws, exact=True)
+    assert torch.equal(ix.norm_linear(xr, norm_w, 1e-5, w8, ws, False, packed), want)
     inplace = add.clone()
     assert ix.wide_linear(x, w8, ws, None, None, inplace, False, packed, out=inplace) is inplace
     assert torch.equal(inplace, ix.wide_linear(x, w8, ws, None, None, add, exact=True))
