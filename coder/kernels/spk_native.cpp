@@ -298,6 +298,7 @@ PyMethodDef methods[] = {
     {"w8a8_quantise", py_w8a8_quantise, METH_VARARGS, "the W8A8 predictor's row quantisation (w8a8.py)"},
     {"w8a8_dequant", py_w8a8_dequant, METH_VARARGS, "the W8A8 predictor's dequantisation (w8a8.py)"},
     {"int_attention", py_int_attention, METH_VARARGS, "the portable rung's integer attention (int_attention.py)"},
+    {"split_qkv", py_split_qkv, METH_VARARGS, "the portable rung's rope, q/k/v split and BF16 mu (integer.split_qkv)"},
     {"wide_vnni", py_wide_vnni, METH_NOARGS, "whether wide_linear's AVX-512 VNNI path runs on this CPU"},
     {"wide_pack", py_wide_pack, METH_VARARGS, "the portable rung's weight layout for wide_linear"},
     {"wide_linear", py_wide_linear, METH_VARARGS, "the portable rung's fused linear (integer.wide_linear)"},

@@ -196,4 +196,54 @@ inline void silu_mul_row(const int64_t* g, const int64_t* u, int64_t n, const in
     silu_mul_body(g, u, n, table, len, frac, step_bits, range, out);
 }
 
+// ---------------------------------------------------------------- q, k, v of a layer (integer.split_qkv)
+
+// round(x / 2^bits), halves up, in int64 with torch's wrapping products (integer.round_shift)
+SPK_INLINE int64_t round_shift64(uint64_t x, int bits) { return (int64_t)(x + (uint64_t(1) << (bits - 1))) >> bits; }
+
+// Rotary embedding of one head's row x (D) at one position (integer.rope): int tables c, s (D / 2).
+inline void rope_row(const int64_t* x, const int32_t* c, const int32_t* s, int64_t D, int frac, int64_t* out) {
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < half; ++i) {
+        const uint64_t x1 = (uint64_t)x[i], x2 = (uint64_t)x[half + i], ci = (uint64_t)(int64_t)c[i],
+                       si = (uint64_t)(int64_t)s[i];
+        out[i] = round_shift64(x1 * ci - x2 * si, frac);
+        out[half + i] = round_shift64(x2 * ci + x1 * si, frac);
+    }
+}
+
+// BF16 bits of int64 fixed-point x with unit = 2^-frac (frac fractional bits), rounded once to nearest even in
+// integers (integer.to_bf16): 8 significant bits kept, so the float conversions are exact.
+inline uint16_t to_bf16_bits(int64_t x, double unit) {
+    const uint64_t a = x < 0 ? (uint64_t)0 - (uint64_t)x : (uint64_t)x;
+    int e = 0;  // frexp's exponent of double(a): a's bit length while a converts exactly
+    if (a < (uint64_t(1) << 53)) e = a ? 64 - __builtin_clzll(a) : 0;
+    else std::frexp((double)(int64_t)a, &e);
+    const int shift = std::max(e - 8, 0);
+    const uint64_t q = a >> shift, rem = a - (q << shift), half = shift > 0 ? uint64_t(1) << (shift - 1) : 0;
+    const bool up = rem > half || (rem == half && shift > 0 && (q & 1));
+    const int64_t r = (int64_t)((q + (up ? 1 : 0)) << shift);
+    const float f = (float)((double)(x < 0 ? -r : r) * unit);  // unit = 2^-frac: a product, as torch's
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    return (uint16_t)(bits >> 16);
+}
+
+// One token t of a layer's fused projection row (H query heads, then Hk keys, then Hk values, D each):
+// q and k roped into q (H, D) and k (Hk, D), v copied into v (Hk, D), and k, v as BF16 into mu
+// (2, Hk, T, D) at token t.
+inline void split_qkv_row(const int64_t* row, const int32_t* c, const int32_t* s, int64_t H, int64_t Hk, int64_t D,
+                          int64_t T, int64_t t, int rope_frac, int frac, int64_t* q, int64_t* k, int64_t* v,
+                          uint16_t* mu) {
+    for (int64_t h = 0; h < H; ++h) rope_row(row + h * D, c, s, D, rope_frac, q + h * D);
+    for (int64_t g = 0; g < Hk; ++g) {
+        rope_row(row + (H + g) * D, c, s, D, rope_frac, k + g * D);
+        std::memcpy(v + g * D, row + (H + Hk + g) * D, sizeof(int64_t) * D);
+        uint16_t* mk = mu + (g * T + t) * D;
+        uint16_t* mv = mu + ((Hk + g) * T + t) * D;
+        const double unit = std::ldexp(1.0, -frac);
+        for (int64_t d = 0; d < D; ++d) mk[d] = to_bf16_bits(k[g * D + d], unit), mv[d] = to_bf16_bits(v[g * D + d], unit);
+    }
+}
+
 }  // namespace spk

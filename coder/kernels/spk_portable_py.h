@@ -223,4 +223,35 @@ PyObject* py_int_attention(PyObject*, PyObject* args) {
     return PyBool_FromLong(vnni);
 }
 
+// split_qkv(qkv int64 (T, (H + 2 Hk) D), cos int32, sin int32 (>= T, D / 2), H, Hk, D, rope_frac, frac,
+//           q int64 (T, H, D) or None when H = 0, k int64 (T, Hk, D), v int64 (T, Hk, D), mu BF16 bits
+//           (2, Hk, T, D), threads): integer.split_qkv
+PyObject* py_split_qkv(PyObject*, PyObject* args) {
+    PyObject *x_o, *c_o, *s_o, *q_o, *k_o, *v_o, *mu_o;
+    long long H, Hk, D;
+    int rope_frac, frac, threads;
+    if (!PyArg_ParseTuple(args, "OOOLLLiiOOOOi", &x_o, &c_o, &s_o, &H, &Hk, &D, &rope_frac, &frac, &q_o, &k_o, &v_o,
+                          &mu_o, &threads))
+        return nullptr;
+    if (H < 0 || Hk <= 0 || D <= 0 || D % 2 || (H == 0) != (q_o == Py_None))
+        return PyErr_Format(PyExc_ValueError, "split_qkv: Hk, D > 0, D even, q given exactly when H > 0");
+    Buf x, c, sn, q, k, v, mu;
+    if (!get_buf(x_o, x, -1, "qkv")) return nullptr;
+    const int64_t W = (H + 2 * Hk) * D, T = x.count(8) / W;
+    if (x.count(8) != T * W || !get_buf(c_o, c, -1, "cos") || !get_buf(s_o, sn, c.v.len, "sin") ||
+        c.count(4) < T * (D / 2) || !get_buf(k_o, k, 8 * T * Hk * D, "k", true) ||
+        !get_buf(v_o, v, 8 * T * Hk * D, "v", true) || !get_buf(mu_o, mu, 2 * 2 * Hk * T * D, "mu", true) ||
+        (H > 0 && !get_buf(q_o, q, 8 * T * H * D, "q", true)))
+        return PyErr_Occurred() ? nullptr : PyErr_Format(PyExc_ValueError, "split_qkv: qkv or tables do not fit");
+    Py_BEGIN_ALLOW_THREADS
+    parallel_for((T + 63) / 64, threads, [&](int64_t b) {
+        for (int64_t t = b * 64; t < std::min<int64_t>(T, b * 64 + 64); ++t)
+            spk::split_qkv_row(x.as<int64_t>() + t * W, c.as<int32_t>() + t * (D / 2), sn.as<int32_t>() + t * (D / 2),
+                               H, Hk, D, T, t, rope_frac, frac, H > 0 ? q.as<int64_t>() + t * H * D : nullptr,
+                               k.as<int64_t>() + t * Hk * D, v.as<int64_t>() + t * Hk * D, mu.as<uint16_t>());
+    });
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 }  // namespace

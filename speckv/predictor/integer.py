@@ -257,6 +257,29 @@ def rope(x: "torch.Tensor", cos: "torch.Tensor", sin: "torch.Tensor") -> "torch.
     return torch.cat([round_shift(x1 * c - x2 * s, ROPE_FRAC), round_shift(x2 * c + x1 * s, ROPE_FRAC)], dim=-1)
 
 
+def split_qkv(qkv: "torch.Tensor", cos: "torch.Tensor", sin: "torch.Tensor", heads: int, kv_heads: int, dim: int,
+              exact: bool = False) -> tuple["torch.Tensor | None", "torch.Tensor", "torch.Tensor", "torch.Tensor"]:
+    """A layer's fused projection rows (tokens, (heads + 2 kv_heads) dim) -> (q roped (tokens, heads, dim)
+    or None when ``heads`` is 0, k roped, v (tokens, kv_heads, dim), mu BF16 (2, kv_heads, tokens, dim));
+    one native call where built (``_native.split_qkv``), the same integers as ``rope`` and ``to_bf16``."""
+    import torch
+
+    T, H, Hk, D = qkv.shape[0], heads, kv_heads, dim
+    nat = native_with("split_qkv") if NATIVE and FUSED else None
+    if exact or nat is None or qkv.device.type != "cpu":
+        q = rope(qkv[:, : H * D].reshape(T, H, D), cos, sin) if H else None
+        k = rope(qkv[:, H * D:(H + Hk) * D].reshape(T, Hk, D), cos, sin)
+        v = qkv[:, (H + Hk) * D:].reshape(T, Hk, D)
+        return q, k, v, torch.stack([to_bf16(k).transpose(0, 1), to_bf16(v).transpose(0, 1)]).contiguous()
+    q = torch.empty((T, H, D), dtype=torch.int64) if H else None
+    k, v = torch.empty((T, Hk, D), dtype=torch.int64), torch.empty((T, Hk, D), dtype=torch.int64)
+    mu = torch.empty((2, Hk, T, D), dtype=torch.bfloat16)
+    nat.split_qkv(qkv.contiguous().numpy(), cos.contiguous().numpy(), sin.contiguous().numpy(), H, Hk, D, ROPE_FRAC,
+                  FRAC, None if q is None else q.numpy(), k.numpy(), v.numpy(), mu.view(torch.int16).numpy(),
+                  FUSED_THREADS)
+    return q, k, v, mu
+
+
 def silu(x: "torch.Tensor", table: "torch.Tensor") -> "torch.Tensor":
     """SiLU of int64 fixed-point ``x`` from the table; x itself above the range, 0 below."""
     import torch
@@ -280,7 +303,7 @@ def silu_mul(gu: "torch.Tensor", table: "torch.Tensor", exact: bool = False,
     if out is None:
         out = torch.empty((gu.shape[0], inter), dtype=torch.int64)
     nat.silu_mul(gu.contiguous().numpy(), table.contiguous().numpy(), FRAC, SILU_STEP_BITS, SILU_RANGE, out.numpy(),
-                 NATIVE_THREADS)
+                 FUSED_THREADS if FUSED else NATIVE_THREADS)
     return out
 
 

@@ -178,3 +178,27 @@ def test_attention_is_softmax_attention(tables, dim):
     # measured 0.037-0.040 for every dim (int8 q and k on scores of spread ~9); a scale off by
     # sqrt(dim / 64), as before head_dim entered it, gave 0.16-0.36
     assert float((out - want).norm() / want.norm()) < 0.05
+
+
+@pytest.mark.parametrize("heads", [0, 4])
+def test_native_split_qkv_is_the_torch_one(tables, heads):
+    """Rope, the q/k/v split and BF16 mu in one native call against ``rope`` and ``to_bf16``:
+    magnitudes from 0 to 2^60 (past 2^53, where the bit length and frexp part), BF16 ties."""
+    if ix.native_with("split_qkv") is None:
+        pytest.fail("the native extension (speckv.coder._native) is not built")
+    T, Hk, D = 37, 2, CONFIG.head_dim
+    g = torch.Generator().manual_seed(8)
+    mag = 2.0 ** torch.randint(0, 61, (T, (heads + 2 * Hk) * D), generator=g)
+    qkv = (torch.rand(mag.shape, generator=g, dtype=torch.float64) * 2 - 1).mul(mag).round().long()
+    vs = (heads + Hk) * D  # v is not roped: its BF16 rounding sees these ties as they are
+    qkv[0, vs:vs + D] = (torch.arange(D) + 256) * (1 << 9) + (1 << 8)  # 9 significant bits + a half: ties
+    qkv[1] = 0
+    cos, sin = tables["portable.rope_cos"][:T], tables["portable.rope_sin"][:T]
+    want = ix.split_qkv(qkv, cos, sin, heads, Hk, D, exact=True)
+    got = ix.split_qkv(qkv, cos, sin, heads, Hk, D)
+    for a, b in zip(got, want, strict=True):
+        if a is None or b is None:
+            assert a is None and b is None
+        else:
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                                                      b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
