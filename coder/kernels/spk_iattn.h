@@ -55,7 +55,7 @@ inline void iatt_channel_quantise(const int64_t* x, int64_t T, int64_t stride, i
         s[d] = amax[d] / qmax;
     }
     for (int64_t t = 0; t < T; ++t)
-        for (int64_t d = 0; d < D; ++d) q[t * D + d] = (int8_t)std::nearbyint((double)x[t * stride + d] * inv[d]);
+        for (int64_t d = 0; d < D; ++d) q[t * D + d] = (int8_t)round_even((double)x[t * stride + d] * inv[d]);
 }
 
 inline void iatt_prepare(const int64_t* k, const int64_t* v, int64_t T, int64_t stride, int64_t D, bool vnni,
@@ -88,7 +88,7 @@ inline float iatt_query(const int64_t* q, const IattHead& h, int64_t D, int8_t* 
         amax = std::max(amax, std::fabs(qf[d]));
     }
     const double inv = amax > 0 ? 127.0 / amax : 0.0;
-    for (int64_t d = 0; d < D; ++d) q8[d] = (int8_t)std::nearbyint(qf[d] * inv);
+    for (int64_t d = 0; d < D; ++d) q8[d] = (int8_t)round_even(qf[d] * inv);
     return (float)(((amax / 127.0) * IATT_SCORE_UNIT) / std::sqrt((double)D));
 }
 
@@ -107,7 +107,7 @@ inline int64_t iatt_numerators(const int32_t* s, int64_t m, float mf, const int3
 }
 
 inline void iatt_out(const int64_t* acc, const IattHead& h, int64_t D, int64_t sum, int64_t* o) {
-    for (int64_t d = 0; d < D; ++d) o[d] = (int64_t)std::nearbyint(((double)acc[d] * h.vs[d]) / (double)sum);
+    for (int64_t d = 0; d < D; ++d) o[d] = (int64_t)round_even(((double)acc[d] * h.vs[d]) / (double)sum);
 }
 
 // The scalar path: rows [i0, i1) of the query head at q (row stride q_stride), output rows of o_stride.
@@ -136,29 +136,52 @@ inline void iatt_rows_scalar(const IattHead& h, const int64_t* q, int64_t q_stri
 
 #define SPK_IATT_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 
-// Scores of 4 query rows (qu: q8 + 128, (4, D)) against key groups [0, groups) of 16: s rows of stride ss.
+// Scores of 4 query rows (qu: q8 + 128, (4, D)) against key groups [g0, g0 + NG) of 16 (s rows of
+// stride ss): each q broadcast feeds NG key groups. NOTE: named accumulators (see iatt_pv4_cols).
+#define SPK_IATT_SC(r, w)                                                   \
+    r##0 = _mm512_dpbusd_epi32(r##0, w, k0);                                \
+    if constexpr (NG > 1) r##1 = _mm512_dpbusd_epi32(r##1, w, k1);          \
+    if constexpr (NG > 2) r##2 = _mm512_dpbusd_epi32(r##2, w, k2);          \
+    if constexpr (NG > 3) r##3 = _mm512_dpbusd_epi32(r##3, w, k3);
+template <int NG>
+SPK_IATT_VNNI inline void iatt_scores4_g(const IattHead& h, const uint8_t* qu, int64_t D, int64_t g0, int32_t* s,
+                                         int64_t ss) {
+    const int64_t D4 = D / 4;
+    const __m512i z = _mm512_setzero_si512();
+    __m512i a0 = z, a1 = z, a2 = z, a3 = z, b0 = z, b1 = z, b2 = z, b3 = z;
+    __m512i c0 = z, c1 = z, c2 = z, c3 = z, d0 = z, d1 = z, d2 = z, d3 = z;
+    __m512i k0 = z, k1 = z, k2 = z, k3 = z;
+    const int8_t* kg = h.k4.data() + g0 * D4 * 64;
+    for (int64_t d4 = 0; d4 < D4; ++d4) {
+        k0 = _mm512_loadu_si512((const void*)(kg + d4 * 64));
+        if constexpr (NG > 1) k1 = _mm512_loadu_si512((const void*)(kg + (D4 + d4) * 64));
+        if constexpr (NG > 2) k2 = _mm512_loadu_si512((const void*)(kg + (2 * D4 + d4) * 64));
+        if constexpr (NG > 3) k3 = _mm512_loadu_si512((const void*)(kg + (3 * D4 + d4) * 64));
+        int32_t w0, w1, w2, w3;
+        std::memcpy(&w0, qu + d4 * 4, 4), std::memcpy(&w1, qu + D + d4 * 4, 4);
+        std::memcpy(&w2, qu + 2 * D + d4 * 4, 4), std::memcpy(&w3, qu + 3 * D + d4 * 4, 4);
+        const __m512i q0 = _mm512_set1_epi32(w0), q1 = _mm512_set1_epi32(w1);
+        const __m512i q2 = _mm512_set1_epi32(w2), q3 = _mm512_set1_epi32(w3);
+        SPK_IATT_SC(a, q0)
+        SPK_IATT_SC(b, q1)
+        SPK_IATT_SC(c, q2)
+        SPK_IATT_SC(d, q3)
+    }
+    const __m512i acc[4][4] = {{a0, a1, a2, a3}, {b0, b1, b2, b3}, {c0, c1, c2, c3}, {d0, d1, d2, d3}};
+    for (int g = 0; g < NG; ++g) {
+        const __m512i ksum = _mm512_loadu_si512((const void*)(h.ksum.data() + (g0 + g) * 16));
+        for (int r = 0; r < 4; ++r)
+            _mm512_storeu_si512((void*)(s + r * ss + (g0 + g) * 16), _mm512_sub_epi32(acc[r][g], ksum));
+    }
+}
+#undef SPK_IATT_SC
+
+// Scores of 4 query rows against key groups [0, groups) of 16, 4 groups per pass.
 SPK_IATT_VNNI inline void iatt_scores4(const IattHead& h, const uint8_t* qu, int64_t D, int64_t groups, int32_t* s,
                                        int64_t ss) {
-    const int64_t D4 = D / 4;
-    for (int64_t kb = 0; kb < groups; ++kb) {
-        __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-        const int8_t* kg = h.k4.data() + kb * D4 * 64;
-        for (int64_t d4 = 0; d4 < D4; ++d4) {
-            const __m512i kv = _mm512_loadu_si512((const void*)(kg + d4 * 64));
-            int32_t w0, w1, w2, w3;
-            std::memcpy(&w0, qu + d4 * 4, 4), std::memcpy(&w1, qu + D + d4 * 4, 4);
-            std::memcpy(&w2, qu + 2 * D + d4 * 4, 4), std::memcpy(&w3, qu + 3 * D + d4 * 4, 4);
-            a0 = _mm512_dpbusd_epi32(a0, _mm512_set1_epi32(w0), kv);
-            a1 = _mm512_dpbusd_epi32(a1, _mm512_set1_epi32(w1), kv);
-            a2 = _mm512_dpbusd_epi32(a2, _mm512_set1_epi32(w2), kv);
-            a3 = _mm512_dpbusd_epi32(a3, _mm512_set1_epi32(w3), kv);
-        }
-        const __m512i ksum = _mm512_loadu_si512((const void*)(h.ksum.data() + kb * 16));
-        _mm512_storeu_si512((void*)(s + kb * 16), _mm512_sub_epi32(a0, ksum));
-        _mm512_storeu_si512((void*)(s + ss + kb * 16), _mm512_sub_epi32(a1, ksum));
-        _mm512_storeu_si512((void*)(s + 2 * ss + kb * 16), _mm512_sub_epi32(a2, ksum));
-        _mm512_storeu_si512((void*)(s + 3 * ss + kb * 16), _mm512_sub_epi32(a3, ksum));
-    }
+    int64_t g = 0;
+    for (; g + 4 <= groups; g += 4) iatt_scores4_g<4>(h, qu, D, g, s, ss);
+    for (; g < groups; ++g) iatt_scores4_g<1>(h, qu, D, g, s, ss);
 }
 
 // iatt_numerators with AVX-512 (e zeroed by the caller): 16 keys per step, the same operations lane by

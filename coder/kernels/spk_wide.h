@@ -35,6 +35,16 @@ constexpr int64_t WIDE_TASK_ROWS = 32;  // rows per task
 
 inline int64_t wide_pad(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
+// nearbyint in the default rounding mode (to nearest, ties to even) without a libm call: below 2^52,
+// |x| + 2^52 lands where the spacing is 1, so the addition rounds it; the subtraction is exact.
+// NOTE: needs -fno-fast-math (no reassociation), as the build sets; the sign of a zero may differ
+// from nearbyint's, which no integer conversion sees.
+inline double round_even(double x) {
+    constexpr double BIG = 4503599627370496.0;  // 2^52
+    const double a = std::fabs(x);
+    return a >= BIG ? x : std::copysign((a + BIG) - BIG, x);
+}
+
 // w8 (N, K) row-major -> packed (Np / 16, Kp / 2, 16, 2), Np = wide_pad(N, WIDE_COLS), Kp = wide_pad(K, 2).
 inline void wide_pack(const int8_t* w8, int64_t N, int64_t K, int8_t* out) {
     const int64_t Np = wide_pad(N, WIDE_COLS), Kp = wide_pad(K, 2);
@@ -53,7 +63,7 @@ inline double wide_q_row(const int64_t* x, const double* w, int64_t K, int64_t K
         amax = a > amax ? a : amax;
     }
     const double inv = amax > 0 ? wide_max / amax : 0.0;
-    for (int64_t k = 0; k < K; ++k) q[k] = (int16_t)std::nearbyint(xf[k] * inv);
+    for (int64_t k = 0; k < K; ++k) q[k] = (int16_t)round_even(xf[k] * inv);
     for (int64_t k = K; k < Kp; ++k) q[k] = 0;
     return amax;
 }
@@ -102,7 +112,7 @@ inline void wide_rows_scalar(const WideJob& J, int64_t i0, int64_t i1, int64_t j
         for (int64_t j = j0; j < j1; ++j) {
             int32_t acc = 0;
             for (int64_t k = 0; k < J.K; ++k) acc += (int32_t)J.w8[j * J.K + k] * q[k];
-            const int64_t y = (int64_t)std::nearbyint(((double)acc * r) * J.ws[j]);
+            const int64_t y = (int64_t)round_even(((double)acc * r) * J.ws[j]);
             J.out[i * J.N + j] = J.add ? J.add[i * J.N + j] + y : y;
         }
     }
