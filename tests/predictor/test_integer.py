@@ -149,6 +149,12 @@ def test_fused_wide_linear_is_the_torch_one(monkeypatch, scalar, rows, k, n):
     for args in ((None, None, None), (norm_w, rms, None), (None, None, add)):
         want = ix.wide_linear(x, w8, ws, *args, exact=True)
         assert torch.equal(ix.wide_linear(x, w8, ws, *args, exact=False, packed=packed), want)
+    # exact halves in the quantisation: with norm weights 1/2 and a row maximum of 2^14, q = round(x / 2)
+    half_w = torch.full((k,), 0.5, dtype=torch.bfloat16)
+    xt = (torch.arange(rows * k).view(rows, k) % 301 - 150).long()
+    xt[:, 0] = 1 << 14
+    want = ix.wide_linear(xt, w8, ws, half_w, None, None, exact=True)
+    assert torch.equal(ix.wide_linear(xt, w8, ws, half_w, None, None, False, packed), want)
     # the norm's rms computed in the kernel: rows over the whole magnitude range, a zero row
     xr = x.clone()
     xr[-1] = 0
