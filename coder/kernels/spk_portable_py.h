@@ -126,6 +126,7 @@ bool wide_vnni() {
 PyObject* py_wide_vnni(PyObject*, PyObject*) { return PyBool_FromLong(wide_vnni()); }
 
 // wide_pack(w8 int8 (N, K), N, K, out int8 (wide_pad(N, 64) * wide_pad(K, 2))): wide_linear's weight layout
+// (integer.wide_unpack is its inverse)
 PyObject* py_wide_pack(PyObject*, PyObject* args) {
     PyObject *w_o, *out_o;
     long long N, K;
@@ -142,33 +143,31 @@ PyObject* py_wide_pack(PyObject*, PyObject* args) {
 }
 
 // wide_linear(x int64 (M, K), w float64 (K) or None, rms float64 (M) or None, eps, frac, wide_max, packed int8
-//             (wide_pack), w8 int8 (N, K), ws float64 (N), add int64 (M, N) or None, out int64 (M, N), threads[, scalar]):
+//             (wide_pack of the (N, K) weights), N, ws float64 (N), add int64 (M, N) or None, out int64 (M, N),
+//             threads[, scalar]) -> whether the VNNI path ran (spk_wide.h; integer.wide_linear is the reference):
 //   rms None and eps >= 0: each row's rms computed here (integer.rms_inv_factor with x's frac bits)
-//   -> whether the VNNI path ran (spk_wide.h; integer.wide_linear is the reference)
 PyObject* py_wide_linear(PyObject*, PyObject* args) {
-    PyObject *x_o, *w_o, *rms_o, *p_o, *w8_o, *ws_o, *add_o, *out_o;
+    PyObject *x_o, *w_o, *rms_o, *p_o, *ws_o, *add_o, *out_o;
     double eps, wide_max;
+    long long N;
     int frac, threads, scalar = 0;
-    if (!PyArg_ParseTuple(args, "OOOdidOOOOOi|p", &x_o, &w_o, &rms_o, &eps, &frac, &wide_max, &p_o, &w8_o, &ws_o,
-                          &add_o, &out_o, &threads, &scalar))
+    if (!PyArg_ParseTuple(args, "OOOdidOLOOOi|p", &x_o, &w_o, &rms_o, &eps, &frac, &wide_max, &p_o, &N, &ws_o, &add_o,
+                          &out_o, &threads, &scalar))
         return nullptr;
-    Buf x, w, rms, packed, w8, ws, add, out;
-    if (!get_buf(ws_o, ws, -1, "ws") || !get_buf(x_o, x, -1, "x")) return nullptr;
-    const int64_t N = ws.count(8);
-    if (!get_buf(w8_o, w8, -1, "w8")) return nullptr;
-    const int64_t K = N ? w8.count(1) / N : 0, M = K ? x.count(8) / K : 0;
-    if (N <= 0 || K <= 0 || K > spk::WIDE_MAX_K || w8.count(1) != N * K || x.count(8) != M * K)
-        return PyErr_Format(PyExc_ValueError, "wide_linear: w8 must be (N, K) with 0 < K <= %lld and x (M, K)",
+    Buf x, w, rms, packed, ws, add, out;
+    if (!get_buf(x_o, x, -1, "x") || !get_buf(out_o, out, -1, "out", true)) return nullptr;
+    const int64_t M = N > 0 ? out.count(8) / N : 0, K = M > 0 ? x.count(8) / M : 0;
+    if (N <= 0 || M <= 0 || K <= 0 || K > spk::WIDE_MAX_K || out.count(8) != M * N || x.count(8) != M * K)
+        return PyErr_Format(PyExc_ValueError, "wide_linear: out must be (M, N), x (M, K) with 0 < K <= %lld",
                             (long long)spk::WIDE_MAX_K);
     if (!get_buf(p_o, packed, spk::wide_pad(N, spk::WIDE_COLS) * spk::wide_pad(K, 2), "packed") ||
-        !get_buf(out_o, out, 8 * M * N, "out", true) || (w_o != Py_None && !get_buf(w_o, w, 8 * K, "w")) ||
+        !get_buf(ws_o, ws, 8 * N, "ws") || (w_o != Py_None && !get_buf(w_o, w, 8 * K, "w")) ||
         (rms_o != Py_None && !get_buf(rms_o, rms, 8 * M, "rms")) ||
         (add_o != Py_None && !get_buf(add_o, add, 8 * M * N, "add")))
         return nullptr;
     const spk::WideJob J{x.as<int64_t>(), w_o != Py_None ? w.as<double>() : nullptr,
                          rms_o != Py_None ? rms.as<double>() : nullptr, eps, frac, wide_max, packed.as<int8_t>(),
-                         w8.as<int8_t>(), ws.as<double>(), add_o != Py_None ? add.as<int64_t>() : nullptr,
-                         out.as<int64_t>(), M, K, N};
+                         ws.as<double>(), add_o != Py_None ? add.as<int64_t>() : nullptr, out.as<int64_t>(), M, K, N};
     const bool vnni = wide_vnni() && !scalar;
     const int64_t row_tasks = (M + spk::WIDE_TASK_ROWS - 1) / spk::WIDE_TASK_ROWS;
     const int64_t tiles = spk::wide_pad(N, spk::WIDE_COLS) / spk::WIDE_COLS;
@@ -180,7 +179,7 @@ PyObject* py_wide_linear(PyObject*, PyObject* args) {
         const int64_t i1 = std::min(M, i0 + spk::WIDE_TASK_ROWS);
         const int64_t t0 = tiles * g / groups, t1 = tiles * (g + 1) / groups;
         if (vnni) spk::wide_rows_vnni(J, i0, i1, t0, t1);
-        else spk::wide_rows_scalar(J, i0, i1, t0 * spk::WIDE_COLS, std::min(N, t1 * spk::WIDE_COLS));
+        else spk::wide_rows_scalar(J, i0, i1, t0 * spk::WIDE_COLS, std::min<int64_t>(N, t1 * spk::WIDE_COLS));
     });
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(vnni);

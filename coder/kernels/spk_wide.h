@@ -45,12 +45,15 @@ inline double round_even(double x) {
     return a >= BIG ? x : std::copysign((a + BIG) - BIG, x);
 }
 
-// w8 (N, K) row-major -> packed (Np / 16, Kp / 2, 16, 2), Np = wide_pad(N, WIDE_COLS), Kp = wide_pad(K, 2).
+// Where w8[j][k] sits in the packed layout (Np / 16, Kp / 2, 16, 2), Np = wide_pad(N, WIDE_COLS), Kp = wide_pad(K, 2).
+inline int64_t wide_at(int64_t j, int64_t k, int64_t Kp) { return ((j / 16) * (Kp / 2) + k / 2) * 32 + (j % 16) * 2 + k % 2; }
+
+// w8 (N, K) row-major -> packed; padding zero.
 inline void wide_pack(const int8_t* w8, int64_t N, int64_t K, int8_t* out) {
     const int64_t Np = wide_pad(N, WIDE_COLS), Kp = wide_pad(K, 2);
     std::memset(out, 0, (size_t)(Np * Kp));
     for (int64_t j = 0; j < N; ++j)
-        for (int64_t k = 0; k < K; ++k) out[((j / 16) * (Kp / 2) + k / 2) * 32 + (j % 16) * 2 + (k % 2)] = w8[j * K + k];
+        for (int64_t k = 0; k < K; ++k) out[wide_at(j, k, Kp)] = w8[j * K + k];
 }
 
 // One row quantised to int16 q (Kp entries, zero padded); returns a_i.
@@ -93,7 +96,7 @@ inline double wide_rms(const int64_t* x, int64_t K, int frac, double eps) {
 // row, or (null, eps >= 0) computed here by wide_rms, or (null, eps < 0) none.
 struct WideJob {
     const int64_t* x; const double* w; const double* rms; double eps; int frac; double wide_max;
-    const int8_t* packed; const int8_t* w8; const double* ws; const int64_t* add; int64_t* out;
+    const int8_t* packed; const double* ws; const int64_t* add; int64_t* out;
     int64_t M, K, N;
 };
 
@@ -105,13 +108,14 @@ inline double wide_row_factor(const WideJob& J, double amax, int64_t i) {
 
 // The scalar path: the same integers and float steps, one element at a time.
 inline void wide_rows_scalar(const WideJob& J, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
+    const int64_t Kp = wide_pad(J.K, 2);
     std::vector<int16_t> q((size_t)J.K);
     std::vector<double> xf((size_t)J.K);
     for (int64_t i = i0; i < i1; ++i) {
         const double r = wide_row_factor(J, wide_q_row(J.x + i * J.K, J.w, J.K, J.K, J.wide_max, q.data(), xf.data()), i);
         for (int64_t j = j0; j < j1; ++j) {
             int32_t acc = 0;
-            for (int64_t k = 0; k < J.K; ++k) acc += (int32_t)J.w8[j * J.K + k] * q[k];
+            for (int64_t k = 0; k < J.K; ++k) acc += (int32_t)J.packed[wide_at(j, k, Kp)] * q[k];
             const int64_t y = (int64_t)round_even(((double)acc * r) * J.ws[j]);
             J.out[i * J.N + j] = J.add ? J.add[i * J.N + j] + y : y;
         }

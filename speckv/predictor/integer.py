@@ -137,28 +137,40 @@ def dequantise(acc: "torch.Tensor", row: "torch.Tensor", ws: "torch.Tensor") -> 
     return torch.round((acc.double() * row.unsqueeze(-1)) * ws).to(torch.int64)
 
 
-def linear(x: "torch.Tensor", w8: "torch.Tensor", ws: "torch.Tensor", exact: bool = False,
+def linear(x: "torch.Tensor", w8: "torch.Tensor | None", ws: "torch.Tensor", exact: bool = False,
            add: "torch.Tensor | None" = None, packed: "torch.Tensor | None" = None,
            out: "torch.Tensor | None" = None) -> "torch.Tensor":
     """int64 fixed-point rows -> int64 fixed-point ``x @ W^T`` (+ ``add``) with W = w8 * ws (per output row)."""
     return wide_linear(x, w8, ws, None, None, add, exact, packed, out)
 
 
-def wide_pack(w8: "torch.Tensor") -> "torch.Tensor | None":
-    """``w8`` in the fused kernel's layout (``_native.wide_pack``), or None where that kernel does not
-    run (no extension, no AVX-512 VNNI, ``NATIVE`` off, K too long for its int32 sums)."""
+def fused_hardware() -> bool:
+    """Whether the fused linear's fast path runs here: the extension built, the CPU with AVX-512 VNNI."""
+    nat = native_with("wide_linear")
+    return nat is not None and bool(nat.wide_vnni())
+
+
+def wide_pack(w8: "torch.Tensor") -> "torch.Tensor":
+    """int8 ``w8`` (N, K) in the fused kernel's layout (``_native.wide_pack``): (N / 16, K / 2, 16, 2),
+    N padded to 64 and K to 2 with zeros."""
     import torch
 
-    nat = native_with("wide_linear") if NATIVE and FUSED else None
+    nat = native_with("wide_pack")
+    if nat is None:
+        raise RuntimeError("wide_pack needs the native extension (speckv.coder._native)")
     N, K = w8.shape
-    if nat is None or not (nat.wide_vnni() or FUSED_SCALAR) or w8.device.type != "cpu" or K > WIDE_FUSED_MAX_K:
-        return None
     out = torch.empty(-(-N // 64) * 64 * -(-K // 2) * 2, dtype=torch.int8)
-    nat.wide_pack(w8.contiguous().numpy(), N, K, out.numpy())
+    nat.wide_pack(w8.contiguous().cpu().numpy(), N, K, out.numpy())
     return out
 
 
-def wide_linear(x: "torch.Tensor", w8: "torch.Tensor", ws: "torch.Tensor", norm_w: "torch.Tensor | None",
+def wide_unpack(packed: "torch.Tensor", n: int, k: int) -> "torch.Tensor":
+    """The inverse of ``wide_pack``: int8 (n, k)."""
+    np_, kp = -(-n // 64) * 64, -(-k // 2) * 2
+    return packed.view(np_ // 16, kp // 2, 16, 2).permute(0, 2, 1, 3).reshape(np_, kp)[:n, :k].contiguous()
+
+
+def wide_linear(x: "torch.Tensor", w8: "torch.Tensor | None", ws: "torch.Tensor", norm_w: "torch.Tensor | None",
                 rms: "torch.Tensor | float | None", add: "torch.Tensor | None", exact: bool,
                 packed: "torch.Tensor | None" = None, out: "torch.Tensor | None" = None) -> "torch.Tensor":
     """``linear`` with the norm weights and 1 / rms folded in. ``packed`` (``wide_pack`` of ``w8``):
@@ -172,7 +184,10 @@ def wide_linear(x: "torch.Tensor", w8: "torch.Tensor", ws: "torch.Tensor", norm_
     import torch
 
     nat = _native()
+    if packed is not None and (exact or nat is None or x.device.type != "cpu"):
+        raise ValueError("packed weights are for the fused native kernel only")
     if exact or nat is None or x.device.type != "cpu":
+        assert w8 is not None
         acc, row = wide_linear_acc(x.double() * norm_w.double() if norm_w is not None else x, w8, exact)
         y = dequantise(acc, row if rms is None else row / rms, ws)
         return y if add is None else add + y
@@ -182,22 +197,24 @@ def wide_linear(x: "torch.Tensor", w8: "torch.Tensor", ws: "torch.Tensor", norm_
     M, K = x.shape
     threads = NATIVE_THREADS
     w = norm_w.double().contiguous().numpy() if norm_w is not None else None
+    N = ws.shape[0]
     if packed is not None:
         if out is None:
-            out = torch.empty((M, w8.shape[0]), dtype=torch.int64)
+            out = torch.empty((M, N), dtype=torch.int64)
         rms_arr = rms.double().contiguous().numpy() if isinstance(rms, torch.Tensor) else None
         eps = float(rms) if isinstance(rms, float) else -1.0  # a float: the row's rms computed natively
         nat.wide_linear(x.numpy(), w, rms_arr, eps, FRAC, WIDE_MAX,
-                        packed.numpy(), w8.contiguous().numpy(), ws.contiguous().numpy(),
+                        packed.numpy(), N, ws.contiguous().numpy(),
                         None if add is None else add.contiguous().numpy(), out.numpy(), FUSED_THREADS, FUSED_SCALAR)
         return out
+    assert w8 is not None
     hl = torch.empty((2 * M, K), dtype=torch.int8)
     amax = torch.empty(M, dtype=torch.float64)
     nat.wide_quantise(x.numpy(), w, WIDE_MAX, WIDE_SPLIT, hl[:M].numpy(), hl[M:].numpy(), amax.numpy(), threads)
     row = div(amax, WIDE_MAX)
     row = row if rms is None else row / rms
     prod = torch._int_mm(w8, hl.t())  # (out, 2 rows): hi rows, then lo rows
-    out = torch.empty((M, w8.shape[0]), dtype=torch.int64)
+    out = torch.empty((M, N), dtype=torch.int64)
     nat.wide_dequant(prod.numpy(), WIDE_SPLIT, row.numpy(), ws.contiguous().numpy(),
                      add.contiguous().numpy() if add is not None else None, out.numpy(), threads)
     return out
@@ -233,7 +250,7 @@ def rms_inv_factor(x: "torch.Tensor", eps: float) -> "torch.Tensor":
     return torch.sqrt(mean + eps)
 
 
-def norm_linear(x: "torch.Tensor", norm_w: "torch.Tensor", eps: float, w8: "torch.Tensor",
+def norm_linear(x: "torch.Tensor", norm_w: "torch.Tensor", eps: float, w8: "torch.Tensor | None",
                 ws: "torch.Tensor", exact: bool = False, packed: "torch.Tensor | None" = None,
                 out: "torch.Tensor | None" = None) -> "torch.Tensor":
     """``linear(rmsnorm(x) * norm_w)``: the norm folds into the row quantisation (the fused kernel

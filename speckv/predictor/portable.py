@@ -76,7 +76,9 @@ def _module_class() -> type:
     import torch
 
     class PortableKV(torch.nn.Module):
-        """The portable rung's tensors (buffers; the embedding is the one parameter)."""
+        """The portable rung's tensors (buffers; the embedding is the one parameter). Where the
+        fused kernel runs (AVX-512 VNNI), each linear's int8 weights are kept only in its packed
+        layout (``ix.wide_pack``): ``get`` unpacks them for the reference and unfused paths."""
 
         def __init__(self, config: Any, state: dict[str, "torch.Tensor"]) -> None:
             super().__init__()
@@ -85,19 +87,38 @@ def _module_class() -> type:
             self.names = sorted(n for n in state if n != EMBED)
             for j, name in enumerate(self.names):
                 self.register_buffer(f"t{j}", state[name], persistent=False)
-            self._packed: dict[tuple[str, int, bool, bool], torch.Tensor | None] = {}
+            self._packed: dict[tuple[str, int], torch.Tensor] = {}
+            self._shapes: dict[str, tuple[int, int]] = {}  # weights kept packed only
+            if ix.fused_hardware():
+                self._pack(config)
+
+        def _pack(self, config: Any) -> None:
+            import torch
+
+            H, L = config.num_attention_heads, config.num_hidden_layers
+            D = getattr(config, "head_dim", None) or config.hidden_size // H
+            for j, name in enumerate(self.names):
+                w = getattr(self, f"t{j}")
+                if not name.endswith(".w8") or w.shape[1] > ix.WIDE_FUSED_MAX_K:
+                    continue
+                if name == f"model.layers.{L - 1}.qkv.w8":  # the last layer computes only K and V
+                    self._packed[(name, H * D)] = ix.wide_pack(w[H * D:])
+                self._packed[(name, 0)] = ix.wide_pack(w)
+                self._shapes[name] = tuple(w.shape)
+                setattr(self, f"t{j}", torch.empty(0, dtype=torch.int8))  # NOTE: one copy of the weights
 
         def get(self, name: str) -> "torch.Tensor":
+            if name in self._shapes:
+                return ix.wide_unpack(self._packed[(name, 0)], *self._shapes[name]).to(self.embed.device)
             return getattr(self, f"t{self.names.index(name)}")
 
-        def packed(self, name: str, rows: int = 0) -> "torch.Tensor | None":
-            """``ix.wide_pack`` of int8 weights ``name`` from output row ``rows`` on, built at first
-            use and kept (None where the fused kernel does not run: then nothing is kept)."""
-            key = (name, rows, ix.NATIVE and ix.FUSED, ix.FUSED_SCALAR)
-            if key not in self._packed:
-                self._packed[key] = ix.wide_pack(self.get(name)[rows:])
-            return self._packed[key]
-
+        def weights(self, name: str, rows: int, exact: bool) -> tuple["torch.Tensor | None", "torch.Tensor | None"]:
+            """(int8 weights ``name`` from output row ``rows`` on, None) for the reference and unfused
+            paths, or (None, their packed layout) where the fused kernel runs."""
+            fused = not exact and ix.NATIVE and ix.FUSED and self.embed.device.type == "cpu"
+            if fused and (name, rows) in self._packed:
+                return None, self._packed[(name, rows)]
+            return self.get(name)[rows:], None
     return PortableKV
 
 
@@ -136,7 +157,7 @@ def portable_kv(model: Any, ids: np.ndarray, on_layer: LayerSink | None = None,
     get, eps = model.get, float(cfg.rms_norm_eps)
     layers = []
     with deterministic_torch():
-        if not exact and model.packed("model.layers.0.qkv.w8") is not None:
+        if model.weights("model.layers.0.qkv.w8", 0, exact)[1] is not None:
             # NOTE: the native kernels thread themselves; torch's idle OpenMP workers would spin
             # on the second core between them (measured: 2.70 s against 2.42 s at 2048 tokens)
             torch.set_num_threads(1)
@@ -148,12 +169,10 @@ def portable_kv(model: Any, ids: np.ndarray, on_layer: LayerSink | None = None,
         for i in range(L):
             p = f"model.layers.{i}."
             last = i == L - 1
-            w8, ws = get(p + "qkv.w8"), get(p + "qkv.ws")
-            if last:  # only K and V
-                w8, ws = w8[H * D:], ws[H * D:]
-            packed = None if exact else model.packed(p + "qkv.w8", H * D if last else 0)
+            rows = H * D if last else 0  # the last layer: only K and V
+            (w8, packed), ws = model.weights(p + "qkv.w8", rows, exact), get(p + "qkv.ws")[rows:]
             qkv = ix.norm_linear(h, get(p + "input_layernorm.weight"), eps, w8, ws, exact, packed,
-                                 work.get("qkv", (T, w8.shape[0])))
+                                 work.get("qkv", (T, ws.shape[0])))
             q, k, v, layer = ix.split_qkv(qkv, cos, sin, 0 if last else H, Hk, D, exact)
             layers.append(layer.cpu())  # (2, kv_heads, tokens, head_dim)
             if on_layer is not None:
@@ -184,16 +203,15 @@ def _block_rest(model: Any, p: str, h: "torch.Tensor", att: "torch.Tensor", eps:
     """The layer after attention: output projection, residual, MLP, residual (the fused kernel
     adds each residual into ``h`` in place)."""
     get = model.get
-
-    def pk(name: str) -> "torch.Tensor | None":
-        return None if exact else model.packed(p + name)
-
-    T, w_gu = h.shape[0], get(p + "gate_up.w8")
-    h = ix.linear(att.reshape(T, -1), get(p + "o.w8"), get(p + "o.ws"), exact, add=h, packed=pk("o.w8"), out=h)
-    gu = ix.norm_linear(h, get(p + "post_attention_layernorm.weight"), eps, w_gu, get(p + "gate_up.ws"), exact,
-                        pk("gate_up.w8"), work.get("gate_up", (T, w_gu.shape[0])))
-    m = ix.silu_mul(gu, get("portable.silu"), exact, work.get("mlp", (T, w_gu.shape[0] // 2)))
-    return ix.linear(m, get(p + "down.w8"), get(p + "down.ws"), exact, add=h, packed=pk("down.w8"), out=h)
+    T, ws_gu = h.shape[0], get(p + "gate_up.ws")
+    w8, packed = model.weights(p + "o.w8", 0, exact)
+    h = ix.linear(att.reshape(T, -1), w8, get(p + "o.ws"), exact, add=h, packed=packed, out=h)
+    w8, packed = model.weights(p + "gate_up.w8", 0, exact)
+    gu = ix.norm_linear(h, get(p + "post_attention_layernorm.weight"), eps, w8, ws_gu, exact, packed,
+                        work.get("gate_up", (T, ws_gu.shape[0])))
+    m = ix.silu_mul(gu, get("portable.silu"), exact, work.get("mlp", (T, ws_gu.shape[0] // 2)))
+    w8, packed = model.weights(p + "down.w8", 0, exact)
+    return ix.linear(m, w8, get(p + "down.ws"), exact, add=h, packed=packed, out=h)
 
 
 def canary_ids(vocab: int, tokens: int = CANARY_TOKENS) -> np.ndarray:
