@@ -144,22 +144,30 @@ PyObject* py_wide_pack(PyObject*, PyObject* args) {
 
 // wide_linear(x int64 (M, K), w float64 (K) or None, rms float64 (M) or None, eps, frac, wide_max, packed int8
 //             (wide_pack of the (N, K) weights), N, ws float64 (N), add int64 (M, N) or None, out int64 (M, N),
-//             threads[, scalar]) -> whether the VNNI path ran (spk_wide.h; integer.wide_linear is the reference):
-//   rms None and eps >= 0: each row's rms computed here (integer.rms_inv_factor with x's frac bits)
+//             threads[, scalar, silu int64 table or None, silu_step, silu_range]) -> whether the VNNI path ran
+//             (spk_wide.h; integer.wide_linear is the reference):
+//   rms None and eps >= 0: each row's rms computed here (integer.rms_inv_factor with x's frac bits);
+//   silu: N = 2 inter rows packed by integer.wide_interleave, out (M, inter) = integer.silu_mul of the product
 PyObject* py_wide_linear(PyObject*, PyObject* args) {
-    PyObject *x_o, *w_o, *rms_o, *p_o, *ws_o, *add_o, *out_o;
+    PyObject *x_o, *w_o, *rms_o, *p_o, *ws_o, *add_o, *out_o, *silu_o = Py_None;
     double eps, wide_max;
-    long long N;
-    int frac, threads, scalar = 0;
-    if (!PyArg_ParseTuple(args, "OOOdidOLOOOi|p", &x_o, &w_o, &rms_o, &eps, &frac, &wide_max, &p_o, &N, &ws_o, &add_o,
-                          &out_o, &threads, &scalar))
+    long long N, silu_range = 0;
+    int frac, threads, scalar = 0, silu_step = 0;
+    if (!PyArg_ParseTuple(args, "OOOdidOLOOOi|pOiL", &x_o, &w_o, &rms_o, &eps, &frac, &wide_max, &p_o, &N, &ws_o,
+                          &add_o, &out_o, &threads, &scalar, &silu_o, &silu_step, &silu_range))
         return nullptr;
-    Buf x, w, rms, packed, ws, add, out;
+    Buf x, w, rms, packed, ws, add, out, silu;
+    const bool fuse_silu = silu_o != Py_None;
+    if (fuse_silu && (N % spk::WIDE_COLS || add_o != Py_None || frac <= silu_step || silu_step < 0))
+        return PyErr_Format(PyExc_ValueError, "wide_linear: SiLU needs N a multiple of %d, no add, 0 <= step < frac",
+                            spk::WIDE_COLS);
     if (!get_buf(x_o, x, -1, "x") || !get_buf(out_o, out, -1, "out", true)) return nullptr;
-    const int64_t M = N > 0 ? out.count(8) / N : 0, K = M > 0 ? x.count(8) / M : 0;
-    if (N <= 0 || M <= 0 || K <= 0 || K > spk::WIDE_MAX_K || out.count(8) != M * N || x.count(8) != M * K)
-        return PyErr_Format(PyExc_ValueError, "wide_linear: out must be (M, N), x (M, K) with 0 < K <= %lld",
+    const int64_t n_out = fuse_silu ? N / 2 : N;
+    const int64_t M = n_out > 0 ? out.count(8) / n_out : 0, K = M > 0 ? x.count(8) / M : 0;
+    if (N <= 0 || M <= 0 || K <= 0 || K > spk::WIDE_MAX_K || out.count(8) != M * n_out || x.count(8) != M * K)
+        return PyErr_Format(PyExc_ValueError, "wide_linear: out must be (M, N or N / 2), x (M, K) with 0 < K <= %lld",
                             (long long)spk::WIDE_MAX_K);
+    if (fuse_silu && !get_buf(silu_o, silu, -1, "silu")) return nullptr;
     if (!get_buf(p_o, packed, spk::wide_pad(N, spk::WIDE_COLS) * spk::wide_pad(K, 2), "packed") ||
         !get_buf(ws_o, ws, 8 * N, "ws") || (w_o != Py_None && !get_buf(w_o, w, 8 * K, "w")) ||
         (rms_o != Py_None && !get_buf(rms_o, rms, 8 * M, "rms")) ||
@@ -167,7 +175,9 @@ PyObject* py_wide_linear(PyObject*, PyObject* args) {
         return nullptr;
     const spk::WideJob J{x.as<int64_t>(), w_o != Py_None ? w.as<double>() : nullptr,
                          rms_o != Py_None ? rms.as<double>() : nullptr, eps, frac, wide_max, packed.as<int8_t>(),
-                         ws.as<double>(), add_o != Py_None ? add.as<int64_t>() : nullptr, out.as<int64_t>(), M, K, N};
+                         ws.as<double>(), add_o != Py_None ? add.as<int64_t>() : nullptr, out.as<int64_t>(), M, K, N,
+                         fuse_silu ? silu.as<int64_t>() : nullptr, fuse_silu ? silu.count(8) : 0, silu_step,
+                         (int64_t)silu_range};
     const bool vnni = wide_vnni() && !scalar;
     const int64_t row_tasks = (M + spk::WIDE_TASK_ROWS - 1) / spk::WIDE_TASK_ROWS;
     const int64_t tiles = spk::wide_pad(N, spk::WIDE_COLS) / spk::WIDE_COLS;

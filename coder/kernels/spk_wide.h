@@ -26,6 +26,8 @@
 #include <cstring>
 #include <vector>
 
+#include "spk_portable.h"  // silu_mul_body
+
 namespace spk {
 
 constexpr int WIDE_ROWS = 4;        // rows per register tile
@@ -98,7 +100,20 @@ struct WideJob {
     const int64_t* x; const double* w; const double* rms; double eps; int frac; double wide_max;
     const int8_t* packed; const double* ws; const int64_t* add; int64_t* out;
     int64_t M, K, N;
+    // SiLU(gate) x up in the epilogue (silu non-null): the N = 2 inter rows are packed as 32 gate rows, then
+    // the 32 up rows of the same channels, per tile (wide_interleave); out is (M, inter)
+    const int64_t* silu = nullptr; int64_t silu_len = 0; int silu_step = 0; int64_t silu_range = 0;
 };
+
+// Packed row of gate channel o (up: + WIDE_COLS / 2) in the interleaved SiLU layout.
+inline int64_t wide_gate_row(int64_t o) { return (o / 32) * WIDE_COLS + o % 32; }
+
+// integer.silu_mul of one pair: round_shift(silu(g) * u, frac), silu from the table (spk_portable.h's body).
+inline int64_t wide_silu_mul(const WideJob& J, int64_t g, int64_t u) {
+    int64_t m;
+    silu_mul_body(&g, &u, 1, J.silu, J.silu_len, J.frac, J.silu_step, J.silu_range, &m);
+    return m;
+}
 
 inline double wide_row_factor(const WideJob& J, double amax, int64_t i) {
     const double r = amax / J.wide_max;
@@ -107,16 +122,27 @@ inline double wide_row_factor(const WideJob& J, double amax, int64_t i) {
 }
 
 // The scalar path: the same integers and float steps, one element at a time.
+// The scalar path: rows [i0, i1), output channels [j0, j1) (in silu mode: output columns [j0 / 2, j1 / 2)).
 inline void wide_rows_scalar(const WideJob& J, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
     const int64_t Kp = wide_pad(J.K, 2);
     std::vector<int16_t> q((size_t)J.K);
     std::vector<double> xf((size_t)J.K);
+    auto y_of = [&](int64_t row, int64_t ws_j, double r) {  // packed row -> y, weighed by ws[ws_j]
+        int32_t acc = 0;
+        for (int64_t k = 0; k < J.K; ++k) acc += (int32_t)J.packed[wide_at(row, k, Kp)] * q[k];
+        return (int64_t)round_even(((double)acc * r) * J.ws[ws_j]);
+    };
     for (int64_t i = i0; i < i1; ++i) {
         const double r = wide_row_factor(J, wide_q_row(J.x + i * J.K, J.w, J.K, J.K, J.wide_max, q.data(), xf.data()), i);
+        if (J.silu) {
+            const int64_t inter = J.N / 2;
+            for (int64_t o = j0 / 2; o < j1 / 2; ++o)
+                J.out[i * inter + o] = wide_silu_mul(J, y_of(wide_gate_row(o), o, r),
+                                                     y_of(wide_gate_row(o) + WIDE_COLS / 2, inter + o, r));
+            continue;
+        }
         for (int64_t j = j0; j < j1; ++j) {
-            int32_t acc = 0;
-            for (int64_t k = 0; k < J.K; ++k) acc += (int32_t)J.packed[wide_at(j, k, Kp)] * q[k];
-            const int64_t y = (int64_t)round_even(((double)acc * r) * J.ws[j]);
+            const int64_t y = y_of(j, j, r);
             J.out[i * J.N + j] = J.add ? J.add[i * J.N + j] + y : y;
         }
     }
@@ -124,14 +150,33 @@ inline void wide_rows_scalar(const WideJob& J, int64_t i0, int64_t i1, int64_t j
 
 #define SPK_WIDE_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 
-// 8 int32 lanes -> y = nearbyint((double(acc) * r) * ws) (+ add) into out[0..n), n <= 8.
+// 8 int32 lanes -> y = nearbyint((double(acc) * r) * ws) as int64 (lanes of m only).
+SPK_WIDE_VNNI inline __m512i wide_y8(__m256i acc, __m512d r, const double* ws, __mmask8 m) {
+    const __m512d y = _mm512_mul_pd(_mm512_mul_pd(_mm512_cvtepi32_pd(acc), r), _mm512_maskz_loadu_pd(m, ws));
+    return _mm512_cvtpd_epi64(_mm512_roundscale_pd(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// y (+ add) into out[0..n), n <= 8.
 SPK_WIDE_VNNI inline void wide_store8(__m256i acc, __m512d r, const double* ws, const int64_t* add, int64_t* out,
                                       int n) {
     const __mmask8 m = (__mmask8)((1u << n) - 1);
-    __m512d y = _mm512_mul_pd(_mm512_mul_pd(_mm512_cvtepi32_pd(acc), r), _mm512_maskz_loadu_pd(m, ws));
-    __m512i v = _mm512_cvtpd_epi64(_mm512_roundscale_pd(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m512i v = wide_y8(acc, r, ws, m);
     if (add) v = _mm512_add_epi64(v, _mm512_maskz_loadu_epi64(m, add));
     _mm512_mask_storeu_epi64(out, m, v);
+}
+
+// wide_silu_mul on 8 lanes: the same int64 steps (mullo and add wrap, as uint64; srai is >> on int64).
+SPK_WIDE_VNNI inline __m512i wide_silu_mul8(const WideJob& J, __m512i g, __m512i u) {
+    const int step = J.frac - J.silu_step;
+    const __m512i idx = _mm512_add_epi64(
+        _mm512_srai_epi64(_mm512_add_epi64(g, _mm512_set1_epi64(int64_t(1) << (step - 1))), step),
+        _mm512_set1_epi64(J.silu_range << J.silu_step));
+    const __m512i c = _mm512_max_epi64(_mm512_min_epi64(idx, _mm512_set1_epi64(J.silu_len - 1)), _mm512_setzero_si512());
+    __m512i s = _mm512_i64gather_epi64(c, (const void*)J.silu, 8);
+    s = _mm512_mask_mov_epi64(s, _mm512_cmpge_epi64_mask(idx, _mm512_set1_epi64(J.silu_len)), g);
+    s = _mm512_maskz_mov_epi64(_mm512_cmpge_epi64_mask(idx, _mm512_setzero_si512()), s);
+    const __m512i prod = _mm512_add_epi64(_mm512_mullo_epi64(s, u), _mm512_set1_epi64(int64_t(1) << (J.frac - 1)));
+    return _mm512_srai_epi64(prod, J.frac);
 }
 
 // Rows [i0, i0 + WIDE_ROWS) of q (those below i_end are written) (Kp int16 each) against channel tile t: the 4 x 64 accumulators,
@@ -156,6 +201,18 @@ SPK_WIDE_VNNI inline void wide_tile(const WideJob& J, const int16_t* q, int64_t 
     for (int rr = 0; rr < WIDE_ROWS && i0 + rr < i_end; ++rr) {
         const int64_t i = i0 + rr;
         const __m512d rv = _mm512_set1_pd(r[rr]);
+        if (J.silu) {  // accumulators 0, 1: gate channels 32t .. 32t + 31; 2, 3: the same channels' up
+            const int64_t inter = J.N / 2, o = t * (WIDE_COLS / 2);
+            for (int h = 0; h < 4; ++h) {
+                const __m256i ga = h & 1 ? _mm512_extracti64x4_epi64(acc[rr][h / 2], 1) : _mm512_castsi512_si256(acc[rr][h / 2]);
+                const __m256i ua = h & 1 ? _mm512_extracti64x4_epi64(acc[rr][2 + h / 2], 1)
+                                         : _mm512_castsi512_si256(acc[rr][2 + h / 2]);
+                const __m512i g = wide_y8(ga, rv, J.ws + o + 8 * h, 0xFF);
+                const __m512i u = wide_y8(ua, rv, J.ws + inter + o + 8 * h, 0xFF);
+                _mm512_storeu_si512((void*)(J.out + i * inter + o + 8 * h), wide_silu_mul8(J, g, u));
+            }
+            continue;
+        }
         for (int c = 0; c < 4; ++c)
             for (int h = 0; h < 2; ++h) {
                 const int64_t j = t * WIDE_COLS + c * 16 + h * 8;

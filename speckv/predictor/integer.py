@@ -164,6 +164,17 @@ def wide_pack(w8: "torch.Tensor") -> "torch.Tensor":
     return out
 
 
+def wide_interleave(w: "torch.Tensor", inverse: bool = False) -> "torch.Tensor":
+    """Rows (2 inter, ...) = [gate | up] -> 32 gate rows, then the same 32 channels' up rows, and so
+    on (``inverse``: back): the fused kernel's SiLU layout, each tile of 64 rows one gate/up pair."""
+    n = w.shape[0]
+    if n % 64:
+        raise ValueError(f"SiLU interleaving needs 2 inter rows in multiples of 64, not {n}")
+    if inverse:
+        return w.reshape(n // 64, 2, 32, *w.shape[1:]).transpose(0, 1).reshape(w.shape).contiguous()
+    return w.reshape(2, n // 64, 32, *w.shape[1:]).transpose(0, 1).reshape(w.shape).contiguous()
+
+
 def wide_unpack(packed: "torch.Tensor", n: int, k: int) -> "torch.Tensor":
     """The inverse of ``wide_pack``: int8 (n, k)."""
     np_, kp = -(-n // 64) * 64, -(-k // 2) * 2
@@ -172,8 +183,10 @@ def wide_unpack(packed: "torch.Tensor", n: int, k: int) -> "torch.Tensor":
 
 def wide_linear(x: "torch.Tensor", w8: "torch.Tensor | None", ws: "torch.Tensor", norm_w: "torch.Tensor | None",
                 rms: "torch.Tensor | float | None", add: "torch.Tensor | None", exact: bool,
-                packed: "torch.Tensor | None" = None, out: "torch.Tensor | None" = None) -> "torch.Tensor":
-    """``linear`` with the norm weights and 1 / rms folded in. ``packed`` (``wide_pack`` of ``w8``):
+                packed: "torch.Tensor | None" = None, out: "torch.Tensor | None" = None,
+                silu: "torch.Tensor | None" = None) -> "torch.Tensor":
+    """``linear`` with the norm weights and 1 / rms folded in. ``silu`` (the SiLU table; fused kernel
+    only, ``packed`` then of ``wide_interleave(w8)``): ``silu_mul`` of the result, (rows, out / 2). ``packed`` (``wide_pack`` of ``w8``):
     the fused native kernel (``_native.wide_linear``: quantisation, one int16 x int8 product per
     pair of terms with exact int32 sums, dequantisation; 3.8x this path's two int8 products on
     this CPU); else the native stages where built (``wide_quantise`` / ``wide_dequant``); all give
@@ -184,8 +197,8 @@ def wide_linear(x: "torch.Tensor", w8: "torch.Tensor | None", ws: "torch.Tensor"
     import torch
 
     nat = _native()
-    if packed is not None and (exact or nat is None or x.device.type != "cpu"):
-        raise ValueError("packed weights are for the fused native kernel only")
+    if (packed is not None or silu is not None) and (exact or nat is None or x.device.type != "cpu" or packed is None):
+        raise ValueError("packed weights and the SiLU epilogue are for the fused native kernel only")
     if exact or nat is None or x.device.type != "cpu":
         assert w8 is not None
         acc, row = wide_linear_acc(x.double() * norm_w.double() if norm_w is not None else x, w8, exact)
@@ -200,12 +213,13 @@ def wide_linear(x: "torch.Tensor", w8: "torch.Tensor | None", ws: "torch.Tensor"
     N = ws.shape[0]
     if packed is not None:
         if out is None:
-            out = torch.empty((M, N), dtype=torch.int64)
+            out = torch.empty((M, N // 2 if silu is not None else N), dtype=torch.int64)
         rms_arr = rms.double().contiguous().numpy() if isinstance(rms, torch.Tensor) else None
         eps = float(rms) if isinstance(rms, float) else -1.0  # a float: the row's rms computed natively
         nat.wide_linear(x.numpy(), w, rms_arr, eps, FRAC, WIDE_MAX,
                         packed.numpy(), N, ws.contiguous().numpy(),
-                        None if add is None else add.contiguous().numpy(), out.numpy(), FUSED_THREADS, FUSED_SCALAR)
+                        None if add is None else add.contiguous().numpy(), out.numpy(), FUSED_THREADS, FUSED_SCALAR,
+                        None if silu is None else silu.contiguous().numpy(), SILU_STEP_BITS, SILU_RANGE)
         return out
     assert w8 is not None
     hl = torch.empty((2 * M, K), dtype=torch.int8)
@@ -252,11 +266,11 @@ def rms_inv_factor(x: "torch.Tensor", eps: float) -> "torch.Tensor":
 
 def norm_linear(x: "torch.Tensor", norm_w: "torch.Tensor", eps: float, w8: "torch.Tensor | None",
                 ws: "torch.Tensor", exact: bool = False, packed: "torch.Tensor | None" = None,
-                out: "torch.Tensor | None" = None) -> "torch.Tensor":
+                out: "torch.Tensor | None" = None, silu: "torch.Tensor | None" = None) -> "torch.Tensor":
     """``linear(rmsnorm(x) * norm_w)``: the norm folds into the row quantisation (the fused kernel
-    computes ``rms_inv_factor`` itself, from ``eps``)."""
+    computes ``rms_inv_factor`` itself, from ``eps``); ``silu``: as ``wide_linear``."""
     rms = eps if packed is not None and not exact else rms_inv_factor(x, eps)
-    return wide_linear(x, w8, ws, norm_w, rms, None, exact, packed, out)
+    return wide_linear(x, w8, ws, norm_w, rms, None, exact, packed, out, silu)
 
 
 def round_shift(x: "torch.Tensor", bits: int) -> "torch.Tensor":

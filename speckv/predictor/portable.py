@@ -89,6 +89,7 @@ def _module_class() -> type:
                 self.register_buffer(f"t{j}", state[name], persistent=False)
             self._packed: dict[tuple[str, int], torch.Tensor] = {}
             self._shapes: dict[str, tuple[int, int]] = {}  # weights kept packed only
+            self.silu_packed: set[str] = set()  # gate_up weights packed for the SiLU epilogue (ix.wide_interleave)
             if ix.fused_hardware():
                 self._pack(config)
 
@@ -103,13 +104,17 @@ def _module_class() -> type:
                     continue
                 if name == f"model.layers.{L - 1}.qkv.w8":  # the last layer computes only K and V
                     self._packed[(name, H * D)] = ix.wide_pack(w[H * D:])
+                if name.endswith("gate_up.w8") and w.shape[0] % 64 == 0:
+                    self.silu_packed.add(name)
+                    w = ix.wide_interleave(w)
                 self._packed[(name, 0)] = ix.wide_pack(w)
                 self._shapes[name] = tuple(w.shape)
                 setattr(self, f"t{j}", torch.empty(0, dtype=torch.int8))  # NOTE: one copy of the weights
 
         def get(self, name: str) -> "torch.Tensor":
             if name in self._shapes:
-                return ix.wide_unpack(self._packed[(name, 0)], *self._shapes[name]).to(self.embed.device)
+                w = ix.wide_unpack(self._packed[(name, 0)], *self._shapes[name])
+                return (ix.wide_interleave(w, inverse=True) if name in self.silu_packed else w).to(self.embed.device)
             return getattr(self, f"t{self.names.index(name)}")
 
         def weights(self, name: str, rows: int, exact: bool) -> tuple["torch.Tensor | None", "torch.Tensor | None"]:
@@ -207,9 +212,12 @@ def _block_rest(model: Any, p: str, h: "torch.Tensor", att: "torch.Tensor", eps:
     w8, packed = model.weights(p + "o.w8", 0, exact)
     h = ix.linear(att.reshape(T, -1), w8, get(p + "o.ws"), exact, add=h, packed=packed, out=h)
     w8, packed = model.weights(p + "gate_up.w8", 0, exact)
-    gu = ix.norm_linear(h, get(p + "post_attention_layernorm.weight"), eps, w8, ws_gu, exact, packed,
-                        work.get("gate_up", (T, ws_gu.shape[0])))
-    m = ix.silu_mul(gu, get("portable.silu"), exact, work.get("mlp", (T, ws_gu.shape[0] // 2)))
+    norm, table, mlp = get(p + "post_attention_layernorm.weight"), get("portable.silu"), (T, ws_gu.shape[0] // 2)
+    if packed is not None and p + "gate_up.w8" in model.silu_packed:  # SiLU x up in the kernel's epilogue
+        m = ix.norm_linear(h, norm, eps, None, ws_gu, exact, packed, work.get("mlp", mlp), silu=table)
+    else:
+        gu = ix.norm_linear(h, norm, eps, w8, ws_gu, exact, packed, work.get("gate_up", (T, ws_gu.shape[0])))
+        m = ix.silu_mul(gu, table, exact, work.get("mlp", mlp))
     w8, packed = model.weights(p + "down.w8", 0, exact)
     return ix.linear(m, w8, get(p + "down.ws"), exact, add=h, packed=packed, out=h)
 
