@@ -14,7 +14,9 @@
 // The reference splits q = hi * 2^7 + lo into two int8 products, (w8 @ hi << 7) + w8 @ lo: the same
 // integer. Here one AVX-512 VNNI vpdpwssd takes two int16 products per lane: q as int16 pairs of
 // one row (broadcast) against 16 output channels' int8 weights widened to int16. Weights come
-// packed by wide_pack: (N / 16, K / 2, 16, 2), N padded to WIDE_COLS and K to 2 with zeros.
+// packed by wide_pack: (N / 16, K / 2, 16, 2), N padded to WIDE_COLS and K to 2 with zeros. With the
+// SiLU epilogue (integer.silu_mul), each tile of 64 rows holds 32 gate channels and the same channels'
+// up rows (integer.wide_interleave), so m = round_shift(silu(y_gate) * y_up) is written, not y.
 // NOTE: every float step is one IEEE operation on one element (the build passes -ffp-contract=off),
 // so the VNNI path, the scalar path and torch agree bit for bit.
 #pragma once

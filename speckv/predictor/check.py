@@ -4,8 +4,9 @@ Each environment is a fresh process (``python -m speckv.predictor.check --child 
 the checkpoint, computes mu of the text and prints the sha256 of its BF16 bits. Environments:
 torch with 2 and with 1 compute threads; other CPU kernel paths through ``ATEN_CPU_CAPABILITY``
 (aten's vectorised kernels), ``ONEDNN_MAX_CPU_ISA`` (oneDNN: int8 products, BF16 matmul) and
-``MKL_ENABLE_INSTRUCTIONS`` (MKL's FP32 GEMM); the integer rung without the native extension's
-exp stage; CUDA where torch sees a device; and, for the portable rung, the int64 reference
+``MKL_ENABLE_INSTRUCTIONS`` (MKL's FP32 GEMM); the integer rung without the native extension, with
+its per-stage native code instead of the fused kernels, and with the fused kernels' scalar loops
+instead of their AVX-512 VNNI ones; CUDA where torch sees a device; and, for the portable rung, the int64 reference
 (``torch.mm`` on int64, no BLAS, no oneDNN, no native code) on a short prefix, compared with the
 default environment on that same prefix. The report is
 ``{"environments": [{"name", "tokens", "mu_sha256"}], "agree": bool}``; exit status 1 when any
@@ -45,6 +46,8 @@ def environments(portable: bool, cuda: bool) -> list[Environment]:
         out.append(Environment("cuda", args=("--device", "cuda")))
     if portable:
         out += [Environment("no native stages", args=("--no-native",)),
+                Environment("native stages, not fused", args=("--no-fused",)),
+                Environment("fused kernels' scalar loops", args=("--fused-scalar",)),
                 Environment("torch, 2 threads (prefix)", prefix=True),
                 Environment("int64 reference (prefix)", args=("--exact",), prefix=True)]
     return out
@@ -98,6 +101,8 @@ def _child(argv: list[str]) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--exact", action="store_true")
     ap.add_argument("--no-native", action="store_true")
+    ap.add_argument("--no-fused", action="store_true")
+    ap.add_argument("--fused-scalar", action="store_true")
     a = ap.parse_args(argv)
     from . import integer
     from . import target as tgt
@@ -108,8 +113,9 @@ def _child(argv: list[str]) -> None:
 
     if a.threads is not None:
         tgt.COMPUTE_THREADS = a.threads  # NOTE: deterministic_torch reads it at each forward
-    if a.no_native:
-        integer.NATIVE = False
+        integer.FUSED_THREADS = a.threads
+    integer.NATIVE, integer.FUSED = not a.no_native, not a.no_fused
+    integer.FUSED_SCALAR = a.fused_scalar
     target = tgt.load_target(a.target)
     ids = target.tokenize(read_text(a.text), a.tokens)
     pred = Predictor.from_checkpoint(load_checkpoint(a.ckpt), target).to(a.device)

@@ -90,6 +90,7 @@ def _module_class() -> type:
             self._packed: dict[tuple[str, int], torch.Tensor] = {}
             self._shapes: dict[str, tuple[int, int]] = {}  # weights kept packed only
             self.silu_packed: set[str] = set()  # gate_up weights packed for the SiLU epilogue (ix.wide_interleave)
+            self._unpacked: dict[tuple[str, str], torch.Tensor] = {}  # packed weights, plain on a device
             if ix.fused_hardware():
                 self._pack(config)
 
@@ -113,8 +114,14 @@ def _module_class() -> type:
 
         def get(self, name: str) -> "torch.Tensor":
             if name in self._shapes:
+                dev = self.embed.device
+                if dev.type != "cpu" and (name, str(dev)) in self._unpacked:  # NOTE: a device keeps them plain
+                    return self._unpacked[(name, str(dev))]
                 w = ix.wide_unpack(self._packed[(name, 0)], *self._shapes[name])
-                return (ix.wide_interleave(w, inverse=True) if name in self.silu_packed else w).to(self.embed.device)
+                w = (ix.wide_interleave(w, inverse=True) if name in self.silu_packed else w).to(dev)
+                if dev.type != "cpu":
+                    self._unpacked[(name, str(dev))] = w
+                return w
             return getattr(self, f"t{self.names.index(name)}")
 
         def weights(self, name: str, rows: int, exact: bool) -> tuple["torch.Tensor | None", "torch.Tensor | None"]:

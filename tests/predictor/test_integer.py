@@ -208,3 +208,29 @@ def test_native_split_qkv_is_the_torch_one(tables, heads):
         else:
             assert a.dtype == b.dtype and torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
                                                       b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
+
+
+@pytest.mark.parametrize("scalar", [False, True])
+def test_fused_silu_epilogue_is_silu_mul_of_the_linear(monkeypatch, tables, scalar):
+    """gate_up with SiLU x up in the fused kernel's epilogue (rows interleaved per tile) against the
+    reference linear then ``silu_mul``: gates below, inside and above the table's range."""
+    monkeypatch.setattr(ix, "FUSED_SCALAR", scalar)
+    if not scalar and not ix.fused_hardware():
+        pytest.skip("this CPU has no AVX-512 VNNI (the fused kernel's fast path; its scalar loops are tested)")
+    rows, k, inter = 13, 96, 128
+    g = torch.Generator().manual_seed(9)
+    w8, amax = ix.quantise(torch.randn(2 * inter, k, generator=g))
+    spread = torch.cat([torch.logspace(-2, 4, inter, dtype=torch.float64), torch.ones(inter, dtype=torch.float64)])
+    ws = amax / ix.Q_MAX * spread  # gates from inside the table to far outside it, both signs
+    x = (torch.randn(rows, k, generator=g) * 2.0 ** (ix.FRAC + 6)).round().long()
+    norm_w = torch.rand(k, generator=g).bfloat16()
+    table = tables["portable.silu"]
+    assert torch.equal(ix.wide_unpack(ix.wide_pack(ix.wide_interleave(w8)), 2 * inter, k),
+                       ix.wide_interleave(w8)) and torch.equal(ix.wide_interleave(ix.wide_interleave(w8), True), w8)
+    want = ix.silu_mul(ix.norm_linear(x, norm_w, 1e-5, w8, ws, exact=True), table, exact=True)
+    packed = ix.wide_pack(ix.wide_interleave(w8))
+    got = ix.norm_linear(x, norm_w, 1e-5, None, ws, False, packed, silu=table)
+    assert got.shape == (rows, inter) and torch.equal(got, want)
+    gate = ix.norm_linear(x, norm_w, 1e-5, w8, ws, exact=True)[:, :inter]
+    idx = ix.round_shift(gate, ix.FRAC - ix.SILU_STEP_BITS) + (ix.SILU_RANGE << ix.SILU_STEP_BITS)
+    assert bool((idx < 0).any()) and bool((idx >= ix.SILU_LEN).any()) and bool(((idx >= 0) & (idx < ix.SILU_LEN)).any())

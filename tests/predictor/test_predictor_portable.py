@@ -103,6 +103,7 @@ def test_check_agrees_across_processes_and_environments(portable_dir, tiny_model
     names = [e["name"] for e in rep["environments"]]
     assert rep["agree"], rep
     assert "int64 reference (prefix)" in names and "ATEN_CPU_CAPABILITY=default" in names
+    assert {"no native stages", "native stages, not fused", "fused kernels' scalar loops"} <= set(names)
     assert {e["tokens"] for e in rep["environments"]} == {128, 200}
 
 
