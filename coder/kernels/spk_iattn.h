@@ -219,6 +219,37 @@ inline int32_t iatt_zero_from(const int32_t* table, int32_t len) {
     return z;
 }
 
+// iatt_query with AVX-512 (D a multiple of 8): the same operations lane by lane.
+SPK_IATT_VNNI inline float iatt_query_v(const int64_t* q, const IattHead& h, int64_t D, int8_t* q8) {
+    alignas(64) double qf[IATT_MAX_D];
+    __m512d vmax = _mm512_setzero_pd();
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m512d f = _mm512_mul_pd(_mm512_cvtepi64_pd(_mm512_loadu_si512((const void*)(q + d))),
+                                        _mm512_loadu_pd(h.ks.data() + d));
+        _mm512_store_pd(qf + d, f);
+        vmax = _mm512_max_pd(vmax, _mm512_abs_pd(f));
+    }
+    const double amax = _mm512_reduce_max_pd(vmax);
+    const __m512d inv = _mm512_set1_pd(amax > 0 ? 127.0 / amax : 0.0);
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m512d y = _mm512_roundscale_pd(_mm512_mul_pd(_mm512_load_pd(qf + d), inv),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storel_epi64((__m128i*)(q8 + d), _mm512_cvtepi64_epi8(_mm512_cvtpd_epi64(y)));
+    }
+    return (float)(((amax / 127.0) * IATT_SCORE_UNIT) / std::sqrt((double)D));
+}
+
+// iatt_out with AVX-512 (D a multiple of 8).
+SPK_IATT_VNNI inline void iatt_out_v(const int64_t* acc, const IattHead& h, int64_t D, int64_t sum, int64_t* o) {
+    const __m512d den = _mm512_set1_pd((double)sum);
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m512d y = _mm512_div_pd(_mm512_mul_pd(_mm512_cvtepi64_pd(_mm512_loadu_si512((const void*)(acc + d))),
+                                                      _mm512_loadu_pd(h.vs.data() + d)), den);
+        _mm512_storeu_si512((void*)(o + d),
+                            _mm512_cvtpd_epi64(_mm512_roundscale_pd(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+    }
+}
+
 // Whether the 4 rows' numerators of keys [j, j + 16) are all 0 (far below each row's maximum).
 SPK_IATT_VNNI inline bool iatt_zero16(const int16_t* e, int64_t es, int64_t j) {
     __m256i any = _mm256_loadu_si256((const __m256i*)(e + j));
@@ -300,7 +331,7 @@ SPK_IATT_VNNI inline void iatt_rows_vnni_c(const IattHead& h, const int64_t* q, 
         const int rows = (int)std::min<int64_t>(4, i1 - r0);
         std::memset(qu, 128, sizeof(qu));
         for (int r = 0; r < rows; ++r) {
-            mf[r] = iatt_query(q + (r0 + r) * q_stride, h, D, q8);
+            mf[r] = iatt_query_v(q + (r0 + r) * q_stride, h, D, q8);
             for (int64_t d = 0; d < D; ++d) qu[r * D + d] = (uint8_t)(q8[d] + 128);
         }
         const int64_t m = wide_pad(r0 + rows, 16);  // keys this group of rows sees, padded
@@ -309,7 +340,7 @@ SPK_IATT_VNNI inline void iatt_rows_vnni_c(const IattHead& h, const int64_t* q, 
         for (int r = 0; r < rows; ++r)
             sum[r] = iatt_numerators_v(s.data() + r * n, r0 + r + 1, mf[r], table, len, zero_from, e.data() + r * n);
         iatt_pv4<C>(h, e.data(), n, m, acc);
-        for (int r = 0; r < rows; ++r) iatt_out(acc + r * D, h, D, sum[r], o + (r0 + r) * o_stride);
+        for (int r = 0; r < rows; ++r) iatt_out_v(acc + r * D, h, D, sum[r], o + (r0 + r) * o_stride);
     }
 }
 
