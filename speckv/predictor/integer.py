@@ -185,19 +185,23 @@ def wide_linear(x: "torch.Tensor", w8: "torch.Tensor | None", ws: "torch.Tensor"
                 rms: "torch.Tensor | float | None", add: "torch.Tensor | None", exact: bool,
                 packed: "torch.Tensor | None" = None, out: "torch.Tensor | None" = None,
                 silu: "torch.Tensor | None" = None) -> "torch.Tensor":
-    """``linear`` with the norm weights and 1 / rms folded in. ``silu`` (the SiLU table; fused kernel
-    only, ``packed`` then of ``wide_interleave(w8)``): ``silu_mul`` of the result, (rows, out / 2). ``packed`` (``wide_pack`` of ``w8``):
-    the fused native kernel (``_native.wide_linear``: quantisation, one int16 x int8 product per
-    pair of terms with exact int32 sums, dequantisation; 3.8x this path's two int8 products on
-    this CPU); else the native stages where built (``wide_quantise`` / ``wide_dequant``); all give
-    the same bits as the torch reference (``exact``). ``rms``: per row, or (fused kernel only) the
-    norm's eps, each row's ``rms_inv_factor`` then computed natively. ``out``: the fused kernel's (rows, out)
-    int64 destination, reused by the caller (fresh large buffers page-fault on every call); it
-    may be ``add`` itself (each element is read, then written, by one thread)."""
+    """``linear`` with the norm weights and 1 / rms folded in.
+
+    ``packed`` (``wide_pack`` of ``w8``): the fused native kernel (``_native.wide_linear``:
+    quantisation, one int16 x int8 product per pair of terms with exact int32 sums,
+    dequantisation; 3.8x this path's two int8 products on this CPU); else the native stages
+    where built (``wide_quantise`` / ``wide_dequant``); all give the same bits as the torch
+    reference (``exact``). ``rms``: per row, or (fused kernel only) the norm's eps, each row's
+    ``rms_inv_factor`` then computed natively. ``out``: the fused kernel's int64 destination,
+    reused by the caller (fresh large buffers page-fault on every call); it may be ``add``
+    itself (each element is read, then written, by one thread). ``silu`` (the SiLU table; fused
+    kernel only, ``packed`` then of ``wide_interleave(w8)``): ``silu_mul`` of the result,
+    (rows, out / 2)."""
     import torch
 
     nat = _native()
-    if (packed is not None or silu is not None) and (exact or nat is None or x.device.type != "cpu" or packed is None):
+    native_only = packed is not None or silu is not None
+    if native_only and (exact or nat is None or x.device.type != "cpu" or packed is None):
         raise ValueError("packed weights and the SiLU epilogue are for the fused native kernel only")
     if exact or nat is None or x.device.type != "cpu":
         assert w8 is not None

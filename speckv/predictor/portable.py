@@ -191,6 +191,7 @@ def portable_kv(model: Any, ids: np.ndarray, on_layer: LayerSink | None = None,
                 on_layer(i, bf16_bits(layers[-1]))
             if last:
                 break
+            assert q is not None  # every layer but the last computes its queries
             h = _block_rest(model, p, h, attention(q, k, v, get("portable.exp"), exact), eps, exact, work)
     return torch.stack(layers).contiguous()
 
