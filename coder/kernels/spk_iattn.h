@@ -136,13 +136,22 @@ inline void iatt_rows_scalar(const IattHead& h, const int64_t* q, int64_t q_stri
 
 #define SPK_IATT_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 
+// acc r0..r{N-1} += op(b, x0..x{N-1}): named vectors, as GCC spills an array of vectors to the stack here.
+#define SPK_IATT_DP4(op, N, r, b, x)                 \
+    r##0 = op(r##0, b, x##0);                        \
+    if constexpr (N > 1) r##1 = op(r##1, b, x##1);   \
+    if constexpr (N > 2) r##2 = op(r##2, b, x##2);   \
+    if constexpr (N > 3) r##3 = op(r##3, b, x##3);
+
+// The 32-bit word at p, broadcast to 16 lanes.
+SPK_IATT_VNNI inline __m512i iatt_bcast(const void* p) {
+    int32_t w;
+    std::memcpy(&w, p, 4);
+    return _mm512_set1_epi32(w);
+}
+
 // Scores of 4 query rows (qu: q8 + 128, (4, D)) against key groups [g0, g0 + NG) of 16 (s rows of
 // stride ss): each q broadcast feeds NG key groups. NOTE: named accumulators (see iatt_pv4_cols).
-#define SPK_IATT_SC(r, w)                                                   \
-    r##0 = _mm512_dpbusd_epi32(r##0, w, k0);                                \
-    if constexpr (NG > 1) r##1 = _mm512_dpbusd_epi32(r##1, w, k1);          \
-    if constexpr (NG > 2) r##2 = _mm512_dpbusd_epi32(r##2, w, k2);          \
-    if constexpr (NG > 3) r##3 = _mm512_dpbusd_epi32(r##3, w, k3);
 template <int NG>
 SPK_IATT_VNNI inline void iatt_scores4_g(const IattHead& h, const uint8_t* qu, int64_t D, int64_t g0, int32_t* s,
                                          int64_t ss) {
@@ -157,15 +166,12 @@ SPK_IATT_VNNI inline void iatt_scores4_g(const IattHead& h, const uint8_t* qu, i
         if constexpr (NG > 1) k1 = _mm512_loadu_si512((const void*)(kg + (D4 + d4) * 64));
         if constexpr (NG > 2) k2 = _mm512_loadu_si512((const void*)(kg + (2 * D4 + d4) * 64));
         if constexpr (NG > 3) k3 = _mm512_loadu_si512((const void*)(kg + (3 * D4 + d4) * 64));
-        int32_t w0, w1, w2, w3;
-        std::memcpy(&w0, qu + d4 * 4, 4), std::memcpy(&w1, qu + D + d4 * 4, 4);
-        std::memcpy(&w2, qu + 2 * D + d4 * 4, 4), std::memcpy(&w3, qu + 3 * D + d4 * 4, 4);
-        const __m512i q0 = _mm512_set1_epi32(w0), q1 = _mm512_set1_epi32(w1);
-        const __m512i q2 = _mm512_set1_epi32(w2), q3 = _mm512_set1_epi32(w3);
-        SPK_IATT_SC(a, q0)
-        SPK_IATT_SC(b, q1)
-        SPK_IATT_SC(c, q2)
-        SPK_IATT_SC(d, q3)
+        const uint8_t* qd = qu + d4 * 4;
+        const __m512i q0 = iatt_bcast(qd), q1 = iatt_bcast(qd + D), q2 = iatt_bcast(qd + 2 * D), q3 = iatt_bcast(qd + 3 * D);
+        SPK_IATT_DP4(_mm512_dpbusd_epi32, NG, a, q0, k)
+        SPK_IATT_DP4(_mm512_dpbusd_epi32, NG, b, q1, k)
+        SPK_IATT_DP4(_mm512_dpbusd_epi32, NG, c, q2, k)
+        SPK_IATT_DP4(_mm512_dpbusd_epi32, NG, d, q3, k)
     }
     const __m512i acc[4][4] = {{a0, a1, a2, a3}, {b0, b1, b2, b3}, {c0, c1, c2, c3}, {d0, d1, d2, d3}};
     for (int g = 0; g < NG; ++g) {
@@ -174,7 +180,6 @@ SPK_IATT_VNNI inline void iatt_scores4_g(const IattHead& h, const uint8_t* qu, i
             _mm512_storeu_si512((void*)(s + r * ss + (g0 + g) * 16), _mm512_sub_epi32(acc[r][g], ksum));
     }
 }
-#undef SPK_IATT_SC
 
 // Scores of 4 query rows against key groups [0, groups) of 16, 4 groups per pass.
 SPK_IATT_VNNI inline void iatt_scores4(const IattHead& h, const uint8_t* qu, int64_t D, int64_t groups, int32_t* s,
@@ -259,11 +264,6 @@ SPK_IATT_VNNI inline bool iatt_zero16(const int16_t* e, int64_t es, int64_t j) {
 
 // Keys [j0, j1) of channels [cb * 16, cb * 16 + 16 * C4) (C4 <= 4) for 4 rows (e rows of stride es):
 // int32 sums added to acc (4, D). NOTE: 16 named accumulators: GCC spills an array of vectors here.
-#define SPK_IATT_ROW(r, b)                                         \
-    r##0 = _mm512_dpwssd_epi32(r##0, b, v0);                       \
-    if constexpr (C4 > 1) r##1 = _mm512_dpwssd_epi32(r##1, b, v1); \
-    if constexpr (C4 > 2) r##2 = _mm512_dpwssd_epi32(r##2, b, v2); \
-    if constexpr (C4 > 3) r##3 = _mm512_dpwssd_epi32(r##3, b, v3);
 template <int C4>
 SPK_IATT_VNNI inline void iatt_pv4_cols(const int16_t* v2s, int64_t D, int64_t cb, const int16_t* e, int64_t es,
                                         int64_t j0, int64_t j1, int64_t* acc) {
@@ -280,15 +280,13 @@ SPK_IATT_VNNI inline void iatt_pv4_cols(const int16_t* v2s, int64_t D, int64_t c
             if constexpr (C4 > 1) v1 = _mm512_loadu_si512((const void*)(vj + 32));
             if constexpr (C4 > 2) v2 = _mm512_loadu_si512((const void*)(vj + 64));
             if constexpr (C4 > 3) v3 = _mm512_loadu_si512((const void*)(vj + 96));
-            int32_t p0, p1, p2, p3;
-            std::memcpy(&p0, e + j, 4), std::memcpy(&p1, e + es + j, 4);
-            std::memcpy(&p2, e + 2 * es + j, 4), std::memcpy(&p3, e + 3 * es + j, 4);
-            const __m512i e0 = _mm512_set1_epi32(p0), e1 = _mm512_set1_epi32(p1);
-            const __m512i e2 = _mm512_set1_epi32(p2), e3 = _mm512_set1_epi32(p3);
-            SPK_IATT_ROW(a, e0)
-            SPK_IATT_ROW(b, e1)
-            SPK_IATT_ROW(c, e2)
-            SPK_IATT_ROW(d, e3)
+            const int16_t* ej = e + j;
+            const __m512i e0 = iatt_bcast(ej), e1 = iatt_bcast(ej + es), e2 = iatt_bcast(ej + 2 * es),
+                          e3 = iatt_bcast(ej + 3 * es);
+            SPK_IATT_DP4(_mm512_dpwssd_epi32, C4, a, e0, v)
+            SPK_IATT_DP4(_mm512_dpwssd_epi32, C4, b, e1, v)
+            SPK_IATT_DP4(_mm512_dpwssd_epi32, C4, c, e2, v)
+            SPK_IATT_DP4(_mm512_dpwssd_epi32, C4, d, e3, v)
         }
     }
     const __m512i out[4][4] = {{a0, a1, a2, a3}, {b0, b1, b2, b3}, {c0, c1, c2, c3}, {d0, d1, d2, d3}};
@@ -299,7 +297,7 @@ SPK_IATT_VNNI inline void iatt_pv4_cols(const int16_t* v2s, int64_t D, int64_t c
             for (int l = 0; l < 16; ++l) acc[r * D + 16 * (cb + c) + l] += part[l];
         }
 }
-#undef SPK_IATT_ROW
+#undef SPK_IATT_DP4
 
 // sum_j e_rj v8_jd for 4 rows over keys [0, n) (n a multiple of 16; e zero past each row's keys) into
 // int64 acc (4, D), C = D / 16: int32 sums moved to acc every IATT_FLUSH keys.

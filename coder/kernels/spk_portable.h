@@ -104,19 +104,36 @@ inline int64_t int_softmax_row(const int32_t* s, int64_t n, int64_t pos, float m
     return softmax_row_body(s, n, pos, mf, table, exp_len, split, hi, lo);
 }
 
-// Wide row quantisation (integer.quantise_wide): xf = x (* w), q = nearbyint(xf * (WIDE_MAX / amax)),
-// hi = (q + 2^(split-1)) >> split, lo = q - hi * 2^split. Returns amax.
-SPK_INLINE double wide_quantise_body(const int64_t* x, const double* w, int64_t k, double wide_max, int split,
-                                     int8_t* hi, int8_t* lo, double* xf) {
+// nearbyint in the default rounding mode (to nearest, ties to even) without a libm call: below 2^52,
+// |x| + 2^52 lands where the spacing is 1, so the addition rounds it; the subtraction is exact.
+// NOTE: needs -fno-fast-math (no reassociation), as the build sets; the sign of a zero may differ
+// from nearbyint's, which no integer conversion sees.
+inline double round_even(double x) {
+    constexpr double BIG = 4503599627370496.0;  // 2^52
+    const double a = std::fabs(x);
+    return a >= BIG ? x : std::copysign((a + BIG) - BIG, x);
+}
+
+// A row of int64 fixed point times the norm weights w (or none): xf = x (* w), one IEEE product per
+// element; returns max |xf| (exact in any order).
+SPK_INLINE double wide_scale_row(const int64_t* x, const double* w, int64_t k, double* xf) {
     double amax = 0.0;
     for (int64_t j = 0; j < k; ++j) {
         xf[j] = w ? (double)x[j] * w[j] : (double)x[j];
         const double a = std::fabs(xf[j]);
         amax = a > amax ? a : amax;
     }
+    return amax;
+}
+
+// Wide row quantisation (integer.quantise_wide): xf = x (* w), q = nearbyint(xf * (WIDE_MAX / amax)),
+// hi = (q + 2^(split-1)) >> split, lo = q - hi * 2^split. Returns amax.
+SPK_INLINE double wide_quantise_body(const int64_t* x, const double* w, int64_t k, double wide_max, int split,
+                                     int8_t* hi, int8_t* lo, double* xf) {
+    const double amax = wide_scale_row(x, w, k, xf);
     const double inv = amax > 0 ? wide_max / amax : 0.0;
     for (int64_t j = 0; j < k; ++j) {
-        const int64_t q = (int64_t)std::nearbyint(xf[j] * inv);
+        const int64_t q = (int64_t)round_even(xf[j] * inv);
         const int64_t h = (q + (int64_t(1) << (split - 1))) >> split;
         hi[j] = (int8_t)h;
         lo[j] = (int8_t)(q - (h << split));
@@ -129,7 +146,7 @@ SPK_INLINE double wide_quantise_body(const int64_t* x, const double* w, int64_t 
 SPK_INLINE void wide_dequant_body(const int64_t* acc, int64_t n, double row, const double* ws, const int64_t* add,
                                   int64_t* out) {
     for (int64_t j = 0; j < n; ++j) {
-        const int64_t v = (int64_t)std::nearbyint(((double)acc[j] * row) * ws[j]);
+        const int64_t v = (int64_t)round_even(((double)acc[j] * row) * ws[j]);
         out[j] = add ? add[j] + v : v;
     }
 }

@@ -39,16 +39,6 @@ constexpr int64_t WIDE_TASK_ROWS = 32;  // rows per task
 
 inline int64_t wide_pad(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-// nearbyint in the default rounding mode (to nearest, ties to even) without a libm call: below 2^52,
-// |x| + 2^52 lands where the spacing is 1, so the addition rounds it; the subtraction is exact.
-// NOTE: needs -fno-fast-math (no reassociation), as the build sets; the sign of a zero may differ
-// from nearbyint's, which no integer conversion sees.
-inline double round_even(double x) {
-    constexpr double BIG = 4503599627370496.0;  // 2^52
-    const double a = std::fabs(x);
-    return a >= BIG ? x : std::copysign((a + BIG) - BIG, x);
-}
-
 // Where w8[j][k] sits in the packed layout (Np / 16, Kp / 2, 16, 2), Np = wide_pad(N, WIDE_COLS), Kp = wide_pad(K, 2).
 inline int64_t wide_at(int64_t j, int64_t k, int64_t Kp) { return ((j / 16) * (Kp / 2) + k / 2) * 32 + (j % 16) * 2 + k % 2; }
 
@@ -63,12 +53,7 @@ inline void wide_pack(const int8_t* w8, int64_t N, int64_t K, int8_t* out) {
 // One row quantised to int16 q (Kp entries, zero padded); returns a_i.
 inline double wide_q_row(const int64_t* x, const double* w, int64_t K, int64_t Kp, double wide_max, int16_t* q,
                          double* xf) {
-    double amax = 0.0;
-    for (int64_t k = 0; k < K; ++k) {
-        xf[k] = w ? (double)x[k] * w[k] : (double)x[k];
-        const double a = std::fabs(xf[k]);
-        amax = a > amax ? a : amax;
-    }
+    const double amax = wide_scale_row(x, w, K, xf);
     const double inv = amax > 0 ? wide_max / amax : 0.0;
     for (int64_t k = 0; k < K; ++k) q[k] = (int16_t)round_even(xf[k] * inv);
     for (int64_t k = K; k < Kp; ++k) q[k] = 0;
