@@ -200,9 +200,9 @@ def wide_linear(x: "torch.Tensor", w8: "torch.Tensor | None", ws: "torch.Tensor"
     import torch
 
     nat = _native()
-    native_only = packed is not None or silu is not None
+    native_only = packed is not None or silu is not None or isinstance(rms, float)
     if native_only and (exact or nat is None or x.device.type != "cpu" or packed is None):
-        raise ValueError("packed weights and the SiLU epilogue are for the fused native kernel only")
+        raise ValueError("packed weights, the SiLU epilogue and an eps for rms are for the fused native kernel only")
     if exact or nat is None or x.device.type != "cpu":
         assert w8 is not None
         acc, row = wide_linear_acc(x.double() * norm_w.double() if norm_w is not None else x, w8, exact)
