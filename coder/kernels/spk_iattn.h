@@ -94,8 +94,7 @@ inline float iatt_query(const int64_t* q, const IattHead& h, int64_t D, int8_t* 
 
 // Numerators of one row's scores s[0..m) (keys <= i) into e (int16); returns their sum.
 inline int64_t iatt_numerators(const int32_t* s, int64_t m, float mf, const int32_t* table, int32_t len, int16_t* e) {
-    int32_t smax = INT32_MIN;
-    for (int64_t j = 0; j < m; ++j) smax = std::max(smax, s[j]);
+    const int32_t smax = row_max(s, (int)m);  // spk_portable.h's exp stage
     const float lim = (float)(len - 1);
     int64_t sum = 0;
     for (int64_t j = 0; j < m; ++j) {

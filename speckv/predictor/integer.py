@@ -50,9 +50,9 @@ SILU_LEN = 2 * SILU_RANGE << SILU_STEP_BITS
 ROPE_FRAC = 16  # cos/sin tables' fixed point
 NATIVE = True  # the native extension's stages where it is built (same integers either way)
 NATIVE_THREADS = 1
-# NOTE: the fused linear runs 20-40 ms a call at 2048 tokens, long enough for 2 threads to pay
-# (1.9x) beside torch's OpenMP workers, which spin for a while after each torch call; the
-# short per-block stages above do not scale beside them and stay on 1
+# NOTE: the fused kernels run tens of ms a call at 2048 tokens, long enough for 2 threads to pay
+# (torch runs on one thread meanwhile); the short per-block stages above, between torch calls
+# whose OpenMP workers spin for a while after each, do not scale and stay on 1
 FUSED_THREADS = 2
 FUSED = True  # the fused linear where it runs (tests: off, to compare the paths)
 FUSED_SCALAR = False  # the fused kernel's scalar loops instead of its VNNI ones (tests: the same bits)
@@ -189,7 +189,7 @@ def wide_linear(x: "torch.Tensor", w8: "torch.Tensor | None", ws: "torch.Tensor"
 
     ``packed`` (``wide_pack`` of ``w8``): the fused native kernel (``_native.wide_linear``:
     quantisation, one int16 x int8 product per pair of terms with exact int32 sums,
-    dequantisation; 3.8x this path's two int8 products on this CPU); else the native stages
+    dequantisation; ``benchmarks/portable_kernels.py`` times it against the rest); else the native stages
     where built (``wide_quantise`` / ``wide_dequant``); all give the same bits as the torch
     reference (``exact``). ``rms``: per row, or (fused kernel only) the norm's eps, each row's
     ``rms_inv_factor`` then computed natively. ``out``: the fused kernel's int64 destination,
