@@ -188,9 +188,11 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--rung", default="fp8",
                        help="predictor ladder rung: fp8 (FP8 copy, default), hybrid:K (the target's first K "
                             "layers in BF16, then the FP8 copy), early:K (the target's first K layers, then "
-                            "each later layer's K/V projected from layer K's hidden state), portable "
-                            "(the target's shape in integers only: the same mu on every CPU and GPU) or "
-                            "none (per-channel calibration means)")
+                            "each later layer's K/V projected from layer K's hidden state), w8a8[:K] and w8a8i[:K] "
+                            "(int8 products after the first K layers), portable (the target's shape in "
+                            "integers only: the same mu on every CPU and GPU), portable:K (its first K "
+                            "layers, then early:K's exit, in the same integers) or none (per-channel "
+                            "calibration means)")
     info = psub.add_parser("info", help="verify a checkpoint and print its pin")
     info.add_argument("dir", help="checkpoint directory")
     info.add_argument("--pin", default=None, help="expected sha256 pin")

@@ -216,8 +216,8 @@ def _manifest(target: "Target", calib_text: Path, state: dict | None, files: dic
     cfg = target.config
     weights: dict[str, Any] | None = None if state is None else {
         "file": None if derive_weights else WEIGHTS, "sha256": state_digest(state), "quant": weights_quant(ladder)}
-    if weights is not None and ladder.bf16_layers:
-        weights["bf16_layers"] = ladder.bf16_layers
+    if weights is not None and ladder.bf16_layers:  # portable:k's first k layers are integer ones
+        weights["exit_layer" if ladder.kind == PORTABLE else "bf16_layers"] = ladder.bf16_layers
     return {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, **manifest_fields(ladder),
         "target": {"name": target.name, "source": source, "weights_sha256": target.weights_sha256},

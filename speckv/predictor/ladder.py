@@ -22,6 +22,11 @@ manifest without the field is ``fp8``, so the shipped default keeps its pin):
   int8 weights (one scale per output channel), 14-bit activations as two int8
   products with exact int32 sums, integer attention and tables for exp, SiLU and
   RoPE; mu is the same bits on every CPU and GPU.
+- ``portable:k``: ``portable``'s first ``k`` decoder layers, then, for every later
+  layer, only its input norm, K/V projections and RoPE of the hidden state after
+  layer ``k - 1``, in the same integers: ``early:k``'s exit from the portable
+  rung. Its mu is the same bits on every machine too, so no layer is exact and
+  none is fragile when the engine's kernels differ.
 - ``w8a8`` / ``w8a8:k``: the FP8 copy's shape (after the target's own first
   ``k`` layers, as in ``hybrid:k``) with every linear one int8 x int8 product
   (``w8a8.py``): int8 weights smoothed by power-of-two channel factors
@@ -35,7 +40,8 @@ manifest without the field is ``fp8``, so the shipped default keeps its pin):
 Nominal cost, in BF16 prefills, counts an FP8 layer as half a BF16 layer (as
 on an FP8 tensor-core GPU), and so an int8 one of ``w8a8:k``: ``(k + (L - k) / 2) / L``; ``early:k``
 ``(k + EARLY_TAIL_COST (L - k)) / L``; ``portable`` 1 (two int8 products per
-linear, as one BF16 product on int8 tensor cores); ``none`` costs 0.
+linear, as one BF16 product on int8 tensor cores) and ``portable:k`` as ``early:k``;
+``none`` costs 0.
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ MEANS = "means.npz"  # rung none: the BF16 bit patterns of the per-channel means
 MEANS_KEY = "mean_bf16"
 KINDS = {FP8: "fp8-copy", HYBRID: "hybrid-bf16-fp8", NONE: "channel-mean", EARLY: "early-exit",
          PORTABLE: "integer-portable", W8A8: "w8a8-copy"}
-_KRUNG_RE = re.compile(r"(hybrid|early|w8a8i|w8a8):([0-9]{1,4})")
+_KRUNG_RE = re.compile(r"(hybrid|early|w8a8i|w8a8|portable):([0-9]{1,4})")
 INT_ATTENTION = "w8a8i"  # the w8a8 rungs' spelling with int8 attention
 # early:k's later layers run only their input norm and K/V projections: per token 2*h*2*kv of a
 # decoder layer's ~2*(h*(q + 2*kv) + q*h + 3*h*i) multiply-adds (SmolLM2-135M: 221,184 of 3,538,944)
@@ -71,7 +77,8 @@ EARLY_TAIL_COST = 0.0625
 @dataclass(frozen=True)
 class Rung:
     """A parsed rung: ``kind`` (fp8, hybrid, early, w8a8, portable or none); ``bf16_layers`` the k of
-    hybrid:k, early:k and w8a8:k; ``int_attention``: a w8a8 rung's attention in int8 (``w8a8i``)."""
+    hybrid:k, early:k, w8a8:k and portable:k (whose first k layers are integer ones, not BF16);
+    ``int_attention``: a w8a8 rung's attention in int8 (``w8a8i``)."""
 
     kind: str
     bf16_layers: int = 0
@@ -79,7 +86,7 @@ class Rung:
 
     @property
     def name(self) -> str:
-        k_rung = self.kind in (HYBRID, EARLY) or (self.kind == W8A8 and self.bf16_layers)
+        k_rung = self.kind in (HYBRID, EARLY) or (self.kind in (W8A8, PORTABLE) and self.bf16_layers)
         kind = INT_ATTENTION if self.int_attention else self.kind
         return f"{kind}:{self.bf16_layers}" if k_rung else kind
 
@@ -91,15 +98,15 @@ class Rung:
         """Predictor cost in BF16 prefills, an FP8 layer counted as half a BF16 one."""
         if self.kind == NONE:
             return 0.0
-        if self.kind == PORTABLE:
+        if self.kind == PORTABLE and not self.bf16_layers:
             return 1.0
-        tail = EARLY_TAIL_COST if self.kind == EARLY else 0.5
+        tail = EARLY_TAIL_COST if self.kind in (EARLY, PORTABLE) else 0.5
         return (self.bf16_layers + tail * (layers - self.bf16_layers)) / layers
 
 
 def parse_rung(text: Any, layers: int) -> Rung:
-    """``fp8``, ``none``, ``portable``, ``w8a8``, ``w8a8i``, ``hybrid:k``, ``early:k``, ``w8a8:k`` or
-    ``w8a8i:k`` with k in range; else CheckpointError."""
+    """``fp8``, ``none``, ``portable``, ``w8a8``, ``w8a8i``, ``hybrid:k``, ``early:k``, ``w8a8:k``,
+    ``w8a8i:k`` or ``portable:k`` with k in range; else CheckpointError."""
     if text in (FP8, NONE, PORTABLE, W8A8):
         return Rung(text)
     if text == INT_ATTENTION:
@@ -107,7 +114,7 @@ def parse_rung(text: Any, layers: int) -> Rung:
     m = _KRUNG_RE.fullmatch(text) if isinstance(text, str) else None
     if m is None:
         raise CheckpointError(f"unknown predictor rung {text!r}: use fp8, hybrid:K, early:K, w8a8[:K], "
-                              "w8a8i[:K], portable or none")
+                              "w8a8i[:K], portable[:K] or none")
     k, top = int(m.group(2)), layers if m.group(1) == HYBRID else layers - 1
     if not 1 <= k <= top or str(k) != m.group(2):
         raise CheckpointError(f"predictor rung {text!r}: K must be a plain integer in 1..{top}")
@@ -135,8 +142,10 @@ def manifest_fields(rung: Rung) -> dict[str, Any]:
 
 def weights_quant(rung: Rung) -> str:
     if rung.kind == PORTABLE:
-        return ("int8, float64 scale per output channel (q/k/v and gate/up fused), round half to even; "
-                "BF16 norms and embeddings; integer rope, exp and silu tables")
+        out = ("int8, float64 scale per output channel (q/k/v and gate/up fused), round half to even; "
+               "BF16 norms and embeddings; integer rope, exp and silu tables")
+        k = rung.bf16_layers
+        return f"{out}; decoder layers >= {k}: only their input norm and K/V projections (k/v fused)" if k else out
     fp8 = "e4m3, fp32 scale per output channel, round to nearest even"
     if rung.kind == W8A8:
         int8 = ("int8 of W * 2^e (e per input channel, smooth.npz), fp32 scale per output channel, round half "

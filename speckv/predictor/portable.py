@@ -16,6 +16,13 @@ computing another mu. ``build_portable_model(config, state)`` wraps them in a
         h += linear(attention(q, k, v), o_l)         # (not after the last layer)
         h += linear(silu(g) * u, down_l) with g, u = norm_linear(h, gate_up_l)
 
+``portable:k`` (``exit = k``) runs layers < k so, then for each layer l >= k only::
+
+    mu_l = bf16(rope(k)), bf16(v) with k, v = norm_linear(h, kv_l)   # h: the input of layer k
+
+its state holding no more of those layers than their input norm and fused K/V
+weights (``kv``: the K and V rows of ``qkv``, the same int8 codes and scales).
+
 ``integer.py`` has the arithmetic; ``int_attention.py`` the attention.
 
 Cost on a CPU: int8 products (oneDNN VNNI through ``torch._int_mm``) instead of the
@@ -52,21 +59,29 @@ def _quantise_weight(w: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]
     return q.contiguous(), ix.div(amax, ix.Q_MAX)
 
 
-def portable_state(target_state: Mapping[str, "torch.Tensor"], config: Any) -> dict[str, "torch.Tensor"]:
-    """int8 fused linears + float64 scales, the BF16 norms and embeddings, the integer tables."""
+def _layer_parts(config: Any, i: int, exit: int) -> tuple[tuple[str, ...], dict[str, tuple[str, ...]]]:
+    """(norms, fused linears) layer ``i`` of ``portable[:exit]`` computes with."""
+    if exit and i >= exit:
+        return NORMS[:1], {"kv": FUSED["qkv"][1:]}  # an exited layer: its K and V of layer exit's input
+    if i == config.num_hidden_layers - 1:
+        return NORMS, {"qkv": FUSED["qkv"]}  # the last layer's K and V need nothing after its projections
+    return NORMS, FUSED
+
+
+def portable_state(target_state: Mapping[str, "torch.Tensor"], config: Any, exit: int = 0) -> dict[str, "torch.Tensor"]:
+    """int8 fused linears + float64 scales, the BF16 norms and embeddings, the integer tables
+    (``exit``: the k of portable:k)."""
     import torch
 
     out: dict[str, torch.Tensor] = {EMBED: target_state[EMBED].detach().clone()}
-    layers = config.num_hidden_layers
-    for i in range(layers):
+    for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        for norm in NORMS:
+        norms, fused = _layer_parts(config, i, exit)
+        for norm in norms:
             out[p + norm + ".weight"] = target_state[p + norm + ".weight"].detach().clone()
-        for fused, parts in FUSED.items():
-            if i == layers - 1 and fused != "qkv":
-                continue  # the last layer's K and V need nothing after its projections
+        for name, parts in fused.items():
             w = torch.cat([target_state[p + part + ".weight"] for part in parts])
-            out[p + fused + ".w8"], out[p + fused + ".ws"] = _quantise_weight(w)
+            out[p + name + ".w8"], out[p + name + ".ws"] = _quantise_weight(w)
     out.update(ix.tables(config))
     return out
 
@@ -80,9 +95,10 @@ def _module_class() -> type:
         fused kernel runs (AVX-512 VNNI), each linear's int8 weights are kept only in its packed
         layout (``ix.wide_pack``): ``get`` unpacks them for the reference and unfused paths."""
 
-        def __init__(self, config: Any, state: dict[str, "torch.Tensor"]) -> None:
+        def __init__(self, config: Any, state: dict[str, "torch.Tensor"], exit: int = 0) -> None:
             super().__init__()
             self.config = config
+            self.exit = exit  # portable:k's k; 0: every layer whole
             self.embed = torch.nn.Parameter(state[EMBED], requires_grad=False)
             self.names = sorted(n for n in state if n != EMBED)
             for j, name in enumerate(self.names):
@@ -134,20 +150,20 @@ def _module_class() -> type:
     return PortableKV
 
 
-def build_portable_model(config: Any, state: dict[str, "torch.Tensor"]) -> Any:
-    want = set(portable_state_names(config))
+def build_portable_model(config: Any, state: dict[str, "torch.Tensor"], exit: int = 0) -> Any:
+    want = set(portable_state_names(config, exit))
     if set(state) != want:
         raise CheckpointError(f"portable weights do not fit the config: missing {sorted(want - set(state))[:4]}, "
                               f"unexpected {sorted(set(state) - want)[:4]}")
-    return _module_class()(config, state).eval()
+    return _module_class()(config, state, exit).eval()
 
 
-def portable_state_names(config: Any) -> list[str]:
+def portable_state_names(config: Any, exit: int = 0) -> list[str]:
     names = [EMBED, *ix.TABLE_NAMES]
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        names += [p + n + ".weight" for n in NORMS]
-        fused = ["qkv"] if i == config.num_hidden_layers - 1 else list(FUSED)
+        norms, fused = _layer_parts(config, i, exit)
+        names += [p + n + ".weight" for n in norms]
         names += [p + f + s for f in fused for s in (".w8", ".ws")]
     return names
 
@@ -156,6 +172,15 @@ def portable_kv(model: Any, ids: np.ndarray, on_layer: LayerSink | None = None,
                 exact: bool = False) -> "torch.Tensor":
     """mu ``(layers, 2, kv_heads, tokens, head_dim)`` BF16; ``exact``: the reference path
     (int64 products, no native stage), which must give the same bits."""
+    mu = portable_pass(model, ids, on_layer, exact, keep=True)
+    assert mu is not None
+    return mu
+
+
+def portable_pass(model: Any, ids: np.ndarray, on_layer: LayerSink | None, exact: bool = False,
+                  keep: bool = False) -> "torch.Tensor | None":
+    """``portable_kv``; ``keep=False`` (a sidecar's pass): no layer is kept once ``on_layer`` has
+    it, and None comes back (the layers and their stack would be the whole mu twice over)."""
     import torch
 
     cfg = model.config
@@ -180,20 +205,23 @@ def portable_kv(model: Any, ids: np.ndarray, on_layer: LayerSink | None = None,
         cos, sin = get("portable.rope_cos")[:T], get("portable.rope_sin")[:T]
         for i in range(L):
             p = f"model.layers.{i}."
-            last = i == L - 1
-            rows = H * D if last else 0  # the last layer: only K and V
-            (w8, packed), ws = model.weights(p + "qkv.w8", rows, exact), get(p + "qkv.ws")[rows:]
+            exited = 0 < model.exit <= i  # portable:k: K and V of layer k's input h, which stays as it is
+            kv_only = exited or i == L - 1
+            name, rows = (p + "kv", 0) if exited else (p + "qkv", H * D if kv_only else 0)
+            (w8, packed), ws = model.weights(name + ".w8", rows, exact), get(name + ".ws")[rows:]
             qkv = ix.norm_linear(h, get(p + "input_layernorm.weight"), eps, w8, ws, exact, packed,
                                  work.get("qkv", (T, ws.shape[0])))
-            q, k, v, layer = ix.split_qkv(qkv, cos, sin, 0 if last else H, Hk, D, exact)
-            layers.append(layer.cpu())  # (2, kv_heads, tokens, head_dim)
+            q, k, v, layer = ix.split_qkv(qkv, cos, sin, 0 if kv_only else H, Hk, D, exact)
+            layer = layer.cpu()  # (2, kv_heads, tokens, head_dim)
             if on_layer is not None:
-                on_layer(i, bf16_bits(layers[-1]))
-            if last:
-                break
+                on_layer(i, bf16_bits(layer))
+            if keep:
+                layers.append(layer)
+            if kv_only:
+                continue
             assert q is not None  # every layer but the last computes its queries
             h = _block_rest(model, p, h, attention(q, k, v, get("portable.exp"), exact), eps, exact, work)
-    return torch.stack(layers).contiguous()
+    return torch.stack(layers).contiguous() if keep else None
 
 
 class _Workspace:

@@ -9,10 +9,9 @@ import json
 import numpy as np
 import pytest
 import torch
+from predictor_helpers import every_path_digest
 
 from speckv.errors import CheckpointError
-from speckv.predictor import integer
-from speckv.predictor import target as target_mod
 from speckv.predictor.calibrate import build_checkpoint
 from speckv.predictor.check import check, mu_digest
 from speckv.predictor.checkpoint import load_checkpoint
@@ -26,7 +25,7 @@ PROMPT = "Integers add up the same way on every machine, in any order."
 def test_parse_and_cost():
     assert parse_rung("portable", 30) == Rung("portable") and Rung("portable").nominal_cost(30) == 1.0
     with pytest.raises(CheckpointError):
-        parse_rung("portable:4", 30)
+        parse_rung("portable:30", 30)  # portable:k (test_predictor_portable_exit.py) exits before the last layer
 
 
 @pytest.fixture(scope="module")
@@ -41,29 +40,12 @@ def portable(portable_dir):
     return Predictor.from_checkpoint(load_checkpoint(portable_dir))
 
 
-def _paths(model, ids, monkeypatch) -> dict[str, str]:
-    out = {"default": mu_digest(portable_kv(model, ids)),
-           "int64 reference": mu_digest(portable_kv(model, ids, exact=True))}
-    monkeypatch.setattr(integer, "FUSED_SCALAR", True)
-    out["fused linear, scalar loops"] = mu_digest(portable_kv(model, ids))
-    monkeypatch.setattr(integer, "FUSED_SCALAR", False)
-    monkeypatch.setattr(integer, "FUSED", False)
-    out["native stages, unfused"] = mu_digest(portable_kv(model, ids))
-    monkeypatch.setattr(integer, "FUSED", True)
-    monkeypatch.setattr(integer, "NATIVE", False)
-    out["torch stages"] = mu_digest(portable_kv(model, ids))
-    monkeypatch.setattr(integer, "NATIVE", True)
-    monkeypatch.setattr(target_mod, "COMPUTE_THREADS", 1)
-    out["1 thread"] = mu_digest(portable_kv(model, ids))
-    return out
-
-
 def test_every_path_gives_the_same_bits(portable, tiny_target, monkeypatch):
     rng = np.random.default_rng(0)
     prompts = [tiny_target.tokenize(PROMPT), rng.integers(0, tiny_target.config.vocab_size, 300)]
     prompts += [rng.integers(0, tiny_target.config.vocab_size, n) for n in (1, 2, 7, 17)]  # torch's k == 1 trap
     for ids in prompts:
-        digests = _paths(portable.model, ids, monkeypatch)
+        digests = every_path_digest(portable.model, ids, monkeypatch)
         assert len(set(digests.values())) == 1, digests
 
 
@@ -72,7 +54,7 @@ def test_long_prompt_same_bits(tiny_target, monkeypatch):
     cfg.max_position_embeddings = 4096
     model = build_portable_model(cfg, portable_state(tiny_target.state, cfg))
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, 2100)
-    digests = _paths(model, ids, monkeypatch)
+    digests = every_path_digest(model, ids, monkeypatch)
     assert len(set(digests.values())) == 1, digests
     with pytest.raises(ValueError, match="rope table"):
         portable_kv(model, np.zeros(4097, np.int64))
