@@ -33,15 +33,15 @@ from .backends import select_backend
 from .config import MAX_ELEMS_PER_LANE, CodecConfig
 from .integrity import verified
 from .interfaces import CheckpointLike, MuSource
-from .model import BF16, E4M3, FP32, Context, ContextTable, FloatFormat, fp8_log2_sigma
+from .model import BF16, E4M3, Context, ContextTable, FloatFormat
 from .plan import (
     Plan,
     bf16_context_table,
+    build_plan,
     chunk_rounding,
     chunk_scales,
     chunk_shifts,
-    fp8_codes,
-    mu_float32,
+    element_groups,
     plan_context,
     runs,
     toward_zero_mu,
@@ -57,6 +57,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 logger = logging.getLogger(__name__)
+# NOTE: a whole stream is coded at most this many elements at a time (element_groups), 8 MB of BF16
+# (SmolLM2-135M, 2,048 tokens: two 2-layer chunks of 1.57 M), so its peak holds one group's prepared
+# mu, sampled costs and native scratch (4 bytes an element in decode), not the stream's
+GROUP_ELEMENTS = 1 << 22
 
 class Codec:
     """Encoder and decoder of KV caches under one pinned predictor."""
@@ -115,13 +119,19 @@ class Codec:
     # -- encode -------------------------------------------------------------
     def encode(self, kv: "torch.Tensor | Fp8KV", ids: np.ndarray,
                mu: "torch.Tensor | None" = None) -> Iterator[bytes]:
-        """Header record, then one record per chunk (a chunk larger coded than stored is stored)."""
-        plan = self._plan(kv, ids, mu)
-        header = self.stream_header(plan.fmt is BF16, plan.mu.shape, ids)
-        plan = self._adapted(plan, header)
+        """Header record, then one record per chunk (a chunk larger coded than stored is stored),
+        coded ``GROUP_ELEMENTS`` at a time (``encode_chunks``: the same bytes as one pass)."""
+        mu_bits = bf16_bits(self._predicted(ids) if mu is None else mu)
+        fp8 = isinstance(kv, Fp8KV)
+        x, scales = (kv.codes, np.asarray(kv.scales)) if isinstance(kv, Fp8KV) else (bf16_bits(kv), None)
+        header = self.stream_header(not fp8, mu_bits.shape, ids)
         yield ct.pack_header(header)
-        for chunk in self._encode_chunks(plan, header, range(header.n_chunks)):
-            yield ct.pack_chunk(chunk)
+        every = range(header.n_chunks)
+        for g in element_groups(header, every, GROUP_ELEMENTS):
+            a, b = header.chunk_layers(every[g][0])[0], sum(header.chunk_layers(every[g][-1]))
+            for chunk in self.encode_chunks(header, every[g], x[a:b], mu_bits,
+                                            None if scales is None else scales[a:b]):
+                yield ct.pack_chunk(chunk)
 
     def stream_header(self, bf16: bool, shape: Sequence[int], ids: np.ndarray,
                       layers_per_chunk: int | None = None, stored: bool = False) -> ct.StreamHeader:
@@ -225,39 +235,18 @@ class Codec:
         return plan.shifted(choose_shifts(plan.fmt, plan.fmt_mu, plan.model.tables, x, plan.mu,
                                           plan.log2_sigma, coster))
 
+    def _predicted(self, ids: np.ndarray) -> "torch.Tensor | np.ndarray":
+        if self.predictor is None:
+            raise ValueError("no mu given and no predictor to compute it")
+        return self.predictor.mu(np.asarray(ids))
+
     def _plan(self, kv, ids, mu, fmt: FloatFormat | None = None, scales=None,
               layers: slice | None = None, model_id: int | None = None) -> Plan:
-        """Symbols of ``layers`` (default all): ``kv`` and ``scales`` hold only those
-        layers, ``mu`` (computed from ``ids`` when None) the whole stream's; under
-        ``model_id`` (default: the one this codec encodes with)."""
-        if mu is None:
-            if self.predictor is None:
-                raise ValueError("no mu given and no predictor to compute it")
-            mu = self.predictor.mu(np.asarray(ids))
-        mu = bf16_bits(mu)
+        """``plan.build_plan`` under ``model_id`` (default: the one this codec encodes with);
+        mu from ``ids`` when None."""
+        mu = bf16_bits(self._predicted(ids) if mu is None else mu)
         model = self.models[self.model_id if model_id is None else model_id]
-        layers = layers or slice(0, mu.shape[0])
-        lg, layer0 = model.log2_sigma[layers], layers.start
-        fp8 = isinstance(kv, Fp8KV) or fmt is E4M3
-        if fp8:
-            scales = np.ascontiguousarray(kv.scales if isinstance(kv, Fp8KV) else scales, np.float32)
-        if self.backend is not None:  # mu correction and the FP8 division, natively
-            a = None if model.mu_scale is None else model.mu_scale[layers]
-            b = None if model.mu_shift is None else model.mu_shift[layers]
-            mu = self.backend.prepare_mu(mu[layers], a, b, scales if fp8 else None)
-        else:
-            mu = model.correct(mu[layers], layers)
-            if fp8:
-                # NOTE: one IEEE fp32 division per scalar (correctly rounded on every backend);
-                # scales come from the stream: 0, inf or NaN give inf/NaN mu, which escape
-                with np.errstate(all="ignore"):
-                    mu = (mu_float32(mu) / scales[:, :, None, None, None]).view(np.uint32)
-        if fp8:
-            log2_sigma = fp8_log2_sigma(lg, scales.view(np.uint32)[:, :, None, None])
-            x = fp8_codes(kv.codes) if isinstance(kv, Fp8KV) else None
-            return Plan(E4M3, FP32, x, mu, log2_sigma, scales, model, layer0)
-        x = bf16_bits(kv) if kv is not None else None
-        return Plan(BF16, BF16, x, mu, lg, None, model, layer0)
+        return build_plan(model, self.backend, kv, mu, fmt, scales, layers)
 
     # -- decode -------------------------------------------------------------
     def decode(self, records: Iterable[bytes], ids: np.ndarray,
@@ -316,19 +305,34 @@ class Codec:
 
     def _decode_layers(self, h: ct.StreamHeader, chunks: Sequence[ct.Chunk], ids: np.ndarray | None,
                        mu: "torch.Tensor | np.ndarray | None") -> np.ndarray:
-        """The verified layers of consecutive chunks: stored chunks from their raw bytes, the
-        coded ones (mu from ``ids`` when None) checked against their mu and decoded in one pass."""
+        """The verified layers of consecutive chunks (mu from ``ids`` when None), into one array,
+        each group of at most ``GROUP_ELEMENTS`` elements decoded in one pass."""
+        if mu is None and ids is not None and not all(ct.is_stored_chunk(h, c) for c in chunks):
+            mu = self._predicted(ids)
+        out, at = None, 0
+        for g in element_groups(h, [c.index for c in chunks], GROUP_ELEMENTS):
+            part = self._decode_group(h, chunks[g], mu)
+            if out is None:  # NOTE: not before a group has checked the header's shape against real bytes
+                out = np.empty((sum(c.layer_count for c in chunks),) + part.shape[1:], part.dtype)
+            out[at:at + len(part)], at = part, at + len(part)
+        empty = (0,) + h.shape[1:]
+        return out if out is not None else np.empty(empty, np.uint16 if h.dtype == ct.DTYPE_BF16 else np.uint8)
+
+    def _decode_group(self, h: ct.StreamHeader, chunks: Sequence[ct.Chunk],
+                      mu: "torch.Tensor | np.ndarray | None") -> np.ndarray:
+        """Stored chunks from their raw bytes, the coded ones checked against their mu and decoded
+        in one pass."""
         out = {c.index: unstored_chunk(h, c) for c in chunks if ct.is_stored_chunk(h, c)}
         coded = [c for c in chunks if c.index not in out]
         if coded:
-            if mu is None and ids is None:
+            if mu is None:
                 raise ValueError(f"chunks {[c.index for c in coded]} are coded: decoding them needs mu")
             fmt = BF16 if h.dtype == ct.DTYPE_BF16 else E4M3
             span = [c for c in chunks if coded[0].index <= c.index <= coded[-1].index]
             scales = chunk_scales(h, span) if fmt is E4M3 else None
             shifts = chunk_shifts(h, span)  # checked before anything is decoded
             layers = slice(h.chunk_layers(coded[0].index)[0], sum(h.chunk_layers(coded[-1].index)))
-            plan = self._plan(None, ids, mu, fmt, scales, layers=layers, model_id=h.model)
+            plan = self._plan(None, None, mu, fmt, scales, layers=layers, model_id=h.model)
             if fmt is E4M3 and h.version >= 5:
                 plan = plan.rounded(chunk_rounding(h, span))
             if shifts is not None:

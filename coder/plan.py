@@ -20,7 +20,7 @@ from speckv.digests import XXH3_128, digest
 from speckv.errors import IntegrityError
 
 from . import container as ct
-from .model import BF16, Context, ContextTable, FloatFormat, context
+from .model import BF16, E4M3, FP32, Context, ContextTable, FloatFormat, context, fp8_log2_sigma
 from .residual import ResidualModel
 from .tables import SHIFT_MAX
 
@@ -235,3 +235,51 @@ def runs(indices: Sequence[int]) -> list[slice]:
     cuts = [p for p in range(1, len(indices)) if indices[p] != indices[p - 1] + 1]
     bounds = [0, *cuts, len(indices)]
     return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+
+
+
+def element_groups(h: ct.StreamHeader, indices: Sequence[int], limit: int) -> list[slice]:
+    """Positions of consecutive chunk ``indices`` in groups of at most ``limit`` elements each (a
+    larger chunk alone): what a codec prepares and codes at once, so coding a whole stream needs
+    neither its whole mu prepared nor the native coder's per-element scratch for all of it."""
+    per_layer = int(np.prod(h.shape[1:]))
+    bounds, size = [0], 0
+    for p, i in enumerate(indices):
+        n = h.chunk_layers(i)[1] * per_layer
+        if p > bounds[-1] and size + n > limit:
+            bounds.append(p)
+            size = 0
+        size += n
+    bounds.append(len(indices))
+    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+
+
+def build_plan(model: ResidualModel, backend: Any, kv: Any, mu: np.ndarray, fmt: FloatFormat | None = None,
+               scales: Any = None, layers: slice | None = None) -> Plan:
+    """Symbols of ``layers`` (default all) under ``model``: ``kv`` (BF16 tensor or bits, ``Fp8KV``,
+    or None to decode) and ``scales`` hold only those layers, ``mu`` (BF16 bits) the whole
+    stream's; its correction and the FP8 division natively where ``backend`` runs."""
+    from speckv.kv import Fp8KV, bf16_bits
+
+    layers = layers or slice(0, mu.shape[0])
+    lg, layer0 = model.log2_sigma[layers], layers.start
+    fp8 = isinstance(kv, Fp8KV) or fmt is E4M3
+    if fp8:
+        scales = np.ascontiguousarray(kv.scales if isinstance(kv, Fp8KV) else scales, np.float32)
+    if backend is not None:  # mu correction and the FP8 division, natively
+        a = None if model.mu_scale is None else model.mu_scale[layers]
+        b = None if model.mu_shift is None else model.mu_shift[layers]
+        mu = backend.prepare_mu(mu[layers], a, b, scales if fp8 else None)
+    else:
+        mu = model.correct(mu[layers], layers)
+        if fp8:
+            # NOTE: one IEEE fp32 division per scalar (correctly rounded on every backend);
+            # scales come from the stream: 0, inf or NaN give inf/NaN mu, which escape
+            with np.errstate(all="ignore"):
+                mu = (mu_float32(mu) / scales[:, :, None, None, None]).view(np.uint32)
+    if fp8:
+        log2_sigma = fp8_log2_sigma(lg, scales.view(np.uint32)[:, :, None, None])
+        x = fp8_codes(kv.codes) if isinstance(kv, Fp8KV) else None
+        return Plan(E4M3, FP32, x, mu, log2_sigma, scales, model, layer0)
+    x = bf16_bits(kv) if kv is not None else None
+    return Plan(BF16, BF16, x, mu, lg, None, model, layer0)

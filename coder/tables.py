@@ -16,6 +16,7 @@ are ~1e-7 of all scalars, so the empirical third component is not modelled.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,7 +119,6 @@ class Table:
     freq: np.ndarray  # (total symbols,) uint32
     cum: np.ndarray  # (total symbols,) uint32
     offset: np.ndarray  # (tables,) int32, first symbol of each table
-    lookup: np.ndarray  # (tables * PROB_SCALE,) symbol index within its table
 
     @classmethod
     def from_rows(cls, rows: list[np.ndarray]) -> "Table":
@@ -126,8 +126,15 @@ class Table:
         offset = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int32)
         freq = np.concatenate(rows).astype(np.uint32)
         cum = np.concatenate([cumulative(r) for r in rows])
-        lookup = np.concatenate([slot_lookup(r).astype(np.uint16) for r in rows])
-        return cls(freq=freq, cum=cum, offset=offset, lookup=lookup)
+        return cls(freq=freq, cum=cum, offset=offset)
+
+    @functools.cached_property
+    def lookup(self) -> np.ndarray:
+        """(tables * PROB_SCALE,) uint16: each slot's symbol index within its table. NOTE: 2 bytes
+        a slot (26 MB per model here), and only the numpy decoder reads it: built on its first use."""
+        ends = np.append(self.offset[1:].astype(np.int64), len(self.freq))
+        return np.concatenate([slot_lookup(self.freq[a:b]).astype(np.uint16)
+                               for a, b in zip(self.offset.astype(np.int64), ends, strict=True)])
 
 
 @dataclass

@@ -32,7 +32,7 @@ from .checkpoint import Checkpoint, fp8_state
 from .early import build_early_model, early_kv, early_state
 from .fp8 import dequantize_e4m3
 from .ladder import EARLY, MEANS, PORTABLE, W8A8, Rung, load_means, mean_model
-from .portable import build_portable_model, portable_canary, portable_kv, portable_state
+from .portable import build_portable_model, portable_canary, portable_pass, portable_state
 from .store import CONFIG, FP8_SUFFIX, SCALE_SUFFIX, WEIGHTS, state_digest
 from .target import LINEAR_NAMES, LayerSink, emit_all, extract_kv, load_target, reading_fp8, replace_linears
 from .w8a8 import build_w8a8_model, load_smooth, w8a8_state
@@ -53,7 +53,7 @@ def rung_state(target_state: Mapping[str, "torch.Tensor"], rung: Rung, config: A
     """The weights ``rung`` computes with, from the target's (fp8, hybrid:k, early:k, portable:
     which needs the target's ``config`` for its tables; w8a8:k: and the smoothing exponents)."""
     if rung.kind == PORTABLE:
-        return portable_state(target_state, config)
+        return portable_state(target_state, config, rung.bf16_layers)
     if rung.kind == W8A8:
         if smooth is None:
             raise CheckpointError("a w8a8 checkpoint needs its smoothing exponents (smooth.npz)")
@@ -73,7 +73,7 @@ def build_model(config: Any, state: dict[str, "torch.Tensor"], rung: Rung | None
     if rung is not None and rung.kind == EARLY:
         return build_early_model(config, state, rung.bf16_layers)
     if rung is not None and rung.kind == PORTABLE:
-        return build_portable_model(config, state)
+        return build_portable_model(config, state, rung.bf16_layers)
     if rung is not None and rung.kind == W8A8:
         return build_w8a8_model(config, state, rung.bf16_layers, rung.int_attention)
 
@@ -177,7 +177,7 @@ class Predictor:
     def stream(self, ids: np.ndarray, on_layer: "LayerSink",
                fp8_attention: "Fp8Attention | None" = None) -> None:
         """``mu`` for a caller that takes every layer from ``on_layer`` (a sidecar's LayerMu): a
-        rung that can (``w8a8:K``) keeps no layer once ``on_layer`` has it, which saves the whole
+        rung that can (``w8a8:K``, ``portable[:K]``) keeps no layer once ``on_layer`` has it, which saves the whole
         mu twice over (the layers and their stack) at the sidecar's peak."""
         self._pass(ids, on_layer, fp8_attention, keep=False)
 
@@ -295,8 +295,8 @@ def rung_pass(model: Any, ids: np.ndarray, on_layer: "LayerSink | None", keep: b
         return mu
     if hasattr(model, "tail"):  # early:k
         return early_kv(model, ids, on_layer)
-    if hasattr(model, "names"):  # portable
-        return portable_kv(model, ids, on_layer)
+    if hasattr(model, "names"):  # portable, portable:k
+        return portable_pass(model, ids, on_layer, keep=keep)
     if hasattr(model, "rotary"):  # w8a8:k
         return w8a8_kv(model, ids, on_layer, keep)
     return extract_kv(model, ids, on_layer)
