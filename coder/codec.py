@@ -311,17 +311,17 @@ class Codec:
             mu = self._predicted(ids)
         out, at = None, 0
         for g in element_groups(h, [c.index for c in chunks], GROUP_ELEMENTS):
-            part = self._decode_group(h, chunks[g], mu)
-            if out is None:  # NOTE: not before a group has checked the header's shape against real bytes
-                out = np.empty((sum(c.layer_count for c in chunks),) + part.shape[1:], part.dtype)
-            out[at:at + len(part)], at = part, at + len(part)
+            for part in self._decode_group(h, chunks[g], mu):  # each chunk's layers, copied once
+                if out is None:  # NOTE: not before a group has checked the header's shape against real bytes
+                    out = np.empty((sum(c.layer_count for c in chunks),) + part.shape[1:], part.dtype)
+                out[at:at + len(part)], at = part, at + len(part)
         empty = (0,) + h.shape[1:]
         return out if out is not None else np.empty(empty, np.uint16 if h.dtype == ct.DTYPE_BF16 else np.uint8)
 
     def _decode_group(self, h: ct.StreamHeader, chunks: Sequence[ct.Chunk],
-                      mu: "torch.Tensor | np.ndarray | None") -> np.ndarray:
-        """Stored chunks from their raw bytes, the coded ones checked against their mu and decoded
-        in one pass."""
+                      mu: "torch.Tensor | np.ndarray | None") -> list[np.ndarray]:
+        """Each chunk's layers: stored chunks from their raw bytes, the coded ones checked against
+        their mu and decoded in one pass."""
         out = {c.index: unstored_chunk(h, c) for c in chunks if ct.is_stored_chunk(h, c)}
         coded = [c for c in chunks if c.index not in out]
         if coded:
@@ -340,7 +340,7 @@ class Codec:
             self._check_mu(plan, h, coded)
             out.update(zip([c.index for c in coded], self._verified(h, coded, self._decode_batch(plan, h, coded)),
                            strict=True))
-        return np.concatenate([out[c.index] for c in chunks])
+        return [out[c.index] for c in chunks]
 
     check_header = _check_header  # public name for streaming decoders
 
