@@ -219,7 +219,7 @@ def portable_pass(model: Any, ids: np.ndarray, on_layer: LayerSink | None, exact
                 layers.append(layer)
             if kv_only:
                 continue
-            assert q is not None  # every layer but the last computes its queries
+            assert q is not None  # a whole layer computes its queries
             h = _block_rest(model, p, h, attention(q, k, v, get("portable.exp"), exact), eps, exact, work)
     return torch.stack(layers).contiguous() if keep else None
 

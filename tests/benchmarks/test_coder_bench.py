@@ -26,6 +26,9 @@ def test_section_scaling_and_update(cb, tmp_path):
     assert "| bf16 | native | 2 | 1000 | 180.0 | 90.0 | 0.300 | 0.113 | 600 / 800 | 0.010 |" in text
     assert "bf16: 2 threads / 1 thread = 1.80x encode, 1.80x decode; native / numpy = 6.0x encode" in text
     assert "coded bytes identical (1000 native, 1000 numpy)" in text
+    alt = {"bf16": {"encode_1": 0.2, "encode_2": 0.11, "decode_1": 0.3, "decode_2": 0.2}}
+    assert ("bf16, 1 and 2 threads alternately on the same KV (5 pairs, medians): 2 threads / 1 thread = "
+            "1.82x encode (0.200 s / 0.110 s), 1.50x decode (0.300 s / 0.200 s).") in cb.section(rows, 8, alt, 5)
     rows[2]["coded_bytes"] = 999
     assert "coded bytes DIFFER" in cb.section(rows, 8)
     path = tmp_path / "RESULTS.md"
