@@ -122,9 +122,8 @@ class Codec:
         """Header record, then one record per chunk (a chunk larger coded than stored is stored),
         coded ``GROUP_ELEMENTS`` at a time (``encode_chunks``: the same bytes as one pass)."""
         mu_bits = bf16_bits(self._predicted(ids) if mu is None else mu)
-        fp8 = isinstance(kv, Fp8KV)
         x, scales = (kv.codes, np.asarray(kv.scales)) if isinstance(kv, Fp8KV) else (bf16_bits(kv), None)
-        header = self.stream_header(not fp8, mu_bits.shape, ids)
+        header = self.stream_header(scales is None, mu_bits.shape, ids)
         yield ct.pack_header(header)
         every = range(header.n_chunks)
         for g in element_groups(header, every, GROUP_ELEMENTS):

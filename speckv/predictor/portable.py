@@ -16,7 +16,7 @@ computing another mu. ``build_portable_model(config, state)`` wraps them in a
         h += linear(attention(q, k, v), o_l)         # (not after the last layer)
         h += linear(silu(g) * u, down_l) with g, u = norm_linear(h, gate_up_l)
 
-``portable:k`` (``exit = k``) runs layers < k so, then for each layer l >= k only::
+``portable:k`` (``exit_layer = k``) runs layers < k so, then for each layer l >= k only::
 
     mu_l = bf16(rope(k)), bf16(v) with k, v = norm_linear(h, kv_l)   # h: the input of layer k
 
@@ -59,24 +59,25 @@ def _quantise_weight(w: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]
     return q.contiguous(), ix.div(amax, ix.Q_MAX)
 
 
-def _layer_parts(config: Any, i: int, exit: int) -> tuple[tuple[str, ...], dict[str, tuple[str, ...]]]:
-    """(norms, fused linears) layer ``i`` of ``portable[:exit]`` computes with."""
-    if exit and i >= exit:
-        return NORMS[:1], {"kv": FUSED["qkv"][1:]}  # an exited layer: its K and V of layer exit's input
+def _layer_parts(config: Any, i: int, exit_layer: int) -> tuple[tuple[str, ...], dict[str, tuple[str, ...]]]:
+    """(norms, fused linears) layer ``i`` of ``portable[:exit_layer]`` computes with."""
+    if exit_layer and i >= exit_layer:
+        return NORMS[:1], {"kv": FUSED["qkv"][1:]}  # an exited layer: K and V of layer exit_layer's input
     if i == config.num_hidden_layers - 1:
         return NORMS, {"qkv": FUSED["qkv"]}  # the last layer's K and V need nothing after its projections
     return NORMS, FUSED
 
 
-def portable_state(target_state: Mapping[str, "torch.Tensor"], config: Any, exit: int = 0) -> dict[str, "torch.Tensor"]:
+def portable_state(target_state: Mapping[str, "torch.Tensor"], config: Any,
+                   exit_layer: int = 0) -> dict[str, "torch.Tensor"]:
     """int8 fused linears + float64 scales, the BF16 norms and embeddings, the integer tables
-    (``exit``: the k of portable:k)."""
+    (``exit_layer``: the k of portable:k)."""
     import torch
 
     out: dict[str, torch.Tensor] = {EMBED: target_state[EMBED].detach().clone()}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        norms, fused = _layer_parts(config, i, exit)
+        norms, fused = _layer_parts(config, i, exit_layer)
         for norm in norms:
             out[p + norm + ".weight"] = target_state[p + norm + ".weight"].detach().clone()
         for name, parts in fused.items():
@@ -95,10 +96,10 @@ def _module_class() -> type:
         fused kernel runs (AVX-512 VNNI), each linear's int8 weights are kept only in its packed
         layout (``ix.wide_pack``): ``get`` unpacks them for the reference and unfused paths."""
 
-        def __init__(self, config: Any, state: dict[str, "torch.Tensor"], exit: int = 0) -> None:
+        def __init__(self, config: Any, state: dict[str, "torch.Tensor"], exit_layer: int = 0) -> None:
             super().__init__()
             self.config = config
-            self.exit = exit  # portable:k's k; 0: every layer whole
+            self.exit_layer = exit_layer  # portable:k's k; 0: every layer whole
             self.embed = torch.nn.Parameter(state[EMBED], requires_grad=False)
             self.names = sorted(n for n in state if n != EMBED)
             for j, name in enumerate(self.names):
@@ -150,19 +151,19 @@ def _module_class() -> type:
     return PortableKV
 
 
-def build_portable_model(config: Any, state: dict[str, "torch.Tensor"], exit: int = 0) -> Any:
-    want = set(portable_state_names(config, exit))
+def build_portable_model(config: Any, state: dict[str, "torch.Tensor"], exit_layer: int = 0) -> Any:
+    want = set(portable_state_names(config, exit_layer))
     if set(state) != want:
         raise CheckpointError(f"portable weights do not fit the config: missing {sorted(want - set(state))[:4]}, "
                               f"unexpected {sorted(set(state) - want)[:4]}")
-    return _module_class()(config, state, exit).eval()
+    return _module_class()(config, state, exit_layer).eval()
 
 
-def portable_state_names(config: Any, exit: int = 0) -> list[str]:
+def portable_state_names(config: Any, exit_layer: int = 0) -> list[str]:
     names = [EMBED, *ix.TABLE_NAMES]
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        norms, fused = _layer_parts(config, i, exit)
+        norms, fused = _layer_parts(config, i, exit_layer)
         names += [p + n + ".weight" for n in norms]
         names += [p + f + s for f in fused for s in (".w8", ".ws")]
     return names
@@ -205,7 +206,7 @@ def portable_pass(model: Any, ids: np.ndarray, on_layer: LayerSink | None, exact
         cos, sin = get("portable.rope_cos")[:T], get("portable.rope_sin")[:T]
         for i in range(L):
             p = f"model.layers.{i}."
-            exited = 0 < model.exit <= i  # portable:k: K and V of layer k's input h, which stays as it is
+            exited = 0 < model.exit_layer <= i  # portable:k: K and V of layer k's input h, which stays as it is
             kv_only = exited or i == L - 1
             name, rows = (p + "kv", 0) if exited else (p + "qkv", H * D if kv_only else 0)
             (w8, packed), ws = model.weights(name + ".w8", rows, exact), get(name + ".ws")[rows:]
