@@ -29,10 +29,11 @@ import grpc
 import numpy as np
 
 from speckv.errors import RpcFailed
-from speckv.kv import Fp8Attention, Fp8KV
+from speckv.kv import Fp8Attention, Fp8KV, HeadRange
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.v1 import decoder_pb2_grpc as dgrpc
 from speckv.v1 import encoder_pb2_grpc as egrpc
+from speckv.wire import heads_msg
 
 from .core import (
     SubmitResult,
@@ -75,15 +76,18 @@ class EncoderClient:
     def submit(self, request_id: str, kv: Any, prompt_token_ids: Any, decoder_address: str, model_id: str,
                *, encoding: str = "speckv", expected_pin: str | None = None,
                timeout: float | None = None, retries: int = 0, backoff_s: float = 0.5,
-               fp8_attention: Fp8Attention | None = None) -> SubmitResult:
+               fp8_attention: Fp8Attention | None = None, heads: HeadRange | None = None) -> SubmitResult:
         """Submit one request's KV; with ``retries``, an UNAVAILABLE failure (the encoder
         or the decoder unreachable, a connection reset, a restart) is retried under the
         same request id after ``backoff_s`` (doubling): the decoder keeps no state of a
         transfer whose call ended, so a retry starts afresh. ``fp8_attention`` (FP8 KV): how
-        the engine's attention read its FP8 cache; both predictors then follow it."""
+        the engine's attention read its FP8 cache; both predictors then follow it. ``heads``:
+        ``kv`` holds only these heads (one tensor-parallel rank's); each rank submits its own
+        under the same request id, and the decoder serves any range of them (``fetch``)."""
         for attempt in range(retries + 1):
             reqs = submit_requests(request_id, kv, prompt_token_ids, decoder_address, model_id, encoding,
-                                   expected_pin, framed=True, handoff=self.handoff, fp8_attention=fp8_attention)
+                                   expected_pin, framed=True, handoff=self.handoff, fp8_attention=fp8_attention,
+                                   heads=heads)
             try:
                 return _result(self._submit(reqs, timeout=timeout or self.timeout))
             except grpc.RpcError as e:
@@ -93,13 +97,14 @@ class EncoderClient:
     def open_submit(self, request_id: str, shape: tuple[int, int, int, int, int], prompt_token_ids: Any,
                     decoder_address: str, model_id: str, *, dtype: str = "bf16", encoding: str = "speckv",
                     expected_pin: str | None = None, timeout: float | None = None,
-                    fp8_attention: Fp8Attention | None = None) -> SubmitStream:
+                    fp8_attention: Fp8Attention | None = None, heads: HeadRange | None = None) -> SubmitStream:
         """Open a Submit whose layers follow one at a time (``SubmitStream.send_layer``), for an
         engine that produces the KV layer by layer: the header goes now, so both sidecars start
         their predictors while the engine still prefills. No retries: a failed stream raises."""
         return SubmitStream(self._submit, request_id, shape, prompt_token_ids, decoder_address, model_id,
                             dtype=dtype, encoding=encoding, expected_pin=expected_pin,
-                            timeout=timeout or self.timeout, handoff=self.handoff, fp8_attention=fp8_attention)
+                            timeout=timeout or self.timeout, handoff=self.handoff, fp8_attention=fp8_attention,
+                            heads=heads)
 
     def close(self) -> None:
         self.channel.close()
@@ -124,18 +129,21 @@ class DecoderClient:
         self.timeout = timeout
 
     def fetch_layers(self, request_id: str, wait: float | None = None, timeout: float | None = None,
-                     verified_only: bool = False, model_id: str = "",
-                     ) -> Iterator[tuple[int, np.ndarray, np.ndarray | None]]:
+                     verified_only: bool = False, model_id: str = "", heads: HeadRange | None = None,
+                     tokens: tuple[int, int] | None = None) -> Iterator[tuple[int, np.ndarray, np.ndarray | None]]:
         """Yields ``(layer, (2, heads, tokens, dim) array, scales | None)`` as layers arrive.
         NOTE: each layer passed its chunk's checksum; the whole transfer is verified only
         when the iterator ends without raising (``verified_only``: nothing arrives before).
         ``model_id``: the model this engine runs; a transfer of another model is refused
-        (MODEL_MISMATCH) before any layer arrives."""
-        yield from self._stream(request_id, wait, timeout, _Collector(verified_only, model_id=model_id))
+        (MODEL_MISMATCH) before any layer arrives. ``heads``: only these heads (this rank's), from
+        the transfers of ``request_id`` that hold them (one, several side by side, or a slice).
+        ``tokens``: only tokens ``[start, stop)`` of each layer (a local prefix-cache hit holds the rest)."""
+        col = _Collector(verified_only, model_id=model_id, heads=heads, tokens=tokens)
+        yield from self._stream(request_id, wait, timeout, col)
 
     def _stream(self, request_id: str, wait: float | None, timeout: float | None,
                 col: _Collector) -> Iterator[tuple[int, np.ndarray, np.ndarray | None]]:
-        req = fetch_request(request_id, wait, col.verified_only, col.model_id)
+        req = fetch_request(request_id, wait, col.verified_only, col.model_id, col.heads, col.tokens)
         try:
             for msg in self._fetch(req, timeout=timeout or self.timeout):
                 done = col.add(msg)
@@ -147,25 +155,28 @@ class DecoderClient:
 
     def fetch(self, request_id: str, wait: float | None = None, timeout: float | None = None,
               as_torch: bool = False, verified_only: bool = False,
-              model_id: str = "") -> "np.ndarray | Fp8KV | torch.Tensor":
+              model_id: str = "", heads: HeadRange | None = None,
+              tokens: tuple[int, int] | None = None) -> "np.ndarray | Fp8KV | torch.Tensor":
         """The whole reconstructed KV (see the module docstring for its type), returned only
         after its whole-transfer digest matched, on the server and again here (``model_id``:
-        as ``fetch_layers``)."""
-        col = _Collector(verified_only, whole=True, model_id=model_id)
+        ``heads`` and ``tokens``: as ``fetch_layers``)."""
+        col = _Collector(verified_only, whole=True, model_id=model_id, heads=heads, tokens=tokens)
         for layer, arr, scales in self._stream(request_id, wait, timeout, col):
             col.keep(layer, arr, scales)
         return col.result(as_torch)
 
-    def status(self, request_id: str, timeout: float | None = None) -> dpb.TransferStatus:
+    def status(self, request_id: str, timeout: float | None = None,
+                 heads: HeadRange | None = None) -> dpb.TransferStatus:
         try:
-            return self.stub.GetTransferStatus(dpb.GetTransferStatusRequest(request_id=request_id),
-                                               timeout=timeout or self.timeout).status
+            req = dpb.GetTransferStatusRequest(request_id=request_id, heads=heads_msg(heads))
+            return self.stub.GetTransferStatus(req, timeout=timeout or self.timeout).status
         except grpc.RpcError as e:
             raise _failed(e) from None
 
-    def cancel(self, request_id: str, timeout: float | None = None) -> dpb.TransferStatus:
+    def cancel(self, request_id: str, timeout: float | None = None,
+                 heads: HeadRange | None = None) -> dpb.TransferStatus:
         try:
-            return self.stub.CancelTransfer(dpb.CancelTransferRequest(request_id=request_id),
+            return self.stub.CancelTransfer(dpb.CancelTransferRequest(request_id=request_id, heads=heads_msg(heads)),
                                             timeout=timeout or self.timeout).status
         except grpc.RpcError as e:
             raise _failed(e) from None
@@ -196,13 +207,13 @@ class AsyncEncoderClient:
     async def submit(self, request_id: str, kv: Any, prompt_token_ids: Any, decoder_address: str,
                      model_id: str, *, encoding: str = "speckv", expected_pin: str | None = None,
                      timeout: float | None = None, retries: int = 0, backoff_s: float = 0.5,
-                     fp8_attention: Fp8Attention | None = None) -> SubmitResult:
+                     fp8_attention: Fp8Attention | None = None, heads: HeadRange | None = None) -> SubmitResult:
         """As the blocking client's ``submit`` (the same retries)."""
         for attempt in range(retries + 1):
             # NOTE: the memfd is written off the loop (a copy of the whole KV)
             reqs = await asyncio.to_thread(functools.partial(
                 submit_requests, request_id, kv, prompt_token_ids, decoder_address, model_id, encoding,
-                expected_pin, framed=True, handoff=self.handoff, fp8_attention=fp8_attention))
+                expected_pin, framed=True, handoff=self.handoff, fp8_attention=fp8_attention, heads=heads))
             try:
                 # NOTE: grpc.aio takes a plain iterator for a request stream
                 return _result(await self._submit(reqs, timeout=timeout or self.timeout))
@@ -227,15 +238,17 @@ class AsyncDecoderClient:
         self.timeout = timeout
 
     async def fetch_layers(self, request_id: str, wait: float | None = None, timeout: float | None = None,
-                           verified_only: bool = False, model_id: str = "",
+                           verified_only: bool = False, model_id: str = "", heads: HeadRange | None = None,
+                           tokens: tuple[int, int] | None = None,
                            ) -> AsyncIterator[tuple[int, np.ndarray, np.ndarray | None]]:
         """As the blocking client's ``fetch_layers``."""
-        async for done in self._stream(request_id, wait, timeout, _Collector(verified_only, model_id=model_id)):
+        col = _Collector(verified_only, model_id=model_id, heads=heads, tokens=tokens)
+        async for done in self._stream(request_id, wait, timeout, col):
             yield done
 
     async def _stream(self, request_id: str, wait: float | None, timeout: float | None,
                       col: _Collector) -> AsyncIterator[tuple[int, np.ndarray, np.ndarray | None]]:
-        req = fetch_request(request_id, wait, col.verified_only, col.model_id)
+        req = fetch_request(request_id, wait, col.verified_only, col.model_id, col.heads, col.tokens)
         try:
             async for msg in self._fetch(req, timeout=timeout or self.timeout):
                 done = col.add(msg)
@@ -247,24 +260,27 @@ class AsyncDecoderClient:
 
     async def fetch(self, request_id: str, wait: float | None = None, timeout: float | None = None,
                     as_torch: bool = False, verified_only: bool = False,
-                    model_id: str = "") -> "np.ndarray | Fp8KV | torch.Tensor":
+                    model_id: str = "", heads: HeadRange | None = None,
+                    tokens: tuple[int, int] | None = None) -> "np.ndarray | Fp8KV | torch.Tensor":
         """As the blocking client's ``fetch``."""
-        col = _Collector(verified_only, whole=True, model_id=model_id)
+        col = _Collector(verified_only, whole=True, model_id=model_id, heads=heads, tokens=tokens)
         async for layer, arr, scales in self._stream(request_id, wait, timeout, col):
             col.keep(layer, arr, scales)
         return col.result(as_torch)
 
-    async def status(self, request_id: str, timeout: float | None = None) -> dpb.TransferStatus:
+    async def status(self, request_id: str, timeout: float | None = None,
+                       heads: HeadRange | None = None) -> dpb.TransferStatus:
         try:
-            r = await self.stub.GetTransferStatus(dpb.GetTransferStatusRequest(request_id=request_id),
-                                                  timeout=timeout or self.timeout)
+            req = dpb.GetTransferStatusRequest(request_id=request_id, heads=heads_msg(heads))
+            r = await self.stub.GetTransferStatus(req, timeout=timeout or self.timeout)
             return r.status
         except grpc.RpcError as e:
             raise _failed(e) from None
 
-    async def cancel(self, request_id: str, timeout: float | None = None) -> dpb.TransferStatus:
+    async def cancel(self, request_id: str, timeout: float | None = None,
+                       heads: HeadRange | None = None) -> dpb.TransferStatus:
         try:
-            r = await self.stub.CancelTransfer(dpb.CancelTransferRequest(request_id=request_id),
+            r = await self.stub.CancelTransfer(dpb.CancelTransferRequest(request_id=request_id, heads=heads_msg(heads)),
                                                timeout=timeout or self.timeout)
             return r.status
         except grpc.RpcError as e:

@@ -16,7 +16,7 @@ import numpy as np
 from speckv import frames
 from speckv.digests import ALGORITHMS, BLAKE2B_128, XXH3_128, KVDigest
 from speckv.errors import RpcFailed
-from speckv.kv import Fp8Attention, Fp8KV, bf16_bits
+from speckv.kv import Fp8Attention, Fp8KV, HeadRange, bf16_bits
 from speckv.status import error_details
 from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
@@ -28,6 +28,7 @@ from speckv.wire import (
     LayerAssembler,
     dtype_of,
     fp8_attention_msg,
+    heads_msg,
     kv_shape,
     layer_frames,
     layer_messages,
@@ -141,7 +142,7 @@ def submit_requests(request_id: str, kv: Any, prompt_token_ids: Any, decoder_add
                     model_id: str, encoding: str = "speckv", expected_pin: str | None = None,
                     part_bytes: int = PART_BYTES, *, framed: bool = False,
                     handoff: "LocalHandoff | None" = None, fp8_attention: Fp8Attention | None = None,
-                    ) -> Iterator[Any]:
+                    heads: HeadRange | None = None) -> Iterator[Any]:
     """The SubmitRequest stream: header, then every layer in parts. The KV is checked
     here, before any call starts (ValueError / TypeError). ``framed``: the layer parts
     come pre-serialised (bytes, each part's data copied once: ``speckv.frames``), for a
@@ -159,10 +160,10 @@ def submit_requests(request_id: str, kv: Any, prompt_token_ids: Any, decoder_add
         from .local import local_submit_requests
 
         header = submit_header(request_id, dtype, kv_shape(bits.shape), prompt_token_ids, decoder_address, model_id,
-                               encoding, expected_pin, fp8_attention)
+                               encoding, expected_pin, fp8_attention, heads)
         return local_submit_requests(handoff, header, bits, scales)
     header = submit_header(request_id, dtype, kv_shape(bits.shape), prompt_token_ids, decoder_address, model_id,
-                           encoding, expected_pin, fp8_attention)
+                           encoding, expected_pin, fp8_attention, heads)
     return _submit_stream(header, bits, scales, dtype, kv_shape(bits.shape), part_bytes, framed)
 
 
@@ -180,9 +181,12 @@ def _submit_stream(header: epb.SubmitRequest, bits: np.ndarray, scales: np.ndarr
 
 def submit_header(request_id: str, dtype: int, shape: pb.KVShape, prompt_token_ids: Any, decoder_address: str,
                   model_id: str, encoding: str, expected_pin: str | None,
-                  fp8_attention: Fp8Attention | None = None) -> epb.SubmitRequest:
+                  fp8_attention: Fp8Attention | None = None, heads: HeadRange | None = None) -> epb.SubmitRequest:
     """The first SubmitRequest of a call: what both sidecars need to start their predictors
-    (``fp8_attention``: how the engine's attention read its FP8 cache, FP8 KV only)."""
+    (``fp8_attention``: how the engine's attention read its FP8 cache, FP8 KV only; ``heads``:
+    the KV holds only these heads, one tensor-parallel rank's)."""
+    if heads is not None and heads.count != shape.kv_heads:
+        raise ValueError(f"{heads} but the KV has {shape.kv_heads} heads")
     if encoding not in ENCODINGS:
         raise ValueError(f"encoding must be one of {sorted(ENCODINGS)}, not {encoding!r}")
     if fp8_attention is not None and dtype != pb.DTYPE_FP8_E4M3:
@@ -191,13 +195,14 @@ def submit_header(request_id: str, dtype: int, shape: pb.KVShape, prompt_token_i
         request_id=request_id, decoder_address=decoder_address, model_id=model_id, dtype=dtype,
         shape=shape, prompt_token_ids=[int(t) for t in np.asarray(prompt_token_ids).ravel()],
         expected_predictor_pin=bytes.fromhex(expected_pin) if expected_pin else b"",
-        encoding=ENCODINGS[encoding], fp8_attention=fp8_attention_msg(fp8_attention)))
+        encoding=ENCODINGS[encoding], fp8_attention=fp8_attention_msg(fp8_attention), heads=heads_msg(heads)))
 
 
 def submit_layer_frames(layer: int, arr: np.ndarray, dtype: int, shape: pb.KVShape, part_bytes: int,
-                        scales: np.ndarray | None) -> Iterator[bytes]:
-    """One layer ``(2, heads, tokens, dim)`` as pre-serialised SubmitRequests (``submit_stub``)."""
-    for p in layer_frames(layer, arr, dtype, shape, part_bytes, scales):
+                        scales: np.ndarray | None, token_start: int | None = None) -> Iterator[bytes]:
+    """One layer ``(2, heads, tokens, dim)`` (``token_start``: its token range from there) as
+    pre-serialised SubmitRequests (``submit_stub``)."""
+    for p in layer_frames(layer, arr, dtype, shape, part_bytes, scales, token_start):
         yield frames.join(frames.submessage(2, p))  # NOTE: SubmitRequest.layer is field 2
 
 
@@ -210,7 +215,8 @@ def _result(r: epb.SubmitResponse) -> SubmitResult:
 class _Collector:
     """Assembles FetchKV parts into layers (``whole``: straight into the whole cache)."""
 
-    def __init__(self, verified_only: bool = False, whole: bool = False, model_id: str = "") -> None:
+    def __init__(self, verified_only: bool = False, whole: bool = False, model_id: str = "",
+                 heads: HeadRange | None = None, tokens: tuple[int, int] | None = None) -> None:
         self.asm: LayerAssembler | None = None
         self.out: np.ndarray | None = None
         self.scales: np.ndarray | None = None
@@ -219,6 +225,8 @@ class _Collector:
         self.verified_only = verified_only  # ask the server to hold layers until verified
         self.whole = whole
         self.model_id = model_id  # the decode engine's model (FetchKVRequest.model_id; "" = not checked)
+        self.heads = heads  # the heads asked for (FetchKVRequest.heads; None = the transfer's)
+        self.tokens = tokens  # the tokens [start, stop) asked for (None: all)
 
     def add(self, msg: "dpb.FetchKVResponse | frames.Parsed") -> tuple[int, np.ndarray, np.ndarray | None] | None:
         if self.done:
@@ -246,6 +254,10 @@ class _Collector:
 
     def _assembler(self, part: pb.KVLayer) -> LayerAssembler:
         shape = shape_of(part.shape)
+        if self.heads is not None and shape[2] != self.heads.count:
+            raise ValueError(f"{shape[2]} heads sent for {self.heads}")
+        if self.tokens is not None and shape[3] != self.tokens[1] - self.tokens[0]:
+            raise ValueError(f"{shape[3]} tokens sent for tokens {self.tokens}")
         if not self.whole:
             return LayerAssembler(part.dtype, shape)
         self.out = np.empty(shape, dtype_of(part.dtype)[1])  # NOTE: layers land in it, no copy after
@@ -292,6 +304,13 @@ def to_torch(bits: np.ndarray) -> "torch.Tensor":
     return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
 
 
-def fetch_request(request_id: str, wait: float | None, verified_only: bool, model_id: str = "") -> dpb.FetchKVRequest:
+def fetch_request(request_id: str, wait: float | None, verified_only: bool, model_id: str = "",
+                  heads: HeadRange | None = None, tokens: tuple[int, int] | None = None) -> dpb.FetchKVRequest:
+    start, stop = tokens or (0, 0)
+    if not 0 <= start <= stop:
+        raise ValueError(f"tokens must be (start, stop) with 0 <= start <= stop, not {tokens}")
+    if tokens is not None and stop == start:
+        raise ValueError("tokens: an empty range (FetchKVRequest.token_count 0 means to the end)")
     return dpb.FetchKVRequest(request_id=request_id, wait_timeout_ms=int((wait or 0) * 1000),
-                              verified_only=verified_only, digest=FETCH_DIGEST, model_id=model_id)
+                              verified_only=verified_only, digest=FETCH_DIGEST, model_id=model_id,
+                              heads=heads_msg(heads), token_start=start, token_count=stop - start)

@@ -24,6 +24,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from speckv.kv import HeadRange
+
 DO_REMOTE_DECODE = "do_remote_decode"
 DO_REMOTE_PREFILL = "do_remote_prefill"
 TRANSFER_ID = "speckv_transfer_id"
@@ -182,3 +184,19 @@ def block_span(block_ids: Sequence[int], block_size: int, start: int, stop: int)
     if stop <= start:
         return []
     return list(block_ids[start // block_size:(stop - 1) // block_size + 1])
+
+
+def rank_heads(ranks: int, total: int, worker: bool) -> HeadRange | None:
+    """This worker's KV heads under tensor parallelism (None: one rank, all heads; the
+    scheduler has none). Replicated heads (more ranks than heads) are refused: a head would
+    be sent twice and fetched by two ranks."""
+    if ranks == 1:
+        return None
+    if ranks > total or total % ranks:
+        raise NotImplementedError(f"SpeckvConnector splits {total} KV heads over {ranks} tensor-parallel ranks "
+                                  "only when they divide evenly, without replicated heads")
+    if not worker:
+        return None
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return HeadRange.of_rank(get_tensor_model_parallel_rank(), ranks, total)

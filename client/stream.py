@@ -14,6 +14,10 @@ Lifecycle::
     res = s.result()                            # the SubmitResponse, after the last layer
     # or s.cancel(): the call ends and the decoder drops the transfer
 
+Chunked prefill: ``send_tokens(layer, start, kv_of_those_tokens)`` sends a layer's tokens
+as each prefill step computes them (KVLayer token ranges), every layer so; a layer's
+ranges in token order, and a layer's last range after the previous layer's last.
+
 NOTE: the queue is not bounded: each queued layer is a copy the caller already made
 (the engine's paged blocks may be reused once ``send_layer`` returns), so at most one
 request's KV waits here.
@@ -29,7 +33,7 @@ import grpc
 import numpy as np
 
 from speckv.errors import RpcFailed
-from speckv.kv import Fp8Attention
+from speckv.kv import Fp8Attention, HeadRange
 from speckv.v1 import common_pb2 as pb
 from speckv.wire import NAN_SCALES, PART_BYTES, kv_shape
 
@@ -46,7 +50,8 @@ class SubmitStream:
     def __init__(self, stub: Any, request_id: str, shape: tuple[int, int, int, int, int], prompt_token_ids: Any,
                  decoder_address: str, model_id: str, *, dtype: str = "bf16", encoding: str = "speckv",
                  expected_pin: str | None = None, timeout: float = 600.0, part_bytes: int = PART_BYTES,
-                 handoff: LocalHandoff | None = None, fp8_attention: Fp8Attention | None = None) -> None:
+                 handoff: LocalHandoff | None = None, fp8_attention: Fp8Attention | None = None,
+                 heads: HeadRange | None = None) -> None:
         if len(shape) != 5 or shape[1] != 2 or min(shape) < 0:
             raise ValueError(f"shape must be (layers, 2, kv_heads, tokens, head_dim), not {shape}")
         if dtype not in DTYPES:
@@ -56,12 +61,13 @@ class SubmitStream:
         self._dtype = DTYPES[dtype]
         self._pb_shape = kv_shape(self.shape)
         self._part_bytes = part_bytes
-        self._next = 0  # the next layer send_layer takes
+        self._next = 0  # the next layer send_layer takes; with token ranges, the next to complete
+        self._tokens: dict[int, int] | None = None  # token ranges: tokens sent per layer not yet complete
         self._handoff = handoff  # NOTE: each layer then goes as its own sealed memfd
         self._queue: queue.Queue[Any] = queue.Queue()
         self._lock = threading.Lock()
         header = submit_header(request_id, self._dtype, self._pb_shape, prompt_token_ids, decoder_address,
-                               model_id, encoding, expected_pin, fp8_attention)
+                               model_id, encoding, expected_pin, fp8_attention, heads)
         self._future = stub.future(self._requests(header), timeout=timeout)
         # NOTE: however the call ends, the request stream ends too: else grpc's thread that
         # reads it stays parked in _requests for good after a call that failed mid-stream
@@ -83,6 +89,8 @@ class SubmitStream:
         layer or shape, RpcFailed when the call has already failed."""
         arr = self._array(kv)
         with self._lock:
+            if self._tokens is not None:
+                raise ValueError("this stream sends token ranges (send_tokens)")
             if self._next == self.shape[0]:
                 raise ValueError(f"layer {layer}: all {self.shape[0]} layers were sent")
             if layer != self._next:
@@ -100,6 +108,36 @@ class SubmitStream:
             self._next += 1
             if self._next == self.shape[0]:
                 self._queue.put(_END)
+
+    def send_tokens(self, layer: int, start: int, kv: Any, scales: Any = None) -> None:
+        """Queue tokens ``[start, start + n)`` of layer ``layer`` (``(2, heads, n, dim)``, as
+        ``send_layer``'s). Ranges of a layer go in token order without a gap; layers complete
+        in order; after the last layer's last token the request stream ends. Raises ValueError
+        on a wrong range or shape, RpcFailed when the call has already failed."""
+        arr = self._array(kv)
+        with self._lock:
+            if self._tokens is None:
+                if self._next:
+                    raise ValueError("this stream sends whole layers (send_layer)")
+                self._tokens = {}
+            have = self._tokens.get(layer, 0)
+            T = self.shape[3]
+            fits = arr.ndim == 4 and arr.shape[:2] + arr.shape[3:] == self.shape[1:3] + self.shape[4:]
+            if not (self._next <= layer < self.shape[0] and start == have and fits and 1 <= arr.shape[2] <= T - have):
+                raise ValueError(f"layer {layer} tokens {start} + {arr.shape}: not the next range of a layer still "
+                                 f"open ({self._next} to {self.shape[0] - 1}; its tokens [0, {have}) of {T} sent)")
+            if have + arr.shape[2] == T and layer != self._next:
+                raise ValueError(f"layer {layer} would complete before layer {self._next}")
+            sc = self._scales(scales)
+            self._raise_if_failed()
+            for frame in submit_layer_frames(layer, arr, self._dtype, self._pb_shape, self._part_bytes, sc, start):
+                self._queue.put(frame)
+            self._tokens[layer] = have + arr.shape[2]
+            if self._tokens[layer] == T:
+                del self._tokens[layer]
+                self._next += 1
+                if self._next == self.shape[0]:
+                    self._queue.put(_END)
 
     def _array(self, kv: Any) -> np.ndarray:
         if self._dtype == pb.DTYPE_FP8_E4M3:

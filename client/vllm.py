@@ -46,9 +46,13 @@ Telemetry: the workers' counts (transfers sent and received, failures, bytes) go
 vLLM's connector-stats API: logged as "KV Transfer metrics" and exported on vLLM's /metrics
 as ``vllm:speckv_*`` (``speckv.client.vllm_stats``).
 
+Tensor parallelism: each rank's worker submits its own KV heads under the request's one
+transfer id (``SubmitHeader.heads``), and each decode rank fetches its heads, whatever
+the prefill engine's tensor-parallel size (the decoder assembles or slices the ranges).
+
 Not supported yet (each refused with a clear error, never a wrong KV): GPU attention
-backends' paged layouts (``speckv.client.paged``), tensor or pipeline parallelism (no
-head ranges on the wire yet), FP8 e5m2 KV caches. FP8 e4m3 caches move as codes with
+backends' paged layouts (``speckv.client.paged``), pipeline parallelism, more
+tensor-parallel ranks than KV heads (replicated heads), FP8 e5m2 KV caches. FP8 e4m3 caches move as codes with
 their per-layer (k, v) scales; the decode engine refuses scales unlike its own.
 """
 
@@ -65,7 +69,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from .pd import ConsumerPlan, ProducerPlan, StepPlan
+from .pd import ConsumerPlan, ProducerPlan, StepPlan, rank_heads
 from .vllm_stats import SpeckvConnectorStats, SpeckvPromMetrics
 from .vllm_worker import FETCH_WAIT_S, Worker, local_socket
 
@@ -91,9 +95,11 @@ class SpeckvConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = self._kv_transfer_config
         par = vllm_config.parallel_config
-        if par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
-            raise NotImplementedError("SpeckvConnector supports one rank (tensor and pipeline parallel size 1): "
-                                      "the wire has no head ranges yet")
+        if par.pipeline_parallel_size > 1:
+            raise NotImplementedError("SpeckvConnector supports pipeline parallel size 1")
+        tp = par.tensor_parallel_size
+        self.head_range = None if tp == 1 else rank_heads(tp, vllm_config.model_config.get_total_num_kv_heads(),
+                                                          role == KVConnectorRole.WORKER)
         self.block_size = vllm_config.cache_config.block_size
         self.producer = bool(cfg.is_kv_producer)
         self.consumer = bool(cfg.is_kv_consumer)

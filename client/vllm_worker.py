@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from speckv.errors import RpcFailed
-from speckv.kv import Fp8Attention
+from speckv.kv import Fp8Attention, HeadRange
 
 from .client import DecoderClient, EncoderClient
 from .core import tls_credentials
@@ -51,6 +51,7 @@ class Settings(Protocol):
     model_id: str
     encoding: str
     fetch_wait_s: float
+    head_range: HeadRange | None  # tensor parallelism: this rank's KV heads (None: one rank, all heads)
 
 
 def _credentials() -> grpc.ChannelCredentials | None:
@@ -107,6 +108,9 @@ class Worker:
             raise NotImplementedError(f"SpeckvConnector moves BF16 and FP8 e4m3 KV caches; this one is {first.dtype} "
                                       f"(kv_cache_dtype {cache_dtype})")
         self.heads, self.head_dim = int(first.shape[1]), int(first.shape[3]) // 2
+        if self.conn.head_range is not None and self.conn.head_range.count != self.heads:
+            raise NotImplementedError(f"this rank's cache holds {self.heads} KV heads, not the "
+                                      f"{self.conn.head_range} tensor parallelism gives it")
 
     def scales(self, name: str) -> np.ndarray | None:
         """An FP8 layer's (k, v) scales, as vLLM's attention layer applies them (None for BF16)."""
@@ -166,7 +170,7 @@ class Worker:
         try:
             stream = self.encoder.open_submit(tid, shape, np.asarray(prompt, np.int64), decoder, self.conn.model_id,
                                               dtype="fp8_e4m3" if self.fp8 else "bf16", encoding=self.conn.encoding,
-                                              fp8_attention=self.fp8_attention())
+                                              fp8_attention=self.fp8_attention(), heads=self.conn.head_range)
         except Exception as e:  # noqa: BLE001 -- never the engine's forward: the decode side recomputes
             logger.warning("speckv: cannot open the submit of %s: %s", tid, e)
             with self.lock:
@@ -221,11 +225,13 @@ class Worker:
         failed: list[int] = []
         t0, raw = time.monotonic(), 0
         try:
+            # NOTE: only the tokens this engine lacks (FetchKVRequest token range): its prefix-cache hit holds the rest
             for i, arr, scales in self.decoder.fetch_layers(spec.transfer_id, wait=self.conn.fetch_wait_s,
-                                                            model_id=self.conn.model_id):
+                                                            model_id=self.conn.model_id, heads=self.conn.head_range,
+                                                            tokens=(spec.start, spec.stop)):
                 raw += arr.nbytes
                 self._check_scales(i, scales)
-                part = np.ascontiguousarray(arr[:, :, spec.start:spec.stop])
+                part = np.ascontiguousarray(arr)
                 kv = torch.from_numpy(part) if self.fp8 else torch.from_numpy(part.view(np.int16)).view(torch.bfloat16)
                 self.layout().scatter(self.caches[self.layers[i]], spec.block_ids, spec.start, kv)
             logger.info("speckv: received %s: tokens [%d, %d), verified", spec.transfer_id, spec.start, spec.stop)

@@ -23,15 +23,17 @@ import numpy as np
 
 from speckv import frames, logs
 from speckv.coder import container as ct
+from speckv.coder.heads import head_codec, slice_heads
 from speckv.coder.plan import chunk_aux
 from speckv.coder.stored import unstored_chunk
 from speckv.digests import algorithm_of
 from speckv.errors import RpcError, TransferDigestError
+from speckv.kv import HeadRange
 from speckv.status import abort, in_band, integrity_kind, outcome, to_status
 from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.v1 import decoder_pb2_grpc as dgrpc
-from speckv.wire import RecordAssembler, dtype_of, fp8_attention_of, layer_bytes, shape_of
+from speckv.wire import RecordAssembler, dtype_of, fp8_attention_of, heads_of, layer_bytes, shape_of
 
 from . import tracing
 from .aio import drain_batch, drain_requests, peer_host
@@ -73,10 +75,12 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
                 raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "the first message must carry the TransferHeader")
             logs.bind(request_id=first.header.request_id or None)
             tracing.annotate(span, request_id=first.header.request_id)
-            h, ids, labels = self._check_header(first.header)
+            h, ids, labels, heads = self._check_header(first.header)
             fp8_attention = fp8_attention_of(first.header.fp8_attention, h.shape[0], first.header.dtype)
             t = DecoderTransfer(first.header.request_id, h.shape[0], h.n_chunks, self.budget.holding(),
-                                algorithm_of(h.version))
+                                algorithm_of(h.version), heads, h.shape[2])
+            t.prompt, t.tokens = h.prompt_digest, h.shape[3]
+            t.codec = self.rt.codec if first.header.model_id != self.rt.model_id else head_codec(self.rt.codec, heads)
             t.layer_bytes = layer_bytes(h.shape, dtype_of_header(h))
             t.peer = context.peer() or "?"
             t.model_id = first.header.model_id
@@ -133,14 +137,16 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
             raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"{n} transfers from {host} in progress (max_transfers_per_peer)", reason="PEER_LIMIT")
 
-    def _check_header(self, hdr: dpb.TransferHeader) -> tuple[ct.StreamHeader, np.ndarray, tuple[str, str]]:
+    def _check_header(self, hdr: dpb.TransferHeader,
+                      ) -> tuple[ct.StreamHeader, np.ndarray, tuple[str, str], HeadRange | None]:
         check_request_id(hdr.request_id)
         name, _ = dtype_of(hdr.dtype)
         shape = shape_of(hdr.shape)
         ids = np.asarray(hdr.prompt_token_ids, np.int64)
+        heads = heads_of(hdr.heads, shape[2])
         foreign = hdr.model_id != self.rt.model_id  # NOTE: only a stored stream of it is taken (Runtime.check)
         if not foreign:  # the request's own faults first, before its header record's
-            self.rt.check(hdr.model_id, shape, ids, self.config.max_tokens)
+            self.rt.check(hdr.model_id, shape, ids, self.config.max_tokens, heads=heads)
         h, used = ct.unpack_header(hdr.header_record)
         if used != len(hdr.header_record):
             raise ct.FormatError("header_record has trailing bytes")
@@ -150,8 +156,10 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "header_record disagrees with the header's dtype/shape")
         if h.model != ct.MODEL_STORED and hdr.predictor_pin != h.pin:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "predictor_pin disagrees with the header record's pin")
-        self.rt.codec.check_header(h, ids)  # NOTE: the one pin check (PinMismatchError: PIN_MISMATCH)
-        return h, ids, (name, "stored" if h.model == ct.MODEL_STORED else "speckv")
+        heads = None if heads is None or heads.whole else heads  # all heads, named: the same transfer
+        codec = self.rt.codec if foreign else head_codec(self.rt.codec, heads)
+        codec.check_header(h, ids)  # NOTE: the one pin check (PinMismatchError: PIN_MISMATCH)
+        return h, ids, (name, "stored" if h.model == ct.MODEL_STORED else "speckv"), heads
 
     async def _receive(self, t: DecoderTransfer, h: ct.StreamHeader, ids: np.ndarray, it: AsyncIterator,
                        labels: tuple[str, str]) -> AsyncIterator[dpb.TransferResponse]:
@@ -290,7 +298,7 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
         mu_bits = None if mu is None else await mu.upto(coded[-1].layer_start + coded[-1].layer_count)
         t.mu_wait_s += time.perf_counter() - d0
         d0 = time.perf_counter()
-        bits = await asyncio.to_thread(self.rt.codec.decode_run, h, chunks, mu_bits)
+        bits = await asyncio.to_thread(t.codec.decode_run, h, chunks, slice_heads(mu_bits, t.heads))
         t.decode_s += time.perf_counter() - d0
         first = chunks[0].layer_start
         return [bits[c.layer_start - first:c.layer_start - first + c.layer_count] for c in chunks]
@@ -301,7 +309,8 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
         logs.bind(request_id=request.request_id or None, peer=context.peer() or "?")
         await authorize(context, "GetTransferStatus", self.allow)
         try:
-            return dpb.GetTransferStatusResponse(status=self.table.get(request.request_id).status())
+            return dpb.GetTransferStatusResponse(status=self.table.get(request.request_id,
+                                                                       heads_of(request.heads)).status())
         except RpcError as e:
             await abort(context, e)
 
@@ -309,16 +318,21 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
                              context: grpc.aio.ServicerContext) -> dpb.CancelTransferResponse:
         logs.bind(request_id=request.request_id or None, peer=context.peer() or "?")
         await authorize(context, "CancelTransfer", self.allow)
-        try:
-            t = self.table.get(request.request_id)
+        try:  # NOTE: no heads named: every range of the request
+            heads = heads_of(request.heads)
+            found = [self.table.get(request.request_id, heads)] if heads else self.table.parts(request.request_id)
+            if not found:
+                self.table.get(request.request_id)  # NOT_FOUND
         except RpcError as e:
             await abort(context, e)
-        if t.live:
-            logger.info("transfer %s cancelled by CancelTransfer", t.request_id)
-            # NOTE: ending it wakes its Transfer handler, which reports CANCELLED to the sender
-            await t.end(S.TRANSFER_STATE_CANCELLED, RpcError(grpc.StatusCode.CANCELLED, "cancelled by CancelTransfer"))
+        for t in found:
+            if t.live:
+                logger.info("transfer %s cancelled by CancelTransfer", t.request_id)
+                # NOTE: ending it wakes its Transfer handler, which reports CANCELLED to the sender
+                await t.end(S.TRANSFER_STATE_CANCELLED,
+                            RpcError(grpc.StatusCode.CANCELLED, "cancelled by CancelTransfer"))
         self._gauges()
-        return dpb.CancelTransferResponse(status=t.status())
+        return dpb.CancelTransferResponse(status=found[0].status())
 
     def _gauges(self) -> None:
         self.metrics.gauges(len(self.table), self.budget.used, self.budget.limit)

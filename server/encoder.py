@@ -29,6 +29,7 @@ import numpy as np
 
 from speckv import frames, logs
 from speckv.coder import container as ct
+from speckv.coder.heads import head_codec, slice_heads
 from speckv.digests import algorithm_of
 from speckv.errors import RpcError
 from speckv.status import abort, outcome, to_status
@@ -36,7 +37,7 @@ from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.v1 import encoder_pb2 as epb
 from speckv.v1 import encoder_pb2_grpc as egrpc
-from speckv.wire import LayerAssembler, bad, dtype_of, fp8_attention_of, layer_bytes, shape_of
+from speckv.wire import LayerAssembler, bad, dtype_of, fp8_attention_of, heads_of, layer_bytes, shape_of
 
 from . import tracing
 from .aio import drain_batch, peer_host, watched
@@ -52,6 +53,7 @@ from .mu_cache import MuCache
 from .records import code_batch, store_batch
 from .replies import Checks, first_reply, older_version, read_result, stored_fallback
 from .runtime import Runtime
+from .token_ranges import TokenRanges
 from .transfers import check_request_id
 
 logger = logging.getLogger(__name__)
@@ -153,7 +155,8 @@ class EncoderService(egrpc.EncoderServiceServicer):
         name, dt = dtype_of(hdr.dtype)
         shape = shape_of(hdr.shape)
         ids = np.asarray(hdr.prompt_token_ids, np.int64)
-        self.rt.check(hdr.model_id, shape, ids, self.config.max_tokens)
+        heads = heads_of(hdr.heads, shape[2])
+        self.rt.check(hdr.model_id, shape, ids, self.config.max_tokens, heads=heads)
         if hdr.encoding not in (epb.ENCODING_UNSPECIFIED, epb.ENCODING_SPECKV, epb.ENCODING_STORED):
             raise bad(f"unknown encoding {hdr.encoding}")
         stored = hdr.encoding == epb.ENCODING_STORED
@@ -167,6 +170,8 @@ class EncoderService(egrpc.EncoderServiceServicer):
             h = replace(h, version=min(h.version, STORED_VERSION))
         job = Job(hdr, h, ids, (name, "stored" if stored else "speckv"), self.budget.holding())
         job.fp8_attention = fp8_attention_of(hdr.fp8_attention, shape[0], hdr.dtype)
+        job.heads = None if heads is None or heads.whole else heads  # all heads, named: a plain Submit
+        job.codec = head_codec(self.rt.codec, job.heads)
         return job
 
     async def _run(self, job: Job, it: AsyncIterator, context: grpc.aio.ServicerContext,
@@ -274,34 +279,55 @@ class EncoderService(egrpc.EncoderServiceServicer):
             timeout=timeout, metadata=tracing.outgoing(job.span))
 
     async def _receive(self, job: Job, it: AsyncIterator, queue: asyncio.Queue, watch) -> None:
-        """Reassemble raw layers; queue each chunk once its layers are all in."""
-        asm = LayerAssembler(job.header.dtype, job.h.shape, borrow=True)  # NOTE: one-part layers: no copy
-        next_chunk = 0
+        """Reassemble raw layers (whole, or in token ranges); queue each chunk once its layers are all in."""
+        asm: LayerAssembler | TokenRanges = LayerAssembler(job.header.dtype, job.h.shape, borrow=True)
+        next_chunk = 0  # NOTE: one-part layers (above): no copy
         while (req := await watched(anext(it, None), watch)) is not None:
             kind = req.WhichOneof("kind")
             if kind not in ("layer", "local_layer"):
                 raise bad("only layer messages may follow the header")
-            if asm.starting:
-                await watched(job.holding.acquire(asm.layer_size), watch)  # backpressure on the engine
-            if kind == "local_layer":  # NOTE: a view of the client's sealed memfd: nothing copied
-                if self.handoffs is None:
-                    raise bad("LocalLayer needs an encoder with a local socket (local_socket)")
-                if not asm.starting:
-                    raise bad(f"LocalLayer {req.local_layer.layer} inside layer {asm.next_layer}'s parts")
-                done = asm.add(*local_part(job, req.local_layer, self.handoffs))
+            if kind == "layer" and req.layer.token_count and isinstance(asm, LayerAssembler):
+                asm = await self._ranged(job, asm, watch)
+            if isinstance(asm, TokenRanges):
+                if kind == "local_layer":
+                    raise bad("LocalLayer carries whole layers: not among token ranges")
+                done = asm.add(req.layer, frames.payload_of(req))
             else:
-                done = asm.add(req.layer, frames.payload_of(req))  # NOTE: the payload: a view of the bytes received
-            if done is None:
-                continue
-            layer, arr, scales = done
-            job.layers[layer] = (arr, scales)
-            job.digest.update_layer(arr, scales)
-            start, count = job.h.chunk_layers(next_chunk)
-            if layer == start + count - 1:
-                queue.put_nowait(next_chunk)
-                next_chunk += 1
+                if asm.starting:
+                    await watched(job.holding.acquire(asm.layer_size), watch)  # backpressure on the engine
+                if kind == "local_layer":  # NOTE: a view of the client's sealed memfd: nothing copied
+                    if self.handoffs is None:
+                        raise bad("LocalLayer needs an encoder with a local socket (local_socket)")
+                    if not asm.starting:
+                        raise bad(f"LocalLayer {req.local_layer.layer} inside layer {asm.next_layer}'s parts")
+                    one = asm.add(*local_part(job, req.local_layer, self.handoffs))
+                else:
+                    one = asm.add(req.layer, frames.payload_of(req))  # NOTE: the payload: a view of the bytes
+                done = [] if one is None else [one]
+            for layer, arr, scales in done:
+                job.layers[layer] = (arr, scales)
+                job.digest.update_layer(arr, scales)
+                start, count = job.h.chunk_layers(next_chunk)
+                if layer == start + count - 1:
+                    queue.put_nowait(next_chunk)
+                    next_chunk += 1
         if not asm.done:
             raise bad(f"stream ended after {asm.next_layer} of {job.h.shape[0]} layers")
+
+    async def _ranged(self, job: Job, asm: LayerAssembler, watch) -> TokenRanges:
+        """Switch a Submit to token ranges (before its first layer only), reserving the rest of
+        its KV at once: ranges of every layer may arrive before any layer is complete.
+        NOTE: at once, not layer by layer: two such Submits each holding part of the cap while
+        waiting for more would never complete."""
+        if asm.next_layer or not asm.starting:
+            raise bad("a Submit sends all of its layers whole or all in token ranges")
+        whole = job.h.shape[0] * asm.layer_size
+        if whole > self.budget.limit:
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"token ranges need the whole KV ({whole} bytes) within the in-flight cap "
+                           f"({self.budget.limit}); send whole layers")
+        await watched(job.holding.acquire(whole), watch)
+        return TokenRanges(job.header.dtype, job.h.shape)
 
     async def _send_loop(self, job: Job, mu: LayerMu | None, call, queue: asyncio.Queue,
                          checks: Checks) -> None:
@@ -321,8 +347,8 @@ class EncoderService(egrpc.EncoderServiceServicer):
             if job.h.model == ct.MODEL_STORED or (job.h.version >= 3 and mismatched.issuperset(batch)):
                 recs = store_batch(job.h, batch, got, start)  # NOTE: no coder, no stacking: inline
             else:
-                recs = await asyncio.to_thread(code_batch, self.rt.codec, job.h, range(batch[0], batch[-1] + 1), got,
-                                               None if mu is None else mu.bits, mismatched)
+                recs = await asyncio.to_thread(code_batch, job.codec, job.h, range(batch[0], batch[-1] + 1), got,
+                                               None if mu is None else slice_heads(mu.bits, job.heads), mismatched)
             job.encode_s += time.perf_counter() - e0
             del got
             for i, (rec, stored) in zip(batch, recs, strict=True):

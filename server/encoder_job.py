@@ -12,11 +12,11 @@ import numpy as np
 
 from speckv.coder import container as ct
 from speckv.digests import KVDigest, algorithm_of
-from speckv.kv import Fp8Attention
+from speckv.kv import Fp8Attention, HeadRange
 from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.v1 import encoder_pb2 as epb
-from speckv.wire import fp8_attention_msg
+from speckv.wire import fp8_attention_msg, heads_msg
 
 from .budget import Holding
 from .handoff import Handoffs
@@ -47,6 +47,8 @@ class Job:
     wire_wait_s: float = 0.0  # inside call.write: flow control
     mu_hit: bool = False  # mu came from the cache (or a pass another transfer started)
     fp8_attention: Fp8Attention | None = None  # SubmitHeader.fp8_attention: the mu both predictors compute
+    heads: HeadRange | None = None  # SubmitHeader.heads: one tensor-parallel rank's heads (None: all)
+    codec: Any = None  # the runtime's codec, of those heads (coder/heads.py)
     span: Any = None  # its OpenTelemetry span (server/tracing.py), None when tracing is off
     digest: KVDigest = field(init=False)  # whole-transfer digest, layer by layer
 
@@ -79,4 +81,4 @@ def transfer_header(job: Job) -> dpb.TransferHeader:
     return dpb.TransferHeader(request_id=hdr.request_id, predictor_pin=job.h.pin,
                               model_id=hdr.model_id, dtype=hdr.dtype, shape=hdr.shape,
                               prompt_token_ids=hdr.prompt_token_ids, header_record=ct.pack_header(job.h),
-                              fp8_attention=fp8_attention_msg(job.fp8_attention))
+                              fp8_attention=fp8_attention_msg(job.fp8_attention), heads=heads_msg(job.heads))

@@ -21,7 +21,7 @@ from speckv.digests import ALGORITHMS, BLAKE2B_128, KVDigest
 from speckv.errors import RpcError
 from speckv.status import abort, to_status
 from speckv.v1 import decoder_pb2 as dpb
-from speckv.wire import kv_shape, layer_frames
+from speckv.wire import heads_of, kv_shape, layer_frames
 
 from . import tracing
 from .auth import authorize
@@ -55,71 +55,137 @@ class FetchService:
         await authorize(context, "FetchKV", self.allow)
         wait = request.wait_timeout_ms / 1000 if request.wait_timeout_ms else self.config.fetch_wait_s
         t0 = time.perf_counter()
-        t = None
+        pieces: list[Piece] = []
         span = tracing.start("speckv.decoder.FetchKV", context, request_id=request.request_id)
         try:
             algorithm = request.digest or BLAKE2B_128  # NOTE: unset: a client before FetchKVRequest.digest
             if algorithm not in ALGORITHMS:
                 raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown digest algorithm {request.digest}")
-            t = await self.table.wait_for(request.request_id, wait)
-            if request.model_id and request.model_id != t.model_id:
-                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"transfer {request.request_id!r} holds KV of model {t.model_id!r}, not of "
-                               f"{request.model_id!r}", reason=MODEL_MISMATCH)
-            if t.fetching or t.state == S.TRANSFER_STATE_FETCHED:
-                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"transfer {request.request_id!r} is already being fetched or was fetched",
-                               reason="ALREADY_FETCHED")
-            t.fetching = True
+            want = heads_of(request.heads)
+            found = await self.table.cover(request.request_id, want, wait)
+            self._check_pieces(request, found)
+            toks = _tokens(request, found[0][0].tokens)
+            pieces = _claim(found)
             if request.verified_only:
-                if t.n_layers * t.layer_bytes > self.budget.limit:
+                need = sum(_bytes_of(t, part) for t, part in pieces)
+                if need > self.budget.limit:
                     raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"verified_only needs the whole KV ({t.n_layers * t.layer_bytes} bytes) "
+                                   f"verified_only needs the whole KV ({need} bytes) "
                                    f"in memory; the in-flight cap is {self.budget.limit}")
-                await t.wait_final(max(wait, self.config.lease_s))
-            # NOTE: the client verifies another algorithm than the stream's: that one, over the
-            # very layers handed out (each verified, and verified whole before FetchKVDone)
-            handed = None if algorithm == t.digest.algorithm else KVDigest(algorithm)
-            async for frame in self._layers(t, wait, t0, handed):
+                for t, _ in pieces:
+                    await t.wait_final(max(wait, self.config.lease_s))
+            # NOTE: the client verifies another algorithm than the stream's, or gets other heads than
+            # one transfer's: that algorithm over the very layers handed out (each verified, and
+            # every transfer verified whole before FetchKVDone)
+            one = pieces[0][0]
+            whole = len(pieces) == 1 and pieces[0][1] is None and toks is None
+            handed = None if whole and algorithm == one.digest.algorithm else KVDigest(algorithm)
+            async for frame in self._layers(pieces, wait, t0, handed, toks):
                 yield frame
-            digest = await t.wait_final(max(wait, self.config.lease_s))
+            for t, _ in pieces:
+                digest = await t.wait_final(max(wait, self.config.lease_s))
+            raw = one.digest.raw_bytes if handed is None else handed.raw_bytes
             yield dpb.FetchKVResponse(done=dpb.FetchKVDone(raw_digest=digest if handed is None else handed.digest(),
-                                                           raw_bytes=t.digest.raw_bytes), digest=algorithm)
-            await t.end(S.TRANSFER_STATE_FETCHED)
-            t.holding.close()
-            tracing.end(span, raw_bytes=t.digest.raw_bytes, layers=t.n_layers)
+                                                           raw_bytes=raw), digest=algorithm)
+            for t, part in pieces:
+                t.fetched += t.n_heads if part is None else part.stop - part.start
+                if t.fetched == t.n_heads:
+                    await t.end(S.TRANSFER_STATE_FETCHED)
+                    t.holding.close()
+            tracing.end(span, raw_bytes=raw, layers=one.n_layers)
         except BaseException as e:  # noqa: BLE001
             code, msg = to_status(e)
             logger.warning("fetch %s failed: %s %s", request.request_id, code.name, msg, extra={"code": code.name})
             tracing.end(span, code, msg)
-            if t is not None and t.fetching and code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if pieces and code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
                 # layers already handed out are gone. NOTE: recorded as an RpcError, never as this
                 # call's CancelledError: a live Transfer handler raises t.error when woken, and a
                 # CancelledError there passes for its own call's end (no status: the sender hangs)
-                await t.end(S.TRANSFER_STATE_CANCELLED,
-                            RpcError(grpc.StatusCode.CANCELLED, f"the FetchKV taking its layers ended: {msg}"))
+                for t, _ in pieces:
+                    await t.end(S.TRANSFER_STATE_CANCELLED,
+                                RpcError(grpc.StatusCode.CANCELLED, f"the FetchKV taking its layers ended: {msg}"))
             if isinstance(e, asyncio.CancelledError):
                 raise
             await abort(context, e)
         finally:
             self._gauges()  # a fetched or cancelled transfer is no longer in flight
 
-    async def _layers(self, t: DecoderTransfer, wait: float, t0: float,
-                      handed: KVDigest | None) -> AsyncIterator[bytes]:
-        """Each layer as pre-serialised FetchKVResponses (``speckv.frames``), in order."""
-        algorithm = t.digest.algorithm if handed is None else handed.algorithm
+    def _check_pieces(self, request: dpb.FetchKVRequest, found: list[Piece]) -> None:
+        """The model the engine names, and transfers of ranges that can go together."""
+        rid = request.request_id
+        for t, _ in found:
+            if request.model_id and request.model_id != t.model_id:
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"transfer {rid!r} holds KV of model {t.model_id!r}, not of "
+                               f"{request.model_id!r}", reason=MODEL_MISMATCH)
+        first = found[0][0]
+        for t, _ in found[1:]:
+            if (t.model_id, t.prompt, t.n_layers, t.layer_bytes // t.n_heads) != (
+                    first.model_id, first.prompt, first.n_layers, first.layer_bytes // first.n_heads):
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"the head ranges of request {rid!r} hold different KV (model, prompt, "
+                               "layers, tokens or dtype)", reason="RANGES_DIFFER")
+
+    async def _layers(self, pieces: list[Piece], wait: float, t0: float, handed: KVDigest | None,
+                      toks: slice | None) -> AsyncIterator[bytes]:
+        """Each layer as pre-serialised FetchKVResponses (``speckv.frames``), in order: the
+        pieces' heads side by side, tokens ``toks`` (None: all)."""
+        one = pieces[0][0]
+        algorithm = one.digest.algorithm if handed is None else handed.algorithm
         tail = dpb.FetchKVResponse(digest=algorithm)  # NOTE: FetchKVResponse.layer is field 1, digest 3
         hdr_shape, dtype = None, None
-        for layer in range(t.n_layers):
-            arr, scales = await t.take(layer, max(wait, self.config.lease_s))
+        for layer in range(one.n_layers):
+            got = [await t.take(layer, max(wait, self.config.lease_s), part) for t, part in pieces]
+            arr = got[0][0] if len(got) == 1 else np.concatenate([g[0] for g in got], axis=1)
+            arr = arr if toks is None else arr[:, :, toks]
+            scales = got[0][1]
+            if any(not _same_scales(g[1], scales) for g in got[1:]):
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"layer {layer}: the head ranges carry different FP8 scales; they cannot "
+                               "be handed out as one layer", reason="RANGES_DIFFER")
             if layer == 0:
                 self.metrics.seconds("first_layer", time.perf_counter() - t0)
                 dtype = 1 if arr.dtype == np.uint16 else 2
-                hdr_shape = kv_shape((t.n_layers,) + arr.shape[:2] + arr.shape[2:])
+                hdr_shape = kv_shape((one.n_layers,) + arr.shape)
             assert dtype is not None  # set at layer 0
             if handed is not None:
                 handed.update_layer(arr, scales)
             for p in layer_frames(layer, arr, dtype, hdr_shape, self.config.message_bytes, scales):
                 yield frames.join(frames.submessage(1, p, tail))
-            t.holding.release(arr.nbytes)
+            for (t, _), (_, _, freed) in zip(pieces, got, strict=True):
+                t.holding.release(freed)
 
+
+Piece = tuple[DecoderTransfer, "slice | None"]
+
+
+def _claim(found: list[Piece]) -> list[Piece]:
+    """Claim each piece's heads for this fetch (FAILED_PRECONDITION when a fetch has any)."""
+    heads = [set(range(t.n_heads)) if part is None else set(range(part.start, part.stop)) for t, part in found]
+    for (t, part), hs in zip(found, heads, strict=True):
+        if t.state == S.TRANSFER_STATE_FETCHED or hs & t.claimed:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"transfer {t.request_id!r} is already being fetched or was fetched"
+                           + ("" if part is None else " (these heads)"), reason="ALREADY_FETCHED")
+    for (t, _), hs in zip(found, heads, strict=True):
+        t.claimed |= hs
+    return found
+
+
+def _tokens(request: dpb.FetchKVRequest, tokens: int) -> slice | None:
+    """The tokens a fetch asks for (None: all of them); INVALID_ARGUMENT past the prompt's end."""
+    a = request.token_start
+    b = tokens if request.token_count == 0 else a + request.token_count
+    if not a <= b <= tokens:
+        raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"tokens [{a}, {b}) are not within the "
+                       f"transfer's {tokens}")
+    return None if (a, b) == (0, tokens) else slice(a, b)
+
+
+def _bytes_of(t: DecoderTransfer, part: slice | None) -> int:
+    return t.n_layers * t.layer_bytes * (1 if part is None else part.stop - part.start) // t.n_heads
+
+
+def _same_scales(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    return (a is None) == (b is None) and (a is None or bytes(np.asarray(a, np.float32)) == bytes(
+        np.asarray(b, np.float32)))

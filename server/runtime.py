@@ -20,7 +20,7 @@ import numpy as np
 
 from speckv.coder.codec import Codec, CodecConfig
 from speckv.errors import PinMismatchError, RpcError
-from speckv.kv import Fp8Attention
+from speckv.kv import Fp8Attention, HeadRange
 
 from .batcher import PredictorBatcher
 from .config import FALLBACK_MAX_TOKENS
@@ -107,14 +107,15 @@ class Runtime:
         return self.context or FALLBACK_MAX_TOKENS
 
     def check(self, model_id: str, shape: tuple[int, ...], ids: np.ndarray, max_tokens: int | None,
-              stored: bool = False) -> None:
+              stored: bool = False, heads: HeadRange | None = None) -> None:
         """A request's model, shape and prompt against what this sidecar serves
         (``max_tokens``: config.max_tokens; None for the model's context). A ``stored`` stream
         of another model passes with its token count checked alone: it needs no predictor,
         and refusing it would fail a transfer between sidecars serving different models (a
         rolling upgrade); FetchKV checks the model its engine names (server/fetch.py). Another
         model's prompt is bounded by config.max_tokens alone (this model's context says nothing
-        of it), else FALLBACK_MAX_TOKENS."""
+        of it), else FALLBACK_MAX_TOKENS. ``heads``: the KV holds only those heads (one
+        tensor-parallel rank's; ``shape`` then counts them alone)."""
         if not self.numeric_ok:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
                            f"this sidecar computes another mu than predictor {self.pin[:12]} records (its canary "
@@ -125,7 +126,10 @@ class Runtime:
                            f"model {model_id!r} is not served here (this sidecar serves {self.model_id!r})",
                            reason=MODEL_MISMATCH)
         L, H, D = self.geometry
-        if not foreign and (shape[0], shape[2], shape[4]) != (L, H, D):
+        if not foreign and heads is not None and heads.total != H:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"{heads}: {self.model_id} has {H} KV heads")
+        if not foreign and (shape[0], shape[2], shape[4]) != (L, H if heads is None else heads.count, D):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"shape {shape} does not fit {self.model_id} (layers {L}, kv_heads {H}, head_dim {D})")
         if shape[3] != len(ids):

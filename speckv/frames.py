@@ -103,9 +103,10 @@ def chunk_part(index: int, views: Sequence[Buffer], offset: int, record_bytes: i
     return join(submessage(2, inner))
 
 
-def layer_part(head: pb.KVLayer, data: Buffer, scales: Sequence[float]) -> Pieces:
-    """A KVLayer: ``head``'s fields 1-7, ``data``, ``fp8_scales``."""
-    return bytes_field(head, 8, [data], pb.KVLayer(fp8_scales=scales) if len(scales) else None)
+def layer_part(head: pb.KVLayer, data: Buffer, tail: pb.KVLayer | None) -> Pieces:
+    """A KVLayer: ``head``'s fields 1-7, ``data``, then ``tail``'s (``fp8_scales``, the token
+    range)."""
+    return bytes_field(head, 8, [data], tail)
 
 
 # -- reading: the payload as a view of the bytes received ----------------------------

@@ -78,3 +78,37 @@ class Fp8Attention:
             codes[(q.float().abs() > y.abs()) & ((codes & 0x7F) > 0)] -= 1
             q = codes.view(torch.float8_e4m3fn)
         return (q.float() * scale).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class HeadRange:
+    """Heads ``start .. start + count - 1`` of a model's ``total`` KV heads: what one
+    tensor-parallel rank holds (its KV is ``(layers, 2, count, tokens, head_dim)``)."""
+
+    start: int
+    count: int
+    total: int
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.start and 1 <= self.count and self.start + self.count <= self.total):
+            raise ValueError(f"head range {self.start}+{self.count} does not fit {self.total} heads")
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.count
+
+    @property
+    def whole(self) -> bool:
+        return self.count == self.total
+
+    @classmethod
+    def of_rank(cls, rank: int, ranks: int, total: int) -> "HeadRange":
+        """Rank ``rank`` of ``ranks``'s heads when they split ``total`` evenly (as tensor
+        parallelism does while ``ranks`` <= heads; ValueError otherwise)."""
+        if not 0 <= rank < ranks or total % ranks:
+            raise ValueError(f"{total} KV heads do not split over {ranks} ranks (rank {rank})")
+        per = total // ranks
+        return cls(rank * per, per, total)
+
+    def __str__(self) -> str:
+        return f"heads {self.start}..{self.stop - 1} of {self.total}"

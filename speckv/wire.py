@@ -26,7 +26,7 @@ from .errors import RpcError
 if TYPE_CHECKING:
     from speckv.v1 import decoder_pb2 as dpb
 
-    from .kv import Fp8Attention
+    from .kv import Fp8Attention, HeadRange
 
 DTYPES: dict[int, tuple[str, np.dtype[Any]]] = {pb.DTYPE_BF16: ("bf16", np.dtype("<u2")),
                                                  pb.DTYPE_FP8_E4M3: ("fp8", np.dtype("u1"))}
@@ -79,6 +79,26 @@ def fp8_attention_msg(fa: "Fp8Attention | None") -> pb.Fp8Attention | None:
         pb.FP8_ROUNDING_TOWARD_ZERO if fa.toward_zero else pb.FP8_ROUNDING_NEAREST))
 
 
+def heads_of(m: pb.HeadRange, kv_heads: int | None = None) -> "HeadRange | None":
+    """A message's ``heads`` (None when unset), checked, and against its shape's ``kv_heads``
+    where it has one (INVALID_ARGUMENT otherwise)."""
+    from .kv import HeadRange
+
+    if not (m.start or m.count or m.total):
+        return None
+    if kv_heads is not None and m.count != kv_heads:
+        raise bad(f"heads.count {m.count} differs from shape.kv_heads {kv_heads}")
+    try:
+        return HeadRange(m.start, m.count, m.total)
+    except ValueError as e:
+        raise bad(str(e)) from None
+
+
+def heads_msg(r: "HeadRange | None") -> pb.HeadRange | None:
+    """A head range as the messages carry it (None: unset, all heads)."""
+    return None if r is None else pb.HeadRange(start=r.start, count=r.count, total=r.total)
+
+
 def kv_shape(shape: tuple[int, ...]) -> pb.KVShape:
     L, two, H, T, D = (int(v) for v in shape)
     return pb.KVShape(layers=L, kv=two, kv_heads=H, tokens=T, head_dim=D)
@@ -107,36 +127,45 @@ def scale_bits(values: Iterable[float]) -> tuple[int, ...]:
 
 
 def layer_messages(index: int, layer: np.ndarray, dtype: int, shape: pb.KVShape, part_bytes: int,
-                   scales: np.ndarray | None = None) -> Iterator[pb.KVLayer]:
+                   scales: np.ndarray | None = None, token_start: int | None = None) -> Iterator[pb.KVLayer]:
     """The KVLayer parts of one layer ``(2, heads, tokens, dim)`` (no copy of the array
-    beyond each part's bytes)."""
-    for head, data, sp in _layer_parts(index, layer, dtype, shape, part_bytes, scales):
+    beyond each part's bytes); with ``token_start``, of that layer's token range
+    ``(2, heads, count, dim)`` starting there (KVLayer.token_start)."""
+    for head, data, tail in _layer_parts(index, layer, dtype, shape, part_bytes, scales, token_start):
         head.data = bytes(data)
-        head.fp8_scales.extend(sp)
+        if tail is not None:
+            head.MergeFrom(tail)
         yield head
 
 
 def layer_frames(index: int, layer: np.ndarray, dtype: int, shape: pb.KVShape, part_bytes: int,
-                 scales: np.ndarray | None = None) -> Iterator[frames.Pieces]:
+                 scales: np.ndarray | None = None, token_start: int | None = None) -> Iterator[frames.Pieces]:
     """``layer_messages`` pre-serialised (``frames.layer_part``): each part's bytes are read
     where they lie in ``layer`` and copied once, when the frame is joined."""
-    for head, data, sp in _layer_parts(index, layer, dtype, shape, part_bytes, scales):
-        yield frames.layer_part(head, data, sp)
+    for head, data, tail in _layer_parts(index, layer, dtype, shape, part_bytes, scales, token_start):
+        yield frames.layer_part(head, data, tail)
 
 
 def _layer_parts(index: int, layer: np.ndarray, dtype: int, shape: pb.KVShape, part_bytes: int,
-                 scales: np.ndarray | None) -> Iterator[tuple[pb.KVLayer, memoryview, list[float]]]:
-    """Each part's KVLayer fields but ``data`` and ``fp8_scales``, its data (a view) and the scales."""
+                 scales: np.ndarray | None, token_start: int | None = None,
+                 ) -> Iterator[tuple[pb.KVLayer, memoryview, pb.KVLayer | None]]:
+    """Each part's KVLayer fields before ``data`` (1-7), its data (a view), and the fields
+    after it (``fp8_scales``, the token range; None when unset)."""
     _, dt = dtype_of(dtype)
     buf = np.ascontiguousarray(layer, dt).reshape(-1).data.cast("B")  # 1-D: a 0-token layer casts too
     n = buf.nbytes
     sp = [] if scales is None else [float(v) for v in np.asarray(scales, np.float32).ravel()]
     if any(v != v for v in sp):
         raise ValueError(NAN_SCALES)
+    tail = None
+    if sp or token_start is not None:
+        tail = pb.KVLayer(fp8_scales=sp)
+        if token_start is not None:
+            tail.token_start, tail.token_count = token_start, layer.shape[2]
     pieces = list(parts(n, part_bytes))
     for k, (off, ln) in enumerate(pieces):
         yield (pb.KVLayer(layer=index, dtype=dtype, shape=shape, part_index=k, part_count=len(pieces),
-                          byte_offset=off, layer_bytes=n), buf[off:off + ln], sp)
+                          byte_offset=off, layer_bytes=n), buf[off:off + ln], tail)
 
 
 @dataclass

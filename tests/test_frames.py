@@ -34,13 +34,19 @@ def test_chunk_part_is_the_transfer_request(n, reason):
 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("scales", [[], [1.5, -0.0]])
-def test_layer_part_is_the_submit_and_fetch_message(n, scales):
+@pytest.mark.parametrize("tokens", [None, (0, 1), (256, 7)])
+def test_layer_part_is_the_submit_and_fetch_message(n, scales, tokens):
     data = _data(n)
     head = pb.KVLayer(layer=3, dtype=pb.DTYPE_BF16, shape=SHAPE, part_index=1, part_count=2, byte_offset=5,
                       layer_bytes=n)
     full = pb.KVLayer(layer=3, dtype=pb.DTYPE_BF16, shape=SHAPE, part_index=1, part_count=2, byte_offset=5,
                       layer_bytes=n, data=data, fp8_scales=scales)
-    inner = frames.layer_part(head, memoryview(data), scales)
+    tail = pb.KVLayer(fp8_scales=scales) if scales or tokens else None
+    if tokens:
+        full.token_start, full.token_count = tokens
+        assert tail is not None
+        tail.token_start, tail.token_count = tokens
+    inner = frames.layer_part(head, memoryview(data), tail)
     assert frames.join(frames.submessage(2, inner)) == epb.SubmitRequest(layer=full).SerializeToString()
     for digest in (0, pb.DIGEST_ALGORITHM_XXH3_128):
         got = frames.join(frames.submessage(1, inner, dpb.FetchKVResponse(digest=digest)))

@@ -45,8 +45,11 @@ def test_readme_client_example(embedded_session, monkeypatch, capsys, tmp_path):
         assert shared == []  # the first example: the bytes path
         exec(compile(local.replace('"/run/speckv/encoder.sock"', repr(sock)), "README.md", "exec"), ns)
         assert shared == [sock]  # the second: one sealed memfd through the socket
+        exec(compile(readme_block("client-tp"), "README.md", "exec"), ns)
+        assert shared == [sock]  # the third: three ranges, each on the bytes path
     want = bf16_bits(embedded_session.target.kv(ns["ids"]))
     assert np.array_equal(bf16_bits(kv_from_cache(ns["cache"])), want)
     assert ns["res"].raw_bytes == want.nbytes and ns["res"].ratio > 2
     assert np.array_equal(ns["kv2"], want)
+    assert np.array_equal(ns["kv3"], want)
     assert "raw bytes sent as" in capsys.readouterr().out

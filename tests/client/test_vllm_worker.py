@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from speckv import handoff as proto
-from speckv.client.pd import SaveSpec, StepPlan
-from speckv.kv import bf16_bits
+from speckv.client.pd import SaveSpec, StepPlan, rank_heads
+from speckv.kv import HeadRange, bf16_bits
 from speckv.server.handoff import Handoffs
 from speckv.v1 import encoder_pb2 as epb
 
@@ -144,10 +144,11 @@ class WholeLayer:
         return layer[:, :, start:stop]
 
 
-def _worker(vw, socket_path: str | None):
+def _worker(vw, socket_path: str | None, head_range: HeadRange | None = None):
     conn = SimpleNamespace(_vllm_config=None, block_size=16, producer=True, consumer=False,
                            encoder_address="127.0.0.1:9", decoder_address=None, local_socket=socket_path,
-                           model_id="SmolLM2-135M-Instruct", encoding="stored", fetch_wait_s=1.0)
+                           model_id="SmolLM2-135M-Instruct", encoding="stored", fetch_wait_s=1.0,
+                           head_range=head_range)
     w = vw.Worker(conn)
     w.layers, w.heads, w.head_dim, w.fp8 = list(LAYERS), HEADS, DIM, False
     w._layout = WholeLayer()
@@ -214,6 +215,38 @@ def test_bytes_path_without_a_socket(vw):
     parts = [epb.SubmitRequest.FromString(bytes(f)) for f in list(call.requests)[1:]]  # pre-serialised frames
     assert [(p.WhichOneof("kind"), p.layer.layer) for p in parts] == [("layer", 0), ("layer", 1)]
     w.close()
+
+
+def test_a_tensor_parallel_rank_submits_its_heads(vw):
+    """Rank 1 of 2 over 4 KV heads holds heads 2..3: its Submit says so (SubmitHeader.heads),
+    under the request's one transfer id."""
+    w, call = _worker(vw, None, HeadRange.of_rank(1, 2, 2 * HEADS))
+    plan, kv = _plan(), _layers()
+    w.open_new(plan)
+    for name, layer in zip(LAYERS, kv, strict=True):
+        w.save_layer(plan, name, layer)
+    reqs = list(call.requests)
+    hdr = reqs[0].header
+    assert hdr.request_id == "t-1" and hdr.shape.kv_heads == HEADS
+    assert (hdr.heads.start, hdr.heads.count, hdr.heads.total) == (HEADS, HEADS, 2 * HEADS)
+    w.close()
+
+
+def test_rank_heads(monkeypatch):
+    """The connector's split: even splits only, the worker's rank from vLLM's parallel state."""
+    assert rank_heads(1, 3, True) is None
+    with pytest.raises(NotImplementedError, match="divide evenly"):
+        rank_heads(2, 3, True)
+    with pytest.raises(NotImplementedError):
+        rank_heads(4, 2, True)  # replicated heads
+    assert rank_heads(3, 3, False) is None  # the scheduler moves no KV
+    state = types.ModuleType("vllm.distributed.parallel_state")
+    state.get_tensor_model_parallel_rank = lambda: 2  # type: ignore[attr-defined]
+    for name in ("vllm", "vllm.distributed"):
+        if name not in sys.modules:
+            monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", state)
+    assert rank_heads(3, 3, True) == HeadRange(2, 1, 3)
 
 
 @pytest.mark.parametrize("refusal", ["peer_denied", "unreachable"])

@@ -90,7 +90,7 @@ class KVShape(_message.Message):
     def __init__(self, layers: _Optional[int] = ..., kv: _Optional[int] = ..., kv_heads: _Optional[int] = ..., tokens: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class KVLayer(_message.Message):
-    __slots__ = ("layer", "dtype", "shape", "part_index", "part_count", "byte_offset", "layer_bytes", "data", "fp8_scales")
+    __slots__ = ("layer", "dtype", "shape", "part_index", "part_count", "byte_offset", "layer_bytes", "data", "fp8_scales", "token_start", "token_count")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,8 @@ class KVLayer(_message.Message):
     LAYER_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     FP8_SCALES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     layer: int
     dtype: Dtype
     shape: KVShape
@@ -109,7 +111,9 @@ class KVLayer(_message.Message):
     layer_bytes: int
     data: bytes
     fp8_scales: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, layer: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Union[KVShape, _Mapping]] = ..., part_index: _Optional[int] = ..., part_count: _Optional[int] = ..., byte_offset: _Optional[int] = ..., layer_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., fp8_scales: _Optional[_Iterable[float]] = ...) -> None: ...
+    token_start: int
+    token_count: int
+    def __init__(self, layer: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Union[KVShape, _Mapping]] = ..., part_index: _Optional[int] = ..., part_count: _Optional[int] = ..., byte_offset: _Optional[int] = ..., layer_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., fp8_scales: _Optional[_Iterable[float]] = ..., token_start: _Optional[int] = ..., token_count: _Optional[int] = ...) -> None: ...
 
 class Fp8Attention(_message.Message):
     __slots__ = ("k_scales", "v_scales", "rounding")
@@ -120,6 +124,16 @@ class Fp8Attention(_message.Message):
     v_scales: _containers.RepeatedScalarFieldContainer[float]
     rounding: Fp8Rounding
     def __init__(self, k_scales: _Optional[_Iterable[float]] = ..., v_scales: _Optional[_Iterable[float]] = ..., rounding: _Optional[_Union[Fp8Rounding, str]] = ...) -> None: ...
+
+class HeadRange(_message.Message):
+    __slots__ = ("start", "count", "total")
+    START_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    count: int
+    total: int
+    def __init__(self, start: _Optional[int] = ..., count: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
 
 class Status(_message.Message):
     __slots__ = ("code", "message", "reason")

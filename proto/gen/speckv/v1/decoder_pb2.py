@@ -25,49 +25,49 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as speckv_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17speckv/v1/decoder.proto\x12\tspeckv.v1\x1a\x16speckv/v1/common.proto\"\xf2\x01\n\x0eTransferHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rpredictor_pin\x18\x02 \x01(\x0c\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x1f\n\x05\x64type\x18\x04 \x01(\x0e\x32\x10.speckv.v1.Dtype\x12!\n\x05shape\x18\x05 \x01(\x0b\x32\x12.speckv.v1.KVShape\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x03\x12\x15\n\rheader_record\x18\x07 \x01(\x0c\x12.\n\rfp8_attention\x18\x08 \x01(\x0b\x32\x17.speckv.v1.Fp8Attention\"h\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06record\x18\x02 \x01(\x0c\x12\x13\n\x0b\x62yte_offset\x18\x03 \x01(\x04\x12\x14\n\x0crecord_bytes\x18\x04 \x01(\x04\x12\x15\n\rstored_reason\x18\x05 \x01(\t\"8\n\x0fTransferTrailer\x12\x12\n\nraw_digest\x18\x01 \x01(\x0c\x12\x11\n\traw_bytes\x18\x02 \x01(\x04\"1\n\x08\x46\x61llback\x12\x15\n\rheader_record\x18\x01 \x01(\x0c\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xc1\x01\n\x0fTransferRequest\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.speckv.v1.TransferHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.speckv.v1.ChunkH\x00\x12-\n\x07trailer\x18\x03 \x01(\x0b\x32\x1a.speckv.v1.TransferTrailerH\x00\x12\'\n\x08\x66\x61llback\x18\x04 \x01(\x0b\x32\x13.speckv.v1.FallbackH\x00\x42\x06\n\x04kind\"1\n\x08\x43hunkAck\x12\r\n\x05index\x18\x01 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\"\x88\x02\n\x0eTransferResult\x12!\n\x06status\x18\x01 \x01(\x0b\x32\x11.speckv.v1.Status\x12\x11\n\traw_bytes\x18\x02 \x01(\x04\x12\x12\n\nwire_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x04 \x01(\r\x12\x19\n\x11predictor_seconds\x18\x05 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x06 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x07 \x01(\x01\x12\x10\n\x08\x65ncoding\x18\x08 \x01(\t\x12\x10\n\x08\x66\x61llback\x18\t \x01(\x08\x12\x15\n\rstored_chunks\x18\n \x01(\r\x12\x17\n\x0fmu_wait_seconds\x18\x0b \x01(\x01\"8\n\x0ePredictorCheck\x12\x11\n\tmu_digest\x18\x01 \x01(\x0c\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\"\xa1\x01\n\x10TransferResponse\x12(\n\tchunk_ack\x18\x01 \x01(\x0b\x32\x13.speckv.v1.ChunkAckH\x00\x12+\n\x06result\x18\x02 \x01(\x0b\x32\x19.speckv.v1.TransferResultH\x00\x12.\n\tpredictor\x18\x03 \x01(\x0b\x32\x19.speckv.v1.PredictorCheckH\x00\x42\x06\n\x04kind\"\x92\x01\n\x0e\x46\x65tchKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0fwait_timeout_ms\x18\x02 \x01(\r\x12\x15\n\rverified_only\x18\x03 \x01(\x08\x12*\n\x06\x64igest\x18\x04 \x01(\x0e\x32\x1a.speckv.v1.DigestAlgorithm\x12\x10\n\x08model_id\x18\x05 \x01(\t\"4\n\x0b\x46\x65tchKVDone\x12\x12\n\nraw_digest\x18\x01 \x01(\x0c\x12\x11\n\traw_bytes\x18\x02 \x01(\x04\"\x92\x01\n\x0f\x46\x65tchKVResponse\x12#\n\x05layer\x18\x01 \x01(\x0b\x32\x12.speckv.v1.KVLayerH\x00\x12&\n\x04\x64one\x18\x02 \x01(\x0b\x32\x16.speckv.v1.FetchKVDoneH\x00\x12*\n\x06\x64igest\x18\x03 \x01(\x0e\x32\x1a.speckv.v1.DigestAlgorithmB\x06\n\x04kind\"\xde\x01\n\x0eTransferStatus\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.speckv.v1.TransferState\x12!\n\x06status\x18\x03 \x01(\x0b\x32\x11.speckv.v1.Status\x12\x17\n\x0f\x63hunks_received\x18\x04 \x01(\r\x12\x14\n\x0c\x63hunks_total\x18\x05 \x01(\r\x12\x16\n\x0e\x63hunks_decoded\x18\x06 \x01(\r\x12\x12\n\nwire_bytes\x18\x07 \x01(\x04\x12\x11\n\traw_bytes\x18\x08 \x01(\x04\".\n\x18GetTransferStatusRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"F\n\x19GetTransferStatusResponse\x12)\n\x06status\x18\x01 \x01(\x0b\x32\x19.speckv.v1.TransferStatus\"+\n\x15\x43\x61ncelTransferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"C\n\x16\x43\x61ncelTransferResponse\x12)\n\x06status\x18\x01 \x01(\x0b\x32\x19.speckv.v1.TransferStatus*\xbc\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18TRANSFER_STATE_RECEIVING\x10\x01\x12\x18\n\x14TRANSFER_STATE_READY\x10\x02\x12\x1a\n\x16TRANSFER_STATE_FETCHED\x10\x03\x12\x19\n\x15TRANSFER_STATE_FAILED\x10\x04\x12\x1c\n\x18TRANSFER_STATE_CANCELLED\x10\x05\x32\xd4\x02\n\x0e\x44\x65\x63oderService\x12G\n\x08Transfer\x12\x1a.speckv.v1.TransferRequest\x1a\x1b.speckv.v1.TransferResponse(\x01\x30\x01\x12\x42\n\x07\x46\x65tchKV\x12\x19.speckv.v1.FetchKVRequest\x1a\x1a.speckv.v1.FetchKVResponse0\x01\x12^\n\x11GetTransferStatus\x12#.speckv.v1.GetTransferStatusRequest\x1a$.speckv.v1.GetTransferStatusResponse\x12U\n\x0e\x43\x61ncelTransfer\x12 .speckv.v1.CancelTransferRequest\x1a!.speckv.v1.CancelTransferResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17speckv/v1/decoder.proto\x12\tspeckv.v1\x1a\x16speckv/v1/common.proto\"\x97\x02\n\x0eTransferHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rpredictor_pin\x18\x02 \x01(\x0c\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x1f\n\x05\x64type\x18\x04 \x01(\x0e\x32\x10.speckv.v1.Dtype\x12!\n\x05shape\x18\x05 \x01(\x0b\x32\x12.speckv.v1.KVShape\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x03\x12\x15\n\rheader_record\x18\x07 \x01(\x0c\x12.\n\rfp8_attention\x18\x08 \x01(\x0b\x32\x17.speckv.v1.Fp8Attention\x12#\n\x05heads\x18\t \x01(\x0b\x32\x14.speckv.v1.HeadRange\"h\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06record\x18\x02 \x01(\x0c\x12\x13\n\x0b\x62yte_offset\x18\x03 \x01(\x04\x12\x14\n\x0crecord_bytes\x18\x04 \x01(\x04\x12\x15\n\rstored_reason\x18\x05 \x01(\t\"8\n\x0fTransferTrailer\x12\x12\n\nraw_digest\x18\x01 \x01(\x0c\x12\x11\n\traw_bytes\x18\x02 \x01(\x04\"1\n\x08\x46\x61llback\x12\x15\n\rheader_record\x18\x01 \x01(\x0c\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xc1\x01\n\x0fTransferRequest\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.speckv.v1.TransferHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.speckv.v1.ChunkH\x00\x12-\n\x07trailer\x18\x03 \x01(\x0b\x32\x1a.speckv.v1.TransferTrailerH\x00\x12\'\n\x08\x66\x61llback\x18\x04 \x01(\x0b\x32\x13.speckv.v1.FallbackH\x00\x42\x06\n\x04kind\"1\n\x08\x43hunkAck\x12\r\n\x05index\x18\x01 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\"\x88\x02\n\x0eTransferResult\x12!\n\x06status\x18\x01 \x01(\x0b\x32\x11.speckv.v1.Status\x12\x11\n\traw_bytes\x18\x02 \x01(\x04\x12\x12\n\nwire_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x04 \x01(\r\x12\x19\n\x11predictor_seconds\x18\x05 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x06 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x07 \x01(\x01\x12\x10\n\x08\x65ncoding\x18\x08 \x01(\t\x12\x10\n\x08\x66\x61llback\x18\t \x01(\x08\x12\x15\n\rstored_chunks\x18\n \x01(\r\x12\x17\n\x0fmu_wait_seconds\x18\x0b \x01(\x01\"8\n\x0ePredictorCheck\x12\x11\n\tmu_digest\x18\x01 \x01(\x0c\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\"\xa1\x01\n\x10TransferResponse\x12(\n\tchunk_ack\x18\x01 \x01(\x0b\x32\x13.speckv.v1.ChunkAckH\x00\x12+\n\x06result\x18\x02 \x01(\x0b\x32\x19.speckv.v1.TransferResultH\x00\x12.\n\tpredictor\x18\x03 \x01(\x0b\x32\x19.speckv.v1.PredictorCheckH\x00\x42\x06\n\x04kind\"\xe1\x01\n\x0e\x46\x65tchKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0fwait_timeout_ms\x18\x02 \x01(\r\x12\x15\n\rverified_only\x18\x03 \x01(\x08\x12*\n\x06\x64igest\x18\x04 \x01(\x0e\x32\x1a.speckv.v1.DigestAlgorithm\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12#\n\x05heads\x18\x06 \x01(\x0b\x32\x14.speckv.v1.HeadRange\x12\x13\n\x0btoken_start\x18\x07 \x01(\r\x12\x13\n\x0btoken_count\x18\x08 \x01(\r\"4\n\x0b\x46\x65tchKVDone\x12\x12\n\nraw_digest\x18\x01 \x01(\x0c\x12\x11\n\traw_bytes\x18\x02 \x01(\x04\"\x92\x01\n\x0f\x46\x65tchKVResponse\x12#\n\x05layer\x18\x01 \x01(\x0b\x32\x12.speckv.v1.KVLayerH\x00\x12&\n\x04\x64one\x18\x02 \x01(\x0b\x32\x16.speckv.v1.FetchKVDoneH\x00\x12*\n\x06\x64igest\x18\x03 \x01(\x0e\x32\x1a.speckv.v1.DigestAlgorithmB\x06\n\x04kind\"\x83\x02\n\x0eTransferStatus\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.speckv.v1.TransferState\x12!\n\x06status\x18\x03 \x01(\x0b\x32\x11.speckv.v1.Status\x12\x17\n\x0f\x63hunks_received\x18\x04 \x01(\r\x12\x14\n\x0c\x63hunks_total\x18\x05 \x01(\r\x12\x16\n\x0e\x63hunks_decoded\x18\x06 \x01(\r\x12\x12\n\nwire_bytes\x18\x07 \x01(\x04\x12\x11\n\traw_bytes\x18\x08 \x01(\x04\x12#\n\x05heads\x18\t \x01(\x0b\x32\x14.speckv.v1.HeadRange\"S\n\x18GetTransferStatusRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x05heads\x18\x02 \x01(\x0b\x32\x14.speckv.v1.HeadRange\"F\n\x19GetTransferStatusResponse\x12)\n\x06status\x18\x01 \x01(\x0b\x32\x19.speckv.v1.TransferStatus\"P\n\x15\x43\x61ncelTransferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x05heads\x18\x02 \x01(\x0b\x32\x14.speckv.v1.HeadRange\"C\n\x16\x43\x61ncelTransferResponse\x12)\n\x06status\x18\x01 \x01(\x0b\x32\x19.speckv.v1.TransferStatus*\xbc\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x1c\n\x18TRANSFER_STATE_RECEIVING\x10\x01\x12\x18\n\x14TRANSFER_STATE_READY\x10\x02\x12\x1a\n\x16TRANSFER_STATE_FETCHED\x10\x03\x12\x19\n\x15TRANSFER_STATE_FAILED\x10\x04\x12\x1c\n\x18TRANSFER_STATE_CANCELLED\x10\x05\x32\xd4\x02\n\x0e\x44\x65\x63oderService\x12G\n\x08Transfer\x12\x1a.speckv.v1.TransferRequest\x1a\x1b.speckv.v1.TransferResponse(\x01\x30\x01\x12\x42\n\x07\x46\x65tchKV\x12\x19.speckv.v1.FetchKVRequest\x1a\x1a.speckv.v1.FetchKVResponse0\x01\x12^\n\x11GetTransferStatus\x12#.speckv.v1.GetTransferStatusRequest\x1a$.speckv.v1.GetTransferStatusResponse\x12U\n\x0e\x43\x61ncelTransfer\x12 .speckv.v1.CancelTransferRequest\x1a!.speckv.v1.CancelTransferResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'speckv.v1.decoder_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSFERSTATE']._serialized_start=2070
-  _globals['_TRANSFERSTATE']._serialized_end=2258
+  _globals['_TRANSFERSTATE']._serialized_start=2297
+  _globals['_TRANSFERSTATE']._serialized_end=2485
   _globals['_TRANSFERHEADER']._serialized_start=63
-  _globals['_TRANSFERHEADER']._serialized_end=305
-  _globals['_CHUNK']._serialized_start=307
-  _globals['_CHUNK']._serialized_end=411
-  _globals['_TRANSFERTRAILER']._serialized_start=413
-  _globals['_TRANSFERTRAILER']._serialized_end=469
-  _globals['_FALLBACK']._serialized_start=471
-  _globals['_FALLBACK']._serialized_end=520
-  _globals['_TRANSFERREQUEST']._serialized_start=523
-  _globals['_TRANSFERREQUEST']._serialized_end=716
-  _globals['_CHUNKACK']._serialized_start=718
-  _globals['_CHUNKACK']._serialized_end=767
-  _globals['_TRANSFERRESULT']._serialized_start=770
-  _globals['_TRANSFERRESULT']._serialized_end=1034
-  _globals['_PREDICTORCHECK']._serialized_start=1036
-  _globals['_PREDICTORCHECK']._serialized_end=1092
-  _globals['_TRANSFERRESPONSE']._serialized_start=1095
-  _globals['_TRANSFERRESPONSE']._serialized_end=1256
-  _globals['_FETCHKVREQUEST']._serialized_start=1259
-  _globals['_FETCHKVREQUEST']._serialized_end=1405
-  _globals['_FETCHKVDONE']._serialized_start=1407
-  _globals['_FETCHKVDONE']._serialized_end=1459
-  _globals['_FETCHKVRESPONSE']._serialized_start=1462
-  _globals['_FETCHKVRESPONSE']._serialized_end=1608
-  _globals['_TRANSFERSTATUS']._serialized_start=1611
-  _globals['_TRANSFERSTATUS']._serialized_end=1833
-  _globals['_GETTRANSFERSTATUSREQUEST']._serialized_start=1835
-  _globals['_GETTRANSFERSTATUSREQUEST']._serialized_end=1881
-  _globals['_GETTRANSFERSTATUSRESPONSE']._serialized_start=1883
-  _globals['_GETTRANSFERSTATUSRESPONSE']._serialized_end=1953
-  _globals['_CANCELTRANSFERREQUEST']._serialized_start=1955
-  _globals['_CANCELTRANSFERREQUEST']._serialized_end=1998
-  _globals['_CANCELTRANSFERRESPONSE']._serialized_start=2000
-  _globals['_CANCELTRANSFERRESPONSE']._serialized_end=2067
-  _globals['_DECODERSERVICE']._serialized_start=2261
-  _globals['_DECODERSERVICE']._serialized_end=2601
+  _globals['_TRANSFERHEADER']._serialized_end=342
+  _globals['_CHUNK']._serialized_start=344
+  _globals['_CHUNK']._serialized_end=448
+  _globals['_TRANSFERTRAILER']._serialized_start=450
+  _globals['_TRANSFERTRAILER']._serialized_end=506
+  _globals['_FALLBACK']._serialized_start=508
+  _globals['_FALLBACK']._serialized_end=557
+  _globals['_TRANSFERREQUEST']._serialized_start=560
+  _globals['_TRANSFERREQUEST']._serialized_end=753
+  _globals['_CHUNKACK']._serialized_start=755
+  _globals['_CHUNKACK']._serialized_end=804
+  _globals['_TRANSFERRESULT']._serialized_start=807
+  _globals['_TRANSFERRESULT']._serialized_end=1071
+  _globals['_PREDICTORCHECK']._serialized_start=1073
+  _globals['_PREDICTORCHECK']._serialized_end=1129
+  _globals['_TRANSFERRESPONSE']._serialized_start=1132
+  _globals['_TRANSFERRESPONSE']._serialized_end=1293
+  _globals['_FETCHKVREQUEST']._serialized_start=1296
+  _globals['_FETCHKVREQUEST']._serialized_end=1521
+  _globals['_FETCHKVDONE']._serialized_start=1523
+  _globals['_FETCHKVDONE']._serialized_end=1575
+  _globals['_FETCHKVRESPONSE']._serialized_start=1578
+  _globals['_FETCHKVRESPONSE']._serialized_end=1724
+  _globals['_TRANSFERSTATUS']._serialized_start=1727
+  _globals['_TRANSFERSTATUS']._serialized_end=1986
+  _globals['_GETTRANSFERSTATUSREQUEST']._serialized_start=1988
+  _globals['_GETTRANSFERSTATUSREQUEST']._serialized_end=2071
+  _globals['_GETTRANSFERSTATUSRESPONSE']._serialized_start=2073
+  _globals['_GETTRANSFERSTATUSRESPONSE']._serialized_end=2143
+  _globals['_CANCELTRANSFERREQUEST']._serialized_start=2145
+  _globals['_CANCELTRANSFERREQUEST']._serialized_end=2225
+  _globals['_CANCELTRANSFERRESPONSE']._serialized_start=2227
+  _globals['_CANCELTRANSFERRESPONSE']._serialized_end=2294
+  _globals['_DECODERSERVICE']._serialized_start=2488
+  _globals['_DECODERSERVICE']._serialized_end=2828
 # @@protoc_insertion_point(module_scope)

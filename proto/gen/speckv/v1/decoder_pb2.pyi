@@ -24,7 +24,7 @@ TRANSFER_STATE_FAILED: TransferState
 TRANSFER_STATE_CANCELLED: TransferState
 
 class TransferHeader(_message.Message):
-    __slots__ = ("request_id", "predictor_pin", "model_id", "dtype", "shape", "prompt_token_ids", "header_record", "fp8_attention")
+    __slots__ = ("request_id", "predictor_pin", "model_id", "dtype", "shape", "prompt_token_ids", "header_record", "fp8_attention", "heads")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREDICTOR_PIN_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class TransferHeader(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HEADER_RECORD_FIELD_NUMBER: _ClassVar[int]
     FP8_ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     predictor_pin: bytes
     model_id: str
@@ -41,7 +42,8 @@ class TransferHeader(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     header_record: bytes
     fp8_attention: _common_pb2.Fp8Attention
-    def __init__(self, request_id: _Optional[str] = ..., predictor_pin: _Optional[bytes] = ..., model_id: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ..., shape: _Optional[_Union[_common_pb2.KVShape, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., header_record: _Optional[bytes] = ..., fp8_attention: _Optional[_Union[_common_pb2.Fp8Attention, _Mapping]] = ...) -> None: ...
+    heads: _common_pb2.HeadRange
+    def __init__(self, request_id: _Optional[str] = ..., predictor_pin: _Optional[bytes] = ..., model_id: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ..., shape: _Optional[_Union[_common_pb2.KVShape, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., header_record: _Optional[bytes] = ..., fp8_attention: _Optional[_Union[_common_pb2.Fp8Attention, _Mapping]] = ..., heads: _Optional[_Union[_common_pb2.HeadRange, _Mapping]] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("index", "record", "byte_offset", "record_bytes", "stored_reason")
@@ -138,18 +140,24 @@ class TransferResponse(_message.Message):
     def __init__(self, chunk_ack: _Optional[_Union[ChunkAck, _Mapping]] = ..., result: _Optional[_Union[TransferResult, _Mapping]] = ..., predictor: _Optional[_Union[PredictorCheck, _Mapping]] = ...) -> None: ...
 
 class FetchKVRequest(_message.Message):
-    __slots__ = ("request_id", "wait_timeout_ms", "verified_only", "digest", "model_id")
+    __slots__ = ("request_id", "wait_timeout_ms", "verified_only", "digest", "model_id", "heads", "token_start", "token_count")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WAIT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_ONLY_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     wait_timeout_ms: int
     verified_only: bool
     digest: _common_pb2.DigestAlgorithm
     model_id: str
-    def __init__(self, request_id: _Optional[str] = ..., wait_timeout_ms: _Optional[int] = ..., verified_only: _Optional[bool] = ..., digest: _Optional[_Union[_common_pb2.DigestAlgorithm, str]] = ..., model_id: _Optional[str] = ...) -> None: ...
+    heads: _common_pb2.HeadRange
+    token_start: int
+    token_count: int
+    def __init__(self, request_id: _Optional[str] = ..., wait_timeout_ms: _Optional[int] = ..., verified_only: _Optional[bool] = ..., digest: _Optional[_Union[_common_pb2.DigestAlgorithm, str]] = ..., model_id: _Optional[str] = ..., heads: _Optional[_Union[_common_pb2.HeadRange, _Mapping]] = ..., token_start: _Optional[int] = ..., token_count: _Optional[int] = ...) -> None: ...
 
 class FetchKVDone(_message.Message):
     __slots__ = ("raw_digest", "raw_bytes")
@@ -170,7 +178,7 @@ class FetchKVResponse(_message.Message):
     def __init__(self, layer: _Optional[_Union[_common_pb2.KVLayer, _Mapping]] = ..., done: _Optional[_Union[FetchKVDone, _Mapping]] = ..., digest: _Optional[_Union[_common_pb2.DigestAlgorithm, str]] = ...) -> None: ...
 
 class TransferStatus(_message.Message):
-    __slots__ = ("request_id", "state", "status", "chunks_received", "chunks_total", "chunks_decoded", "wire_bytes", "raw_bytes")
+    __slots__ = ("request_id", "state", "status", "chunks_received", "chunks_total", "chunks_decoded", "wire_bytes", "raw_bytes", "heads")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +187,7 @@ class TransferStatus(_message.Message):
     CHUNKS_DECODED_FIELD_NUMBER: _ClassVar[int]
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     state: TransferState
     status: _common_pb2.Status
@@ -187,13 +196,16 @@ class TransferStatus(_message.Message):
     chunks_decoded: int
     wire_bytes: int
     raw_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., chunks_received: _Optional[int] = ..., chunks_total: _Optional[int] = ..., chunks_decoded: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., raw_bytes: _Optional[int] = ...) -> None: ...
+    heads: _common_pb2.HeadRange
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., chunks_received: _Optional[int] = ..., chunks_total: _Optional[int] = ..., chunks_decoded: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., heads: _Optional[_Union[_common_pb2.HeadRange, _Mapping]] = ...) -> None: ...
 
 class GetTransferStatusRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "heads")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    heads: _common_pb2.HeadRange
+    def __init__(self, request_id: _Optional[str] = ..., heads: _Optional[_Union[_common_pb2.HeadRange, _Mapping]] = ...) -> None: ...
 
 class GetTransferStatusResponse(_message.Message):
     __slots__ = ("status",)
@@ -202,10 +214,12 @@ class GetTransferStatusResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[TransferStatus, _Mapping]] = ...) -> None: ...
 
 class CancelTransferRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "heads")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    heads: _common_pb2.HeadRange
+    def __init__(self, request_id: _Optional[str] = ..., heads: _Optional[_Union[_common_pb2.HeadRange, _Mapping]] = ...) -> None: ...
 
 class CancelTransferResponse(_message.Message):
     __slots__ = ("status",)

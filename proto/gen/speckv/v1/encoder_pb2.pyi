@@ -18,7 +18,7 @@ ENCODING_SPECKV: Encoding
 ENCODING_STORED: Encoding
 
 class SubmitHeader(_message.Message):
-    __slots__ = ("request_id", "decoder_address", "model_id", "dtype", "shape", "prompt_token_ids", "fp8_scales", "expected_predictor_pin", "encoding", "fp8_attention")
+    __slots__ = ("request_id", "decoder_address", "model_id", "dtype", "shape", "prompt_token_ids", "fp8_scales", "expected_predictor_pin", "encoding", "fp8_attention", "heads")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DECODER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class SubmitHeader(_message.Message):
     EXPECTED_PREDICTOR_PIN_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     FP8_ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     decoder_address: str
     model_id: str
@@ -39,7 +40,8 @@ class SubmitHeader(_message.Message):
     expected_predictor_pin: bytes
     encoding: Encoding
     fp8_attention: _common_pb2.Fp8Attention
-    def __init__(self, request_id: _Optional[str] = ..., decoder_address: _Optional[str] = ..., model_id: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ..., shape: _Optional[_Union[_common_pb2.KVShape, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., fp8_scales: _Optional[_Iterable[float]] = ..., expected_predictor_pin: _Optional[bytes] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., fp8_attention: _Optional[_Union[_common_pb2.Fp8Attention, _Mapping]] = ...) -> None: ...
+    heads: _common_pb2.HeadRange
+    def __init__(self, request_id: _Optional[str] = ..., decoder_address: _Optional[str] = ..., model_id: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ..., shape: _Optional[_Union[_common_pb2.KVShape, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., fp8_scales: _Optional[_Iterable[float]] = ..., expected_predictor_pin: _Optional[bytes] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., fp8_attention: _Optional[_Union[_common_pb2.Fp8Attention, _Mapping]] = ..., heads: _Optional[_Union[_common_pb2.HeadRange, _Mapping]] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
     __slots__ = ("header", "layer", "local_layer")
