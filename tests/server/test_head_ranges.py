@@ -39,6 +39,24 @@ def _submit_ranks(pair, r: str, kv, ids, ranges: list[HeadRange], **kw):
         return [f.result(timeout=WAIT) for f in futs]
 
 
+def _passes(pair, side: str) -> tuple[float, float]:
+    """(misses, hits) of one sidecar's mu cache so far (speckv_mu_cache_lookups_total)."""
+    reg = getattr(pair, side).service.metrics.registry
+    return tuple(sum(s.value for m in reg.collect() for s in m.samples
+                     if s.name == "speckv_mu_cache_lookups_total" and s.labels.get("result") == r)
+                 for r in ("miss", "hit"))
+
+
+def _pad(kv):
+    """``kv`` with one more token (a copy of its last): the KV of a prompt one token longer, for
+    a pass of its own. The KV need not be the model's: coding is lossless on any KV."""
+    if isinstance(kv, Fp8KV):
+        return Fp8KV(np.concatenate([kv.codes, kv.codes[:, :, :, -1:]], axis=3), kv.scales)
+    import torch
+
+    return torch.cat([kv, kv[:, :, :, -1:]], dim=3)
+
+
 def _fetch(pair, r: str, heads: HeadRange | None):
     return pair.dec.fetch(r, wait=FETCH_WAIT, timeout=WAIT, heads=heads)
 
@@ -46,8 +64,11 @@ def _fetch(pair, r: str, heads: HeadRange | None):
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_three_ranks_assembled_for_one_decode_rank(pair, prompts, fp8_kv, dtype):
     ids, kv = fp8_kv("medium") if dtype == "fp8" else prompts("medium")
+    ids = np.concatenate([ids, [7 if dtype == "fp8" else 8]])  # a prompt no other test ran: its own pass
+    kv = _pad(kv)
     r = rid(f"tp3-{dtype}")
     ranges = [HeadRange(h, 1, H) for h in range(H)]
+    before = {side: _passes(pair, side) for side in ("encoder", "decoder")}
     results = _submit_ranks(pair, r, kv, ids, ranges)
     assert all(res.encoding == "speckv" and res.stored_chunks == 0 for res in results)
     assert sum(res.raw_bytes for res in results) == _bits(kv).nbytes
@@ -58,6 +79,9 @@ def test_three_ranks_assembled_for_one_decode_rank(pair, prompts, fp8_kv, dtype)
     for h in ranges:
         st = pair.dec.status(r, heads=h)
         assert st.state == dpb.TRANSFER_STATE_FETCHED and (st.heads.start, st.heads.count) == (h.start, 1)
+    for side in ("encoder", "decoder"):  # the ranks' transfers share one predictor pass per side
+        miss, hit = (a - b for a, b in zip(_passes(pair, side), before[side], strict=True))
+        assert (miss, hit) == (1, H - 1), side
 
 
 def test_two_ranks_sliced_for_three_decode_ranks(pair, prompts):
