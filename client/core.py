@@ -227,6 +227,7 @@ class _Collector:
         self.model_id = model_id  # the decode engine's model (FetchKVRequest.model_id; "" = not checked)
         self.heads = heads  # the heads asked for (FetchKVRequest.heads; None = the transfer's)
         self.tokens = tokens  # the tokens [start, stop) asked for (None: all)
+        self.cut: slice | None = None  # those tokens, cut here: a decoder before FetchKVRequest.token_start
 
     def add(self, msg: "dpb.FetchKVResponse | frames.Parsed") -> tuple[int, np.ndarray, np.ndarray | None] | None:
         if self.done:
@@ -250,6 +251,8 @@ class _Collector:
             raise RpcFailed(grpc.StatusCode.INTERNAL, f"malformed FetchKV stream: {e}") from None
         if got is not None:
             self.digest.update_layer(got[1], got[2])
+            if self.cut is not None and not self.whole:
+                return got[0], got[1][:, :, self.cut], got[2]
         return got
 
     def _assembler(self, part: pb.KVLayer) -> LayerAssembler:
@@ -257,7 +260,9 @@ class _Collector:
         if self.heads is not None and shape[2] != self.heads.count:
             raise ValueError(f"{shape[2]} heads sent for {self.heads}")
         if self.tokens is not None and shape[3] != self.tokens[1] - self.tokens[0]:
-            raise ValueError(f"{shape[3]} tokens sent for tokens {self.tokens}")
+            if shape[3] < self.tokens[1]:
+                raise ValueError(f"{shape[3]} tokens sent for tokens {self.tokens}")
+            self.cut = slice(*self.tokens)  # NOTE: the whole layers came: the digest is over them, then cut
         if not self.whole:
             return LayerAssembler(part.dtype, shape)
         self.out = np.empty(shape, dtype_of(part.dtype)[1])  # NOTE: layers land in it, no copy after
@@ -292,9 +297,10 @@ class _Collector:
     def result(self, as_torch: bool) -> "np.ndarray | Fp8KV | torch.Tensor":
         self.check_done()
         assert self.out is not None  # check_done: every layer was kept
+        out = self.out if self.cut is None else np.ascontiguousarray(self.out[:, :, :, self.cut])
         if self.scales is not None:
-            return Fp8KV(self.out, self.scales)
-        return to_torch(self.out) if as_torch else self.out
+            return Fp8KV(out, self.scales)
+        return to_torch(out) if as_torch else out
 
 
 def to_torch(bits: np.ndarray) -> "torch.Tensor":

@@ -243,7 +243,9 @@ class Codec:
               layers: slice | None = None, model_id: int | None = None) -> Plan:
         """``plan.build_plan`` under ``model_id`` (default: the one this codec encodes with);
         mu from ``ids`` when None."""
-        mu = bf16_bits(self._predicted(ids) if mu is None else mu)
+        mu = self._predicted(ids) if mu is None else mu
+        # NOTE: uint16 bits stay as given, a view too (a rank's heads): build_plan copies only its layers
+        mu = mu if isinstance(mu, np.ndarray) and mu.dtype == np.uint16 else bf16_bits(mu)
         model = self.models[self.model_id if model_id is None else model_id]
         return build_plan(model, self.backend, kv, mu, fmt, scales, layers)
 

@@ -78,7 +78,7 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
             h, ids, labels, heads = self._check_header(first.header)
             fp8_attention = fp8_attention_of(first.header.fp8_attention, h.shape[0], first.header.dtype)
             t = DecoderTransfer(first.header.request_id, h.shape[0], h.n_chunks, self.budget.holding(),
-                                algorithm_of(h.version), heads, h.shape[2])
+                                algorithm_of(h.version), h.shape[2], heads)
             t.prompt, t.tokens = h.prompt_digest, h.shape[3]
             t.codec = self.rt.codec if first.header.model_id != self.rt.model_id else head_codec(self.rt.codec, heads)
             t.layer_bytes = layer_bytes(h.shape, dtype_of_header(h))

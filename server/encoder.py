@@ -315,17 +315,8 @@ class EncoderService(egrpc.EncoderServiceServicer):
             raise bad(f"stream ended after {asm.next_layer} of {job.h.shape[0]} layers")
 
     async def _ranged(self, job: Job, asm: LayerAssembler, watch) -> TokenRanges:
-        """Switch a Submit to token ranges (before its first layer only), reserving the rest of
-        its KV at once: ranges of every layer may arrive before any layer is complete.
-        NOTE: at once, not layer by layer: two such Submits each holding part of the cap while
-        waiting for more would never complete."""
-        if asm.next_layer or not asm.starting:
-            raise bad("a Submit sends all of its layers whole or all in token ranges")
-        whole = job.h.shape[0] * asm.layer_size
-        if whole > self.budget.limit:
-            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"token ranges need the whole KV ({whole} bytes) within the in-flight cap "
-                           f"({self.budget.limit}); send whole layers")
+        """Switch a Submit to token ranges, reserving the rest of its KV at once (``TokenRanges.need``)."""
+        whole = TokenRanges.need(asm, self.budget.limit)
         await watched(job.holding.acquire(whole), watch)
         return TokenRanges(job.header.dtype, job.h.shape)
 

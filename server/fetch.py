@@ -19,7 +19,7 @@ import numpy as np
 from speckv import frames, logs
 from speckv.digests import ALGORITHMS, BLAKE2B_128, KVDigest
 from speckv.errors import RpcError
-from speckv.status import abort, to_status
+from speckv.status import abort, in_band, to_status
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.wire import heads_of, kv_shape, layer_frames
 
@@ -65,13 +65,9 @@ class FetchService:
             found = await self.table.cover(request.request_id, want, wait)
             self._check_pieces(request, found)
             toks = _tokens(request, found[0][0].tokens)
+            self._check_memory(request, found)
             pieces = _claim(found)
             if request.verified_only:
-                need = sum(_bytes_of(t, part) for t, part in pieces)
-                if need > self.budget.limit:
-                    raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"verified_only needs the whole KV ({need} bytes) "
-                                   f"in memory; the in-flight cap is {self.budget.limit}")
                 for t, _ in pieces:
                     await t.wait_final(max(wait, self.config.lease_s))
             # NOTE: the client verifies another algorithm than the stream's, or gets other heads than
@@ -97,13 +93,16 @@ class FetchService:
             code, msg = to_status(e)
             logger.warning("fetch %s failed: %s %s", request.request_id, code.name, msg, extra={"code": code.name})
             tracing.end(span, code, msg)
-            if pieces and code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
-                # layers already handed out are gone. NOTE: recorded as an RpcError, never as this
-                # call's CancelledError: a live Transfer handler raises t.error when woken, and a
-                # CancelledError there passes for its own call's end (no status: the sender hangs)
-                for t, _ in pieces:
-                    await t.end(S.TRANSFER_STATE_CANCELLED,
-                                RpcError(grpc.StatusCode.CANCELLED, f"the FetchKV taking its layers ended: {msg}"))
+            # layers already handed out are gone, and the heads this call claimed are never handed
+            # out again: every transfer it claimed ends (a failed one already has), its memory freed.
+            # NOTE: recorded as an RpcError, never as this call's CancelledError: a live Transfer handler
+            # raises t.error when woken, and a CancelledError there passes for its own call's end
+            # (no status: the sender hangs)
+            cancelled = code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+            for t, _ in pieces:
+                await t.end(S.TRANSFER_STATE_CANCELLED if cancelled else S.TRANSFER_STATE_FAILED,
+                            RpcError(grpc.StatusCode.CANCELLED if cancelled else code,
+                                     f"the FetchKV taking its layers ended: {msg}"))
             if isinstance(e, asyncio.CancelledError):
                 raise
             await abort(context, e)
@@ -118,6 +117,11 @@ class FetchService:
                 raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"transfer {rid!r} holds KV of model {t.model_id!r}, not of "
                                f"{request.model_id!r}", reason=MODEL_MISMATCH)
+        for t, _ in found:
+            if t.state in (S.TRANSFER_STATE_FAILED, S.TRANSFER_STATE_CANCELLED):
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"transfer {rid!r} {S.Name(t.state)}: {in_band(t.error).message}",
+                               reason="TRANSFER_FAILED")
         first = found[0][0]
         for t, _ in found[1:]:
             if (t.model_id, t.prompt, t.n_layers, t.layer_bytes // t.n_heads) != (
@@ -125,6 +129,17 @@ class FetchService:
                 raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"the head ranges of request {rid!r} hold different KV (model, prompt, "
                                "layers, tokens or dtype)", reason="RANGES_DIFFER")
+
+    def _check_memory(self, request: dpb.FetchKVRequest, found: list[Piece]) -> None:
+        """RESOURCE_EXHAUSTED where the fetch may need more than the in-flight cap at once:
+        ``verified_only`` holds the whole KV, and heads assembled from several transfers may
+        hold all of one while another lags (its layers wait for memory only this fetch frees)."""
+        need = sum(_bytes_of(t, part) for t, part in found)
+        if (request.verified_only or len(found) > 1) and need > self.budget.limit:
+            what = "verified_only" if request.verified_only else f"heads assembled from {len(found)} transfers"
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"{what} needs up to the whole KV ({need} bytes) in memory; the in-flight cap is "
+                           f"{self.budget.limit}" + ("" if request.verified_only else ": fetch each range alone"))
 
     async def _layers(self, pieces: list[Piece], wait: float, t0: float, handed: KVDigest | None,
                       toks: slice | None) -> AsyncIterator[bytes]:
@@ -176,7 +191,7 @@ def _tokens(request: dpb.FetchKVRequest, tokens: int) -> slice | None:
     """The tokens a fetch asks for (None: all of them); INVALID_ARGUMENT past the prompt's end."""
     a = request.token_start
     b = tokens if request.token_count == 0 else a + request.token_count
-    if not a <= b <= tokens:
+    if not (a < b <= tokens or a == b == tokens == 0):
         raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"tokens [{a}, {b}) are not within the "
                        f"transfer's {tokens}")
     return None if (a, b) == (0, tokens) else slice(a, b)

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import grpc
 import numpy as np
 
+from speckv.errors import RpcError
 from speckv.v1 import common_pb2 as pb
-from speckv.wire import NAN_SCALES, bad, dtype_of, layer_bytes, scale_bits, shape_of
+from speckv.wire import NAN_SCALES, LayerAssembler, bad, dtype_of, layer_bytes, scale_bits, shape_of
 
 
 @dataclass
@@ -56,6 +58,20 @@ class TokenRanges:
     next_layer: int = 0  # the next layer to complete
     _layers: dict[int, _Layer] = field(default_factory=dict)
     _range: _Range | None = None
+
+    @staticmethod
+    def need(whole_layers: LayerAssembler, limit: int) -> int:
+        """The bytes a Submit switching to token ranges (before its first layer only) reserves:
+        its whole KV, as ranges of every layer may arrive before any layer is complete.
+        NOTE: at once, not layer by layer: two such Submits each holding part of the cap while
+        waiting for more would never complete. RESOURCE_EXHAUSTED above ``limit``."""
+        if whole_layers.next_layer or not whole_layers.starting:
+            raise bad("a Submit sends all of its layers whole or all in token ranges")
+        whole = whole_layers.shape[0] * whole_layers.layer_size
+        if whole > limit:
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"token ranges need the whole KV ({whole} bytes) "
+                           f"within the in-flight cap ({limit}); send whole layers")
+        return whole
 
     @property
     def done(self) -> bool:

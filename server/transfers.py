@@ -59,7 +59,7 @@ class DecoderTransfer:
     """One request's transfer on the decoder."""
 
     def __init__(self, request_id: str, n_layers: int, n_chunks: int, holding: Holding, algorithm: int,
-                 heads: HeadRange | None = None, n_heads: int = 1) -> None:
+                 n_heads: int, heads: HeadRange | None = None) -> None:
         self.request_id = request_id
         self.heads = heads  # SubmitHeader.heads (None: all of the model's)
         self.n_heads = n_heads  # heads in this transfer's KV
@@ -249,6 +249,10 @@ class TransferTable:
         ``timeout`` s for them to arrive. A failed or cancelled one is returned only if no retry
         replaces it in time (so a decode engine's FetchKV rides over the encoder's retry)."""
         check_request_id(request_id)
+        totals = {t.heads.total for t in self.parts(request_id) if t.heads is not None}
+        if want is not None and totals and want.total not in totals:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"{want}: the head ranges of request {request_id!r} are of {sorted(totals)[0]} heads")
         async with self._arrived:
             await _wait(self._arrived, lambda: self._covering(request_id, want, usable=True) is not None, timeout)
         found = self._covering(request_id, want, usable=False)
@@ -294,7 +298,7 @@ class TransferTable:
                                extra={"request_id": rid, "peer": t.peer})
                 await t.end(S.TRANSFER_STATE_FAILED,
                             RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "lease expired before FetchKV"))
-            else:
+            elif self._by_id.get(key) is t:  # NOTE: not a retry added while an end above was awaited
                 del self._by_id[key]
             n += 1
         return n

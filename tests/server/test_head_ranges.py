@@ -132,9 +132,9 @@ def test_overlapping_ranges_are_refused(pair, prompts):
         pair.enc.submit(r, _part(kv, HeadRange(1, 2, H)), ids, pair.daddr, MODEL, timeout=WAIT,
                         heads=HeadRange(1, 2, H))
     assert ei.value.code == grpc.StatusCode.ALREADY_EXISTS
+    pair.enc.submit(r, _part(kv, HeadRange(2, 1, H)), ids, pair.daddr, MODEL, timeout=WAIT,
+                    heads=HeadRange(2, 1, H))
     with pytest.raises(RpcFailed) as ei:  # two ranges: which status is meant?
-        pair.enc.submit(r, _part(kv, HeadRange(2, 1, H)), ids, pair.daddr, MODEL, timeout=WAIT,
-                        heads=HeadRange(2, 1, H))
         pair.dec.status(r)
     assert ei.value.code == grpc.StatusCode.INVALID_ARGUMENT
     pair.dec.cancel(r)  # every range of the request
@@ -183,3 +183,62 @@ def test_ranges_compress_as_the_whole(pair, prompts):
     _fetch(pair, r, None)
     wire = sum(p.wire_bytes for p in parts)
     assert abs(wire / whole.wire_bytes - 1) < 0.01, (wire, whole.wire_bytes)
+
+
+def test_a_failed_range_fails_the_assembled_fetch_before_any_claim(pair, prompts):
+    """A fetch across a failed range fails at once (TRANSFER_FAILED) and claims nothing: the
+    other range is still fetched alone."""
+    ids, kv = prompts("short")
+    r = rid("tp-failed")
+    _submit_ranks(pair, r, kv, ids, [HeadRange(0, 1, H), HeadRange(1, 2, H)])
+    pair.dec.cancel(r, heads=HeadRange(1, 2, H))
+    with pytest.raises(RpcFailed) as ei:
+        pair.dec.fetch(r, wait=0.3, timeout=WAIT)  # no retry replaces the cancelled range
+    assert ei.value.code == grpc.StatusCode.FAILED_PRECONDITION and ei.value.reason == "TRANSFER_FAILED"
+    got = _fetch(pair, r, HeadRange(0, 1, H))
+    assert got.tobytes() == np.ascontiguousarray(bf16_bits(kv)[:, :, :1]).tobytes()
+    budgets_drain(pair)
+
+
+def test_ranges_with_other_fp8_scales_end_and_free_their_memory(pair, fp8_kv):
+    """Ranks whose FP8 scales differ cannot be handed out as one layer: the fetch fails
+    (RANGES_DIFFER) and both transfers end, their memory back; each alone still decodes."""
+    ids, kv = fp8_kv("short")
+    r = rid("tp-scales")
+    ranges = [HeadRange(0, 1, H), HeadRange(1, 2, H)]
+    other = Fp8KV(kv.codes, np.asarray(kv.scales, np.float32) * 2)
+    with ThreadPoolExecutor(2) as pool:
+        futs = [pool.submit(pair.enc.submit, r, _part(x, h), ids, pair.daddr, MODEL, timeout=WAIT, heads=h)
+                for x, h in zip((kv, other), ranges, strict=True)]
+        [f.result(timeout=WAIT) for f in futs]
+    with pytest.raises(RpcFailed) as ei:
+        _fetch(pair, r, None)
+    assert ei.value.code == grpc.StatusCode.FAILED_PRECONDITION and ei.value.reason == "RANGES_DIFFER"
+    assert {pair.dec.status(r, heads=h).state for h in ranges} == {dpb.TRANSFER_STATE_FAILED}
+    budgets_drain(pair)
+
+
+def test_an_assembled_fetch_larger_than_the_cap_is_refused(sidecars, prompts):
+    """Under a 256 KiB cap a 1.3 MB KV in three ranges is not assembled (one range could fill
+    the cap while another lags): RESOURCE_EXHAUSTED at once; fetched range by range, it flows."""
+    from server_helpers import Pair
+
+    ids, kv = prompts("long")
+    p = Pair.start(sidecars, max_inflight_bytes=256 << 10, message_bytes=64 << 10)
+    r = rid("tp-cap")
+    ranges = [HeadRange(h, 1, H) for h in range(H)]
+    try:
+        with ThreadPoolExecutor(2 * H) as pool:
+            subs = [pool.submit(p.enc.submit, r, _part(kv, h), ids, p.daddr, MODEL, timeout=WAIT, heads=h)
+                    for h in ranges]
+            wait_until(lambda: len(p.decoder.service.table.parts(r)) == H, WAIT, what="three ranges at the decoder")
+            with pytest.raises(RpcFailed) as ei:
+                p.dec.fetch(r, wait=FETCH_WAIT, timeout=WAIT)
+            assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "each range alone" in ei.value.details
+            got = [pool.submit(p.dec.fetch, r, wait=FETCH_WAIT, timeout=WAIT, heads=h) for h in ranges]
+            parts = [f.result(timeout=WAIT) for f in got]
+            [f.result(timeout=WAIT) for f in subs]
+        assert np.concatenate(parts, axis=2).tobytes() == bf16_bits(kv).tobytes()
+        budgets_drain(p)
+    finally:
+        p.stop()

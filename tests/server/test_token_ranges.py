@@ -193,3 +193,24 @@ def test_fetch_heads_and_tokens_of_fp8(pair, fp8_kv):
     assert got.scales.tobytes() == np.asarray(kv.scales, np.float32).tobytes()
     pair.dec.cancel(r)  # head 0 was never fetched
     budgets_drain(pair)
+
+
+def test_a_decoder_before_token_ranges_is_cut_by_the_client(pair, prompts, monkeypatch):
+    """A decoder that ignores FetchKVRequest.token_start (an older release) sends whole layers:
+    the client verifies them and hands out only the tokens it asked for."""
+    from speckv.server import fetch as fetch_mod
+
+    monkeypatch.setattr(fetch_mod, "_tokens", lambda request, tokens: None)
+    ids, kv = prompts("medium")
+    bits, T = bf16_bits(kv), kv.shape[3]
+    want = np.ascontiguousarray(bits[..., 4:T - 1, :])
+    for how in ("fetch", "fetch_layers"):
+        r = rid(f"old-decoder-{how}")
+        pair.enc.submit(r, kv, ids, pair.daddr, MODEL, timeout=WAIT)
+        if how == "fetch":
+            got = pair.dec.fetch(r, wait=FETCH_WAIT, timeout=WAIT, tokens=(4, T - 1))
+        else:
+            got = np.stack([a for _, a, _ in pair.dec.fetch_layers(r, wait=FETCH_WAIT, timeout=WAIT,
+                                                                  tokens=(4, T - 1))])
+        assert got.tobytes() == want.tobytes(), how
+    budgets_drain(pair)
