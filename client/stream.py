@@ -113,7 +113,8 @@ class SubmitStream:
         """Queue tokens ``[start, start + n)`` of layer ``layer`` (``(2, heads, n, dim)``, as
         ``send_layer``'s). Ranges of a layer go in token order without a gap; layers complete
         in order; after the last layer's last token the request stream ends. Raises ValueError
-        on a wrong range or shape, RpcFailed when the call has already failed."""
+        on a wrong range or shape, RpcFailed when the call has already failed. NOTE: always as
+        bytes on the stream, with a local hand-off too (a LocalLayer carries a whole layer)."""
         arr = self._array(kv)
         with self._lock:
             if self._tokens is None:
