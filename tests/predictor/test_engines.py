@@ -4,6 +4,7 @@ sidecars' own) computed by other kernels, and leaves the shared target as it fou
 Differing fractions measured here (256 tokens of tinyshakespeare, this machine): eager 0.80, fp32
 0.83, bf16 0.76, avx2 0.39; threads1 and batch2 0.000 (this CPU's kernels give those the same bits:
 reported as measured, not assumed, so a machine where they differ still codes and verifies them).
+On an AVX2-only CPU (no AVX-512) the avx2 engine is the default computation: 0.000 there.
 """
 
 from __future__ import annotations
@@ -34,9 +35,15 @@ def _relative_error(kv, same) -> float:
 @pytest.mark.parametrize("engine,least_differing", [("eager", 0.6), ("fp32", 0.6), ("bf16", 0.6),
                                                     ("avx2", 0.2)])
 def test_other_kernels_change_most_bits_of_the_same_kv(embedded_target, prompt, engine, least_differing):
+    import torch
+
     ids, same = prompt
     kv = engines.engine_kv(embedded_target, ids, engine)
     assert kv.shape == same.shape and kv.dtype == same.dtype
+    if engine == "avx2" and torch.backends.cpu.get_cpu_capability() == "AVX2":
+        # NOTE: an AVX2-only CPU already runs the AVX2 kernels: the engine is the same computation here
+        assert engines.differing_fraction(kv, same) == 0
+        return
     assert engines.differing_fraction(kv, same) > least_differing
     assert _relative_error(kv, same) < 0.015  # rounding-level differences, not another model
 
