@@ -50,14 +50,33 @@ def mappings() -> int:
         return sum(MEMFD in line for line in f)
 
 
-@pytest.fixture()
-def local(sidecars, tmp_path):
-    """A pair whose encoder listens on a local socket; its EncoderClient uses it."""
+SHORT_TTL_S = 2.0  # local_handle_ttl_s of the pair that watches a handle expire
+
+
+def _local_pair(sidecars, tmp_path, ttl_s: float):
     path = str(tmp_path / "enc.sock")
-    p = Pair.start(sidecars, encoder={"local_socket": path, "local_handle_ttl_s": 2.0})
+    p = Pair.start(sidecars, encoder={"local_socket": path, "local_handle_ttl_s": ttl_s})
     p.enc.close()
     p.enc = EncoderClient(p.eaddr, timeout=WAIT, local_socket=path)
     p.path = path  # type: ignore[attr-defined]
+    return p
+
+
+@pytest.fixture()
+def local(sidecars, tmp_path):
+    """A pair whose encoder listens on a local socket; its EncoderClient uses it. The default
+    handle lease (30 s). NOTE: a speckv Submit reads its layers (and claims their handles) only
+    after the decoder's first predictor check: a short lease would expire handles on a slow,
+    loaded machine."""
+    p = _local_pair(sidecars, tmp_path, 30.0)
+    yield p
+    p.stop()
+
+
+@pytest.fixture()
+def local_short_ttl(sidecars, tmp_path):
+    """As ``local``, with handles that expire unclaimed after SHORT_TTL_S."""
+    p = _local_pair(sidecars, tmp_path, SHORT_TTL_S)
     yield p
     p.stop()
 
@@ -227,7 +246,8 @@ def _layers(handle: str, bits: np.ndarray, offset: int = 0) -> list[epb.SubmitRe
                                                          layer_bytes=lb)) for i in range(bits.shape[0])]
 
 
-def test_unknown_expired_reused_and_out_of_range_handles(local, prompts):
+def test_unknown_expired_reused_and_out_of_range_handles(local_short_ttl, prompts):
+    local = local_short_ttl
     ids, kv = prompts("short")
     bits = bf16_bits(kv)
     e = raw_submit(local.eaddr, [_header(local, rid("unknown"), bits, ids), *_layers("0" * 32, bits)])
@@ -244,7 +264,7 @@ def test_unknown_expired_reused_and_out_of_range_handles(local, prompts):
     assert local.encoder.service.handoffs.handles == 1
     # NOTE: a failed call's views may live in traceback cycles until the collector runs
     wait_until(lambda: (gc.collect(), memfds())[1] == 1, what="only the new handle's memfd open")
-    time.sleep(2.0 + 0.1)  # local_handle_ttl_s; the socket thread expires it within ~0.5 s
+    time.sleep(SHORT_TTL_S + 0.1)  # the socket thread expires it within ~0.5 s
     wait_until(lambda: local.encoder.service.handoffs.handles == 0, what="the unclaimed handle expired")
     e = raw_submit(local.eaddr, [_header(local, rid("expired"), bits, ids), *_layers(handle, bits)])
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
