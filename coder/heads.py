@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from speckv.kv import HeadRange
+from speckv.kv import HeadRange, some_heads
 
 from .residual import ResidualModel
 
@@ -42,7 +42,8 @@ class HeadMu:
 
 def slice_heads(x: Any, heads: HeadRange | None) -> Any:
     """``x[:, :, start:stop]`` of a ``(layers, 2, heads, ...)`` array or tensor (a view)."""
-    return x if heads is None or heads.whole else x[:, :, heads.start:heads.stop]
+    heads = some_heads(heads)
+    return x if heads is None else x[:, :, heads.start:heads.stop]
 
 
 def _model(m: ResidualModel, sl: slice) -> ResidualModel:

@@ -28,7 +28,7 @@ from speckv.coder.plan import chunk_aux
 from speckv.coder.stored import unstored_chunk
 from speckv.digests import algorithm_of
 from speckv.errors import RpcError, TransferDigestError
-from speckv.kv import HeadRange
+from speckv.kv import HeadRange, some_heads
 from speckv.status import abort, in_band, integrity_kind, outcome, to_status
 from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
@@ -156,7 +156,7 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "header_record disagrees with the header's dtype/shape")
         if h.model != ct.MODEL_STORED and hdr.predictor_pin != h.pin:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "predictor_pin disagrees with the header record's pin")
-        heads = None if heads is None or heads.whole else heads  # all heads, named: the same transfer
+        heads = some_heads(heads)  # all heads, named: the same transfer
         codec = self.rt.codec if foreign else head_codec(self.rt.codec, heads)
         codec.check_header(h, ids)  # NOTE: the one pin check (PinMismatchError: PIN_MISMATCH)
         return h, ids, (name, "stored" if h.model == ct.MODEL_STORED else "speckv"), heads

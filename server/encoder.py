@@ -32,6 +32,7 @@ from speckv.coder import container as ct
 from speckv.coder.heads import head_codec, slice_heads
 from speckv.digests import algorithm_of
 from speckv.errors import RpcError
+from speckv.kv import some_heads
 from speckv.status import abort, outcome, to_status
 from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
@@ -170,7 +171,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
             h = replace(h, version=min(h.version, STORED_VERSION))
         job = Job(hdr, h, ids, (name, "stored" if stored else "speckv"), self.budget.holding())
         job.fp8_attention = fp8_attention_of(hdr.fp8_attention, shape[0], hdr.dtype)
-        job.heads = None if heads is None or heads.whole else heads  # all heads, named: a plain Submit
+        job.heads = some_heads(heads)  # all heads, named: a plain Submit
         job.codec = head_codec(self.rt.codec, job.heads)
         return job
 

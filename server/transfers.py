@@ -32,7 +32,7 @@ import numpy as np
 
 from speckv.digests import KVDigest
 from speckv.errors import RpcError
-from speckv.kv import Fp8Attention, HeadRange
+from speckv.kv import Fp8Attention, HeadRange, some_heads
 from speckv.status import in_band
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.wire import heads_msg
@@ -184,9 +184,7 @@ ENDED = (S.TRANSFER_STATE_FAILED, S.TRANSFER_STATE_CANCELLED)
 
 def _overlap(a: DecoderTransfer, b: DecoderTransfer) -> bool:
     """Whether two transfers of one request hold a head in common (all heads: always)."""
-    if a.heads is None or b.heads is None:
-        return True
-    return a.heads.start < b.heads.stop and b.heads.start < a.heads.stop
+    return a.span[0] < b.span[1] and b.span[0] < a.span[1]
 
 
 class TransferTable:
@@ -231,7 +229,7 @@ class TransferTable:
         """The transfer of ``request_id`` with ``heads``; None names the request's only one."""
         check_request_id(request_id)
         found = self.parts(request_id)
-        heads = None if heads is None or heads.whole else heads  # all heads, named: as the decoder keys it
+        heads = some_heads(heads)  # all heads, named: as the decoder keys it
         if heads is not None:
             found = [t for t in found if t.heads == heads]
         if not found:
@@ -268,7 +266,8 @@ class TransferTable:
         whole = [t for t in parts if t.heads is None]
         if whole and (want is None or want.total == whole[0].n_heads):
             t = whole[0]
-            return [(t, None if want is None or want.whole else slice(want.start, want.stop))]
+            part = some_heads(want)
+            return [(t, None if part is None else slice(part.start, part.stop))]
         if not parts or whole:
             return None
         total = parts[0].heads.total if parts[0].heads else 0

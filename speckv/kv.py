@@ -112,3 +112,9 @@ class HeadRange:
 
     def __str__(self) -> str:
         return f"heads {self.start}..{self.stop - 1} of {self.total}"
+
+
+def some_heads(heads: HeadRange | None) -> HeadRange | None:
+    """``heads`` where it is some of the model's heads; None for all of them (named or not),
+    as transfers are keyed and coded."""
+    return None if heads is None or heads.whole else heads

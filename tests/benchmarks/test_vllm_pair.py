@@ -38,21 +38,13 @@ PROMPTS = 3
 MIN_RATIO = {"auto": 2.69, "fp8_e4m3": 2.96}
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
-
-
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 def test_vllm_pair_matches_a_single_instance_token_for_token(load_script, tmp_path, kv_cache_dtype):
     python = os.environ.get("SPECKV_VLLM_PYTHON")
     if not python or not Path(python).exists():
         missing("VLLM", "needs vLLM's environment: SPECKV_VLLM_PYTHON (make test-vllm builds it and sets it)")
-    if kv_cache_dtype == "fp8_e4m3" and not cpu_flags() & {"avx512f", "amx_tile"}:
+    flags = open("/proc/cpuinfo").read()  # as tests/predictor/test_int8_attention.py reads them
+    if kv_cache_dtype == "fp8_e4m3" and "avx512f" not in flags and "amx_tile" not in flags:
         # NOTE: hardware, not a missing tool: vLLM's CPU worker refuses to start ("FP8 KV cache on CPU
         # requires x86 with AVX-512 or AMX."), as the CUDA-only tests need a GPU
         pytest.skip("vLLM's CPU backend keeps FP8 KV caches only on x86 CPUs with AVX-512 or AMX; this CPU "
