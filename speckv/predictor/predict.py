@@ -297,7 +297,7 @@ def rung_pass(model: Any, ids: np.ndarray, on_layer: "LayerSink | None", keep: b
         return early_kv(model, ids, on_layer)
     if hasattr(model, "names"):  # portable, portable:k
         return portable_pass(model, ids, on_layer, keep=keep)
-    if hasattr(model, "rotary"):  # w8a8:k
+    if getattr(model, "rung_kind", None) == "w8a8":  # w8a8:k
         return w8a8_kv(model, ids, on_layer, keep)
     return extract_kv(model, ids, on_layer)
 

@@ -43,9 +43,9 @@ import numpy as np
 
 from speckv.errors import CheckpointError
 
-from .early import EMBED, exact_head
 from .integer import int_mm, native_with
 from .ladder import layer_index
+from .llama import EMBED, exact_head
 from .store import SMOOTH_FILE, save_npz_stable
 from .target import (
     COMPUTE_THREADS,
@@ -181,13 +181,12 @@ def _module_class() -> type:
         """The exact head (layers < k, or None), the embeddings, and per later layer its tensors:
         ``t[(i, name)]`` with the smoothing folded into per-channel input factors ``in_<fused>``."""
 
+        rung_kind = "w8a8"  # predict.rung_pass dispatches on it
+
         def __init__(self, config: Any, head: Any, embed: "torch.Tensor", tensors: dict) -> None:
             super().__init__()
-            from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
             self.config, self.head, self.k = config, head, config.num_hidden_layers - len(tensors)
             self.embed = torch.nn.Parameter(embed, requires_grad=False)
-            self.rotary = LlamaRotaryEmbedding(config=config)
             self.slots = {(i, n): f"t{j}" for j, (i, n) in enumerate(
                 (i, n) for i in sorted(tensors) for n in sorted(tensors[i]))}
             for (i, n), slot in self.slots.items():

@@ -40,15 +40,8 @@ import numpy as np
 from speckv.kv import Fp8Attention, bf16_bits
 
 from . import int8_attention
-from .target import (
-    FP8_ATTENTION,
-    LayerSink,
-    cache_layer,
-    deterministic_torch,
-    hooked_forward,
-    output_cache,
-    reading_fp8,
-)
+from .llama import rope, rope_tables
+from .target import FP8_ATTENTION, LayerSink, deterministic_torch
 from .w8a8 import W8, WS, Scratch, linear, norm_linear, quantise_rows
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -124,8 +117,7 @@ def w8a8_passes(model: Any, reqs: list[MuRequest]) -> None:
             return
         reqs = [r for r, _ in heads]
         h = torch.cat([hr for _, hr in heads]) if len(heads) > 1 else heads[0][1]  # (sum T_r, hidden) BF16
-        tables = [model.rotary(hr[None], position_ids=torch.arange(len(hr), device=h.device)[None])
-                  for _, hr in heads]
+        tables = [rope_tables(cfg, len(hr), h.device) for _, hr in heads]
         del heads
         rows = np.cumsum([0] + [len(r.ids) for r in reqs])
         scratch: Scratch = {}
@@ -160,29 +152,29 @@ def _head(model: Any, r: MuRequest) -> "torch.Tensor | None":
     head stops at that layer)."""
     import torch
 
+    tok = torch.as_tensor(np.asarray(r.ids, dtype=np.int64), device=model.embed.device)
     if model.head is None:
-        tok = torch.as_tensor(np.asarray(r.ids, dtype=np.int64), device=model.embed.device)
         return model.embed[tok]
-    fa, n = r.fp8 if r.fp8 is not None else (None, 0)
+
+    def emit(i: int, kv_i: "torch.Tensor") -> None:  # each layer to on_layer as soon as it exists
+        r.deliver(i, bf16_bits(kv_i.contiguous().cpu()))
+
     try:
-        with reading_fp8(fa, n):  # each layer to on_layer as soon as it has run
-            out = hooked_forward(model.head, r.ids, None if r.on_layer is None else r.deliver)
+        h, layers = model.head.run(tok, None if r.on_layer is None else emit, r.fp8)
     except Exception:
         if r.error is None:
             raise  # the forward's own error: the batch's
         return None
     if r.keep:
-        r.layers += [cache_layer(output_cache(out), i) for i in range(model.k)]
-    return out.last_hidden_state[0]
+        r.layers += layers
+    return h
 
 
 def _rope(x: "torch.Tensor", heads: int, cos: "torch.Tensor", sin: "torch.Tensor") -> "torch.Tensor":
     """float32 (T, heads * D) -> BF16 (1, heads, T, D) with the target's rotary embedding."""
     import torch
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    x = x.to(torch.bfloat16).view(1, x.shape[0], heads, -1).transpose(1, 2)
-    return apply_rotary_pos_emb(x, x, cos, sin)[0]
+    return rope(x.to(torch.bfloat16).view(1, x.shape[0], heads, -1).transpose(1, 2), cos, sin)
 
 
 def _attend(q: "torch.Tensor", key: "torch.Tensor", value: "torch.Tensor", int8: bool) -> "torch.Tensor":

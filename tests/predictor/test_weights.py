@@ -104,7 +104,9 @@ def test_w8a8_head_and_model_share_one_embedding(tiny_target, tiny_text, tmp_pat
     """One copy of the weights a rung needs: the exact head's embeddings are the model's."""
     pin = build_checkpoint(tiny_target, tiny_text, tmp_path, tokens=64, segment=32, rung="w8a8:1", derive_weights=True)
     model = Predictor.from_checkpoint(load_checkpoint(tmp_path, pin=pin), tiny_target).model
-    assert model.head.model.embed_tokens.weight.data_ptr() == model.embed.data_ptr()
+    assert model.head.embed.data_ptr() == model.embed.data_ptr()
+    # and the head keeps its linears in BF16, once (llama.py upcasts per product)
+    assert all(b.dtype == torch.bfloat16 for b in model.head.buffers())
 
 
 def test_stream_emits_mu_and_keeps_nothing(tiny_target, tiny_text, tmp_path):

@@ -1,0 +1,178 @@
+"""The target's first decoder layers in plain torch, bit for bit as ``target.py`` runs them.
+
+A rung with exact layers (``w8a8:k``, ``w8a8i:k``) needs the target's first k
+layers computed exactly as the target computes them. Building them as a
+transformers causal LM costs a sidecar ~100 MiB of resident memory for the
+import of transformers' Llama modelling code alone, and ``target.py``'s FP32
+copy of every linear (the emulated BF16 GEMM) doubles their weights. This module
+runs the same operations in the same order on the target's BF16 tensors::
+
+    h = embed[ids]                                        # (T, hidden) BF16
+    for layer i < k:
+        x = rms_norm(h, g_in)                             # FP32 mean of squares, BF16 out
+        q, k, v = linear(x, Wq), linear(x, Wk), linear(x, Wv)   # bf16(x_f32 @ W_f32^T)
+        q, k = rope(q), rope(k)                           # BF16: x cos + rotate_half(x) sin
+        emit (k, v); attention reads them (FP8-rounded where the engine's does)
+        h = h + linear(SDPA(q, k, v, causal, GQA, scale D^-0.5), Wo)
+        h = h + linear(silu(linear(x', Wg)) * linear(x', Wu), Wd),  x' = rms_norm(h, g_post)
+
+NOTE: a linear upcasts its BF16 weight per call (exact), so the weights stay
+resident once, in BF16; the product is the same FP32 GEMM ``Fp32AccumLinear`` runs.
+tests/predictor/test_llama.py checks every output bit against the transformers model.
+
+Lifecycle: ``ExactHead(config, state, k)`` over the rung's state (the tensors are
+shared, not copied); ``head.run(ids, on_layer, fp8)`` -> h after layer k - 1 and
+the k layers' K/V; ``rope_tables`` and ``rope`` serve the later layers too.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any, Callable
+
+from speckv.errors import CheckpointError
+from speckv.kv import Fp8Attention
+
+from .ladder import layer_index
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+EMBED = "model.embed_tokens.weight"
+NORMS = ("input_layernorm", "post_attention_layernorm")
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+Emit = Callable[[int, "torch.Tensor"], None]  # (layer, its K/V (2, kv_heads, T, head_dim) BF16)
+
+
+def head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rope_theta(config: Any) -> float:
+    """The base of the target's default RoPE; other RoPE types are not computed here."""
+    params = getattr(config, "rope_parameters", None) or {
+        "rope_type": (getattr(config, "rope_scaling", None) or {}).get("rope_type", "default"),
+        "rope_theta": getattr(config, "rope_theta", 10000.0)}
+    if params.get("rope_type", "default") != "default":
+        raise CheckpointError(f"RoPE type {params['rope_type']!r} is not supported by the exact head")
+    return params["rope_theta"]
+
+
+@functools.lru_cache(maxsize=8)
+def _inv_freq(theta: float, dim: int) -> "torch.Tensor":
+    import torch
+
+    # NOTE: the very expression transformers' default RoPE evaluates (float32 pow, then a division)
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+
+
+def rope_tables(config: Any, tokens: int, device: Any = "cpu") -> tuple["torch.Tensor", "torch.Tensor"]:
+    """BF16 cos, sin (1, tokens, head_dim) at positions 0..tokens-1, as LlamaRotaryEmbedding gives them."""
+    import torch
+
+    inv = _inv_freq(float(rope_theta(config)), head_dim(config)).to(device)
+    freqs = torch.arange(tokens, device=device)[None, :, None].float() * inv  # (1, T, D/2) float32
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
+
+
+def rope(x: "torch.Tensor", cos: "torch.Tensor", sin: "torch.Tensor") -> "torch.Tensor":
+    """BF16 (1, heads, T, D) rotated: x cos + rotate_half(x) sin, each product rounded to BF16."""
+    import torch
+
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos[:, None]) + (rotated * sin[:, None])
+
+
+def rms_norm(h: "torch.Tensor", gain: "torch.Tensor", eps: float) -> "torch.Tensor":
+    """LlamaRMSNorm: FP32 h * rsqrt(mean(h^2) + eps), back to BF16, times the BF16 gain."""
+    import torch
+
+    x = h.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return gain * x.to(h.dtype)
+
+
+def linear(x: "torch.Tensor", w: "torch.Tensor") -> "torch.Tensor":
+    """bf16(x_f32 @ W_f32^T) of BF16 rows and a BF16 weight (``target.Fp32AccumLinear``)."""
+    import torch
+    import torch.nn.functional as F
+
+    return F.linear(x.float(), w.float()).to(torch.bfloat16)
+
+
+def attend(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor") -> "torch.Tensor":
+    """Causal GQA attention (1, heads, T, D) x (1, kv_heads, T, D) -> rows (T, heads * D), as
+    transformers' SDPA path calls it with no mask (a one-token prompt is not causal there)."""
+    import torch.nn.functional as F
+
+    T = q.shape[2]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, scale=q.shape[-1] ** -0.5,
+                                         is_causal=T > 1, enable_gqa=True)
+    return out.transpose(1, 2).contiguous().reshape(T, -1)
+
+
+@functools.cache
+def _module_class() -> type:
+    """ExactHead, made on first use (``import speckv`` never imports torch)."""
+    import torch
+
+    class ExactHead(torch.nn.Module):
+        """The target's embeddings and first k decoder layers over its BF16 tensors (shared)."""
+
+        def __init__(self, config: Any, state: dict[str, "torch.Tensor"], k: int, rung: str) -> None:
+            super().__init__()
+            self.config, self.k, self.eps = config, k, float(config.rms_norm_eps)
+            rope_theta(config)  # NOTE: fail at load, not at the first request
+            names = [EMBED] + [f"model.layers.{i}.{part}.weight" for i in range(k)
+                               for part in (*NORMS, *(f"self_attn.{n}" for n in ATTN), *(f"mlp.{n}" for n in MLP))]
+            missing = [n for n in names if n not in state]
+            extra = [n for n in state if (layer_index(n) or 0) < k and layer_index(n) is not None and n not in names]
+            if missing or extra:
+                raise CheckpointError(f"{rung} weights do not fit the config: missing {missing[:4]}, "
+                                      f"unexpected {extra[:4]}")
+            if any(getattr(config, b, False) for b in ("attention_bias", "mlp_bias")):
+                raise CheckpointError(f"{rung}: biased linears are not supported yet")
+            self.embed = torch.nn.Parameter(state[EMBED], requires_grad=False)
+            self.slots = {n: f"w{j}" for j, n in enumerate(names[1:])}
+            for n, slot in self.slots.items():
+                self.register_buffer(slot, state[n], persistent=False)
+
+        def w(self, i: int, name: str) -> "torch.Tensor":
+            return getattr(self, self.slots[f"model.layers.{i}.{name}.weight"])
+
+        def run(self, ids: "torch.Tensor", emit: Emit | None = None,
+                fp8: tuple[Fp8Attention, int] | None = None) -> tuple["torch.Tensor", list["torch.Tensor"]]:
+            """int64 ids (T,) -> (h after layer k - 1 (T, hidden) BF16, [K/V (2, kv_heads, T, D)] * k).
+            ``emit(i, kv_i)`` as soon as layer i's K/V exist; ``fp8 = (fa, n)``: the attention of layers
+            < n reads its K/V rounded as ``fa`` says (the K/V emitted and returned stay as computed)."""
+            cfg, T = self.config, int(ids.shape[0])
+            H, Hk, D = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg)
+            h = self.embed[ids]  # (T, hidden) BF16
+            cos, sin = rope_tables(cfg, T, h.device)
+            layers = []
+            for i in range(self.k):
+                x = rms_norm(h, self.w(i, "input_layernorm"), self.eps)
+                q = rope(linear(x, self.w(i, "self_attn.q_proj")).view(1, T, H, D).transpose(1, 2), cos, sin)
+                key = rope(linear(x, self.w(i, "self_attn.k_proj")).view(1, T, Hk, D).transpose(1, 2), cos, sin)
+                value = linear(x, self.w(i, "self_attn.v_proj")).view(1, T, Hk, D).transpose(1, 2)
+                layers.append(torch.stack([key[0], value[0]]))  # (2, kv_heads, T, D)
+                if emit is not None:
+                    emit(i, layers[-1])
+                if fp8 is not None and i < fp8[1]:
+                    key, value = fp8[0].round(key, i, 0), fp8[0].round(value, i, 1)
+                h = h + linear(attend(q, key, value), self.w(i, "self_attn.o_proj"))
+                x = rms_norm(h, self.w(i, "post_attention_layernorm"), self.eps)
+                gate = torch.nn.functional.silu(linear(x, self.w(i, "mlp.gate_proj")))
+                h = h + linear(gate * linear(x, self.w(i, "mlp.up_proj")), self.w(i, "mlp.down_proj"))
+            return h, layers
+
+    return ExactHead
+
+
+def exact_head(config: Any, state: dict[str, "torch.Tensor"], k: int, rung: str) -> Any:
+    """The target's first k layers over ``state`` (``ExactHead``; its tensors shared, not copied)."""
+    return _module_class()(config, state, k, rung).eval()

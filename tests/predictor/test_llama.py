@@ -1,0 +1,133 @@
+"""The exact head in plain torch (``llama.py``) equals the transformers model ``target.py`` runs,
+bit for bit: h after layer k - 1 and every layer's K/V, for one-token, short and 2048-token
+prompts, with and without FP8-rounded attention, on the tiny Llama (GQA, head_dim 16) and the
+embedded SmolLM2; its RoPE tables and rotation equal transformers' own; a sidecar's w8a8 rung
+never imports transformers' Llama modelling code."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from speckv.errors import CheckpointError
+from speckv.kv import Fp8Attention
+from speckv.predictor import early, llama
+from speckv.predictor.target import cache_layer, deterministic_torch, hooked_forward, output_cache, reading_fp8
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16)
+
+
+def reference(target, k: int, ids: np.ndarray, fp8: tuple[Fp8Attention, int] | None):
+    """h and K/V of the transformers head ``early.exact_head`` (as target.py runs the target)."""
+    model = early.exact_head(target.config, dict(target.state), k, "test")
+    with deterministic_torch(), reading_fp8(*(fp8 or (None, 0))):
+        out = hooked_forward(model, ids, None)
+    return out.last_hidden_state[0], [cache_layer(output_cache(out), i) for i in range(k)]
+
+
+def ours(target, k: int, ids: np.ndarray, fp8: tuple[Fp8Attention, int] | None):
+    head = llama.exact_head(target.config, dict(target.state), k, "test")
+    emitted: list[tuple[int, torch.Tensor]] = []
+    with deterministic_torch():
+        h, layers = head.run(torch.as_tensor(ids), lambda i, kv: emitted.append((i, kv.clone())), fp8)
+    assert [i for i, _ in emitted] == list(range(k))
+    assert all(torch.equal(bits(a), bits(b)) for (_, a), b in zip(emitted, layers, strict=True))
+    return h, layers
+
+
+def assert_same(target, k: int, ids: np.ndarray, fp8=None) -> None:
+    h_ref, kv_ref = reference(target, k, ids, fp8)
+    h, kv = ours(target, k, ids, fp8)
+    assert h.dtype == torch.bfloat16 and h.shape == h_ref.shape
+    assert torch.equal(bits(h), bits(h_ref))
+    for a, b in zip(kv, kv_ref, strict=True):
+        assert a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def fp8_of(target, scale: float) -> Fp8Attention:
+    n = target.config.num_hidden_layers
+    return Fp8Attention((scale,) * n, (scale,) * n)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 37, 300])
+@pytest.mark.parametrize("k", [1, 2])
+def test_tiny_head_is_the_target_bit_for_bit(tiny_target, tokens, k):
+    ids = np.random.default_rng(tokens).integers(0, tiny_target.config.vocab_size, tokens)
+    assert_same(tiny_target, k, ids)
+
+
+@pytest.mark.parametrize("toward_zero", [False, True])
+def test_tiny_head_reads_fp8_as_the_engine(tiny_target, toward_zero):
+    ids = np.random.default_rng(5).integers(0, tiny_target.config.vocab_size, 64)
+    fa = fp8_of(tiny_target, 0.004)
+    fa = Fp8Attention(fa.k_scales, fa.v_scales, toward_zero)
+    assert_same(tiny_target, 2, ids, (fa, 1))
+    assert_same(tiny_target, 2, ids, (fa, 2))
+    h_plain, _ = ours(tiny_target, 2, ids, None)
+    h_fp8, _ = ours(tiny_target, 2, ids, (fa, 2))
+    assert not torch.equal(bits(h_plain), bits(h_fp8))  # the rounding reached the attention
+
+
+@pytest.mark.parametrize("tokens", [1, 97, 2048])
+def test_embedded_head_is_the_target_bit_for_bit(embedded_target, corpus_file, tokens):
+    text = corpus_file("tinyshakespeare.txt").read_text()[:40000]
+    ids = embedded_target.tokenize(text, tokens)
+    assert len(ids) == tokens
+    assert_same(embedded_target, 4, ids)
+
+
+def test_embedded_head_with_fp8_attention(embedded_target):
+    ids = embedded_target.tokenize("The quick brown fox jumps over the lazy dog. " * 12)
+    assert_same(embedded_target, 4, ids, (fp8_of(embedded_target, 0.05), 4))
+
+
+def test_rope_is_transformers_rope(embedded_target):
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    cfg = embedded_target.config
+    x = torch.randn(1, 3, 2048, llama.head_dim(cfg)).to(torch.bfloat16)
+    cos_ref, sin_ref = LlamaRotaryEmbedding(cfg)(x, torch.arange(2048)[None])
+    cos, sin = llama.rope_tables(cfg, 2048)
+    assert torch.equal(bits(cos), bits(cos_ref)) and torch.equal(bits(sin), bits(sin_ref))
+    assert torch.equal(bits(llama.rope(x, cos, sin)), bits(apply_rotary_pos_emb(x, x, cos, sin)[0]))
+
+
+def test_other_rope_types_and_missing_weights_are_refused(tiny_target):
+    import copy
+
+    cfg = copy.deepcopy(tiny_target.config)
+    cfg.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(CheckpointError, match="yarn"):
+        llama.exact_head(cfg, dict(tiny_target.state), 1, "w8a8:1")
+    state = dict(tiny_target.state)
+    del state["model.layers.0.mlp.up_proj.weight"]
+    with pytest.raises(CheckpointError, match="up_proj"):
+        llama.exact_head(tiny_target.config, state, 1, "w8a8:1")
+
+
+SIDECAR_IMPORTS = """
+import sys
+from speckv.predictor.checkpoint import load_checkpoint
+from speckv.predictor.predict import Predictor
+from speckv.predictor.store import default_checkpoint_dir
+from speckv.predictor.weights import derivation_source
+ckpt = load_checkpoint(default_checkpoint_dir())
+assert ckpt.rung.kind == "w8a8", ckpt.rung
+pred = Predictor.from_checkpoint(ckpt, derivation_source())
+import numpy as np
+pred.mu(np.arange(1, 40))
+print(sorted(m for m in sys.modules if m.startswith("transformers.models.llama.modeling")))
+"""
+
+
+def test_sidecar_predictor_needs_no_transformers_modelling():
+    """The shipped rung's sidecar path (derived weights, a pass) leaves transformers' Llama modelling
+    code unimported: ~100 MiB of resident memory (benchmarks/RESULTS.md, "Lean head")."""
+    out = subprocess.run([sys.executable, "-c", SIDECAR_IMPORTS], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
