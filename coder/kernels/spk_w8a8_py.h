@@ -2,6 +2,7 @@
 // speckv/predictor/w8a8.py calls them and holds the torch reference each must equal bit for bit.
 #pragma once
 #include "spk_py.h"
+#include "spk_igemm.h"
 #include "spk_w8a8.h"
 
 namespace {
@@ -56,6 +57,34 @@ PyObject* py_w8a8_dequant(PyObject*, PyObject* args) {
         void* o = bf16 ? (void*)(out.as<uint16_t>() + r * n) : (void*)(out.as<float>() + r * n);
         if (v) spk::w8a8_dequant_row_avx2(a, xs.as<float>()[r], ws.as<float>(), n, ad, o);
         else spk::w8a8_dequant_row(a, xs.as<float>()[r], ws.as<float>(), n, ad, o);
+    });
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+// igemm(a int8 (m, k), b int8 (n, k), out int32 (m, n), m, n, k, threads[, scalar]): out = a @ b^T, exact
+// int32 sums (spk_igemm.h); integer.py ``int_mm`` checks dtypes and the sums' range.
+PyObject* py_igemm(PyObject*, PyObject* args) {
+    PyObject *a_o, *b_o, *out_o;
+    long long m, n, k;
+    int threads, scalar = 0;
+    if (!PyArg_ParseTuple(args, "OOOLLLi|p", &a_o, &b_o, &out_o, &m, &n, &k, &threads, &scalar)) return nullptr;
+    if (m < 0 || n < 0 || k < 0) {
+        PyErr_SetString(PyExc_ValueError, "igemm: negative shape");
+        return nullptr;
+    }
+    Buf a, b, out;
+    if (!get_buf(a_o, a, m * k, "a") || !get_buf(b_o, b, n * k, "b") || !get_buf(out_o, out, m * n * 4, "out", true))
+        return nullptr;
+    constexpr int64_t ROWS = 64;  // rows of a per task (a multiple of IGEMM_MR)
+    const bool v = w8a8_avx2(scalar);
+    const int8_t *A = a.as<int8_t>(), *B = b.as<int8_t>();
+    int32_t* C = out.as<int32_t>();
+    Py_BEGIN_ALLOW_THREADS
+    parallel_for((m + ROWS - 1) / ROWS, threads, [&](int64_t t) {
+        const int64_t i0 = t * ROWS, i1 = std::min<int64_t>(m, i0 + ROWS);
+        if (v) spk::igemm_rows_avx2(A, B, C, i0, i1, n, k);
+        else spk::igemm_rows(A, B, C, i0, i1, n, k);
     });
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
