@@ -2,6 +2,7 @@
 // it must equal bit for bit is speckv/predictor/int8_attention.py.
 #pragma once
 #include "spk_attn.h"
+#include "spk_attn_avx2.h"
 #include "spk_py.h"
 #include "spk_w8a8_py.h"  // w8a8_avx2: the W8A8 row quantisation's path choice
 
@@ -42,6 +43,7 @@ PyObject* py_int8_attention(PyObject*, PyObject* args) {
         !get_buf(v_o, v, Hk * T * D * 2, "v") || !get_buf(out_o, out, T * H * D * 2, "out", true))
         return nullptr;
     const bool vnni = attn_vnni(scalar, D);
+    const bool avx2 = !vnni && w8a8_avx2(scalar) && D % 16 == 0 && D <= spk::ATT_AVX2_MAX_D;
     const int64_t T16 = spk::pad_to(T, 16), T64 = spk::pad_to(T, spk::ATT_KEY_BLOCK);
     std::vector<int8_t> q8(H * T * D), k8(Hk * T * D), v8(Hk * T * D);
     std::vector<float> qs(H * T), ks(Hk * T16, 0.0f), vs(Hk * T64, 0.0f);
@@ -74,7 +76,8 @@ PyObject* py_int8_attention(PyObject*, PyObject* args) {
         } else {
             const spk::AttnHead a{q8.data() + h * T * D, qs.data() + h * T, k8.data() + g * T * D,
                                   ks.data() + g * T16, v8.data() + g * T * D, vs.data() + g * T64};
-            spk::attn_rows(a, D, rsd, i0, i1, o, H * D);
+            if (avx2) spk::attn_rows_avx2(a, D, rsd, i0, i1, o, H * D);
+            else spk::attn_rows(a, D, rsd, i0, i1, o, H * D);
         }
     });
     Py_END_ALLOW_THREADS

@@ -1,4 +1,4 @@
-"""speckv.predictor.int8_attention: the native kernel (AVX-512 VNNI and scalar paths) writes the
+"""speckv.predictor.int8_attention: the native kernel (AVX-512 VNNI, AVX2 and scalar paths) writes the
 torch reference's bits for every shape (odd token counts across the 4-row, 16-key and 64-key
 tiles, head sizes the VNNI path takes and ones it leaves to the scalar loops, GQA groups);
 exp2_det is 2^x to float32 precision; a token's output reads only the tokens before it; the
@@ -45,6 +45,15 @@ def operands(H: int, Hk: int, T: int, D: int, seed: int) -> tuple[torch.Tensor, 
 def test_native_equals_the_torch_reference(scalar, T, H, Hk, D):
     q, k, v = operands(H, Hk, T, D, seed=T * 7 + D)
     assert torch.equal(bits(ia.attention(q, k, v, scalar=scalar)), bits(ia.reference(q, k, v)))
+
+
+@pytest.mark.parametrize("scale", [0.2, 3.0])
+def test_long_prompts_the_fast_path_equals_the_scalar_loops(scale):
+    """Many key blocks (1100 tokens), peaky scores (blocks skipped) and flat ones (every block read):
+    the AVX2 or VNNI path against the scalar reference rows."""
+    q, k, v = operands(9, 3, 1100, 64, seed=11)
+    q, k = (q.float() * scale / 3).bfloat16(), (k.float() * scale / 3).bfloat16()
+    assert torch.equal(bits(ia.attention(q, k, v)), bits(ia.attention(q, k, v, scalar=True)))
 
 
 def test_vnni_path_runs_where_the_cpu_has_it():
