@@ -84,8 +84,8 @@ def rss_bytes(pid: int | str = "self") -> int:
     return _status_kib("VmRSS", pid) * 1024
 
 
-FLOOR_IMPORTS = ("import torch, grpc, transformers.models.llama.modeling_llama, speckv.server.app, "
-                 "speckv.predictor.predict")
+# NOTE: no transformers: a sidecar on a w8a8 rung (the shipped one) never imports it (predictor/llama.py)
+FLOOR_IMPORTS = "import torch, grpc, speckv.server.app, speckv.predictor.predict"
 
 
 def runtime_floor_bytes() -> int:

@@ -28,6 +28,9 @@ the k layers' K/V; ``rope_tables`` and ``rope`` serve the later layers too.
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Callable
 
 from speckv.errors import CheckpointError
@@ -43,7 +46,48 @@ NORMS = ("input_layernorm", "post_attention_layernorm")
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
+# config.json keys a Llama directory may leave out, with LlamaConfig's defaults
+CONFIG_DEFAULTS: dict[str, Any] = {
+    "num_key_value_heads": None, "head_dim": None, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+    "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
+    "rope_theta": 10000.0, "rope_scaling": None, "rope_parameters": None}
+CONFIG_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
 Emit = Callable[[int, "torch.Tensor"], None]  # (layer, its K/V (2, kv_heads, T, head_dim) BF16)
+
+
+def read_config(path: Path) -> SimpleNamespace | None:
+    """A Llama directory's ``config.json`` as plain attributes (what the w8a8 rungs read), or None for
+    another model (the caller uses AutoConfig). NOTE: AutoConfig's Llama config class imports most of
+    transformers' model-loading code with it, ~77 MiB resident in a sidecar that never builds a model."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    if d.get("model_type") != "llama" or d.get("hidden_act", "silu") != "silu" or \
+            any(not isinstance(d.get(k), int) for k in CONFIG_REQUIRED):
+        return None
+    c = {**CONFIG_DEFAULTS, **d}
+    c["num_key_value_heads"] = c["num_key_value_heads"] or c["num_attention_heads"]
+    c["head_dim"] = c["head_dim"] or c["hidden_size"] // c["num_attention_heads"]
+    if c["rope_parameters"] is None:
+        scaling = c["rope_scaling"] or {}
+        c["rope_parameters"] = {**scaling, "rope_type": scaling.get("rope_type", scaling.get("type", "default")),
+                                "rope_theta": c["rope_theta"]}
+    return SimpleNamespace(**c)
+
+
+def load_config(path: Path, light: bool = True) -> Any:
+    """``config.json`` at ``path`` (a file, or a directory holding it): ``read_config``'s plain
+    attributes when ``light`` and it applies, else transformers' AutoConfig."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    config = read_config(file) if light else None
+    if config is None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    return config
 
 
 def head_dim(config: Any) -> int:

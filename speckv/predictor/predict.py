@@ -32,6 +32,7 @@ from .checkpoint import Checkpoint, fp8_state
 from .early import build_early_model, early_kv, early_state
 from .fp8 import dequantize_e4m3
 from .ladder import EARLY, MEANS, PORTABLE, W8A8, Rung, load_means, mean_model
+from .llama import load_config
 from .portable import build_portable_model, portable_canary, portable_pass, portable_state
 from .store import CONFIG, FP8_SUFFIX, SCALE_SUFFIX, WEIGHTS, state_digest
 from .target import LINEAR_NAMES, LayerSink, emit_all, extract_kv, load_target, reading_fp8, replace_linears
@@ -68,7 +69,6 @@ def build_model(config: Any, state: dict[str, "torch.Tensor"], rung: Rung | None
     ``target.load_target`` runs it); for early:k an ``early.EarlyExitKV``.
     """
     import torch
-    from transformers import AutoModelForCausalLM
 
     if rung is not None and rung.kind == EARLY:
         return build_early_model(config, state, rung.bf16_layers)
@@ -76,6 +76,8 @@ def build_model(config: Any, state: dict[str, "torch.Tensor"], rung: Rung | None
         return build_portable_model(config, state, rung.bf16_layers)
     if rung is not None and rung.kind == W8A8:
         return build_w8a8_model(config, state, rung.bf16_layers, rung.int_attention)
+
+    from transformers import AutoModelForCausalLM  # NOTE: here: the rungs above need none of transformers
 
     config._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -115,10 +117,8 @@ class Predictor:
     def from_checkpoint(cls, ckpt: Checkpoint, target: "Target | TargetWeights | None" = None) -> "Predictor":
         """Build the checkpoint's rung; derived weights need the (embedded) target, whole or as
         ``weights.TargetWeights`` (read lazily: a sidecar never builds the target)."""
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(ckpt.path / CONFIG, local_files_only=True)
         rung = ckpt.rung
+        config = load_config(ckpt.path / CONFIG, light=rung.kind == W8A8)
         if not rung.has_model:
             arch = ckpt.manifest["arch"]
             shape = (arch["layers"], 2, arch["kv_heads"], arch["head_dim"])

@@ -303,10 +303,8 @@ def numeric_env(target: Target) -> dict[str, Any]:
 
 def _embedded_dir() -> Path:
     """Convert the embedded GGUF once into a cached BF16 Hugging Face directory."""
-    import transformers
-
     gguf = embedded_gguf_path()
-    key = f"{EMBEDDED_NAME}-{gguf.stat().st_size}-tf{transformers.__version__}"
+    key = f"{EMBEDDED_NAME}-{gguf.stat().st_size}-tf{_transformers_version()}"
     out = cache_dir() / "models" / key
     if (out / "config.json").is_file():
         return out
@@ -317,6 +315,18 @@ def _embedded_dir() -> Path:
     tok.save_pretrained(tmp)
     tmp.rename(out) if not out.exists() else None
     return out
+
+
+def _transformers_version() -> str:
+    """transformers' version from its metadata: importing it costs a sidecar ~20 MiB it never uses."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - a source tree on sys.path
+        import transformers
+
+        return transformers.__version__
 
 
 def _load_gguf(gguf: Path) -> tuple[Any, Any]:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from speckv.errors import ModelLoadError
 
+from .llama import load_config
 from .store import state_digest
 from .target import DEFAULT_TARGET, EMBEDDED_NAME, Target, load_target, target_dir
 
@@ -104,15 +105,13 @@ def shard_files(path: Path) -> dict[str, Path] | None:
 
 def target_weights(spec: str | Path = DEFAULT_TARGET) -> TargetWeights | None:
     """The target's weights, read lazily (see the module docstring); None without safetensors."""
-    from transformers import AutoConfig
-
     path = target_dir(spec)
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"not a Hugging Face model directory (no config.json): {path}")
     files = shard_files(path)
     if files is None:
         return None
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    config = load_config(path)  # NOTE: plain attributes for a Llama: no transformers config classes
     name = EMBEDDED_NAME if str(spec) == DEFAULT_TARGET else Path(spec).name
     return TargetWeights(path, name, config, files, spec)
 

@@ -2,7 +2,7 @@
 bit for bit: h after layer k - 1 and every layer's K/V, for one-token, short and 2048-token
 prompts, with and without FP8-rounded attention, on the tiny Llama (GQA, head_dim 16) and the
 embedded SmolLM2; its RoPE tables and rotation equal transformers' own; a sidecar's w8a8 rung
-never imports transformers' Llama modelling code."""
+never imports transformers, and a Llama's config.json reads as AutoConfig reads it."""
 from __future__ import annotations
 
 import subprocess
@@ -110,24 +110,47 @@ def test_other_rope_types_and_missing_weights_are_refused(tiny_target):
         llama.exact_head(tiny_target.config, state, 1, "w8a8:1")
 
 
-SIDECAR_IMPORTS = """
+SIDECAR_LOAD = """
 import sys
-from speckv.predictor.checkpoint import load_checkpoint
-from speckv.predictor.predict import Predictor
-from speckv.predictor.store import default_checkpoint_dir
-from speckv.predictor.weights import derivation_source
-ckpt = load_checkpoint(default_checkpoint_dir())
-assert ckpt.rung.kind == "w8a8", ckpt.rung
-pred = Predictor.from_checkpoint(ckpt, derivation_source())
+from speckv.server.config import ServerConfig
+from speckv.server.runtime import Runtime
 import numpy as np
-pred.mu(np.arange(1, 40))
-print(sorted(m for m in sys.modules if m.startswith("transformers.models.llama.modeling")))
+runtime = Runtime.load(ServerConfig(role="decoder"))
+assert runtime.predictor.checkpoint.rung.kind == "w8a8", runtime.predictor.checkpoint.rung
+runtime.predictor.mu(np.arange(1, 40))
+print(sorted(m for m in sys.modules if m.split(".")[0] == "transformers"))
 """
 
 
-def test_sidecar_predictor_needs_no_transformers_modelling():
-    """The shipped rung's sidecar path (derived weights, a pass) leaves transformers' Llama modelling
-    code unimported: ~100 MiB of resident memory (benchmarks/RESULTS.md, "Lean head")."""
-    out = subprocess.run([sys.executable, "-c", SIDECAR_IMPORTS], capture_output=True, text=True, timeout=300)
+def test_a_sidecar_on_the_shipped_rung_never_imports_transformers():
+    """Loading the shipped checkpoint (derived weights, read lazily) and a pass leave transformers
+    unimported: its config classes and Llama modelling code cost ~100 MiB resident
+    (benchmarks/RESULTS.md, "AVX2 and a lean sidecar")."""
+    out = subprocess.run([sys.executable, "-c", SIDECAR_LOAD], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("which", ["tiny", "embedded"])
+def test_plain_config_reads_what_autoconfig_reads(which, tiny_model_dir):
+    from transformers import AutoConfig
+
+    from speckv.predictor.target import target_dir
+
+    path = tiny_model_dir if which == "tiny" else target_dir("default")
+    light, full = llama.load_config(path), AutoConfig.from_pretrained(path, local_files_only=True)
+    assert not isinstance(light, type(full))
+    for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "vocab_size",
+                 "tie_word_embeddings", "attention_bias", "mlp_bias"):
+        assert getattr(light, name) == getattr(full, name), name
+    assert llama.rope_theta(light) == llama.rope_theta(full)
+    assert isinstance(llama.load_config(path, light=False), type(full))
+
+
+def test_other_models_fall_back_to_autoconfig(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    assert llama.read_config(tmp_path / "config.json") is None
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_act": "gelu", "hidden_size": 8}')
+    assert llama.read_config(tmp_path / "config.json") is None
+    assert llama.read_config(tmp_path / "missing.json") is None
