@@ -57,10 +57,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 logger = logging.getLogger(__name__)
-# NOTE: a whole stream is coded at most this many elements at a time (element_groups), 8 MB of BF16
-# (SmolLM2-135M, 2,048 tokens: two 2-layer chunks of 1.57 M), so its peak holds one group's prepared
-# mu, sampled costs and native scratch (4 bytes an element in decode), not the stream's
-GROUP_ELEMENTS = 1 << 22
+# NOTE: a whole stream is coded at most this many elements at a time (element_groups), 4 MB of BF16
+# (SmolLM2-135M, 2,048 tokens: one 2-layer chunk of 1.57 M), so its peak holds one group's prepared
+# mu, sampled costs and native scratch (4 bytes an element in decode), not the stream's. Halved from
+# 1 << 22 with the same decode speed here; a decoder's 2048-token peak fell ~15 MiB (RESULTS.md)
+GROUP_ELEMENTS = 1 << 21
 
 class Codec:
     """Encoder and decoder of KV caches under one pinned predictor."""

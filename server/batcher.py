@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from speckv.heap import release_free
+
 if TYPE_CHECKING:  # pragma: no cover
     from speckv.kv import Fp8Attention
     from speckv.predictor.target import LayerSink
@@ -93,9 +95,10 @@ class PredictorBatcher:
             with self._lock:
                 if not self._pending:
                     self._worker = None
-                    return
+                    break
                 batch = self._take()
             self._run([p for p in batch if p.future.set_running_or_notify_cancel()])  # cancelled: skipped
+        release_free()  # NOTE: idle now: the passes' freed activations go back to the kernel
 
     def _run(self, batch: list[_Pending]) -> None:
         """One pass; every future of it ends, whatever fails (NOTE: a worker that died here would

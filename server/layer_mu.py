@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from speckv.digests import digest
+from speckv.heap import release_free
 
 if TYPE_CHECKING:  # pragma: no cover
     from speckv.kv import Fp8Attention
@@ -71,7 +72,10 @@ class LayerMu:
 
     def _run(self, predictor: "Predictor", ids: np.ndarray, fp8_attention: "Fp8Attention | None") -> None:
         t0 = time.perf_counter()
-        predictor.stream(ids, self._on_layer, fp8_attention=fp8_attention)  # bits holds them: the pass keeps none
+        try:
+            predictor.stream(ids, self._on_layer, fp8_attention=fp8_attention)  # bits holds them: the pass keeps none
+        finally:
+            release_free()  # the pass's freed activations (server/memory.py)
         self.seconds = time.perf_counter() - t0
 
     async def _batched(self, batcher: "PredictorBatcher", ids: np.ndarray,

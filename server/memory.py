@@ -23,12 +23,11 @@ model or request of its own adds, which benchmarks report beside the peak.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import functools
 import subprocess
 import sys
 from collections.abc import Iterator
+
+from speckv.heap import glibc
 
 M_TRIM_THRESHOLD = -1  # mallopt parameters (glibc malloc.h)
 M_MMAP_THRESHOLD = -3
@@ -37,20 +36,10 @@ SERVING_MMAP = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: where t
 SERVING_TRIM = 2 * SERVING_MMAP  # what glibc's dynamic rule pairs with it
 
 
-@functools.cache
-def _glibc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        return libc if libc is not None and hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
-    except OSError:
-        return None
-
-
 @contextlib.contextmanager
 def loading_arena() -> Iterator[None]:
     """Allocate what runs inside so that the loader's freed blocks leave no resident garbage."""
-    libc = _glibc()
+    libc = glibc()
     if libc is None:
         yield
         return

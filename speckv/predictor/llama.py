@@ -37,6 +37,7 @@ from speckv.errors import CheckpointError
 from speckv.kv import Fp8Attention
 
 from .ladder import layer_index
+from .mapped import take_rows
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -195,7 +196,7 @@ def _module_class() -> type:
             < n reads its K/V rounded as ``fa`` says (the K/V emitted and returned stay as computed)."""
             cfg, T = self.config, int(ids.shape[0])
             H, Hk, D = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg)
-            h = self.embed[ids]  # (T, hidden) BF16
+            h = take_rows(self.embed, ids)  # (T, hidden) BF16
             cos, sin = rope_tables(cfg, T, h.device)
             layers = []
             for i in range(self.k):

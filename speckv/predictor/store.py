@@ -20,6 +20,8 @@ import numpy as np
 
 from speckv.errors import CheckpointError
 
+from .mapped import hash_into
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from numpy.typing import ArrayLike
@@ -64,9 +66,11 @@ def state_digest(state: Mapping[str, "torch.Tensor"]) -> str:
 
     h = hashlib.sha256()
     for name in sorted(state):
-        t = state[name].detach().contiguous().cpu()
+        t = state[name].detach()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().data)  # the tensor's bytes, not a copy
+        if not hash_into(h, t):  # NOTE: a mapped tensor's pages are read and dropped window by window
+            t = t.contiguous().cpu()
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)  # the tensor's bytes, not a copy
     return h.hexdigest()
 
 

@@ -100,7 +100,7 @@ def _deterministic_settings() -> Iterator[None]:
     cuda = torch.backends.cuda.matmul
     flags = (cuda.allow_tf32, torch.backends.cudnn.allow_tf32, cuda.allow_bf16_reduced_precision_reduction)
     torch.set_num_threads(COMPUTE_THREADS)
-    torch.use_deterministic_algorithms(True, warn_only=False)
+    _set_deterministic(True)
     cuda.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     cuda.allow_bf16_reduced_precision_reduction = False
     try:
@@ -108,8 +108,17 @@ def _deterministic_settings() -> Iterator[None]:
             yield
     finally:
         torch.set_num_threads(threads)
-        torch.use_deterministic_algorithms(det)
+        _set_deterministic(det)
         cuda.allow_tf32, torch.backends.cudnn.allow_tf32, cuda.allow_bf16_reduced_precision_reduction = flags
+
+
+def _set_deterministic(mode: bool) -> None:
+    """torch's deterministic-algorithms flag. NOTE: not ``torch.use_deterministic_algorithms``, which
+    also imports torch._inductor's config (dynamo, sympy: ~67 MiB resident) for compiled code."""
+    import torch
+
+    setter = getattr(torch._C, "_set_deterministic_algorithms", None)
+    (setter or torch.use_deterministic_algorithms)(mode, warn_only=False)
 
 
 def fp32_linear_class() -> type:
@@ -321,12 +330,7 @@ def _transformers_version() -> str:
     """transformers' version from its metadata: importing it costs a sidecar ~20 MiB it never uses."""
     import importlib.metadata
 
-    try:
-        return importlib.metadata.version("transformers")
-    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - a source tree on sys.path
-        import transformers
-
-        return transformers.__version__
+    return importlib.metadata.version("transformers")
 
 
 def _load_gguf(gguf: Path) -> tuple[Any, Any]:

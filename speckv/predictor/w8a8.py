@@ -147,7 +147,8 @@ def w8a8_state(target_state: Mapping[str, "torch.Tensor"], config: Any, k: int,
     import torch
 
     L = config.num_hidden_layers
-    out = {EMBED: target_state[EMBED].detach().clone()}
+    embed = target_state.mapped(EMBED) if hasattr(target_state, "mapped") else None  # weights.TargetWeights
+    out = {EMBED: embed if embed is not None else target_state[EMBED].detach().clone()}  # mapped: rows on demand
     for name in target_state:  # NOTE: by name: a lazy mapping (weights.TargetWeights) reads only these
         index = layer_index(name)
         if index is not None and index < k:
@@ -272,7 +273,7 @@ def quantise_rows(x: "torch.Tensor", factor: "torch.Tensor",
 Scratch = dict  # name -> a buffer reused by every layer of one forward (fresh large buffers page-fault)
 
 
-def _buf(scratch: Scratch | None, name: str, shape: tuple[int, ...], dtype: Any) -> "torch.Tensor":
+def scratch_buffer(scratch: Scratch | None, name: str, shape: tuple[int, ...], dtype: Any) -> "torch.Tensor":
     import torch
 
     if scratch is None:
@@ -296,8 +297,8 @@ def linear(q: "torch.Tensor", xs: "torch.Tensor", w8: "torch.Tensor", ws: "torch
         y = int_mm(q, w8).float() * xs[:, None] * ws
         return y if add is None else add + y.to(torch.bfloat16)
     shape = (q.shape[0], w8.shape[0])
-    acc = int_mm(q, w8, out=_buf(scratch, name + ".acc", shape, torch.int32))
-    out = _buf(scratch, name, shape, torch.float32 if add is None else torch.bfloat16)
+    acc = int_mm(q, w8, out=scratch_buffer(scratch, name + ".acc", shape, torch.int32))
+    out = scratch_buffer(scratch, name, shape, torch.float32 if add is None else torch.bfloat16)
     nat.w8a8_dequant(acc.numpy(), xs.numpy(), ws.contiguous().numpy(),
                      None if add is None else add.contiguous().view(torch.int16).numpy(),
                      out.numpy() if add is None else out.view(torch.int16).numpy(), NATIVE_THREADS, NATIVE_SCALAR)
@@ -305,10 +306,11 @@ def linear(q: "torch.Tensor", xs: "torch.Tensor", w8: "torch.Tensor", ws: "torch
 
 
 def norm_linear(h: "torch.Tensor", t: Callable[[str], "torch.Tensor"], f: str, eps: float,
-                scratch: Scratch | None = None) -> "torch.Tensor":
-    """RMSNorm (its gain and 2^-e in ``in_f``) then fused linear ``f`` of BF16 rows h (T, hidden)."""
+                scratch: Scratch | None = None, tag: str = "") -> "torch.Tensor":
+    """RMSNorm (its gain and 2^-e in ``in_f``) then fused linear ``f`` of BF16 rows h (T, hidden);
+    the result is scratch buffer ``tag + f``."""
     import torch
 
     q, xs = quantise_rows(h, t("in_" + f))
     xs = xs * torch.rsqrt(h.float().pow(2).mean(1) + eps)  # NOTE: the norm's per-row factor cancels in q
-    return linear(q, xs, t(f + W8), t(f + WS), scratch=scratch, name=f)
+    return linear(q, xs, t(f + W8), t(f + WS), scratch=scratch, name=tag + f)

@@ -37,15 +37,20 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from speckv.heap import release_free
 from speckv.kv import Fp8Attention, bf16_bits
 
 from . import int8_attention
 from .llama import rope, rope_tables
+from .mapped import take_rows
 from .target import FP8_ATTENTION, LayerSink, deterministic_torch
-from .w8a8 import W8, WS, Scratch, linear, norm_linear, quantise_rows
+from .w8a8 import W8, WS, Scratch, linear, norm_linear, quantise_rows, scratch_buffer
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+
+MLP_ROWS = 512  # rows of the MLP at a time (_block_rest)
+TRIM_TOKENS = 512  # from this many tokens on, the heap is trimmed between the exact heads and the later layers
 
 
 @dataclass
@@ -115,6 +120,8 @@ def w8a8_passes(model: Any, reqs: list[MuRequest]) -> None:
         heads = [(r, hr) for r in reqs if (hr := _head(model, r)) is not None]  # a failed prompt leaves here
         if not heads:
             return
+        if model.head is not None and sum(len(r.ids) for r, _ in heads) >= TRIM_TOKENS:
+            release_free()  # NOTE: the heads' freed activations, ~60 MiB at 2048 tokens, leave the peak
         reqs = [r for r, _ in heads]
         h = torch.cat([hr for _, hr in heads]) if len(heads) > 1 else heads[0][1]  # (sum T_r, hidden) BF16
         tables = [rope_tables(cfg, len(hr), h.device) for _, hr in heads]
@@ -154,7 +161,7 @@ def _head(model: Any, r: MuRequest) -> "torch.Tensor | None":
 
     tok = torch.as_tensor(np.asarray(r.ids, dtype=np.int64), device=model.embed.device)
     if model.head is None:
-        return model.embed[tok]
+        return take_rows(model.embed, tok)
 
     def emit(i: int, kv_i: "torch.Tensor") -> None:  # each layer to on_layer as soon as it exists
         r.deliver(i, bf16_bits(kv_i.contiguous().cpu()))
@@ -193,11 +200,20 @@ def _attend(q: "torch.Tensor", key: "torch.Tensor", value: "torch.Tensor", int8:
 def _block_rest(h: "torch.Tensor", t: Callable[[str], "torch.Tensor"], att: "torch.Tensor", eps: float,
                 scratch: Scratch) -> "torch.Tensor":
     """The layer after its attention: o, residual, MLP, residual; BF16 rows (T, hidden).
-    NOTE: the residual stream alternates between two scratch buffers (each update reads the other)."""
+    NOTE: the residual stream alternates between two scratch buffers (each update reads the other).
+    The MLP runs MLP_ROWS rows at a time: every step of it works row by row (the batch invariance
+    above), so the bits are the same, and its widest activations, (T, 2 * intermediate) float32 and
+    their int32 sums, never exist whole (~55 MiB at 2048 tokens of the embedded model)."""
+    import torch
     import torch.nn.functional as F
 
     h = linear(*quantise_rows(att, t("in_o")), t("o" + W8), t("o" + WS), add=h, scratch=scratch, name="h.o")
-    g, u = norm_linear(h, t, "gate_up", eps, scratch).chunk(2, dim=1)
-    m = F.silu(g).mul_(u)
-    return linear(*quantise_rows(m, t("in_down")), t("down" + W8), t("down" + WS), add=h, scratch=scratch,
-                  name="h.down")
+    out = scratch_buffer(scratch, "h.down", tuple(h.shape), torch.bfloat16)
+    for a in range(0, h.shape[0], MLP_ROWS):
+        rows = h[a:a + MLP_ROWS]
+        tag = f"mlp{rows.shape[0]}"  # NOTE: at most two chunk lengths, so two sets of buffers
+        g, u = norm_linear(rows, t, "gate_up", eps, scratch, tag).chunk(2, dim=1)
+        m = F.silu(g).mul_(u)
+        out[a:a + rows.shape[0]] = linear(*quantise_rows(m, t("in_down")), t("down" + W8), t("down" + WS),
+                                          add=rows, scratch=scratch, name=tag + ".down")
+    return out

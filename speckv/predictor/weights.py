@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from speckv.errors import ModelLoadError
 
 from .llama import load_config
+from .mapped import map_tensor
 from .store import state_digest
 from .target import DEFAULT_TARGET, EMBEDDED_NAME, Target, load_target, target_dir
 
@@ -59,6 +60,14 @@ class TargetWeights(Mapping):
             t = f.get_tensor(stored)
         return t if t.dtype == torch.bfloat16 else t.to(torch.bfloat16)  # as load_hf(dtype=bfloat16) casts
 
+    def mapped(self, name: str) -> "torch.Tensor | None":
+        """``name`` as a read-only tensor over the file's pages (``mapped.map_tensor``: resident only
+        where read), or None when the file does not store it as BF16."""
+        stored = self._tied.get(name, name)
+        if stored not in self._files:
+            raise KeyError(name)
+        return map_tensor(self._files[stored], stored)
+
     def __iter__(self) -> Iterator[str]:
         return iter([*self._files, *self._tied])
 
@@ -83,8 +92,25 @@ class TargetWeights(Mapping):
 
     @functools.cached_property
     def weights_sha256(self) -> str:
-        """``state_digest`` of the tensors, read one at a time."""
-        return state_digest(self)
+        """``state_digest`` of the tensors, read one at a time (mapped where stored as BF16: no copy)."""
+        return state_digest(_PreferMapped(self))
+
+
+class _PreferMapped(Mapping):
+    """A TargetWeights whose tensors are mapped where they can be (digests read no copies)."""
+
+    def __init__(self, weights: TargetWeights) -> None:
+        self.weights = weights
+
+    def __getitem__(self, name: str) -> "torch.Tensor":
+        t = self.weights.mapped(name)
+        return self.weights[name] if t is None else t
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
 
 
 def shard_files(path: Path) -> dict[str, Path] | None:

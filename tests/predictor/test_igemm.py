@@ -1,4 +1,4 @@
-"""The native int8 product (spk_igemm.h) that ``integer.int_mm`` runs on CPUs without VNNI: exact int32
+"""The native int8 product (spk_igemm.h) that ``products.int_mm`` runs on CPUs without VNNI: exact int32
 sums, equal to the int64 reference bit for bit for every shape class (k, m and n tails of the AVX2
 micro-kernel and its panels, empty operands), the whole int8 range, every thread count, its AVX2 and
 scalar loops; ``int_mm`` gives the same integers through either route; bad operands are a typed error."""
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from speckv.predictor import integer as ix
+from speckv.predictor import products as ix
 
 nat = ix.native_with("igemm")
 pytestmark = pytest.mark.skipif(nat is None, reason="the native extension is not built")

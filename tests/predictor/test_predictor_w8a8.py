@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from speckv.errors import CheckpointError, PinMismatchError
-from speckv.predictor import integer, w8a8
+from speckv.predictor import products, w8a8
 from speckv.predictor.calibrate import build_checkpoint
 from speckv.predictor.checkpoint import load_checkpoint
 from speckv.predictor.ladder import Rung, parse_rung
@@ -147,7 +147,7 @@ def test_native_and_reference_forwards_agree(monkeypatch, tiny_target, tiny_text
     monkeypatch.setattr(w8a8, "NATIVE", False)
     assert torch.equal(bits(pred.mu(ids)), bits(mu))
     for route in (True, False):  # the int8 product: native (spk_igemm.h) or torch._int_mm
-        monkeypatch.setattr(integer, "INT_MM_NATIVE", route)
+        monkeypatch.setattr(products, "INT_MM_NATIVE", route)
         assert torch.equal(bits(pred.mu(ids)), bits(mu))
     assert pred.mu(np.zeros(0, np.int64)).shape[3] == 0
 

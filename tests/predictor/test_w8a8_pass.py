@@ -70,6 +70,20 @@ def test_batch_of_real_prompts_on_the_shipped_predictor(embedded_session, embedd
     assert np.array_equal(np.stack([got[2][i] for i in range(len(got[2]))]), mu)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_the_mlp_in_row_chunks_has_the_whole_passes_bits(tiny_pred, monkeypatch, rows):
+    """_block_rest runs the MLP MLP_ROWS rows at a time (the peak's widest activations); any chunk
+    length, the last one shorter, gives the bits of one chunk of every row; so does trimming the
+    heap after the exact heads (TRIM_TOKENS)."""
+    ids = prompts_of(tiny_pred.model.config.vocab_size, [130], seed=4)[0]
+    monkeypatch.setattr(w8a8_pass, "MLP_ROWS", 10**9)
+    monkeypatch.setattr(w8a8_pass, "TRIM_TOKENS", 10**9)
+    whole = alone(tiny_pred, ids)
+    monkeypatch.setattr(w8a8_pass, "MLP_ROWS", rows)
+    monkeypatch.setattr(w8a8_pass, "TRIM_TOKENS", 1)
+    assert same(alone(tiny_pred, ids), whole)
+
+
 def test_fp8_readings_stay_per_prompt(tiny_pred):
     L = tiny_pred.model.config.num_hidden_layers
     fa = Fp8Attention((0.02,) * L, (0.03,) * L, toward_zero=True)

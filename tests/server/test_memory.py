@@ -100,7 +100,7 @@ def arena_child(mode: str) -> tuple[int, int, int]:
 def test_loading_arena_gives_freed_blocks_back():
     """In fresh processes (glibc), a loader's freed blocks between kept ones: 64 MiB stay resident
     without the arena, none with it; the body's exceptions pass through."""
-    if memory._glibc() is None:
+    if memory.glibc() is None:
         pytest.skip("not glibc: loading_arena does nothing here")
     before, _, after = arena_child("plain")
     assert after > before + (60 << 20)
