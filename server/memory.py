@@ -15,8 +15,8 @@ Elsewhere than glibc it does nothing.
 
 ``peak_rss_bytes()`` is the kernel's high-water mark of this process (VmHWM):
 every byte ever resident at once, not a sample. ``runtime_floor_bytes()`` is that
-of a fresh process that only imports what a sidecar runs on (torch, transformers'
-Llama code, grpc, the sidecar's modules): the part of a sidecar's peak that no
+of a fresh process that only imports what a sidecar runs on (torch, grpc, the
+sidecar's modules; not transformers, which the shipped rung never imports): the part of a sidecar's peak that no
 model or request of its own adds, which benchmarks report beside the peak.
 """
 
