@@ -1,0 +1,98 @@
+"""The W8A8 rungs' int8 products on this CPU: torch's ``_int_mm``, the native product and FP32 GEMM.
+
+For each linear shape of the embedded SmolLM2-135M at ``--tokens`` rows (fused q/k/v, o, fused
+gate/up, down), median seconds of ``--repeats`` and GMAC/s of: ``torch._int_mm`` (oneDNN; a
+reference loop on CPUs without VNNI), the native product ``spk_igemm.h`` (what
+``speckv.predictor.products.int_mm`` runs where the CPU has no VNNI), and ``torch.mm`` in FP32
+on the same shapes (the FP8 copy's emulated BF16 product) as the peer. Every product is checked
+against the int64 reference first (exact: the same integers). Also prints which route ``int_mm``
+takes here (``"route"``) and the CPU's int8 flags.
+
+    .venv/bin/python benchmarks/igemm_bench.py --tokens 2048 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+HIDDEN, INTER, KV = 576, 1536, 192  # SmolLM2-135M: hidden, MLP width, kv heads * head_dim
+SHAPES = {"qkv": (HIDDEN + 2 * KV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN),
+          "down": (HIDDEN, INTER)}  # (out, in)
+
+
+def median_s(fn: Callable[[], Any], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def shape_row(tokens: int, n: int, k: int, threads: int, repeats: int, nat: Any, g: Any) -> dict[str, Any]:
+    """One linear's products (checked against int64 first): seconds and GMAC/s per route."""
+    import torch
+
+    a = torch.randint(-127, 128, (tokens, k), dtype=torch.int8, generator=g)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    ref = torch.mm(a.long(), w.long().t()).to(torch.int32)
+    out = torch.empty((tokens, n), dtype=torch.int32)
+    runs: dict[str, Callable[[], Any]] = {"torch_int_mm": lambda: torch._int_mm(a, w.t()),
+                                          "fp32_mm": lambda: torch.mm(a.float(), w.float().t())}
+    assert torch.equal(torch._int_mm(a, w.t()), ref)
+    if nat is not None:
+        runs["native"] = lambda: nat.igemm(a.numpy(), w.numpy(), out.numpy(), tokens, n, k, threads, False)
+        runs["native"]()
+        assert torch.equal(out, ref)
+    row = {}
+    for key, fn in runs.items():
+        sec = median_s(fn, repeats)
+        row[key] = {"s": sec, "gmac_s": tokens * n * k / sec / 1e9}
+    return row
+
+
+def measure(tokens: int, threads: int, repeats: int) -> dict[str, Any]:
+    import torch
+
+    from speckv.predictor import products
+
+    nat = products.native_with("igemm")
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    rows = {name: shape_row(tokens, n, k, threads, repeats, nat, g) for name, (n, k) in SHAPES.items()}
+    total = {key: sum(r[key]["s"] for r in rows.values()) for key in next(iter(rows.values()))}
+    return {"tokens": tokens, "threads": threads, "shapes": rows, "total_s": total,
+            "native_vs_torch_int_mm": total["torch_int_mm"] / total["native"] if "native" in total else None,
+            "native_vs_fp32": total["fp32_mm"] / total["native"] if "native" in total else None,
+            "route": "native" if products._native_int_mm() is not None else "torch",
+            "cpu_int8_flags": sorted(products._cpu_flags() & {"avx2", "avx512_vnni", "avx_vnni", "amx_int8"})}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    res = measure(args.tokens, args.threads, args.repeats)
+    if args.json:
+        print(json.dumps(res, indent=1))
+        return 0
+    print(f"{args.tokens} rows, {args.threads} threads, route {res['route']}, flags {res['cpu_int8_flags']}")
+    for name, row in res["shapes"].items():
+        cells = (f"{k} {v['s'] * 1e3:7.1f} ms ({v['gmac_s']:5.1f} GMAC/s)" for k, v in row.items())
+        print(f"  {name:8s} " + "  ".join(cells))
+    print(f"  one layer: native {res['native_vs_torch_int_mm']:.1f}x torch._int_mm, "
+          f"{res['native_vs_fp32']:.2f}x FP32 mm")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
