@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import grpc
 import numpy as np
@@ -28,6 +28,7 @@ from speckv.coder.plan import chunk_aux
 from speckv.coder.stored import unstored_chunk
 from speckv.digests import algorithm_of
 from speckv.errors import RpcError, TransferDigestError
+from speckv.heap import release_free
 from speckv.kv import HeadRange, some_heads
 from speckv.status import abort, in_band, integrity_kind, outcome, to_status
 from speckv.v1 import common_pb2 as pb
@@ -298,7 +299,7 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
         mu_bits = None if mu is None else await mu.upto(coded[-1].layer_start + coded[-1].layer_count)
         t.mu_wait_s += time.perf_counter() - d0
         d0 = time.perf_counter()
-        bits = await asyncio.to_thread(t.codec.decode_run, h, chunks, slice_heads(mu_bits, t.heads))
+        bits = await asyncio.to_thread(_decode_run, t.codec, h, chunks, slice_heads(mu_bits, t.heads))
         t.decode_s += time.perf_counter() - d0
         first = chunks[0].layer_start
         return [bits[c.layer_start - first:c.layer_start - first + c.layer_count] for c in chunks]
@@ -339,6 +340,15 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
 
 
 DRAIN_S = 2.0  # after a failure, how long the rest of the sender's messages are read and dropped
+
+
+def _decode_run(codec: Any, h: ct.StreamHeader, chunks: list[ct.Chunk], mu: Any) -> np.ndarray:
+    """``codec.decode_run`` on a worker thread, whose arena then gives its freed scratch back (the
+    decode overlaps the predictor's pass, so their working sets would otherwise stack)."""
+    try:
+        return codec.decode_run(h, chunks, mu)
+    finally:
+        release_free()
 
 
 def dtype_of_header(h: ct.StreamHeader) -> int:
