@@ -30,7 +30,7 @@ namespace spk {
 constexpr int64_t ATT_AVX2_MAX_D = 128;  // D / 16 pairs of accumulators per row
 
 SPK_AVX2 inline __m256 exp2_det_v8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(ATT_EXP_FLOOR));
+    x = _mm256_max_ps(_mm256_set1_ps(ATT_EXP_FLOOR), x);  // NOTE: max(b, a) is std::max(a, b), NaN included
     const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 r = _mm256_sub_ps(x, n);
     __m256 p = _mm256_set1_ps(EXP2_P[0]);
@@ -50,7 +50,7 @@ SPK_AVX2 inline __m256 lanes_below(int64_t valid) {
 SPK_AVX2 inline float max_of(const float* x, int64_t n) {
     __m256 mv = _mm256_set1_ps(-INFINITY);
     int64_t j = 0;
-    for (; j + 8 <= n; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + j));
+    for (; j + 8 <= n; j += 8) mv = _mm256_max_ps(_mm256_loadu_ps(x + j), mv);  // std::max(m, x_j)
     alignas(32) float m8[8];
     _mm256_store_ps(m8, mv);
     float m = -INFINITY;
@@ -78,7 +78,7 @@ SPK_AVX2 inline float attn_block_weights8(const float* x, const float* vs, float
         dsum = _mm256_add_epi32(dsum, _mm256_cvtps_epi32(_mm256_mul_ps(e, den_scale)));
         const __m256 wk = _mm256_mul_ps(e, _mm256_loadu_ps(vs + b0 + k));
         _mm256_store_ps(w + k, wk);
-        bmv = _mm256_max_ps(bmv, wk);
+        bmv = _mm256_max_ps(wk, bmv);  // std::max(bm, w)
     }
     alignas(32) int32_t d8[8];
     alignas(32) float b8[8];

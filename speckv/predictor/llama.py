@@ -69,12 +69,16 @@ def read_config(path: Path) -> SimpleNamespace | None:
             any(not isinstance(d.get(k), int) for k in CONFIG_REQUIRED):
         return None
     c = {**CONFIG_DEFAULTS, **d}
+    params = c["rope_parameters"]
+    # NOTE: only the plain default RoPE is read here; any scaling (llama3, yarn, ...) or a dict in another
+    # shape goes to AutoConfig, which standardises it, and rope_tables then runs transformers' own RoPE
+    if c["rope_scaling"] is not None or c.get("sliding_window") is not None or (params is not None and (
+            set(params) - {"rope_type", "rope_theta"} or params.get("rope_type") != "default"
+            or not isinstance(params.get("rope_theta"), (int, float)))):
+        return None
     c["num_key_value_heads"] = c["num_key_value_heads"] or c["num_attention_heads"]
     c["head_dim"] = c["head_dim"] or c["hidden_size"] // c["num_attention_heads"]
-    if c["rope_parameters"] is None:
-        scaling = c["rope_scaling"] or {}
-        c["rope_parameters"] = {**scaling, "rope_type": scaling.get("rope_type", scaling.get("type", "default")),
-                                "rope_theta": c["rope_theta"]}
+    c["rope_parameters"] = params or {"rope_type": "default", "rope_theta": c["rope_theta"]}
     return SimpleNamespace(**c)
 
 
@@ -95,14 +99,27 @@ def head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def rope_theta(config: Any) -> float:
-    """The base of the target's default RoPE; other RoPE types are not computed here."""
+def rope_theta(config: Any) -> float | None:
+    """The base of the target's RoPE when it is the plain default one (computed here), else None
+    (transformers' LlamaRotaryEmbedding computes it: ``rope_tables``)."""
     params = getattr(config, "rope_parameters", None) or {
         "rope_type": (getattr(config, "rope_scaling", None) or {}).get("rope_type", "default"),
         "rope_theta": getattr(config, "rope_theta", 10000.0)}
-    if params.get("rope_type", "default") != "default":
-        raise CheckpointError(f"RoPE type {params['rope_type']!r} is not supported by the exact head")
-    return params["rope_theta"]
+    return params["rope_theta"] if params.get("rope_type", "default") == "default" else None
+
+
+def _hf_rotary(config: Any) -> Any:
+    """transformers' rotary embedding of a config with scaled RoPE (llama3, linear, yarn: a static
+    table; the ones whose table follows the sequence length are refused). NOTE: built per pass (a
+    config is not hashable; building it is one small table)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rotary = LlamaRotaryEmbedding(config=config)
+    kind = str(rotary.rope_type)
+    if "dynamic" in kind or kind == "longrope":
+        raise CheckpointError(f"RoPE type {kind!r} (tables that follow the sequence length) "
+                              "is not supported by the exact head")
+    return rotary
 
 
 @functools.lru_cache(maxsize=8)
@@ -117,7 +134,11 @@ def rope_tables(config: Any, tokens: int, device: Any = "cpu") -> tuple["torch.T
     """BF16 cos, sin (1, tokens, head_dim) at positions 0..tokens-1, as LlamaRotaryEmbedding gives them."""
     import torch
 
-    inv = _inv_freq(float(rope_theta(config)), head_dim(config)).to(device)
+    theta = rope_theta(config)
+    if theta is None:
+        pos = torch.arange(tokens, device=device)[None]
+        return _hf_rotary(config).to(device)(torch.empty(0, dtype=torch.bfloat16, device=device), pos)
+    inv = _inv_freq(float(theta), head_dim(config)).to(device)
     freqs = torch.arange(tokens, device=device)[None, :, None].float() * inv  # (1, T, D/2) float32
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
@@ -146,7 +167,7 @@ def linear(x: "torch.Tensor", w: "torch.Tensor") -> "torch.Tensor":
     import torch
     import torch.nn.functional as F
 
-    return F.linear(x.float(), w.float()).to(torch.bfloat16)
+    return F.linear(x.float(), w.float().contiguous()).to(torch.bfloat16)
 
 
 def attend(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor") -> "torch.Tensor":
@@ -171,7 +192,12 @@ def _module_class() -> type:
         def __init__(self, config: Any, state: dict[str, "torch.Tensor"], k: int, rung: str) -> None:
             super().__init__()
             self.config, self.k, self.eps = config, k, float(config.rms_norm_eps)
-            rope_theta(config)  # NOTE: fail at load, not at the first request
+            if rope_theta(config) is None:
+                _hf_rotary(config)  # NOTE: fail at load, not at the first request
+            act, kind = getattr(config, "hidden_act", "silu"), getattr(config, "model_type", "llama")
+            if act != "silu" or kind != "llama" or getattr(config, "sliding_window", None) is not None:
+                raise CheckpointError(f"{rung}: the exact head computes Llama layers (SiLU, full attention), "
+                                      f"not {kind} with {act}")
             names = [EMBED] + [f"model.layers.{i}.{part}.weight" for i in range(k)
                                for part in (*NORMS, *(f"self_attn.{n}" for n in ATTN), *(f"mlp.{n}" for n in MLP))]
             missing = [n for n in names if n not in state]

@@ -9,6 +9,12 @@ pin check) reads it in windows and drops each window's pages again (MADV_DONTNEE
 a read-only file mapping only unmaps them), so checking the digest leaves nothing
 resident.
 
+NOTE: a mapping reads the file as it is at each lookup. The pin check hashed it at
+load; a file rewritten in place afterwards would change this sidecar's mu (its peer's
+per-chunk mu check then sends those chunks stored: still lossless), and a truncated
+one raises SIGBUS. The embedded model's cache is written by an atomic rename; keep
+a target directory unchanged while sidecars use it.
+
 Lifecycle: ``map_tensor(file, name)`` -> a BF16 tensor over the file (None when the
 tensor is not stored as BF16); ``take_rows(t, ids)`` looks rows up and drops the pages
 again; ``hash_into(h, t)`` feeds a mapped tensor's bytes to a hash window by window and

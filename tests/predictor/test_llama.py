@@ -97,12 +97,37 @@ def test_rope_is_transformers_rope(embedded_target):
     assert torch.equal(bits(llama.rope(x, cos, sin)), bits(apply_rotary_pos_emb(x, x, cos, sin)[0]))
 
 
-def test_other_rope_types_and_missing_weights_are_refused(tiny_target):
+def test_scaled_rope_is_transformers_rope(tiny_target):
+    """A Llama 3 RoPE (a static scaled table) runs through transformers' rotary embedding: the head is
+    still the transformers model's bits."""
     import copy
 
     cfg = copy.deepcopy(tiny_target.config)
-    cfg.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0}
-    with pytest.raises(CheckpointError, match="yarn"):
+    cfg.rope_parameters = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    assert llama.rope_theta(cfg) is None
+    ids = np.random.default_rng(9).integers(0, cfg.vocab_size, 200)
+    target = type(tiny_target)(tiny_target.name, tiny_target.model, tiny_target.tokenizer,
+                               tiny_target.weights_sha256, tiny_target.state)
+    target.model = copy.copy(tiny_target.model)
+    target.model.config = cfg
+    h_ref, kv_ref = reference(target, 2, ids, None)
+    h, kv = ours(target, 2, ids, None)
+    h_plain, _ = ours(tiny_target, 2, ids, None)
+    assert torch.equal(bits(h), bits(h_ref)) and not torch.equal(bits(h), bits(h_plain))
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(kv, kv_ref, strict=True))
+
+
+def test_other_models_rope_and_missing_weights_are_refused(tiny_target):
+    import copy
+
+    cfg = copy.deepcopy(tiny_target.config)
+    cfg.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(CheckpointError, match="dynamic"):
+        llama.exact_head(cfg, dict(tiny_target.state), 1, "w8a8:1")
+    cfg = copy.deepcopy(tiny_target.config)
+    cfg.hidden_act = "gelu"
+    with pytest.raises(CheckpointError, match="gelu"):
         llama.exact_head(cfg, dict(tiny_target.state), 1, "w8a8:1")
     state = dict(tiny_target.state)
     del state["model.layers.0.mlp.up_proj.weight"]
@@ -148,9 +173,19 @@ def test_plain_config_reads_what_autoconfig_reads(which, tiny_model_dir):
     assert isinstance(llama.load_config(path, light=False), type(full))
 
 
-def test_other_models_fall_back_to_autoconfig(tmp_path):
+def test_other_models_and_scaled_rope_fall_back_to_autoconfig(tmp_path, tiny_model_dir):
+    import json
+
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     assert llama.read_config(tmp_path / "config.json") is None
+    base = json.loads((tiny_model_dir / "config.json").read_text())
+    for extra in ({"rope_scaling": {"type": "linear", "factor": 2.0}},
+                  {"rope_parameters": {"type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+                  {"rope_parameters": {"rope_type": "default"}}, {"sliding_window": 64}):
+        (tmp_path / "config.json").write_text(json.dumps({**base, "rope_parameters": None, **extra}))
+        assert llama.read_config(tmp_path / "config.json") is None, extra
+    (tmp_path / "config.json").write_text(json.dumps({**base, "rope_parameters": None, "rope_theta": 500.0}))
+    assert llama.rope_theta(llama.read_config(tmp_path / "config.json")) == 500.0
     (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_act": "gelu", "hidden_size": 8}')
     assert llama.read_config(tmp_path / "config.json") is None
     assert llama.read_config(tmp_path / "missing.json") is None
