@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from typing import Any, Callable
+
+from attention_bench import median_ms  # benchmarks/ (the script's own folder)
 
 HIDDEN, INTER, KV = 576, 1536, 192  # SmolLM2-135M: hidden, MLP width, kv heads * head_dim
 SHAPES = {"qkv": (HIDDEN + 2 * KV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN),
@@ -26,13 +26,7 @@ SHAPES = {"qkv": (HIDDEN + 2 * KV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2
 
 
 def median_s(fn: Callable[[], Any], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_ms(fn, repeats) / 1e3
 
 
 def shape_row(tokens: int, n: int, k: int, threads: int, repeats: int, nat: Any, g: Any) -> dict[str, Any]:
