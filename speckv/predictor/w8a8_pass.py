@@ -49,7 +49,7 @@ from .w8a8 import W8, WS, Scratch, linear, norm_linear, quantise_rows, scratch_b
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-MLP_ROWS = 1024  # rows of the MLP at a time (_block_rest): 512 saved 15 MiB more but cost 1.2x the pass here
+MLP_ROWS = 1024  # rows of the MLP at a time (_block_rest); the trade-off: benchmarks/mlp_rows.py
 TRIM_TOKENS = 512  # from this many tokens on, the heap is trimmed between the exact heads and the later layers
 
 
