@@ -55,6 +55,9 @@ _VALUE_STATUS = {4: "bit sections need more than the {0} bytes present",
 
 
 PATHS = {"auto": -1, "computed": 0, "lookup": 1, "vector": 2}  # spk_native.cpp's PATH_*
+# NOTE: a call on fewer elements runs on one thread: waking a worker costs tens of us on a VM,
+# more than such a call's work (the encoder's cost samples: 12 groups of 2,048 elements a call)
+PARALLEL_MIN_ELEMENTS = 1 << 17
 
 
 def vector_path() -> bool:
@@ -179,8 +182,8 @@ class NativeCoder:
             return cost, hits
         _native.group_costs(x.dtype == np.uint8, np.ascontiguousarray(x), np.ascontiguousarray(mu),
                             np.ascontiguousarray(levels, np.int32), x.size // groups, _symbol_cost32(),
-                            SURPRISE_BITS << COST_FRAC_BITS, *self.flat(tables).args(), cost, hits, self.threads,
-                            PATHS[self.path])
+                            SURPRISE_BITS << COST_FRAC_BITS, *self.flat(tables).args(), cost, hits,
+                            self.threads if x.size >= PARALLEL_MIN_ELEMENTS else 1, PATHS[self.path])
         return cost, hits
 
     def decode(self, mu: np.ndarray, log2_sigma: np.ndarray, layer_counts: Sequence[int], elems_per_lane: int,

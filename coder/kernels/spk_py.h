@@ -1,5 +1,5 @@
-// Buffers from Python (buffer protocol; dtypes are checked by the Python callers) and a small
-// thread pool loop, shared by the extension's bindings (spk_native.cpp, spk_portable_py.h).
+// Buffers from Python (buffer protocol; dtypes are checked by the Python callers) and
+// parallel_for (spk_pool.h), shared by the extension's bindings (spk_native.cpp, spk_portable_py.h).
 #pragma once
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -10,6 +10,8 @@
 #include <functional>
 #include <thread>
 #include <vector>
+
+#include "spk_pool.h"
 
 namespace {
 
@@ -29,19 +31,6 @@ bool get_buf(PyObject* o, Buf& b, int64_t want_bytes, const char* name, bool wri
         return false;
     }
     return true;
-}
-
-void parallel_for(int64_t n, int threads, const std::function<void(int64_t)>& fn) {
-    if (threads <= 1 || n <= 1) {
-        for (int64_t i = 0; i < n; ++i) fn(i);
-        return;
-    }
-    std::atomic<int64_t> next{0};
-    auto work = [&]() { for (int64_t i; (i = next.fetch_add(1)) < n;) fn(i); };
-    std::vector<std::thread> pool;
-    for (int t = 1; t < std::min<int64_t>(threads, n); ++t) pool.emplace_back(work);
-    work();
-    for (auto& th : pool) th.join();
 }
 
 }  // namespace

@@ -1,0 +1,87 @@
+"""The extension's persistent worker pool (coder/kernels/spk_pool.h): every thread count
+writes the same bytes; Python threads calling native code at once (one gets the pool, the
+others their own threads) all get the same answer as one call alone; and a forked child,
+which holds the pool's memory but none of its workers, runs threaded calls to completion
+instead of waiting forever for workers that do not exist there.
+
+A missing extension skips these tests on a developer's machine and fails them in CI
+(SPECKV_REQUIRE_NATIVE, tests/require.py).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+
+import numpy as np
+import pytest
+from require import missing
+
+from speckv.coder import native
+
+HEADS, TOKENS, DIM = 3, 512, 64
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    if not native.available():
+        missing("NATIVE", f"the native coder is not built ({native.IMPORT_ERROR})")
+    rng = np.random.default_rng(7)
+    mu = rng.integers(0, 1 << 16, size=(4, 2, HEADS, TOKENS, DIM), dtype=np.uint16)
+    a = rng.normal(1.0, 0.1, size=(4, 2, HEADS, DIM)).astype(np.float32)
+    b = rng.normal(0.0, 0.01, size=(4, 2, HEADS, DIM)).astype(np.float32)
+    scales = rng.uniform(0.001, 0.1, size=(4, 2)).astype(np.float32)
+    return mu, a, b, scales
+
+
+def prepared(threads: int, inputs) -> np.ndarray:
+    mu, a, b, scales = inputs
+    return native.NativeCoder(threads=threads).prepare_mu(mu, a, b, scales)
+
+
+def test_every_thread_count_writes_the_same_bytes(inputs):
+    want = prepared(1, inputs)
+    for threads in (2, 3, 8, 64):
+        assert prepared(threads, inputs).tobytes() == want.tobytes(), threads
+
+
+def test_concurrent_callers_share_the_pool_without_waiting_or_mixing(inputs):
+    want = prepared(1, inputs).tobytes()
+    got: list[bytes] = []
+    errors: list[BaseException] = []
+
+    def call(threads: int) -> None:
+        try:
+            for _ in range(20):
+                got.append(prepared(threads, inputs).tobytes())
+        except BaseException as exc:  # noqa: BLE001 -- reported below
+            errors.append(exc)
+
+    callers = [threading.Thread(target=call, args=(t,)) for t in (2, 2, 3, 4)]
+    for c in callers:
+        c.start()
+    for c in callers:
+        c.join(timeout=120)
+    assert not any(c.is_alive() for c in callers), "a native call hung"
+    assert not errors, errors
+    assert len(got) == 80 and all(g == want for g in got)
+
+
+def _child(inputs, want: bytes, q) -> None:
+    q.put(prepared(2, inputs).tobytes() == want and prepared(4, inputs).tobytes() == want)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_child_gets_its_own_workers(inputs):
+    want = prepared(1, inputs).tobytes()
+    assert prepared(2, inputs).tobytes() == want  # the parent's pool has a worker now
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    child = ctx.Process(target=_child, args=(inputs, want, q))
+    child.start()
+    child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("a threaded native call hung in a forked child")
+    assert child.exitcode == 0 and q.get(timeout=5) is True
