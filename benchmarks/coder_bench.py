@@ -10,8 +10,9 @@ is one ``run_bench`` (its own prefill; coder alone timed, mu given, best of 2); 
 zstd-3 figures are that run's, on the same raw bytes. The rows run minutes apart, so
 their 2-thread / 1-thread ratio carries this shared machine's drift; the scaling line
 under the table times 1 and 2 threads alternately on the same KV and mu instead
-(``--scaling-runs`` pairs, medians). GPU figures come from ``benchmarks/gpu_check.py``
-on a CUDA machine, not from here.
+(``--scaling-runs`` pairs, medians), with zstd-3 compressing two halves of the same KV
+on 1 and 2 threads in the same pairs: how far plain compute scales on this machine in
+that run. GPU figures come from ``benchmarks/gpu_check.py`` on a CUDA machine.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import json
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +66,10 @@ def alternating(tokens: int, text: str | None, runs: int) -> dict[str, dict[str,
     out: dict[str, dict[str, float]] = {}
     for dtype, kv in kvs.items():
         want = kv.codes if isinstance(kv, Fp8KV) else bf16_bits(kv)
-        times: dict[str, list[float]] = {f"{w}_{t}": [] for w in ("encode", "decode") for t in (1, 2)}
+        times: dict[str, list[float]] = {f"{w}_{t}": [] for w in ("encode", "decode", "zstd") for t in (1, 2)}
         for _ in range(runs):
+            for t in (1, 2):
+                times[f"zstd_{t}"].append(zstd_halves(want.tobytes(), t))
             for t, codec in codecs.items():
                 t0 = time.perf_counter()
                 records = list(codec.encode(kv, ids, pre.mu))
@@ -76,6 +80,24 @@ def alternating(tokens: int, text: str | None, runs: int) -> dict[str, dict[str,
                 assert np.array_equal(back.codes if isinstance(back, Fp8KV) else back, want)
         out[dtype] = {k: statistics.median(v) for k, v in times.items()}
     return out
+
+
+def zstd_halves(raw: bytes, threads: int) -> float:
+    """Seconds for zstd-3 to compress both halves of ``raw``, one after the other (1 thread) or
+    at once (2 threads: zstandard releases the GIL): the peer that shows how far two threads of
+    plain compute scale on this machine in the same run, beside the coder's own ratio."""
+    import zstandard
+
+    halves = [raw[:len(raw) // 2], raw[len(raw) // 2:]]
+    c = [zstandard.ZstdCompressor(level=3) for _ in halves]  # NOTE: a compressor per thread
+    t0 = time.perf_counter()
+    if threads == 1:
+        for z, h in zip(c, halves, strict=True):
+            z.compress(h)
+    else:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda a: a[0].compress(a[1]), zip(c, halves, strict=True)))
+    return time.perf_counter() - t0
 
 
 def section(rows: list[dict[str, Any]], tokens: int, alt: dict[str, dict[str, float]] | None = None,
@@ -101,7 +123,9 @@ def section(rows: list[dict[str, Any]], tokens: int, alt: dict[str, dict[str, fl
         lines += [f"{dtype}, 1 and 2 threads alternately on the same KV ({runs} pairs, medians): 2 threads / "
                   f"1 thread = {m['encode_1'] / m['encode_2']:.2f}x encode ({m['encode_1']:.3f} s / "
                   f"{m['encode_2']:.3f} s), {m['decode_1'] / m['decode_2']:.2f}x decode ({m['decode_1']:.3f} s / "
-                  f"{m['decode_2']:.3f} s).", ""]
+                  f"{m['decode_2']:.3f} s)" + (f"; zstd-3 on two halves of the same KV, the same pairs: "
+                                                f"{m['zstd_1'] / m['zstd_2']:.2f}x" if "zstd_1" in m else "")
+                  + ".", ""]
     lines.append(END)
     return "\n".join(lines)
 

@@ -29,6 +29,9 @@ def test_section_scaling_and_update(cb, tmp_path):
     alt = {"bf16": {"encode_1": 0.2, "encode_2": 0.11, "decode_1": 0.3, "decode_2": 0.2}}
     assert ("bf16, 1 and 2 threads alternately on the same KV (5 pairs, medians): 2 threads / 1 thread = "
             "1.82x encode (0.200 s / 0.110 s), 1.50x decode (0.300 s / 0.200 s).") in cb.section(rows, 8, alt, 5)
+    alt["bf16"] |= {"zstd_1": 0.1, "zstd_2": 0.0625}
+    assert ("1.50x decode (0.300 s / 0.200 s); zstd-3 on two halves of the same KV, the same pairs: 1.60x."
+            in cb.section(rows, 8, alt, 5))
     rows[2]["coded_bytes"] = 999
     assert "coded bytes DIFFER" in cb.section(rows, 8)
     path = tmp_path / "RESULTS.md"
@@ -39,3 +42,8 @@ def test_section_scaling_and_update(cb, tmp_path):
     fresh = tmp_path / "fresh.md"
     cb.update(fresh, text)
     assert fresh.read_text() == "\n\n" + text + "\n"
+
+
+def test_zstd_halves_times_both_thread_counts(cb):
+    raw = bytes(range(256)) * 4096
+    assert all(cb.zstd_halves(raw, t) > 0 for t in (1, 2))
