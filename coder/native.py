@@ -55,8 +55,8 @@ _VALUE_STATUS = {4: "bit sections need more than the {0} bytes present",
 
 
 PATHS = {"auto": -1, "computed": 0, "lookup": 1, "vector": 2}  # spk_native.cpp's PATH_*
-# NOTE: a call on fewer elements runs on one thread: waking a worker costs tens of us on a VM,
-# more than such a call's work (the encoder's cost samples: 12 groups of 2,048 elements a call)
+# NOTE: a call on fewer elements runs on one thread: waking a worker costs more than such a
+# call's work (the encoder's cost samples: 12 groups of 2,048 elements a call)
 PARALLEL_MIN_ELEMENTS = 1 << 17
 
 

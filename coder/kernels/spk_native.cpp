@@ -332,5 +332,6 @@ PyMODINIT_FUNC PyInit__native(void) {
     for (const auto& c : consts)
         if (PyModule_AddIntConstant(m, c.name, c.value) != 0) return nullptr;
     if (PyModule_AddIntConstant(m, "AVX2", spk::cpu_has_avx2()) != 0) return nullptr;  // the vector path runs here
+    pool_init();  // parallel_for's workers (spk_pool.h): a forked child gets its own
     return m;
 }

@@ -1,16 +1,24 @@
 // parallel_for over a persistent worker pool, shared by every binding of the extension.
 //
-// Spawning and joining a std::thread costs ~75 us on a 2-vCPU VM: as much as a small call's
-// whole work (the encoder's cost samples, prepare_mu), and it recurs on every call. The pool
-// keeps its workers parked on a condition variable between calls instead.
+// Spawning and joining std::threads on every call costs, on a small VM, as much as a small
+// call's whole work (the encoder's cost samples, prepare_mu). The pool keeps its workers
+// parked on a condition variable between calls instead.
+//
+// A job: the caller publishes (fn, n) under a new generation and wakes `want` workers; each
+// woken worker claims a slot (at most `want` do), then all of them and the caller take
+// indices from one atomic counter. When the caller runs out of indices it closes the job
+// (no more claims) and waits only for the workers that claimed, so it never waits for a
+// worker the scheduler has not run yet, and `fn` outlives every use of it.
 //
 // NOTE: one job at a time. A caller that finds the pool busy (two Python threads in native
 // code at once, the GIL released) spawns its own threads for that call, as before the pool,
-// so concurrent callers never wait for each other. fn must not throw (nor did it before: an
-// exception escaping a std::thread terminates the process).
-// NOTE: fork: a child holds the pool's memory but none of its threads; pthread_atfork gives
-// the child a fresh pool (the old one is leaked: its mutexes may be held by parent threads).
-// The pool is never destroyed: workers stay parked until the process exits.
+// so concurrent callers never wait for each other. No task calls parallel_for (nesting
+// would take that fallback). fn must not throw: an exception escaping a worker terminates
+// the process, as it did from a std::thread before the pool.
+// NOTE: fork: a child holds the pool's memory but none of its threads; the pthread_atfork
+// child handler (registered by pool_init, at module import) gives it a fresh pool, and the
+// old one is leaked (its mutexes may be held by parent threads). The pool is never
+// destroyed: its workers stay parked until the process exits.
 #pragma once
 #include <pthread.h>
 
@@ -25,7 +33,7 @@
 
 namespace {
 
-constexpr int POOL_MAX_WORKERS = 63;  // CodecConfig caps threads at 64: the caller and 63 workers
+constexpr int MAX_THREADS = 64;  // per call, the caller's included (CodecConfig's cap too)
 
 using Task = std::function<void(int64_t)>;
 
@@ -35,41 +43,43 @@ inline void run_tasks(std::atomic<int64_t>& next, int64_t n, const Task& fn) {
 
 class Pool {
    public:
-    // fn(0..n-1) on the caller and min(threads, n) - 1 workers; false (nothing run) when busy.
+    Pool() { workers_.reserve(MAX_THREADS); }
+
+    // fn(0..n-1) on the caller and up to min(threads, n) - 1 workers; false (nothing run) when busy.
     bool run(int64_t n, int threads, const Task& fn) {
         std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
         if (!busy.owns_lock()) return false;
-        const int want = (int)std::min<int64_t>(std::min(threads, POOL_MAX_WORKERS + 1), n) - 1;
+        const int want = (int)std::min<int64_t>(threads, n) - 1;
         {
             std::lock_guard<std::mutex> lk(m_);
-            while ((int)workers_.size() < want) {
-                const int id = (int)workers_.size();
-                workers_.push_back(new std::thread([this, id] { loop(id); }));  // NOTE: never joined
-            }
-            fn_ = &fn, n_ = n, next_.store(0), want_ = want, finished_ = 0, ++gen_;
+            while ((int)workers_.size() < want)  // NOTE: never joined (see the head of this file)
+                workers_.push_back(new std::thread([this] { loop(); }));
+            fn_ = &fn, n_ = n, next_.store(0), want_ = want, claimed_ = 0, finished_ = 0, ++gen_;
         }
-        wake_.notify_all();
+        for (int i = 0; i < want; ++i) wake_.notify_one();
         run_tasks(next_, n, fn);
         std::unique_lock<std::mutex> lk(m_);
-        done_.wait(lk, [this] { return finished_ == want_; });  // fn outlives every worker's use
+        want_ = claimed_;  // close the job: a worker waking from now on sits it out
+        done_.wait(lk, [this] { return finished_ == claimed_; });
         fn_ = nullptr;
         return true;
     }
 
    private:
-    void loop(int id) {
+    void loop() {
         uint64_t seen = 0;
         std::unique_lock<std::mutex> lk(m_);
         for (;;) {
             wake_.wait(lk, [&] { return gen_ != seen; });
             seen = gen_;
-            if (id >= want_) continue;  // not part of this job
+            if (claimed_ >= want_) continue;  // the job has its workers, or is closed
+            ++claimed_;
             const Task* fn = fn_;
             const int64_t n = n_;
             lk.unlock();
             run_tasks(next_, n, *fn);
             lk.lock();
-            if (++finished_ == want_) done_.notify_one();
+            if (++finished_ == claimed_) done_.notify_one();
         }
     }
 
@@ -80,19 +90,30 @@ class Pool {
     std::atomic<int64_t> next_{0};
     int64_t n_ = 0;
     uint64_t gen_ = 0;
-    int want_ = 0, finished_ = 0;
+    int want_ = 0, claimed_ = 0, finished_ = 0;
 };
 
-Pool*& pool() {
-    static Pool* p = [] {
-        pthread_atfork(nullptr, nullptr, [] { pool() = new Pool(); });
-        return new Pool();
-    }();
+// NOTE: a plain atomic, not a function-local static: a fork during a static's guarded
+// initialisation would leave the child waiting on the guard forever.
+std::atomic<Pool*> g_pool{nullptr};
+
+Pool* pool() {
+    Pool* p = g_pool.load(std::memory_order_acquire);
+    if (p) return p;
+    Pool* fresh = new Pool();
+    if (g_pool.compare_exchange_strong(p, fresh, std::memory_order_acq_rel)) return fresh;
+    delete fresh;  // another thread's pool won (ours has no workers yet)
     return p;
 }
 
-// fn(0..n-1) on up to `threads` threads, the caller's included.
+// Once, at module import (PyInit): a forked child starts with a fresh, empty pool.
+void pool_init() {
+    pthread_atfork(nullptr, nullptr, [] { g_pool.store(new Pool(), std::memory_order_release); });
+}
+
+// fn(0..n-1) on up to `threads` threads (at most MAX_THREADS), the caller's included.
 void parallel_for(int64_t n, int threads, const Task& fn) {
+    threads = std::min(threads, MAX_THREADS);
     if (threads <= 1 || n <= 1) {
         for (int64_t i = 0; i < n; ++i) fn(i);
         return;

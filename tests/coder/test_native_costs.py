@@ -43,8 +43,13 @@ def _fp8_case(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("shift", [0, -40, 8, 64, 124])
-def test_group_costs_match_numpy(ckpt, dtype, shift):
+@pytest.mark.parametrize("threaded", [False, True])
+def test_group_costs_match_numpy(ckpt, dtype, shift, threaded, monkeypatch):
+    """``threaded``: on 2 threads however small the call (PARALLEL_MIN_ELEMENTS would keep
+    this case's 6,912 elements on one)."""
     need_native()
+    if threaded:
+        monkeypatch.setattr(native, "PARALLEL_MIN_ELEMENTS", 0)
     rng = np.random.default_rng(abs(shift) + (dtype == "fp8"))
     tab = models_of(ckpt)[MODEL_TUNED].tables
     x, mu = _bf16_case(rng) if dtype == "bf16" else _fp8_case(rng)
