@@ -4,12 +4,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <functional>
-#include <thread>
-#include <vector>
 
 #include "spk_pool.h"
 
