@@ -43,7 +43,9 @@ Prompts: every other transfer uses a prompt no transfer used before (the first t
 shifted, e2e_engine.variant), so no row is helped by a sidecar's mu cache.
 
 ``--engine eager``: both engines compute the KV with eager attention instead of the sidecars' own
-SDPA (another engine's kernels, as in ``speckv bench --engine``); ``--predictor DIR``: both
+SDPA (another engine's kernels, as in ``speckv bench --engine``); ``--engine bf16``: transformers'
+plain BF16 model (BF16 GEMMs through oneDNN: AMX on CPUs with it, where this engine's prefill is
+several times faster than the FP32 target's; its KV differs from the sidecars' too); ``--predictor DIR``: both
 sidecars serve that checkpoint (the default rung is chosen with these two).
 
 Usage (root): .venv/bin/python benchmarks/e2e.py --links 25mbit,100mbit,1gbit --rtt-ms 1 --tokens 2048 [--json]
@@ -71,7 +73,7 @@ from e2e_net import ADDR, Child, Net, calibrate, cpu_seconds, preflight, rate_bi
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[1].parent / "shared" / "corpus" / "tinyshakespeare.txt"
 ENGINE = str(Path(__file__).resolve().parent / "e2e_engine.py")
-ENGINES = ("sdpa", "eager")  # speckv.predictor.engines.ATTENTION_ENGINES (this process never loads torch)
+ENGINES = ("sdpa", "eager", "bf16")  # speckv.predictor.engines.STREAM_ENGINES (this process never loads torch)
 ROW_TIMEOUT = 600.0
 
 
@@ -283,7 +285,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--loopback-only", action="store_true", help="the loopback block alone, no shaped links")
     ap.add_argument("--predictor", default=None, help="both sidecars' checkpoint directory (default: the shipped one)")
     ap.add_argument("--engine", choices=ENGINES, default="sdpa",
-                    help="how both engines compute the KV: sdpa (the sidecars' own kernels) or eager attention "
+                    help="how both engines compute the KV: sdpa (the sidecars' own kernels), eager attention or bf16 "
                          "(another engine's kernels: most KV scalars differ from the sidecars' in their last bits)")
     args = ap.parse_args(argv)
     args.links = [s.strip() for s in args.links.split(",") if s.strip()]

@@ -4,7 +4,8 @@ lines on stdin; each reply is one ``@@ {json}`` line on stdout. Times are
 namespaces do not change it), so the harness subtracts them across nodes.
 
 ``prefill`` (prefill node): loads the target, tokenizes the prompt, and checks once
-that its hooked prefill gives target.kv(ids) bit for bit. A ``stream`` command runs
+that its hooked prefill gives the engine's KV bit for bit (``speckv.predictor.engines``:
+target.kv(ids) for sdpa, engine_kv for the others, as ``speckv bench --engine`` codes it). A ``stream`` command runs
 the prefill with a forward hook on every decoder layer: the header (with the prompt
 ids) goes to the encoder sidecar when the prefill starts, each layer's K/V as its
 layer finishes, while the forward pass goes on (the real engine's timing). A whole
@@ -41,7 +42,7 @@ from speckv.client.client import DecoderClient, EncoderClient
 from speckv.client.core import ENCODINGS, submit_stub
 from speckv.client.local import LocalHandoff, local_submit_requests
 from speckv.kv import bf16_bits
-from speckv.predictor.engines import ATTENTION_ENGINES
+from speckv.predictor.engines import STREAM_ENGINES, engine_kv, stream_model
 from speckv.predictor.target import Target, extract_kv, load_target
 from speckv.v1 import common_pb2 as pb
 from speckv.v1 import encoder_pb2 as epb
@@ -54,10 +55,10 @@ def reply(**kw: Any) -> None:
     print("@@ " + json.dumps(kw), flush=True)
 
 
-def hooked_prefill(target: Target, ids: np.ndarray, on_layer: Callable[[int, np.ndarray], None]) -> np.ndarray:
-    """One prefill; ``on_layer(i, bits)`` gets layer i's ``(2, kv_heads, tokens, head_dim)``
-    BF16 bits as soon as that decoder layer has run (extract_kv's hooks: target.kv's numerics)."""
-    return bf16_bits(extract_kv(target.model, ids, on_layer))
+def hooked_prefill(model: Any, ids: np.ndarray, on_layer: Callable[[int, np.ndarray], None]) -> np.ndarray:
+    """One prefill of the engine's ``model``; ``on_layer(i, bits)`` gets layer i's ``(2, kv_heads,
+    tokens, head_dim)`` BF16 bits as soon as that decoder layer has run (extract_kv's hooks)."""
+    return bf16_bits(extract_kv(model, ids, on_layer))
 
 
 def kv_hash(kv: np.ndarray) -> str:
@@ -85,15 +86,16 @@ def variant(ids: np.ndarray, v: int, vocab: int) -> np.ndarray:
 
 
 class Prefill:
-    def __init__(self, args: argparse.Namespace, target: Target, ids: np.ndarray) -> None:
-        self.args, self.target, self.ids = args, target, ids
+    def __init__(self, args: argparse.Namespace, target: Target, model: Any, ids: np.ndarray) -> None:
+        self.args, self.target, self.model, self.ids = args, target, model, ids
         self.enc = EncoderClient(args.encoder, timeout=TIMEOUT)
         self.handoff = LocalHandoff(args.local_socket) if args.local_socket else None
         self.submit = submit_stub(self.enc.channel)
         self.pool = ThreadPoolExecutor(1)
-        self.kvs = {0: hooked_prefill(target, ids, lambda i, b: None)}  # by variant, for stream=False
+        self.kvs = {0: hooked_prefill(model, ids, lambda i, b: None)}  # by variant, for stream=False
         self.hashes = {0: kv_hash(self.kvs[0])}
-        self.matches = self.hashes[0] == kv_hash(bf16_bits(target.kv(ids)))
+        ref = engine_kv(target, ids, args.engine)  # None: sdpa, the sidecars' own
+        self.matches = self.hashes[0] == kv_hash(bf16_bits(target.kv(ids) if ref is None else ref))
 
     def header(self, rid: str, encoding: str, shape: pb.KVShape, ids: np.ndarray) -> epb.SubmitHeader:
         return epb.SubmitHeader(request_id=rid, decoder_address=self.args.decoder, model_id=self.target.name,
@@ -103,7 +105,7 @@ class Prefill:
     def run(self, cmd: dict[str, Any]) -> dict[str, Any]:
         ids = variant(self.ids, cmd.get("variant", 0), self.target.config.vocab_size)
         if not cmd["stream"] and cmd.get("variant", 0) not in self.kvs:  # prefilled before the clock starts
-            self.kvs[cmd["variant"]] = hooked_prefill(self.target, ids, lambda i, b: None)
+            self.kvs[cmd["variant"]] = hooked_prefill(self.model, ids, lambda i, b: None)
             self.hashes[cmd["variant"]] = kv_hash(self.kvs[cmd["variant"]])
         layers: queue.Queue[np.ndarray] = queue.Queue()
         L = len(self.target.model.model.layers)
@@ -125,7 +127,7 @@ class Prefill:
             def put(i: int, bits: np.ndarray) -> None:
                 out.setdefault("first_layer_out", time.monotonic())
                 layers.put(bits)
-            kv = hooked_prefill(self.target, ids, put)
+            kv = hooked_prefill(self.model, ids, put)
         else:
             kv = self.kvs[cmd.get("variant", 0)]
             for layer in kv:
@@ -170,8 +172,8 @@ def wait_expect(path: str) -> str:
 
 
 class Fetch:
-    def __init__(self, args: argparse.Namespace, target: Target, ids: np.ndarray) -> None:
-        self.args, self.target, self.ids = args, target, ids
+    def __init__(self, args: argparse.Namespace, target: Target, model: Any, ids: np.ndarray) -> None:
+        self.args, self.target, self.model, self.ids = args, target, model, ids
         self.dec = DecoderClient(args.decoder, timeout=TIMEOUT)
 
     def run(self, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -198,7 +200,7 @@ class Fetch:
         out: dict[str, Any] = {}
         t0 = time.monotonic()
         ids = variant(self.ids, cmd.get("variant", 0), self.target.config.vocab_size)
-        kv = hooked_prefill(self.target, ids, lambda i, b: out.setdefault("first", time.monotonic()))
+        kv = hooked_prefill(self.model, ids, lambda i, b: out.setdefault("first", time.monotonic()))
         prefill_s = time.monotonic() - t0
         ok = kv_hash(kv) == wait_expect(cmd["expect"])
         return {**out, "t0": t0, "done": time.monotonic(), "lossless": ok, "prefill_s": prefill_s}
@@ -213,14 +215,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--local-socket", default="", help="the encoder's local hand-off socket (prefill)")
     ap.add_argument("--tokens", type=int, required=True)
     ap.add_argument("--text", required=True)
-    ap.add_argument("--engine", choices=ATTENTION_ENGINES, default="sdpa", help="attention kernels of the KV")
+    ap.add_argument("--engine", choices=STREAM_ENGINES, default="sdpa", help="the engine computing the KV")
     args = ap.parse_args(argv)
     from speckv.predictor.calibrate import read_text
 
     target = load_target()
-    target.model.set_attn_implementation(args.engine)  # NOTE: sdpa is the sidecars' own (target.py)
+    model = stream_model(target, args.engine)
     ids = target.tokenize(read_text(args.text, chars=args.tokens * 32), args.tokens)
-    engine: Prefill | Fetch = Prefill(args, target, ids) if args.role == "prefill" else Fetch(args, target, ids)
+    role = Prefill if args.role == "prefill" else Fetch
+    engine: Prefill | Fetch = role(args, target, model, ids)
     reply(ready=True, tokens=int(len(ids)), hook_matches_target_kv=getattr(engine, "matches", None))
     for line in sys.stdin:
         try:

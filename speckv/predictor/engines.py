@@ -45,13 +45,27 @@ if TYPE_CHECKING:  # pragma: no cover
 
 SAME = "sdpa"  # the sidecars' own kernels
 ENGINES = (SAME, "eager", "fp32", "bf16", "threads1", "avx2", "batch2", "fp8cache")
-ATTENTION_ENGINES = (SAME, "eager")  # a transformers attention implementation each (benchmarks/e2e.py)
+ATTENTION_ENGINES = (SAME, "eager")  # a transformers attention implementation each
+STREAM_ENGINES = (*ATTENTION_ENGINES, "bf16")  # engines whose forward pass benchmarks/e2e.py streams layer by layer
 CHILD_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}  # the ``avx2`` engine
 CHILD_TIMEOUT_S = 1800.0
 
 
 class EngineError(RuntimeError):
     """An engine stand-in could not compute the KV (its child process failed)."""
+
+
+def stream_model(target: tgt.Target, engine: str) -> Any:
+    """The model whose forward pass (``target.extract_kv``, hooked) is engine ``engine`` of
+    ``STREAM_ENGINES``: the target's own model with that attention, or ``bf16``'s plain model."""
+    if engine not in STREAM_ENGINES:
+        raise ValueError(f"engine must be one of {STREAM_ENGINES}, not {engine!r}")
+    if engine == "bf16":
+        import torch
+
+        return plain_model(target, torch.bfloat16)
+    target.model.set_attn_implementation(engine)  # NOTE: sdpa is the sidecars' own (target.py)
+    return target.model
 
 
 def engine_kv(target: tgt.Target, ids: np.ndarray, engine: str) -> "torch.Tensor | None":
@@ -74,7 +88,7 @@ def _attention(name: str) -> Callable[[tgt.Target, np.ndarray], "torch.Tensor"]:
     return run
 
 
-def _plain_model(target: tgt.Target, dtype: "torch.dtype") -> Any:
+def plain_model(target: tgt.Target, dtype: "torch.dtype") -> Any:
     """transformers' own model of the target's config in ``dtype``: nn.Linear GEMMs, SDPA."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -91,7 +105,7 @@ def _plain(dtype_name: str) -> Callable[[tgt.Target, np.ndarray], "torch.Tensor"
     def run(target: tgt.Target, ids: np.ndarray) -> "torch.Tensor":
         import torch
 
-        return tgt.extract_kv(_plain_model(target, getattr(torch, dtype_name)), ids)
+        return tgt.extract_kv(plain_model(target, getattr(torch, dtype_name)), ids)
     return run
 
 

@@ -74,6 +74,24 @@ def test_batch2_row_is_the_prompt_not_the_padded_one(embedded_target, prompt):
     assert _relative_error(embedded_target.kv(ids[::-1].copy()), same) > 0.5
 
 
+@pytest.mark.parametrize("engine", engines.STREAM_ENGINES)
+def test_stream_models_give_the_engines_kv_layer_by_layer(embedded_target, prompt, engine):
+    """benchmarks/e2e.py's engines: a hooked forward of stream_model hands over each layer as it
+    runs, and the whole is the KV that ``speckv bench --engine`` codes (engine_kv)."""
+    ids, same = prompt
+    got: dict[int, np.ndarray] = {}
+    try:
+        model = engines.stream_model(embedded_target, engine)
+        kv = bf16_bits(tgt.extract_kv(model, ids, lambda i, b: got.setdefault(i, np.array(b))))
+    finally:
+        embedded_target.model.set_attn_implementation(engines.SAME)
+    ref = engines.engine_kv(embedded_target, ids, engine)
+    assert np.array_equal(kv, bf16_bits(same if ref is None else ref))
+    assert sorted(got) == list(range(kv.shape[0])) and all(np.array_equal(got[i], kv[i]) for i in got)
+    with pytest.raises(ValueError, match="engine must be one of"):
+        engines.stream_model(embedded_target, "fp32")
+
+
 def test_sdpa_is_the_callers_own_and_unknown_engines_are_refused(embedded_target, prompt):
     ids, _ = prompt
     assert engines.engine_kv(embedded_target, ids, engines.SAME) is None
