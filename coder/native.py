@@ -8,9 +8,10 @@ GIL released, and writes the numpy reference's streams byte for byte.
 
 Paths (``path``): on a CPU with AVX2 the per-element stages run a block at a time in
 branch-free loops the compiler vectorises (``spk_simd.h``: contexts, symbols and table
-ops; the decoder's classification and value composition; the mu correction), chosen at
-run time; elsewhere the scalar code of ``spk_model.cuh``, with BF16 contexts from one
-256 KB scale-invariant table. Every path writes the same bytes (tests run both).
+ops; the decoder's classification and value composition; the mu correction), built twice,
+for AVX2 and for AVX-512 ("vector512", taken where the CPU has it), chosen at run time;
+elsewhere the scalar code of ``spk_model.cuh``, with BF16 contexts from one 256 KB
+scale-invariant table. Every path writes the same bytes (tests run them all).
 
 Lifecycle::
 
@@ -54,15 +55,25 @@ _VALUE_STATUS = {4: "bit sections need more than the {0} bytes present",
                  11: "an element with a non-finite mu was not escaped"}
 
 
-PATHS = {"auto": -1, "computed": 0, "lookup": 1, "vector": 2}  # spk_native.cpp's PATH_*
+PATHS = {"auto": -1, "computed": 0, "lookup": 1, "vector": 2, "vector512": 3}  # spk_native.cpp's PATH_*
 # NOTE: a call on fewer elements runs on one thread: waking a worker costs more than such a
 # call's work (the encoder's cost samples: 12 groups of 2,048 elements a call)
 PARALLEL_MIN_ELEMENTS = 1 << 17
 
 
 def vector_path() -> bool:
-    """Whether the extension runs its AVX2 stages on this CPU (path "auto" picks them)."""
+    """Whether the extension runs its AVX2 stages on this CPU (path "vector")."""
     return _native is not None and bool(_native.AVX2)
+
+
+def wide_path() -> bool:
+    """Whether it also runs their AVX-512 builds (path "vector512", which "auto" then picks)."""
+    return _native is not None and bool(getattr(_native, "AVX512", 0))
+
+
+def vector_paths() -> list[str]:
+    """The vector paths this CPU runs, each writing the scalar paths' bytes (tests run them all)."""
+    return (["vector"] if vector_path() else []) + (["vector512"] if wide_path() else [])
 
 
 class NativeUnavailable(RuntimeError):
@@ -118,23 +129,26 @@ class NativeCoder:
     name = "native"
 
     def __init__(self, threads: int = 1, path: str = "auto") -> None:
-        """``path`` of the BF16 per-element stages, all writing the same bytes: "vector" (AVX2,
-        spk_simd.h), "lookup" (scalar, contexts from a table), "computed" (scalar), or "auto"
-        (vector where the CPU has AVX2, else lookup)."""
+        """``path`` of the per-element stages, all writing the same bytes: "vector" (AVX2,
+        spk_simd.h), "vector512" (the same loops built for AVX-512), "lookup" (scalar, contexts
+        from a table), "computed" (scalar), or "auto" (the widest vector path here, else lookup)."""
         if _native is None:
             raise NativeUnavailable(IMPORT_ERROR)
         self.threads = threads
         if path not in PATHS:
             raise ValueError(f"unknown native path {path!r}; choose from {sorted(PATHS)}")
-        if path == "vector" and not _native.AVX2:
+        if path == "vector" and not vector_path():
             raise NativeUnavailable("the vector path needs a CPU with AVX2")
+        if path == "vector512" and not wide_path():
+            raise NativeUnavailable("the vector512 path needs a CPU with AVX-512")
         self.path = path
         self._flat: dict[int, FlatTables] = {}
 
     @property
     def simd(self) -> str:
-        """The instruction set of the per-element stages this coder runs: "avx2" or "none"."""
-        return "avx2" if self.path == "vector" or (self.path == "auto" and vector_path()) else "none"
+        """The instruction set of the per-element stages this coder runs: "avx512", "avx2" or "none"."""
+        path = self.path if self.path != "auto" else "vector512" if wide_path() else "vector" if vector_path() else ""
+        return {"vector": "avx2", "vector512": "avx512"}.get(path, "none")
 
     def flat(self, tables: CodingTables) -> FlatTables:
         key = id(tables)  # NOTE: CodingTables live as long as their checkpoint's codecs

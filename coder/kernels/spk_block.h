@@ -106,6 +106,7 @@ struct MuJob {
     int64_t heads, tokens, dim;
     void* out;           // u16 BF16 mu' (BF16 KV) or u32 fp32 mu' / scale (FP8 KV)
     bool vector = false; // the AVX2 loops (cpu_has_avx2)
+    bool wide = false;   // their AVX-512 builds (cpu_has_avx512)
 };
 
 inline void prepare_mu_row(const MuJob& j, int64_t row) {  // row = (layer, kv, head)
@@ -118,12 +119,14 @@ inline void prepare_mu_row(const MuJob& j, int64_t row) {  // row = (layer, kv, 
             const uint16_t* m = j.mu + e;
             if (j.a) {
                 uint16_t* dst = j.scales ? tmp.data() : static_cast<uint16_t*>(j.out) + e;
-                affine_bf16_avx2(m, j.a + row * j.dim, j.b + row * j.dim, j.dim, dst);
+                if (j.wide) affine_bf16_avx512(m, j.a + row * j.dim, j.b + row * j.dim, j.dim, dst);
+                else affine_bf16_avx2(m, j.a + row * j.dim, j.b + row * j.dim, j.dim, dst);
                 m = dst;
             } else if (!j.scales) {
                 std::memcpy(static_cast<uint16_t*>(j.out) + e, m, (size_t)j.dim * 2);
             }
-            if (j.scales) fp8_mu_avx2(m, scale, j.dim, static_cast<uint32_t*>(j.out) + e);
+            if (j.scales && j.wide) fp8_mu_avx512(m, scale, j.dim, static_cast<uint32_t*>(j.out) + e);
+            else if (j.scales) fp8_mu_avx2(m, scale, j.dim, static_cast<uint32_t*>(j.out) + e);
         }
         return;
     }

@@ -41,7 +41,7 @@ void block_contexts(const DecodeJob& J, int64_t e0, int64_t n, uint32_t* __restr
     int32_t* __restrict lev = lev_buf.data();
     Cursor(J.g, e0).fill_levels(J.L, n, lev);
     if (J.simd) {
-        contexts_avx2<FX>(static_cast<const typename Io<FX>::Mu*>(J.mu) + e0, lev, n, J.simd->log2q8, ctx);
+        contexts_vec<FX>(*J.simd, static_cast<const typename Io<FX>::Mu*>(J.mu) + e0, lev, n, ctx);
         return;
     }
     for (int64_t e = 0; e < n; ++e)
@@ -55,7 +55,7 @@ void block_classify(const DecodeJob& J, const uint32_t* __restrict js, const uin
     const int32_t* __restrict trad = J.t.radius;
     if (J.simd) {
         Tallies32 t;
-        classify_avx2<FX>(js, ctx, n, trad, info, t);
+        classify_vec<FX>(*J.simd, js, ctx, n, trad, info, t);
         tally.low_bits = t.low_bits, tally.n_zero = t.n_zero, tally.n_esc = t.n_esc;
         tally.unary_bound = t.unary_bound, tally.mu_bad = t.mu_bad != 0;
         return;
@@ -193,7 +193,7 @@ void decode_block_values_vector(const DecodeJob& J, int64_t b, const uint32_t* i
     uint32_t* __restrict wk = wk_buf.data();
     uint32_t* __restrict pos = pos_buf.data();
     uint32_t* __restrict zi = zi_buf.data();
-    field_widths_avx2<FX>(info, n, wk);
+    field_widths_vec<FX>(*J.simd, info, n, wk);
     // C2: each field's start, a running sum per section (selects, not branches)
     uint32_t low = (uint32_t)cs.low[lb], zman = (uint32_t)cs.zman[lb], esc = (uint32_t)cs.esc[lb];
     uint32_t z = (uint32_t)cs.zero0[lb];
@@ -204,8 +204,8 @@ void decode_block_values_vector(const DecodeJob& J, int64_t b, const uint32_t* i
         zi[e] = z;
         low += normal ? w : 0, zman += zero ? w : 0, esc += kind == SPK_KIND_ESC ? w : 0, z += zero;
     }
-    compose_avx2<FX>(info, wk, pos, zi, n, cs.padded.data(), cs.deltas.data(), static_cast<uint8_t*>(J.out) +
-                     e0 * (FX::bits / 8), f.normal_bad, f.zero_bad);
+    compose_vec<FX>(*J.simd, info, wk, pos, zi, n, cs.padded.data(), cs.deltas.data(),
+                    static_cast<uint8_t*>(J.out) + e0 * (FX::bits / 8), f.normal_bad, f.zero_bad);
 }
 
 using ParallelFor = void (*)(int64_t, int, const std::function<void(int64_t)>&);

@@ -15,7 +15,7 @@ struct EncodeJob {
     const int32_t* L;  // log2 sigma per channel (1/8 octave, in x's units)
     bool fp8;
     const uint32_t* ctx_table = nullptr;  // BF16: bf16_context_table() (or null: computed)
-    const SimdTables* simd = nullptr;     // on an AVX2 CPU: the vector stages' tables (or null)
+    const SimdTables* simd = nullptr;     // on an AVX2 CPU: the vector stages' tables and ISA (or null)
 };
 
 struct EncodedBlock {
@@ -102,7 +102,7 @@ void encode_block_t(const EncodeJob& J, int64_t b, EncodedBlock& o) {
     std::fill(ops_buf.begin() + n, ops_buf.end(), SPK_PROB_SCALE << 16);  // padding: the no-op
     Cursor(J.g, e0).fill_levels(J.L, n, lev_buf.data());
     if (J.simd)
-        symbols_avx2<FX>(static_cast<const typename Io<FX>::X*>(J.x) + e0,
+        symbols_vec<FX>(static_cast<const typename Io<FX>::X*>(J.x) + e0,
                          static_cast<const typename Io<FX>::Mu*>(J.mu) + e0, lev_buf.data(), n, *J.simd,
                          ops_buf.data(), desc_buf.data());
     else
@@ -130,7 +130,7 @@ void group_cost_t(const CostJob& C, int64_t g, int64_t* cost, int64_t* surprises
     uint32_t* ops = ops_buf.data();
     uint32_t* desc = desc_buf.data();
     if (C.J.simd)
-        symbols_avx2<FX>(static_cast<const typename Io<FX>::X*>(C.J.x) + e0,
+        symbols_vec<FX>(static_cast<const typename Io<FX>::X*>(C.J.x) + e0,
                          static_cast<const typename Io<FX>::Mu*>(C.J.mu) + e0, C.lev + e0, n, *C.J.simd, ops, desc);
     else
         symbols_scalar<FX, FM, TAB>(C.J, e0, n, C.lev + e0, ops, desc);

@@ -69,7 +69,28 @@ bool parse_geometry(PyObject* layer_counts, long long heads, long long tokens, l
     return true;
 }
 
-enum { PATH_AUTO = -1, PATH_COMPUTED = 0, PATH_LOOKUP = 1, PATH_VECTOR = 2 };
+enum { PATH_AUTO = -1, PATH_COMPUTED = 0, PATH_LOOKUP = 1, PATH_VECTOR = 2, PATH_VECTOR512 = 3 };
+
+// The path a call runs: PATH_AUTO becomes the fastest one here; -2 (ValueError set) for a path
+// this CPU cannot run or an unknown one.
+int resolve_path(int path) {
+    if (path == PATH_AUTO)
+        return spk::cpu_has_avx512() ? PATH_VECTOR512 : spk::cpu_has_avx2() ? PATH_VECTOR : PATH_LOOKUP;
+    if (path < PATH_COMPUTED || path > PATH_VECTOR512) return PyErr_SetString(PyExc_ValueError, "bad path"), -2;
+    if (path == PATH_VECTOR && !spk::cpu_has_avx2())
+        return PyErr_SetString(PyExc_ValueError, "the vector path needs a CPU with AVX2"), -2;
+    if (path == PATH_VECTOR512 && !spk::cpu_has_avx512())
+        return PyErr_SetString(PyExc_ValueError, "the vector512 path needs a CPU with AVX-512"), -2;
+    return path;
+}
+
+// The vector paths' tables (null on the scalar paths), marked for the AVX-512 loops on PATH_VECTOR512.
+std::unique_ptr<spk::SimdTableData> simd_tables(int path, const spk::Tables& t) {
+    if (path < PATH_VECTOR) return nullptr;
+    auto simd = std::make_unique<spk::SimdTableData>(t.cum, t.freq, t.n_symbols, t.off, t.radius);
+    simd->view.wide = path == PATH_VECTOR512;
+    return simd;
+}
 
 // What encode and decode both take: the geometry, the model's tables, mu, L and the
 // optional context table, each checked against the geometry.
@@ -80,19 +101,16 @@ struct Batch {
     const uint32_t* table = nullptr;  // BF16, scalar path: the context table (or null: computed)
     std::unique_ptr<spk::SimdTableData> simd;  // BF16, vector path: its tables (or null)
 
-    // path: PATH_COMPUTED, PATH_LOOKUP, PATH_VECTOR (AVX2 only) or PATH_AUTO (the fastest here)
+    // path: PATH_COMPUTED, PATH_LOOKUP, PATH_VECTOR (AVX2), PATH_VECTOR512 (AVX-512) or PATH_AUTO
     bool parse(int fp8, PyObject* lc, long long heads, long long tokens, long long dim, long long epl,
                PyObject* const tables[5], PyObject* mu_o, PyObject* l_o, int path) {
-        if (path == PATH_AUTO) path = spk::cpu_has_avx2() ? PATH_VECTOR : PATH_LOOKUP;
-        if (path == PATH_VECTOR && !spk::cpu_has_avx2())
-            return PyErr_SetString(PyExc_ValueError, "the vector path needs a CPU with AVX2"), false;
-        if (path < PATH_AUTO || path > PATH_VECTOR) return PyErr_SetString(PyExc_ValueError, "bad path"), false;
+        if ((path = resolve_path(path)) < 0) return false;
         table = !fp8 && path == PATH_LOOKUP ? spk::bf16_context_table() : nullptr;
         if (!(parse_geometry(lc, heads, tokens, dim, epl, g) &&
               parse_tables(tables[0], tables[1], tables[2], tables[3], tables[4], tb, t) &&
               get_buf(mu_o, mu, g.n_elements * (fp8 ? 4 : 2), "mu") && get_buf(l_o, L, g.n_rows * dim * 4, "L")))
             return false;
-        if (path == PATH_VECTOR) simd = std::make_unique<spk::SimdTableData>(t.cum, t.freq, t.n_symbols, t.off, t.radius);
+        simd = simd_tables(path, t);
         return true;
     }
     const spk::SimdTables* vector_tables() const { return simd ? &simd->view : nullptr; }
@@ -108,7 +126,7 @@ PyObject* py_prepare_mu(PyObject*, PyObject* args) {
     if (!PyArg_ParseTuple(args, "pOOOOLLLLOi|i", &fp8, &mu_o, &a_o, &b_o, &s_o, &layers, &heads, &tokens, &dim,
                           &out_o, &threads, &path))
         return nullptr;
-    const bool vector = spk::cpu_has_avx2() && (path == PATH_AUTO || path == PATH_VECTOR);
+    if ((path = resolve_path(path)) < 0) return nullptr;
     Buf mu, a, b, s, out;
     const int64_t rows = layers * 2 * heads, n = rows * tokens * dim;
     if (layers < 0 || heads < 1 || tokens < 0 || dim < 1) return PyErr_Format(PyExc_ValueError, "mu: bad shape");
@@ -118,7 +136,8 @@ PyObject* py_prepare_mu(PyObject*, PyObject* args) {
     if (fp8 && !get_buf(s_o, s, rows / heads * 4, "scales")) return nullptr;
     if (!get_buf(out_o, out, n * (fp8 ? 4 : 2), "out", true)) return nullptr;
     spk::MuJob job{mu.as<uint16_t>(), affine ? a.as<float>() : nullptr, affine ? b.as<float>() : nullptr,
-                   fp8 ? s.as<float>() : nullptr, heads, tokens, dim, out.v.buf, vector};
+                   fp8 ? s.as<float>() : nullptr, heads, tokens, dim, out.v.buf, path >= PATH_VECTOR,
+                   path == PATH_VECTOR512};
     Py_BEGIN_ALLOW_THREADS
     parallel_for(rows, threads, [&](int64_t r) { spk::prepare_mu_row(job, r); });
     Py_END_ALLOW_THREADS
@@ -227,9 +246,8 @@ PyObject* py_group_costs(PyObject*, PyObject* args) {
     if (!PyArg_ParseTuple(args, "pOOOLOiOOOOOOOi|i", &fp8, &x_o, &mu_o, &l_o, &n, &sc_o, &surprise, &cum_o, &freq_o,
                           &off_o, &size_o, &rad_o, &cost_o, &hit_o, &threads, &path))
         return nullptr;
-    if (path == PATH_AUTO) path = spk::cpu_has_avx2() ? PATH_VECTOR : PATH_LOOKUP;
-    if (n < 1 || path < PATH_COMPUTED || path > PATH_VECTOR || (path == PATH_VECTOR && !spk::cpu_has_avx2()))
-        return PyErr_Format(PyExc_ValueError, "group_costs: bad group size or path");
+    if (n < 1) return PyErr_Format(PyExc_ValueError, "group_costs: bad group size");
+    if ((path = resolve_path(path)) < 0) return nullptr;
     Buf tb[5], x, mu, L, sc, cost, hit;
     spk::Tables t;
     if (!parse_tables(cum_o, freq_o, off_o, size_o, rad_o, tb, t) || !get_buf(cost_o, cost, -1, "cost", true))
@@ -240,8 +258,7 @@ PyObject* py_group_costs(PyObject*, PyObject* args) {
         !get_buf(hit_o, hit, groups * 8, "surprises", true))
         return nullptr;
     // NOTE: the symbol lookups index the tables by context: the same checks as encode's
-    std::unique_ptr<spk::SimdTableData> simd;
-    if (path == PATH_VECTOR) simd = std::make_unique<spk::SimdTableData>(t.cum, t.freq, t.n_symbols, t.off, t.radius);
+    const std::unique_ptr<spk::SimdTableData> simd = simd_tables(path, t);
     const uint32_t* table = !fp8 && path == PATH_LOOKUP ? spk::bf16_context_table() : nullptr;
     spk::Geometry g;  // unused by the cost pass
     spk::EncodeJob job{g, t, x.v.buf, mu.v.buf, nullptr, fp8 != 0, table, simd ? &simd->view : nullptr};
@@ -254,7 +271,7 @@ PyObject* py_group_costs(PyObject*, PyObject* args) {
 
 // contexts(fp8, mu, L, out, path): packed context of each (mu, L) pair, as model.ContextTable
 // packs it, on the BF16 path 0 (integer), 1 (float, as the CUDA kernels), 2 (the CPU coder's
-// table lookup) or 3 (its AVX2 stage); tests compare the native model with numpy's
+// table lookup), 3 (its AVX2 stage) or 4 (its AVX-512 build); tests compare the native model with numpy's
 PyObject* py_contexts(PyObject*, PyObject* args) {
     int fp8, path;
     PyObject *mu_o, *l_o, *out_o;
@@ -264,11 +281,13 @@ PyObject* py_contexts(PyObject*, PyObject* args) {
     const int64_t n = mu.count(fp8 ? 4 : 2);
     if (!get_buf(l_o, L, 4 * n, "L") || !get_buf(out_o, out, 4 * n, "out", true)) return nullptr;
     const uint32_t* tab = spk::bf16_context_table();
-    if (path == 3) {  // the vector stage, as the coder runs it on a block
-        if (!spk::cpu_has_avx2()) return PyErr_Format(PyExc_ValueError, "no vector path here");
-        const spk::SimdTableData simd(nullptr, nullptr, 0, nullptr, nullptr);
-        if (fp8) spk::contexts_avx2<SpkE4M3>(mu.v.buf, L.as<int32_t>(), n, simd.view.log2q8, out.as<uint32_t>());
-        else spk::contexts_avx2<SpkBF16>(mu.v.buf, L.as<int32_t>(), n, simd.view.log2q8, out.as<uint32_t>());
+    if (path == 3 || path == 4) {  // the vector stage, as the coder runs it on a block
+        if (!(path == 3 ? spk::cpu_has_avx2() : spk::cpu_has_avx512()))
+            return PyErr_Format(PyExc_ValueError, "no vector path here");
+        spk::SimdTableData simd(nullptr, nullptr, 0, nullptr, nullptr);
+        simd.view.wide = path == 4;
+        if (fp8) spk::contexts_vec<SpkE4M3>(simd.view, mu.v.buf, L.as<int32_t>(), n, out.as<uint32_t>());
+        else spk::contexts_vec<SpkBF16>(simd.view, mu.v.buf, L.as<int32_t>(), n, out.as<uint32_t>());
         Py_RETURN_NONE;
     }
     for (int64_t i = 0; i < n; ++i) {
@@ -332,6 +351,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     for (const auto& c : consts)
         if (PyModule_AddIntConstant(m, c.name, c.value) != 0) return nullptr;
     if (PyModule_AddIntConstant(m, "AVX2", spk::cpu_has_avx2()) != 0) return nullptr;  // the vector path runs here
+    if (PyModule_AddIntConstant(m, "AVX512", spk::cpu_has_avx512()) != 0) return nullptr;  // and vector512
     pool_init();  // parallel_for's workers (spk_pool.h): a forked child gets its own
     return m;
 }

@@ -1,7 +1,9 @@
 // The CPU coder's vector stages: the per-element model of spk_model.cuh (context,
 // symbol, table op; the decoder's classification) over a whole block at once, written
 // branch-free so that the compiler vectorises each loop (AVX2: 8 lanes, gathers for the
-// table reads). They compute the very integers of spk_context_bf16, spk_symbolize and
+// table reads). Each loop is compiled twice, for AVX2 and for AVX-512 (F, BW, VL, DQ: mask
+// registers and three-input logic, at the compiler's preferred vector width), and a block
+// runs one of them (SimdTables::wide), chosen at run time; both write the same integers. They compute the very integers of spk_context_bf16, spk_symbolize and
 // spk_classify: tests/coder/test_native_simd.py checks every BF16 mu pattern at every
 // level, every x pattern at every grid exponent, and whole streams against the scalar
 // path (which stays the fallback on CPUs without AVX2, chosen at run time).
@@ -15,9 +17,11 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #define SPK_HAVE_AVX2_BUILD 1
 #define SPK_AVX2 __attribute__((target("avx2")))
+#define SPK_AVX512 __attribute__((target("avx2,avx512f,avx512bw,avx512vl,avx512dq")))
 #else
 #define SPK_HAVE_AVX2_BUILD 0
 #define SPK_AVX2
+#define SPK_AVX512
 #endif
 #define SPK_INLINE static inline __attribute__((always_inline))
 
@@ -33,6 +37,7 @@ struct SimdTables {
     const int32_t* off;     // per table row: its first symbol
     const int32_t* radius;  // per table row: R (ESC = 2R + 1)
     const int32_t* log2q8;  // spk_log2q8 of 0..255 (int32: the vectoriser gathers 32-bit words)
+    bool wide = false;      // run the AVX-512 builds of the loops (cpu_has_avx512)
 };
 
 // Owns SimdTables' arrays for one model's Tables.
@@ -45,7 +50,7 @@ struct SimdTableData {
         : op((size_t)n_symbols), log2q8(256) {
         for (int64_t i = 0; i < n_symbols; ++i) op[(size_t)i] = cum[i] | (uint32_t)freq[i] << 16;
         for (uint32_t n = 0; n < 256; ++n) log2q8[n] = n ? spk_log2q8(n) : 0;
-        view = SimdTables{op.data(), off, radius, log2q8.data()};
+        view = SimdTables{op.data(), off, radius, log2q8.data(), false};
     }
 };
 
@@ -219,22 +224,44 @@ SPK_INLINE void classify_body(const uint32_t* __restrict js, const uint32_t* __r
     tl.low_bits = low_bits, tl.n_zero = n_zero, tl.n_esc = n_esc, tl.unary_bound = unary_bound, tl.mu_bad = mu_bad;
 }
 
+// One ISA's entry points of the encoder's and the decoder's per-block stages.
+#define SPK_BLOCK_STAGES(ISA, ATTR)                                                                                  \
+    template <class FX>                                                                                               \
+    ATTR void classify_##ISA(const uint32_t* js, const uint32_t* ctx, int64_t n, const int32_t* trad, uint32_t* info, \
+                             Tallies32& tl) {                                                                         \
+        classify_body<FX>(js, ctx, n, trad, info, tl);                                                                \
+    }                                                                                                                 \
+    template <class FX>                                                                                               \
+    ATTR void symbols_##ISA(const void* xs, const void* mus, const int32_t* lev, int64_t n, const SimdTables& T,      \
+                            uint32_t* ops, uint32_t* desc) {                                                          \
+        symbols_body<FX>(static_cast<const typename Io<FX>::X*>(xs), static_cast<const typename Io<FX>::Mu*>(mus),   \
+                         lev, n, T, ops, desc);                                                                       \
+    }                                                                                                                 \
+    template <class FX>                                                                                               \
+    ATTR void contexts_##ISA(const void* mus, const int32_t* lev, int64_t n, const int32_t* lg8, uint32_t* out) {     \
+        contexts_body<FX>(static_cast<const typename Io<FX>::Mu*>(mus), lev, n, lg8, out);                            \
+    }
+SPK_BLOCK_STAGES(avx2, SPK_AVX2)
+SPK_BLOCK_STAGES(avx512, SPK_AVX512)
+
 template <class FX>
-SPK_AVX2 void classify_avx2(const uint32_t* js, const uint32_t* ctx, int64_t n, const int32_t* trad, uint32_t* info,
-                            Tallies32& tl) {
-    classify_body<FX>(js, ctx, n, trad, info, tl);
+void classify_vec(const SimdTables& T, const uint32_t* js, const uint32_t* ctx, int64_t n, const int32_t* trad,
+                  uint32_t* info, Tallies32& tl) {
+    if (T.wide) classify_avx512<FX>(js, ctx, n, trad, info, tl);
+    else classify_avx2<FX>(js, ctx, n, trad, info, tl);
 }
 
 template <class FX>
-SPK_AVX2 void symbols_avx2(const void* xs, const void* mus, const int32_t* lev, int64_t n, const SimdTables& T,
-                           uint32_t* ops, uint32_t* desc) {
-    symbols_body<FX>(static_cast<const typename Io<FX>::X*>(xs), static_cast<const typename Io<FX>::Mu*>(mus), lev, n,
-                     T, ops, desc);
+void symbols_vec(const void* xs, const void* mus, const int32_t* lev, int64_t n, const SimdTables& T, uint32_t* ops,
+                 uint32_t* desc) {
+    if (T.wide) symbols_avx512<FX>(xs, mus, lev, n, T, ops, desc);
+    else symbols_avx2<FX>(xs, mus, lev, n, T, ops, desc);
 }
 
 template <class FX>
-SPK_AVX2 void contexts_avx2(const void* mus, const int32_t* lev, int64_t n, const int32_t* lg8, uint32_t* out) {
-    contexts_body<FX>(static_cast<const typename Io<FX>::Mu*>(mus), lev, n, lg8, out);
+void contexts_vec(const SimdTables& T, const void* mus, const int32_t* lev, int64_t n, uint32_t* out) {
+    if (T.wide) contexts_avx512<FX>(mus, lev, n, T.log2q8, out);
+    else contexts_avx2<FX>(mus, lev, n, T.log2q8, out);
 }
 
 // -- decoder stage C: bit patterns from bins and raw fields (decode_block_values) ---------
@@ -295,14 +322,31 @@ SPK_INLINE void compose_body(const uint32_t* __restrict info, const uint32_t* __
     normal_bad = nbad, zero_bad = zbad;
 }
 
-template <class FX>
-SPK_AVX2 void field_widths_avx2(const uint32_t* info, int64_t n, uint32_t* wk) { field_widths_body<FX>(info, n, wk); }
+#define SPK_VALUE_STAGES(ISA, ATTR)                                                                                    \
+    template <class FX>                                                                                                \
+    ATTR void field_widths_##ISA(const uint32_t* info, int64_t n, uint32_t* wk) { field_widths_body<FX>(info, n, wk); } \
+    template <class FX>                                                                                                \
+    ATTR void compose_##ISA(const uint32_t* info, const uint32_t* wk, const uint32_t* pos, const uint32_t* zi,         \
+                            int64_t n, const uint8_t* buf, const uint32_t* deltas, void* out, uint32_t& normal_bad,    \
+                            uint32_t& zero_bad) {                                                                      \
+        compose_body<FX>(info, wk, pos, zi, n, buf, deltas, static_cast<typename Io<FX>::X*>(out), normal_bad,        \
+                         zero_bad);                                                                                    \
+    }
+SPK_VALUE_STAGES(avx2, SPK_AVX2)
+SPK_VALUE_STAGES(avx512, SPK_AVX512)
 
 template <class FX>
-SPK_AVX2 void compose_avx2(const uint32_t* info, const uint32_t* wk, const uint32_t* pos, const uint32_t* zi, int64_t n,
-                           const uint8_t* buf, const uint32_t* deltas, void* out, uint32_t& normal_bad,
-                           uint32_t& zero_bad) {
-    compose_body<FX>(info, wk, pos, zi, n, buf, deltas, static_cast<typename Io<FX>::X*>(out), normal_bad, zero_bad);
+void field_widths_vec(const SimdTables& T, const uint32_t* info, int64_t n, uint32_t* wk) {
+    if (T.wide) field_widths_avx512<FX>(info, n, wk);
+    else field_widths_avx2<FX>(info, n, wk);
+}
+
+template <class FX>
+void compose_vec(const SimdTables& T, const uint32_t* info, const uint32_t* wk, const uint32_t* pos,
+                 const uint32_t* zi, int64_t n, const uint8_t* buf, const uint32_t* deltas, void* out,
+                 uint32_t& normal_bad, uint32_t& zero_bad) {
+    if (T.wide) compose_avx512<FX>(info, wk, pos, zi, n, buf, deltas, out, normal_bad, zero_bad);
+    else compose_avx2<FX>(info, wk, pos, zi, n, buf, deltas, out, normal_bad, zero_bad);
 }
 
 // -- mu correction (spk_affine_bf16, spk_fp8_mu) over a row of tokens -------------------
@@ -332,10 +376,30 @@ SPK_AVX2 inline void fp8_mu_avx2(const uint16_t* mu, float scale, int64_t n, uin
     fp8_mu_body(mu, scale, n, out);
 }
 
+SPK_AVX512 inline void affine_bf16_avx512(const uint16_t* mu, const float* a, const float* b, int64_t dim,
+                                          uint16_t* out) {
+    affine_bf16_body(mu, a, b, dim, out);
+}
+
+SPK_AVX512 inline void fp8_mu_avx512(const uint16_t* mu, float scale, int64_t n, uint32_t* out) {
+    fp8_mu_body(mu, scale, n, out);
+}
+
 // Whether this CPU runs the AVX2 stages (checked once; SPECKV's tests force either path).
 inline bool cpu_has_avx2() {
 #if SPK_HAVE_AVX2_BUILD
     static const bool yes = __builtin_cpu_supports("avx2");
+    return yes;
+#else
+    return false;
+#endif
+}
+
+// Whether it also runs their AVX-512 builds (SPK_AVX512's extensions).
+inline bool cpu_has_avx512() {
+#if SPK_HAVE_AVX2_BUILD
+    static const bool yes = cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
     return yes;
 #else
     return false;

@@ -13,7 +13,7 @@ Figures: ``WIRE_BITS`` below, measured on this repository's build machine with
 
     .venv/bin/python -m pytest -q -p no:cacheprovider tests/coder/test_adaptive_compression.py -s
 
-(each figure is printed before its assertion); the windows are 0.5%.
+(each figure is printed before its assertion); the windows (REL, REL_BF16 below) cover two CPUs.
 """
 
 from __future__ import annotations
@@ -32,7 +32,16 @@ from speckv.predictor.fp8 import kv_to_fp8
 
 TEXT = "tinyshakespeare.txt"  # ../shared/corpus/
 TOKENS = 512
-REL = 0.005  # the figures move far less between CPUs (test_compression.py); a chooser regression more
+# NOTE: windows around figures that move with the CPU's kernels (the engine's KV is computed here).
+# Measured on two CPUs (the build machine, and a 2-core Intel Xeon with AMX on 2026-12-03, the
+# command in the docstring): the FP32 engines' figures moved -0.52% to +0.37%, fp8cache's -0.72%,
+# the BF16 engine's (oneDNN BF16 GEMMs: AMX there) -0.85% to -1.02%. A chooser regression moves more.
+REL = 0.0075
+REL_BF16 = 0.0125
+
+
+def rel(engine: str) -> float:
+    return REL_BF16 if engine == "bf16" else REL
 
 # (dtype, engine, format version) -> wire bits per scalar, default CodecConfig; dtype fp8z: FP8 codes
 # rounded toward zero (vLLM's CPU cache writer), which version 5's rounding byte models
@@ -144,7 +153,7 @@ BF16_CACHE = [e for e in engines.ENGINES if e != "fp8cache"]  # engines whose at
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("engine", [e for e in BF16_CACHE if e not in ("sdpa", "eager")])
 def test_bits_per_scalar_on_other_engines(wire_bits, dtype, engine):
-    assert wire_bits(dtype, engine, 5) == pytest.approx(WIRE_BITS[dtype, engine, 5], rel=REL)
+    assert wire_bits(dtype, engine, 5) == pytest.approx(WIRE_BITS[dtype, engine, 5], rel=rel(engine))
 
 
 def test_worst_engine_meets_the_bar(wire_bits):
@@ -162,7 +171,7 @@ def test_fp8_rounded_toward_zero(wire_bits, engine):
     within 0.1 bits of codes rounded to nearest, where version 4 lost ~0.6 (measured on sdpa: 2.187
     vs 2.124, version 4 2.763); the FP8 bar (<= 2.5) holds on every engine."""
     bits = wire_bits("fp8z", engine, 5)
-    assert bits == pytest.approx(WIRE_BITS["fp8z", engine, 5], rel=REL)
+    assert bits == pytest.approx(WIRE_BITS["fp8z", engine, 5], rel=rel(engine))
     assert bits <= min(2.5, wire_bits("fp8", engine, 5) + 0.1)
     if engine in ("sdpa", "eager"):
         assert wire_bits("fp8z", engine, 4) == pytest.approx(WIRE_BITS["fp8z", engine, 4], rel=REL)

@@ -20,10 +20,12 @@ def reference():
     return ContextTable(BF16, BF16, LEVELS[None, :])
 
 
-@pytest.mark.parametrize("path", [0, 1, 2, 3], ids=["integer", "float", "lookup", "vector"])
+@pytest.mark.parametrize("path", [0, 1, 2, 3, 4], ids=["integer", "float", "lookup", "vector", "vector512"])
 def test_every_bf16_pattern_at_every_level(reference, path):
     if path == 3 and not native.vector_path():
         pytest.skip("the vector path needs a CPU with AVX2")
+    if path == 4 and not native.wide_path():
+        pytest.skip("the vector512 path needs a CPU with AVX-512")
     mu = np.tile(np.arange(1 << 16, dtype=np.uint16), len(reference.levels))
     L = np.repeat(reference.levels, 1 << 16).astype(np.int32)
     out = np.empty(len(mu), np.uint32)
@@ -33,7 +35,8 @@ def test_every_bf16_pattern_at_every_level(reference, path):
 
 
 def test_every_native_path_codes_the_same_bytes(ckpt):
-    """The coder's paths (vector where the CPU has AVX2, table lookup, computed): same streams."""
+    """The coder's paths (vector and vector512 where the CPU has AVX2 / AVX-512, table lookup,
+    computed): same streams."""
     need_native()
     rng = np.random.default_rng(5)
     shape = (2, 2, 3, 40, 64)
@@ -41,7 +44,7 @@ def test_every_native_path_codes_the_same_bytes(ckpt):
     mu = (x.astype(np.int64) + rng.integers(-300, 300, shape)).clip(0, 0xFFFF).astype(np.uint16)
     lg = rng.integers(-200, 60, (2, 2, 3, 64)).astype(np.int32)  # beyond the table's binades too
     outs = []
-    for path in ("lookup", "computed") + (("vector",) if native.vector_path() else ()):
+    for path in ["lookup", "computed", *native.vector_paths()]:
         nat = native.NativeCoder(1, path=path)
         parts = nat.encode(x, mu, lg, [1, 1], 8, ckpt.tables)
         back = np.empty_like(x)
@@ -58,6 +61,7 @@ def test_fp8_contexts_vector_path_on_spread_fp32_patterns():
     need_native()
     if not native.vector_path():
         pytest.skip("the vector path needs a CPU with AVX2")
+    paths = [3] + ([4] if native.wide_path() else [])  # the AVX2 stage and its AVX-512 build
     hi = np.arange(1 << 16, dtype=np.uint32) << 16
     lo = np.array([0, 1, 0x7FFF, 0x8000, 0xFFFF, 0x1234], np.uint32)
     mu = (hi[:, None] | lo[None, :]).ravel()
@@ -65,6 +69,7 @@ def test_fp8_contexts_vector_path_on_spread_fp32_patterns():
         L = np.full(len(mu), level, np.int32)
         want, got = np.empty(len(mu), np.uint32), np.empty(len(mu), np.uint32)
         native._native.contexts(True, mu, L, want, 0)
-        native._native.contexts(True, mu, L, got, 3)
-        bad = np.flatnonzero(want != got)
-        assert len(bad) == 0, f"{len(bad)} differ at level {level}, first mu {mu[bad[0]]:#010x}"
+        for path in paths:
+            native._native.contexts(True, mu, L, got, path)
+            bad = np.flatnonzero(want != got)
+            assert len(bad) == 0, f"path {path}: {len(bad)} differ at level {level}, first mu {mu[bad[0]]:#010x}"

@@ -19,7 +19,7 @@ GROUPS, TOKENS, DIM = 12, 9, 64
 
 
 def _paths() -> list[str]:
-    return ["lookup", "computed"] + (["vector"] if native.vector_path() else [])
+    return ["lookup", "computed"] + native.vector_paths()
 
 
 def _bf16_case(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:

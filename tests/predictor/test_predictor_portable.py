@@ -101,8 +101,16 @@ def test_check_finds_the_float_rungs_environment_dependence(tiny_target, tiny_mo
                  "--target", str(tiny_model_dir), "--json"])
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 1 and rep["agree"] is False and rep["rung"] == "fp8"
-    digests = {e["name"]: e["mu_sha256"] for e in rep["environments"]}
-    assert digests["torch, 2 threads"] != digests["ATEN_CPU_CAPABILITY=default"]
+    digests = {e["name"]: e.get("mu_sha256") for e in rep["environments"]}
+    errors = {e["name"]: e["error"] for e in rep["environments"] if "error" in e}
+    aten = "ATEN_CPU_CAPABILITY=default"
+    if aten in errors:
+        # NOTE: torch 2.13 on a CPU with AMX picks SDPA's AMX kernel by the CPU, not by the capped
+        # ATEN path, and fails there; the check reports that environment's error and disagrees
+        assert "pack_vnni2 is only supported" in errors[aten], errors[aten]
+    else:
+        assert digests["torch, 2 threads"] != digests[aten]
+    assert set(errors) <= {aten, "ATEN_CPU_CAPABILITY=avx2"}, errors
     assert "int64 reference (prefix)" not in digests  # float rungs have no integer reference
 
 
