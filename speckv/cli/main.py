@@ -255,9 +255,10 @@ def cmd_predictor(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(rep))
         else:
-            _print_table(f"speckv predictor check ({rep['rung']})",
-                         [(f"{e['name']} ({e.get('tokens', '-')} tokens)", e.get("mu_sha256", e.get("error")))
-                          for e in rep["environments"]] + [("agree", str(rep["agree"]))])
+            rows = [(f"{e['name']} ({e.get('tokens', '-')} tokens)",
+                     e.get("mu_sha256", e.get("error", f"not run: {e.get('unavailable')}")))
+                    for e in rep["environments"]]
+            _print_table(f"speckv predictor check ({rep['rung']})", rows + [("agree", str(rep["agree"]))])
         return 0 if rep["agree"] else 1
     from speckv.predictor.calibrate import DEFAULT_CALIB_TOKENS, build_checkpoint
     from speckv.predictor.target import DEFAULT_TARGET, load_target

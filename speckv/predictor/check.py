@@ -10,7 +10,9 @@ instead of their AVX-512 VNNI ones; CUDA where torch sees a device; and, for the
 (``torch.mm`` on int64, no BLAS, no oneDNN, no native code) on a short prefix, compared with the
 default environment on that same prefix. The report is
 ``{"environments": [{"name", "tokens", "mu_sha256"}], "agree": bool}``; exit status 1 when any
-two environments with the same token count disagree.
+two environments with the same token count disagree or one fails. An environment this machine
+cannot run at all (``UNAVAILABLE``: torch's own limits, not the checkpoint's) is reported with
+``"unavailable"`` instead of a digest and does not count.
 """
 
 from __future__ import annotations
@@ -26,6 +28,13 @@ from pathlib import Path
 from typing import Any
 
 REFERENCE_TOKENS = 128  # the int64 reference's prefix (it has no BLAS: minutes per 1,000 tokens)
+# (environment variable, a line of the child's error) -> why this machine cannot run that environment
+UNAVAILABLE = {
+    # NOTE: torch 2.13 on a CPU with AMX picks SDPA's AMX kernel by the CPU, not by the capped
+    # ATEN path, and that kernel refuses to run under it (benchmarks/RESULTS.md, "An Intel CPU with AMX")
+    ("ATEN_CPU_CAPABILITY", "pack_vnni2 is only supported when avx512 is supported"):
+        "torch's SDPA cannot run under a capped ATEN_CPU_CAPABILITY on this CPU (AMX)",
+}
 
 
 @dataclass(frozen=True)
@@ -62,13 +71,16 @@ def run_child(ckpt: Path, text: Path, tokens: int, target: str, e: Environment, 
         return {"name": e.name, "error": f"timed out after {timeout:.0f} s"}
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        why = next((v for (var, line), v in UNAVAILABLE.items() if var in e.env and any(line in t for t in tail)), None)
+        if why is not None:
+            return {"name": e.name, "unavailable": why}
         return {"name": e.name, "error": " | ".join(tail) or f"exit {proc.returncode}"}
     return {"name": e.name, **json.loads(proc.stdout.strip().splitlines()[-1])}
 
 
 def check(ckpt: Path, text: Path, tokens: int, target: str = "default", timeout: float = 1800.0) -> dict[str, Any]:
     """Run every environment; ``agree`` is False when two digests of the same token count differ
-    or an environment failed."""
+    or an environment failed (one this machine cannot run is left out: ``UNAVAILABLE``)."""
     import torch
 
     from .checkpoint import load_checkpoint
@@ -81,7 +93,7 @@ def check(ckpt: Path, text: Path, tokens: int, target: str = "default", timeout:
     for r in results:
         if "mu_sha256" in r:
             digests.setdefault(r["tokens"], set()).add(r["mu_sha256"])
-    agree = all("mu_sha256" in r for r in results) and all(len(d) == 1 for d in digests.values())
+    agree = all("error" not in r for r in results) and all(len(d) == 1 for d in digests.values())
     return {"checkpoint": str(ckpt), "rung": rung.name, "environments": results, "agree": agree}
 
 
