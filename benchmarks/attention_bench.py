@@ -1,15 +1,17 @@
 """The w8a8i rungs' int8 attention against float SDPA, one layer of the embedded model's shape.
 
 Per thread count: milliseconds per layer of float32 SDPA (what the w8a8 rungs run), BF16 SDPA and
-the native int8 kernel (``speckv.predictor.int8_attention``), medians of ``--repeats``, on random
-BF16 q/k/v of the embedded SmolLM2-135M's attention shape (9 query heads, 3 kv heads, head_dim
-64); the kernel's output is compared bit for bit with the scalar path (the torch reference's bits,
-tests/predictor/test_int8_attention.py) and its relative error against float32 SDPA is reported.
+the native int8 kernel (``speckv.predictor.int8_attention``: its fastest path here, and its fastest
+but AMX), medians of ``--repeats``, on random BF16 q/k/v of the embedded SmolLM2-135M's attention
+shape (9 query heads, 3 kv heads, head_dim 64); the kernel's output is compared bit for bit with the
+scalar path (the torch reference's bits, tests/predictor/test_int8_attention.py) and with the path
+without AMX, and its relative error against float32 SDPA is reported.
 
     .venv/bin/python benchmarks/attention_bench.py --tokens 2048 --json
 
 Where the time goes inside the kernel: ``perf record`` on this script (the scores' VNNI products,
-the softmax weights' exp2 and quantisation, the P @ V VNNI products).
+the softmax weights' exp2 and quantisation, the P @ V VNNI products; on an AMX CPU, 2026-12-03: the
+per-row, per-key-block steps of the softmax weights, not the tile products).
 """
 
 from __future__ import annotations
@@ -54,14 +56,16 @@ def measure(tokens: int, threads: list[int], repeats: int, seed: int = 0) -> dic
             ia.THREADS = n
             row = {"threads": n, "sdpa_fp32_ms": median_ms(lambda: sdpa(torch.float32), repeats),
                    "sdpa_bf16_ms": median_ms(lambda: sdpa(torch.bfloat16), repeats),
-                   "int8_ms": median_ms(lambda: ia.attention(q, k, v), repeats)}
+                   "int8_ms": median_ms(lambda: ia.attention(q, k, v), repeats),
+                   "int8_no_amx_ms": median_ms(lambda: ia.attention(q, k, v, amx=False), repeats)}
             row["speedup_vs_fp32"] = row["sdpa_fp32_ms"] / row["int8_ms"]
             rows.append(row)
     finally:
         ia.THREADS = old
     out = ia.attention(q, k, v)
     ref = sdpa(torch.float32)[0].transpose(0, 1)
-    same = torch.equal(out.view(torch.int16), ia.attention(q, k, v, scalar=True).view(torch.int16))
+    same = all(torch.equal(out.view(torch.int16), ia.attention(q, k, v, **kw).view(torch.int16))
+               for kw in ({"scalar": True}, {"amx": False}))
     err = float((out.float() - ref).norm() / ref.norm())
     return {"tokens": tokens, "shape": [HEADS, KV_HEADS, HEAD_DIM], "rows": rows, "scalar_equal": same,
             "rel_error_vs_fp32": err}
@@ -81,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in r["rows"]:
             print(f"{row['threads']} thread(s): SDPA fp32 {row['sdpa_fp32_ms']:.1f} ms, "
                   f"bf16 {row['sdpa_bf16_ms']:.1f} ms, int8 {row['int8_ms']:.1f} ms "
+                  f"(without AMX {row['int8_no_amx_ms']:.1f}) "
                   f"({row['speedup_vs_fp32']:.2f}x fp32)")
         print(f"scalar path equal: {r['scalar_equal']}; error vs fp32 SDPA {r['rel_error_vs_fp32']:.4f}")
     return 0 if r["scalar_equal"] else 1

@@ -2,6 +2,7 @@
 // it must equal bit for bit is speckv/predictor/int8_attention.py.
 #pragma once
 #include "spk_attn.h"
+#include "spk_attn_amx.h"
 #include "spk_attn_avx2.h"
 #include "spk_py.h"
 #include "spk_w8a8_py.h"  // w8a8_avx2: the W8A8 row quantisation's path choice
@@ -26,13 +27,17 @@ void quantise_rows(const uint16_t* x, int64_t rows, int64_t D, int8_t* q, float*
     }
 }
 
+enum { ATT_PATH_LOOPS = 0, ATT_PATH_VNNI = 1, ATT_PATH_AMX = 2 };  // LOOPS: AVX2 or scalar
+
 // int8_attention(q BF16 (H, T, D), k BF16 (Hk, T, D), v BF16 (Hk, T, D), out BF16 (T, H, D), H, Hk, T, D,
-//                threads[, scalar]); returns whether the VNNI path ran
+//                threads[, scalar[, no_amx]]); returns the path that ran (ATT_PATH_*): AMX where the CPU
+// has it and D == ATT_AMX_D, else VNNI, else the AVX2 or scalar loops (scalar: the scalar loops)
 PyObject* py_int8_attention(PyObject*, PyObject* args) {
     PyObject *q_o, *k_o, *v_o, *out_o;
     long long H, Hk, T, D;
-    int threads, scalar = 0;
-    if (!PyArg_ParseTuple(args, "OOOOLLLLi|p", &q_o, &k_o, &v_o, &out_o, &H, &Hk, &T, &D, &threads, &scalar))
+    int threads, scalar = 0, no_amx = 0;
+    if (!PyArg_ParseTuple(args, "OOOOLLLLi|pp", &q_o, &k_o, &v_o, &out_o, &H, &Hk, &T, &D, &threads, &scalar,
+                          &no_amx))
         return nullptr;
     if (H <= 0 || Hk <= 0 || H % Hk != 0 || T <= 0 || D <= 0) {
         PyErr_SetString(PyExc_ValueError, "int8_attention: heads must be a positive multiple of kv heads, T and D > 0");
@@ -43,6 +48,8 @@ PyObject* py_int8_attention(PyObject*, PyObject* args) {
         !get_buf(v_o, v, Hk * T * D * 2, "v") || !get_buf(out_o, out, T * H * D * 2, "out", true))
         return nullptr;
     const bool vnni = attn_vnni(scalar, D);
+    const bool amx = vnni && !no_amx && D == spk::ATT_AMX_D && spk::amx_int8_ready();
+    static_assert(spk::ATT_ROWS % spk::ATT_AMX_ROWS == 0, "a task's rows fill whole AMX passes");
     const bool avx2 = !vnni && w8a8_avx2(scalar) && D % 16 == 0 && D <= spk::ATT_AVX2_MAX_D;
     const int64_t T16 = spk::pad_to(T, 16), T64 = spk::pad_to(T, spk::ATT_KEY_BLOCK);
     std::vector<int8_t> q8(H * T * D), k8(Hk * T * D), v8(Hk * T * D);
@@ -72,7 +79,8 @@ PyObject* py_int8_attention(PyObject*, PyObject* args) {
         if (vnni) {
             const spk::AttnPacked p{qu.data() + h * T * D, k4.data() + g * T16 * D, ksum.data() + g * T16,
                                     ks.data() + g * T16, v4.data() + g * T64 * D, vs.data() + g * T64};
-            spk::attn_rows_vnni(p, qs.data() + h * T, D, rsd, i0, i1, o, H * D);
+            if (amx) spk::attn_rows_amx(p, qs.data() + h * T, rsd, i0, i1, o, H * D);
+            else spk::attn_rows_vnni(p, qs.data() + h * T, D, rsd, i0, i1, o, H * D);
         } else {
             const spk::AttnHead a{q8.data() + h * T * D, qs.data() + h * T, k8.data() + g * T * D,
                                   ks.data() + g * T16, v8.data() + g * T * D, vs.data() + g * T64};
@@ -81,7 +89,7 @@ PyObject* py_int8_attention(PyObject*, PyObject* args) {
         }
     });
     Py_END_ALLOW_THREADS
-    return PyBool_FromLong(vnni);
+    return PyLong_FromLong(amx ? ATT_PATH_AMX : vnni ? ATT_PATH_VNNI : ATT_PATH_LOOPS);
 }
 
 }  // namespace

@@ -110,9 +110,12 @@ def reference(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor") -> "torch
     return out
 
 
-def attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", scalar: bool = False) -> "torch.Tensor":
+def attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", scalar: bool = False,
+              amx: bool = True) -> "torch.Tensor":
     """BF16 q (H, T, D), k and v (Hk, T, D) -> BF16 (T, H, D), natively (the rung needs the extension:
-    the reference is for tests, far too slow for a sidecar)."""
+    the reference is for tests, far too slow for a sidecar). The kernel takes its fastest path here
+    (AMX tiles, AVX-512 VNNI, AVX2), or the scalar loops (``scalar``), or any but AMX (``amx=False``):
+    every path writes the reference's bits."""
     import torch
 
     nat = native_with("int8_attention")
@@ -122,5 +125,5 @@ def attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", scalar: b
     qc, kc, vc = (t.to(torch.bfloat16).contiguous() for t in (q, k, v))
     out = torch.empty(T, H, D, dtype=torch.bfloat16)
     nat.int8_attention(qc.view(torch.int16).numpy(), kc.view(torch.int16).numpy(), vc.view(torch.int16).numpy(),
-                           out.view(torch.int16).numpy(), H, kc.shape[0], T, D, THREADS, scalar)
+                           out.view(torch.int16).numpy(), H, kc.shape[0], T, D, THREADS, scalar, not amx)
     return out

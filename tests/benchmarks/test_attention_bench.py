@@ -16,4 +16,5 @@ def test_short_run_reports_equal_bits(load_script, capsys):
     assert r["scalar_equal"] is True and r["tokens"] == 70 and [x["threads"] for x in r["rows"]] == [1, 2]
     for row in r["rows"]:
         assert row["speedup_vs_fp32"] == pytest.approx(row["sdpa_fp32_ms"] / row["int8_ms"], rel=1e-9)
+        assert row["int8_ms"] > 0 and row["int8_no_amx_ms"] > 0
     assert 0.005 < r["rel_error_vs_fp32"] < 0.04

@@ -1,6 +1,6 @@
-"""speckv.predictor.int8_attention: the native kernel (AVX-512 VNNI, AVX2 and scalar paths) writes the
-torch reference's bits for every shape (odd token counts across the 4-row, 16-key and 64-key
-tiles, head sizes the VNNI path takes and ones it leaves to the scalar loops, GQA groups);
+"""speckv.predictor.int8_attention: the native kernel (AMX, AVX-512 VNNI, AVX2 and scalar paths) writes
+the torch reference's bits for every shape (odd token counts across the 4- and 16-row, 16-key and
+64-key tiles, head sizes the vector paths take and ones they leave to the scalar loops, GQA groups);
 exp2_det is 2^x to float32 precision; a token's output reads only the tokens before it; the
 result stays near float32 SDPA; bad shapes are a typed error; the w8a8i rungs parse, pin
 their rung, and run the kernel inside the predictor with the reference's bits."""
@@ -39,30 +39,38 @@ def operands(H: int, Hk: int, T: int, D: int, seed: int) -> tuple[torch.Tensor, 
     return q, k, v
 
 
-@pytest.mark.parametrize("scalar", [False, True])
-@pytest.mark.parametrize("T", [1, 3, 4, 5, 16, 17, 63, 64, 65, 130, 257])
+PATHS = {"fastest": {}, "no AMX": {"amx": False}, "scalar": {"scalar": True}}
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("T", [1, 3, 4, 5, 16, 17, 31, 33, 63, 64, 65, 130, 257])
 @pytest.mark.parametrize("H,Hk,D", [(9, 3, 64), (4, 4, 16), (6, 2, 24), (2, 1, 128)])
-def test_native_equals_the_torch_reference(scalar, T, H, Hk, D):
+def test_native_equals_the_torch_reference(path, T, H, Hk, D):
     q, k, v = operands(H, Hk, T, D, seed=T * 7 + D)
-    assert torch.equal(bits(ia.attention(q, k, v, scalar=scalar)), bits(ia.reference(q, k, v)))
+    assert torch.equal(bits(ia.attention(q, k, v, **PATHS[path])), bits(ia.reference(q, k, v)))
 
 
 @pytest.mark.parametrize("scale", [0.2, 3.0])
 def test_long_prompts_the_fast_path_equals_the_scalar_loops(scale):
     """Many key blocks (1100 tokens), peaky scores (blocks skipped) and flat ones (every block read):
-    the AVX2 or VNNI path against the scalar reference rows."""
+    the AMX, VNNI or AVX2 path (and the fastest but AMX) against the scalar reference rows."""
     q, k, v = operands(9, 3, 1100, 64, seed=11)
     q, k = (q.float() * scale / 3).bfloat16(), (k.float() * scale / 3).bfloat16()
-    assert torch.equal(bits(ia.attention(q, k, v)), bits(ia.attention(q, k, v, scalar=True)))
+    want = bits(ia.attention(q, k, v, scalar=True))
+    assert torch.equal(bits(ia.attention(q, k, v)), want)
+    assert torch.equal(bits(ia.attention(q, k, v, amx=False)), want)
 
 
-def test_vnni_path_runs_where_the_cpu_has_it():
-    q, k, v = operands(2, 1, 20, 64, seed=1)
-    out = torch.empty(20, 2, 64, dtype=torch.bfloat16)
+@pytest.mark.parametrize("D", [64, 32])
+def test_the_fastest_path_runs_where_the_cpu_has_it(D):
+    """2: AMX tiles (head size 64 only), 1: AVX-512 VNNI, 0: the AVX2 or scalar loops."""
+    q, k, v = operands(2, 1, 20, D, seed=1)
+    out = torch.empty(20, 2, D, dtype=torch.bfloat16)
     ran = native.int8_attention(q.view(torch.int16).numpy(), k.view(torch.int16).numpy(), v.view(torch.int16).numpy(),
-                                out.view(torch.int16).numpy(), 2, 1, 20, 64, 1)
-    flags = open("/proc/cpuinfo").read()
-    assert ran == ("avx512_vnni" in flags and "avx512bw" in flags)
+                                out.view(torch.int16).numpy(), 2, 1, 20, D, 1)
+    flags = set(open("/proc/cpuinfo").read().split())
+    vnni = {"avx512_vnni", "avx512bw"} <= flags
+    assert ran == (2 if vnni and D == 64 and {"amx_int8", "amx_tile"} <= flags else 1 if vnni else 0)
 
 
 def test_exp2_det_is_exp2_to_float32_precision():
@@ -128,7 +136,7 @@ def test_the_rung_runs_the_kernel_with_the_references_bits(monkeypatch, tiny_tar
     mu = pred.mu(ids)
     L, k = tiny_target.config.num_hidden_layers, parse_rung(rung, 99).bf16_layers
     assert len(calls) == L - 1 - k  # every predicted layer but the last (its K/V need no attention)
-    monkeypatch.setattr(ia, "attention", lambda q, key, v, scalar=False: ia.reference(q, key, v))
+    monkeypatch.setattr(ia, "attention", lambda q, key, v, scalar=False, amx=True: ia.reference(q, key, v))
     assert torch.equal(bits(pred.mu(ids)), bits(mu))
     plain = Predictor.from_checkpoint(load_checkpoint(tmp_path, pin=pin), tiny_target)
     # the same weights with SDPA: another mu from layer k + 1 on (layer k's K/V precede any attention)
