@@ -177,6 +177,16 @@ SPK_VNNI inline void attn_scores4(const AttnPacked& p, const uint8_t* qu, const 
     }
 }
 
+// The largest score of row i (keys 0..i of its scores xr): the softmax's reference point.
+SPK_VNNI inline float attn_row_max(const float* xr, int64_t i) {
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 16 <= i + 1; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(xr + j));
+    float m = _mm512_reduce_max_ps(mv);
+    for (; j <= i; ++j) m = std::max(m, xr[j]);
+    return m;
+}
+
 // One key block [b0, b0 + ATT_KEY_BLOCK) of row i (scores x, max m): its uint8 weights u, the
 // denominator's share (added to den) and the block's scale bm / 255 (0: no weight, u all 0).
 SPK_VNNI inline float attn_block_weights(const AttnPacked& p, const float* x, float m, int64_t i, int64_t b0,
@@ -229,13 +239,7 @@ SPK_VNNI inline void attn_rows4_pv(const AttnPacked& p, const float* x, int64_t 
     alignas(64) float out[4][D];
     int64_t den[4] = {0, 0, 0, 0};
     for (int r = 0; r < rows; ++r) {
-        const float* xr = x + r * x_stride;
-        const int64_t i = r0 + r;
-        __m512 mv = _mm512_set1_ps(-INFINITY);
-        int64_t j = 0;
-        for (; j + 16 <= i + 1; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(xr + j));
-        m[r] = _mm512_reduce_max_ps(mv);
-        for (; j <= i; ++j) m[r] = std::max(m[r], xr[j]);
+        m[r] = attn_row_max(x + r * x_stride, r0 + r);
         std::memset(out[r], 0, sizeof(out[r]));
     }
     const int64_t last = r0 + rows - 1;

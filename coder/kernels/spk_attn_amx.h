@@ -97,13 +97,7 @@ SPK_AMX inline void attn_rows16_pv_amx(const AttnPacked& p, const float* x, int6
     alignas(64) int32_t sums[R][D];
     int64_t den[R] = {};
     for (int r = 0; r < rows; ++r) {
-        const float* xr = x + r * x_stride;
-        const int64_t i = r0 + r;
-        __m512 mv = _mm512_set1_ps(-INFINITY);
-        int64_t j = 0;
-        for (; j + 16 <= i + 1; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(xr + j));
-        m[r] = _mm512_reduce_max_ps(mv);
-        for (; j <= i; ++j) m[r] = std::max(m[r], xr[j]);
+        m[r] = attn_row_max(x + r * x_stride, r0 + r);
         std::memset(out[r], 0, sizeof(out[r]));
     }
     std::memset(u, 0, sizeof(u));  // NOTE: rows past `rows` keep zero weights
