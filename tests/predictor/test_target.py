@@ -15,7 +15,7 @@ import torch
 
 from speckv.errors import ModelLoadError
 from speckv.predictor.store import default_checkpoint_dir, state_digest
-from speckv.predictor.target import load_target
+from speckv.predictor.target import deterministic_torch, load_target
 
 PROMPT = "The lighthouse keeper counted the ships passing in the fog."
 
@@ -47,6 +47,19 @@ def test_embedded_deterministic(embedded_target):
     assert torch.equal(as_bits(a), as_bits(b))
     other = embedded_target.kv(embedded_target.tokenize(PROMPT.replace("fog", "rain")))
     assert not torch.equal(as_bits(a[:, :, :, -2:]), as_bits(other[:, :, :, -2:]))
+
+
+def test_deterministic_settings_leave_empty_unfilled_and_restore():
+    """Inside a pass, deterministic mode does not NaN-fill fresh buffers (a cost, no bit depends on
+    it); outside, the caller's settings are back."""
+    def settings() -> tuple[bool, bool]:
+        return torch._C._get_deterministic_fill_uninitialized_memory(), torch.are_deterministic_algorithms_enabled()
+
+    before = settings()
+    with deterministic_torch():
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch._C._get_deterministic_fill_uninitialized_memory()
+    assert settings() == before
 
 
 def test_embedded_empty_prompt(embedded_target):
