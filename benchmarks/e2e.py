@@ -27,6 +27,13 @@ linear pipeline A -> E -> W -> D of n equal chunks:
 critical_path = max(A, E, W, D) + (A + E + W + D - max(A, E, W, D)) / n.
 NOTE: P is the prefill as this row measured it; the encoder's predictor shares core 0 with
 it, so a speckv row's P includes that contention (stored's does not).
+paced_path_s: the same pipeline fed at the pace the chunks really became ready (the encoder's
+per-chunk timings, SubmitResponse.chunk_timings: chunk k ready at r_k once its layers and both
+sides' mu of them exist), each stage FIFO: e_k = max(r_k, e_{k-1}) + E/n, w_k = max(e_k,
+w_{k-1}) + bytes_k / goodput, d_k = max(w_k, d_{k-1}) + D/n; paced_path_s = d_{n-1}. Against
+total_s it is what the transport and coding add beyond their inputs; against critical_path_s,
+what an uneven pace of the chunks' inputs costs (on one core shared by the engine and the
+predictor, mu runs at half speed until the prefill ends).
 break_even_mbit: per encoding, the stages are the medians over its rows and an offset
 (median of total_s - critical_path: RPCs, RTTs, hashing) is added; the nominal rate where
 the speckv and stored models cross (goodput = nominal x the median calibration ratio),
@@ -81,6 +88,20 @@ def critical_path(st: dict[str, float], goodput_Bps: float) -> float:
     """The cost model of the module docstring for one row's stages."""
     stages = (max(st["prefill_s"], st["mu_s"]), st["encode_s"], st["wire_bytes"] / goodput_Bps, st["decode_s"])
     return max(stages) + (sum(stages) - max(stages)) / max(st["chunks"], 1.0)
+
+
+def paced_path(timeline: list[list[float]], st: dict[str, float], goodput_Bps: float) -> float | None:
+    """The paced model of the module docstring over one row's chunk timings (rows of
+    [layers_in, ready, coded, written, bytes], seconds from the prefill's start); None without them."""
+    if not timeline:
+        return None
+    n = len(timeline)
+    e = w = d = 0.0
+    for _, ready, _, _, size in timeline:
+        e = max(ready, e) + st["encode_s"] / n
+        w = max(e, w) + size / goodput_Bps
+        d = max(w, d) + st["decode_s"] / n
+    return d
 
 
 def rung_name(predictor: str | None = None) -> str:
@@ -169,6 +190,7 @@ def transfer_row(link: str, encoding: str, rung: str | None, t: dict[str, Any], 
     return {"link": link, "encoding": encoding, "rung": rung, "total_s": total,
             "after_prefill_s": total - p["prefill_s"], "first_layer_s": f["first"] - p["t0"],
             "decode_node_cpu_s": t["cpu"], "critical_path_s": critical_path(st, goodput),
+            "paced_path_s": paced_path(p.get("timeline", []), st, goodput), "timeline": p.get("timeline", []),
             "lossless": bool(f["lossless"]) and p["encoding"] == encoding and not p["fallback"],
             "stored_chunks": p["stored_chunks"],
             "wire_bytes": p["wire_bytes"], "raw_bytes": p["raw_bytes"], "stages": st}
@@ -245,13 +267,13 @@ def measure(bench: Bench, net: Net, args: argparse.Namespace) -> dict[str, Any]:
 
 def table(rep: dict[str, Any]) -> str:
     cols = ("link", "encoding", "rung", "total s", "after prefill s", "first layer s", "decode-node CPU s",
-            "critical path s", "wire MB", "lossless")
+            "critical path s", "paced path s", "wire MB", "lossless")
     out = [f"{rep['tokens']} tokens, rtt {rep['rtt_ms']} ms; {rep['layout']}", " | ".join(cols)]
     for r in rep["rows"]:
-        cp = "-" if r["critical_path_s"] is None else f"{r['critical_path_s']:.2f}"
+        cp, pp = ("-" if r.get(k) is None else f"{r[k]:.2f}" for k in ("critical_path_s", "paced_path_s"))
         out.append(" | ".join([r["link"], r["encoding"], str(r["rung"] or "-"), f"{r['total_s']:.2f}",
                                f"{r['after_prefill_s']:.2f}", f"{r['first_layer_s']:.2f}",
-                               f"{r['decode_node_cpu_s']:.2f}", cp, f"{r['wire_bytes'] / 1e6:.2f}",
+                               f"{r['decode_node_cpu_s']:.2f}", cp, pp, f"{r['wire_bytes'] / 1e6:.2f}",
                                str(r["lossless"])]))
     for r in rep["rows"]:
         if r["encoding"] == "speckv":

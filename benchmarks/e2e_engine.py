@@ -120,7 +120,7 @@ class Prefill:
             header = epb.SubmitRequest(header=self.header(cmd["rid"], cmd["encoding"], shape, ids))
             reqs = local_submit_requests(self.handoff, header, self.kvs[cmd.get("variant", 0)], None)
             layers.put(np.empty(0))  # NOTE: unused: the queue below is never read
-        fut = self.pool.submit(self.submit, reqs, timeout=TIMEOUT)  # header goes out now
+        fut = self.pool.submit(lambda: (self.submit(reqs, timeout=TIMEOUT), time.monotonic()))  # header goes now
         if cmd.get("local"):
             kv = self.kvs[cmd.get("variant", 0)]
         elif cmd["stream"]:
@@ -134,8 +134,11 @@ class Prefill:
                 layers.put(layer)
         out["prefill_s"] = time.monotonic() - t0
         write_atomic(cmd["expect"], kv_hash(kv) if cmd["stream"] else self.hashes[cmd.get("variant", 0)])
-        r = fut.result(timeout=TIMEOUT)
-        return {**out, "t0": t0, "submit_end": time.monotonic(), "raw_bytes": r.raw_bytes,
+        r, end = fut.result(timeout=TIMEOUT)
+        arrival = end - r.total_seconds - t0  # the header's arrival at the encoder, from t0 (one-way delay)
+        timeline = [[arrival + x for x in (t.layers_in_seconds, t.ready_seconds, t.coded_seconds, t.written_seconds)]
+                    + [t.wire_bytes] for t in r.chunk_timings]
+        return {**out, "t0": t0, "submit_end": end, "timeline": timeline, "raw_bytes": r.raw_bytes,
                 "wire_bytes": r.wire_bytes, "chunks": r.chunks, "predictor_s": r.predictor_seconds,
                 "encode_s": r.encode_seconds, "encoding": r.encoding, "fallback": r.fallback,
                 "stored_chunks": r.stored_chunks, "mu_wait_s": r.mu_wait_seconds, "wire_wait_s": r.wire_wait_seconds}

@@ -36,6 +36,7 @@ from speckv.v1 import encoder_pb2_grpc as egrpc
 from speckv.wire import heads_msg
 
 from .core import (
+    ChunkTiming,
     SubmitResult,
     _channel,
     _Collector,
@@ -55,7 +56,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 __all__ = ["EncoderClient", "DecoderClient", "AsyncEncoderClient", "AsyncDecoderClient", "RpcFailed",
-           "SubmitResult", "SubmitStream", "submit_requests", "tls_credentials", "Fp8KV"]
+           "ChunkTiming", "SubmitResult", "SubmitStream", "submit_requests", "tls_credentials", "Fp8KV"]
 
 
 # -- sync ------------------------------------------------------------------------

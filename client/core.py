@@ -102,6 +102,18 @@ def _retry_delay(e: grpc.RpcError, request_id: str, attempt: int, retries: int, 
 
 
 @dataclass(frozen=True)
+class ChunkTiming:
+    """When one chunk's stages ended on the encoder, in seconds since the Submit header's arrival."""
+
+    chunk: int
+    layers_in_seconds: float  # its layers all in from the engine
+    ready_seconds: float  # its layers and (speckv) both sides' mu of them in hand
+    coded_seconds: float  # its record coded
+    written_seconds: float  # its record written to the decoder
+    wire_bytes: int  # its record's size
+
+
+@dataclass(frozen=True)
 class SubmitResult:
     raw_bytes: int
     wire_bytes: int
@@ -116,6 +128,7 @@ class SubmitResult:
     stored_chunks: int = 0  # chunks of a speckv stream sent stored (mismatch or size guard)
     mu_wait_seconds: float = 0.0  # the encoder waiting for mu (its own, or the decoder's check)
     wire_wait_seconds: float = 0.0  # the encoder inside writes to the decoder (flow control)
+    chunk_timings: tuple[ChunkTiming, ...] = ()  # per chunk: when its stages ended on the encoder
 
     @property
     def ratio(self) -> float:
@@ -209,7 +222,9 @@ def submit_layer_frames(layer: int, arr: np.ndarray, dtype: int, shape: pb.KVSha
 def _result(r: epb.SubmitResponse) -> SubmitResult:
     return SubmitResult(r.raw_bytes, r.wire_bytes, r.chunks, r.predictor_seconds, r.encode_seconds,
                         r.transfer_seconds, r.total_seconds, r.message_bytes, r.encoding, r.fallback,
-                        r.stored_chunks, r.mu_wait_seconds, r.wire_wait_seconds)
+                        r.stored_chunks, r.mu_wait_seconds, r.wire_wait_seconds,
+                        tuple(ChunkTiming(t.chunk, t.layers_in_seconds, t.ready_seconds, t.coded_seconds,
+                                          t.written_seconds, t.wire_bytes) for t in r.chunk_timings))
 
 
 class _Collector:

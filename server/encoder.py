@@ -177,6 +177,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
 
     async def _run(self, job: Job, it: AsyncIterator, context: grpc.aio.ServicerContext,
                    t0: float) -> epb.SubmitResponse:
+        job.t0 = t0
         mu, job.mu_hit = (None, False) if job.h.model == ct.MODEL_STORED else self.mu_cache.take(
             self.rt, job.ids, job.fp8_attention)
         if mu is not None:
@@ -220,7 +221,8 @@ class EncoderService(egrpc.EncoderServiceServicer):
             chunks=job.chunks, predictor_seconds=job.predictor_s, encode_seconds=job.encode_s,
             transfer_seconds=now - (job.first_send or now), total_seconds=now - t0,
             message_bytes=job.message_bytes, encoding=job.labels[1], fallback=job.fallback,
-            stored_chunks=job.stored_chunks, mu_wait_seconds=job.mu_wait_s, wire_wait_seconds=job.wire_wait_s)
+            stored_chunks=job.stored_chunks, mu_wait_seconds=job.mu_wait_s, wire_wait_seconds=job.wire_wait_s,
+            chunk_timings=[job.timeline[i] for i in sorted(job.timeline)])
 
     async def _start_transfer(self, job: Job, context: grpc.aio.ServicerContext):
         """Open the Transfer call, start reading its replies, send the header."""
@@ -310,6 +312,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
                 job.digest.update_layer(arr, scales)
                 start, count = job.h.chunk_layers(next_chunk)
                 if layer == start + count - 1:
+                    job.mark(next_chunk, "layers_in_seconds")
                     queue.put_nowait(next_chunk)
                     next_chunk += 1
         if not asm.done:
@@ -334,6 +337,9 @@ class EncoderService(egrpc.EncoderServiceServicer):
             w0 = time.perf_counter()
             mismatched = set() if mu is None else await self._mismatched(job, mu, batch, checks)
             job.mu_wait_s += time.perf_counter() - w0
+            if mu is None:
+                for i in batch:
+                    job.mark(i, "ready_seconds")
             got = [job.layers.pop(k) for k in range(start, stop)]
             e0 = time.perf_counter()
             if job.h.model == ct.MODEL_STORED or (job.h.version >= 3 and mismatched.issuperset(batch)):
@@ -342,6 +348,8 @@ class EncoderService(egrpc.EncoderServiceServicer):
                 recs = await asyncio.to_thread(code_batch, job.codec, job.h, range(batch[0], batch[-1] + 1), got,
                                                None if mu is None else slice_heads(mu.bits, job.heads), mismatched)
             job.encode_s += time.perf_counter() - e0
+            for i in batch:
+                job.mark(i, "coded_seconds")
             del got
             for i, (rec, stored) in zip(batch, recs, strict=True):
                 reason = "" if not stored or job.h.model == ct.MODEL_STORED else \
@@ -361,6 +369,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
             start, count = job.h.chunk_layers(i)
             if await mu.digest_of(start, start + count, algorithm_of(job.h.version)) != await checks.get(i):
                 bad.add(i)
+            job.mark(i, "ready_seconds")
         if bad:
             job.fallback = True
             peer = job.header.decoder_address
@@ -379,6 +388,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
         for off, _, views in frames.record_slices(rec, self.config.message_bytes):
             await write(job, call, frames.chunk_part(i, views, off, size, stored_reason if off == 0 else ""))
         job.holding.release(keep)
+        job.mark(i, "written_seconds").wire_bytes = size
         job.raw_bytes += raw
         job.wire_bytes += size
         job.chunks += 1

@@ -50,10 +50,20 @@ class Job:
     heads: HeadRange | None = None  # SubmitHeader.heads: one tensor-parallel rank's heads (None: all)
     codec: Any = None  # the runtime's codec, of those heads (coder/heads.py)
     span: Any = None  # its OpenTelemetry span (server/tracing.py), None when tracing is off
+    t0: float = 0.0  # the header's arrival (perf_counter): the origin of the chunk timings
+    timeline: dict[int, epb.ChunkTiming] = field(default_factory=dict)  # chunk -> when its stages ended
     digest: KVDigest = field(init=False)  # whole-transfer digest, layer by layer
 
     def __post_init__(self) -> None:
         self.digest = KVDigest(algorithm_of(self.h.version))  # the stream version's digest
+
+    def mark(self, chunk: int, stage: str) -> epb.ChunkTiming:
+        """Chunk ``chunk``'s ``stage`` (a ChunkTiming field) ended now; returns its timing."""
+        t = self.timeline.get(chunk)
+        if t is None:
+            t = self.timeline[chunk] = epb.ChunkTiming(chunk=chunk)
+        setattr(t, stage, time.perf_counter() - self.t0)
+        return t
 
 
 async def write(job: Job, call, req: "dpb.TransferRequest | bytes") -> None:

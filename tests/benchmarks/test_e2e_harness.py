@@ -76,6 +76,10 @@ def test_rows_are_lossless_and_sane(report):
         assert r["after_prefill_s"] <= r["total_s"], r
     for enc in ("stored", "speckv"):
         assert rows[enc]["critical_path_s"] > 0, rows[enc]
+        # the encoder's per-chunk timings: one per chunk, each ready no later than written
+        tl = rows[enc]["timeline"]
+        assert len(tl) > 0 and all(t[1] <= t[3] for t in tl) and rows[enc]["paced_path_s"] > 0, rows[enc]
+        assert sum(t[4] for t in tl) < rows[enc]["wire_bytes"], rows[enc]  # the header record is not a chunk
     assert rows["speckv"]["rung"] and rows["stored"]["rung"] is None
     assert 0 < rows["speckv"]["wire_bytes"] < rows["stored"]["wire_bytes"]
     assert rows["recompute"]["wire_bytes"] == 0
@@ -123,3 +127,16 @@ def test_break_even_of_a_model(load_script):
     cal = {f"{m}mbit": {"ratio": 1.0} for m in (10, 100)}
     # n -> inf: stored max(1 s, 128 Mbit / R); speckv max(2 s, 16 Mbit / R)  ->  R = 128 / 2 = 64 Mbit/s
     assert e2e.break_even(rows, cal) == pytest.approx(64.0, rel=1e-3)
+
+
+def test_paced_path_of_a_model(load_script):
+    """The paced model: a FIFO pipeline fed at the chunks' measured pace."""
+    e2e = load_script("e2e")
+    st = {"encode_s": 0.0, "decode_s": 0.0}
+    even = [[0.0, r, 0.0, 0.0, 1e6] for r in (0.0, 0.0, 0.0)]
+    late = [[0.0, r, 0.0, 0.0, 1e6] for r in (1.0, 2.0, 5.0)]
+    assert e2e.paced_path(even, st, 1e6) == pytest.approx(3.0)  # the wire alone: 3 MB at 1 MB/s
+    assert e2e.paced_path(late, st, 1e6) == pytest.approx(6.0)  # the wire idles until each chunk is ready
+    assert e2e.paced_path(late, st, 0.25e6) == pytest.approx(13.0)  # slow wire: 1 s of wait, then 12 s busy
+    assert e2e.paced_path(late, {"encode_s": 3.0, "decode_s": 3.0}, 1e6) == pytest.approx(8.0)  # 1 s each side
+    assert e2e.paced_path([], st, 1e6) is None

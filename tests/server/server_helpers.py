@@ -34,6 +34,16 @@ FETCH_WAIT = 10.0  # FetchKV's wait for a transfer to arrive (it arrives within 
 _ids = itertools.count()
 
 
+def assert_timeline(res: Any) -> None:
+    """A SubmitResult's chunk timings: one per chunk, in order, each stage after the one before
+    and inside the Submit, and their bytes the stream's less its header record."""
+    ts = res.chunk_timings
+    assert [t.chunk for t in ts] == list(range(res.chunks)), ts
+    for t in ts:
+        assert 0 < t.layers_in_seconds <= t.ready_seconds <= t.coded_seconds <= t.written_seconds < res.total_seconds, t
+    assert sum(t.wire_bytes for t in ts) == res.wire_bytes - ct.HEADER_LEN
+
+
 def rid(prefix: str = "req") -> str:
     """A request id unique within the test session."""
     return f"{prefix}-{next(_ids)}"

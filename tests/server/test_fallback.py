@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from server_helpers import assert_timeline
 from sidecars import LoopThread
 
 from speckv.client.client import DecoderClient, EncoderClient
@@ -187,6 +188,9 @@ def test_chunk_zero_is_delivered_before_either_predictor_finishes(embedded_sessi
         assert res.stored_chunks == 0 and [first[0]] + [r[0] for r in rest] == list(range(kv.shape[0]))
         # the encoder waited for the held layers' mu, and says so
         assert 0 < res.mu_wait_seconds < res.total_seconds and 0 <= res.wire_wait_seconds < res.total_seconds
+        # and when: the chunk of the held layer 10 was ready only after chunk 0 had gone (2 layers a chunk)
+        assert_timeline(res)
+        assert res.chunk_timings[10 // 2].ready_seconds > res.chunk_timings[0].written_seconds, res.chunk_timings
         assert np.array_equal(first[1], bf16_bits(kv)[0])
     finally:
         gate.set()

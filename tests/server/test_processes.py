@@ -34,7 +34,18 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from server_helpers import MODEL, WAIT, Gate, assert_same_kv, kv_nbytes, raw_submit_future, rid, submit_list, wait_until
+from server_helpers import (
+    MODEL,
+    WAIT,
+    Gate,
+    assert_same_kv,
+    assert_timeline,
+    kv_nbytes,
+    raw_submit_future,
+    rid,
+    submit_list,
+    wait_until,
+)
 
 from speckv.client.client import DecoderClient, EncoderClient, RpcFailed
 from speckv.kv import Fp8KV, bf16_bits
@@ -221,6 +232,7 @@ def test_two_processes_move_a_real_kv_bit_exact_and_coded(live, kvs, dtype):
     # coded, without a fallback to a stored stream: the two processes' mu digests agreed
     assert (res.encoding, res.fallback) == ("speckv", False), res
     assert res.ratio > 1, res
+    assert_timeline(res)
 
 
 # -- SIGKILL mid-transfer, cold restart, retry -------------------------------------------

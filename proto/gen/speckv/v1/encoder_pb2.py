@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as speckv_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17speckv/v1/encoder.proto\x12\tspeckv.v1\x1a\x16speckv/v1/common.proto\"\xdf\x02\n\x0cSubmitHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64\x65\x63oder_address\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x1f\n\x05\x64type\x18\x04 \x01(\x0e\x32\x10.speckv.v1.Dtype\x12!\n\x05shape\x18\x05 \x01(\x0b\x32\x12.speckv.v1.KVShape\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x03\x12\x16\n\nfp8_scales\x18\x07 \x03(\x02\x42\x02\x18\x01\x12\x1e\n\x16\x65xpected_predictor_pin\x18\x08 \x01(\x0c\x12%\n\x08\x65ncoding\x18\t \x01(\x0e\x32\x13.speckv.v1.Encoding\x12.\n\rfp8_attention\x18\n \x01(\x0b\x32\x17.speckv.v1.Fp8Attention\x12#\n\x05heads\x18\x0b \x01(\x0b\x32\x14.speckv.v1.HeadRange\"\x95\x01\n\rSubmitRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.speckv.v1.SubmitHeaderH\x00\x12#\n\x05layer\x18\x02 \x01(\x0b\x32\x12.speckv.v1.KVLayerH\x00\x12,\n\x0blocal_layer\x18\x03 \x01(\x0b\x32\x15.speckv.v1.LocalLayerH\x00\x42\x06\n\x04kind\"i\n\nLocalLayer\x12\x0e\n\x06handle\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x13\n\x0b\x62yte_offset\x18\x03 \x01(\x04\x12\x13\n\x0blayer_bytes\x18\x04 \x01(\x04\x12\x12\n\nfp8_scales\x18\x05 \x03(\x02\"\xd4\x02\n\x0eSubmitResponse\x12!\n\x06status\x18\x01 \x01(\x0b\x32\x11.speckv.v1.Status\x12\x11\n\traw_bytes\x18\x02 \x01(\x04\x12\x12\n\nwire_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x04 \x01(\r\x12\x19\n\x11predictor_seconds\x18\x05 \x01(\x01\x12\x16\n\x0e\x65ncode_seconds\x18\x06 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x07 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x08 \x01(\x01\x12\x15\n\rmessage_bytes\x18\t \x01(\x04\x12\x10\n\x08\x65ncoding\x18\n \x01(\t\x12\x10\n\x08\x66\x61llback\x18\x0b \x01(\x08\x12\x15\n\rstored_chunks\x18\x0c \x01(\r\x12\x17\n\x0fmu_wait_seconds\x18\r \x01(\x01\x12\x19\n\x11wire_wait_seconds\x18\x0e \x01(\x01*N\n\x08\x45ncoding\x12\x18\n\x14\x45NCODING_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x45NCODING_SPECKV\x10\x01\x12\x13\n\x0f\x45NCODING_STORED\x10\x02\x32Q\n\x0e\x45ncoderService\x12?\n\x06Submit\x12\x18.speckv.v1.SubmitRequest\x1a\x19.speckv.v1.SubmitResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17speckv/v1/encoder.proto\x12\tspeckv.v1\x1a\x16speckv/v1/common.proto\"\xdf\x02\n\x0cSubmitHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64\x65\x63oder_address\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x1f\n\x05\x64type\x18\x04 \x01(\x0e\x32\x10.speckv.v1.Dtype\x12!\n\x05shape\x18\x05 \x01(\x0b\x32\x12.speckv.v1.KVShape\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x03\x12\x16\n\nfp8_scales\x18\x07 \x03(\x02\x42\x02\x18\x01\x12\x1e\n\x16\x65xpected_predictor_pin\x18\x08 \x01(\x0c\x12%\n\x08\x65ncoding\x18\t \x01(\x0e\x32\x13.speckv.v1.Encoding\x12.\n\rfp8_attention\x18\n \x01(\x0b\x32\x17.speckv.v1.Fp8Attention\x12#\n\x05heads\x18\x0b \x01(\x0b\x32\x14.speckv.v1.HeadRange\"\x95\x01\n\rSubmitRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.speckv.v1.SubmitHeaderH\x00\x12#\n\x05layer\x18\x02 \x01(\x0b\x32\x12.speckv.v1.KVLayerH\x00\x12,\n\x0blocal_layer\x18\x03 \x01(\x0b\x32\x15.speckv.v1.LocalLayerH\x00\x42\x06\n\x04kind\"i\n\nLocalLayer\x12\x0e\n\x06handle\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x13\n\x0b\x62yte_offset\x18\x03 \x01(\x04\x12\x13\n\x0blayer_bytes\x18\x04 \x01(\x04\x12\x12\n\nfp8_scales\x18\x05 \x03(\x02\"\x83\x03\n\x0eSubmitResponse\x12!\n\x06status\x18\x01 \x01(\x0b\x32\x11.speckv.v1.Status\x12\x11\n\traw_bytes\x18\x02 \x01(\x04\x12\x12\n\nwire_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x04 \x01(\r\x12\x19\n\x11predictor_seconds\x18\x05 \x01(\x01\x12\x16\n\x0e\x65ncode_seconds\x18\x06 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x07 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x08 \x01(\x01\x12\x15\n\rmessage_bytes\x18\t \x01(\x04\x12\x10\n\x08\x65ncoding\x18\n \x01(\t\x12\x10\n\x08\x66\x61llback\x18\x0b \x01(\x08\x12\x15\n\rstored_chunks\x18\x0c \x01(\r\x12\x17\n\x0fmu_wait_seconds\x18\r \x01(\x01\x12\x19\n\x11wire_wait_seconds\x18\x0e \x01(\x01\x12-\n\rchunk_timings\x18\x0f \x03(\x0b\x32\x16.speckv.v1.ChunkTiming\"\x92\x01\n\x0b\x43hunkTiming\x12\r\n\x05\x63hunk\x18\x01 \x01(\r\x12\x19\n\x11layers_in_seconds\x18\x02 \x01(\x01\x12\x15\n\rready_seconds\x18\x03 \x01(\x01\x12\x15\n\rcoded_seconds\x18\x04 \x01(\x01\x12\x17\n\x0fwritten_seconds\x18\x05 \x01(\x01\x12\x12\n\nwire_bytes\x18\x06 \x01(\x04*N\n\x08\x45ncoding\x12\x18\n\x14\x45NCODING_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x45NCODING_SPECKV\x10\x01\x12\x13\n\x0f\x45NCODING_STORED\x10\x02\x32Q\n\x0e\x45ncoderService\x12?\n\x06Submit\x12\x18.speckv.v1.SubmitRequest\x1a\x19.speckv.v1.SubmitResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SUBMITHEADER'].fields_by_name['fp8_scales']._loaded_options = None
   _globals['_SUBMITHEADER'].fields_by_name['fp8_scales']._serialized_options = b'\030\001'
-  _globals['_ENCODING']._serialized_start=1018
-  _globals['_ENCODING']._serialized_end=1096
+  _globals['_ENCODING']._serialized_start=1214
+  _globals['_ENCODING']._serialized_end=1292
   _globals['_SUBMITHEADER']._serialized_start=63
   _globals['_SUBMITHEADER']._serialized_end=414
   _globals['_SUBMITREQUEST']._serialized_start=417
@@ -43,7 +43,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOCALLAYER']._serialized_start=568
   _globals['_LOCALLAYER']._serialized_end=673
   _globals['_SUBMITRESPONSE']._serialized_start=676
-  _globals['_SUBMITRESPONSE']._serialized_end=1016
-  _globals['_ENCODERSERVICE']._serialized_start=1098
-  _globals['_ENCODERSERVICE']._serialized_end=1179
+  _globals['_SUBMITRESPONSE']._serialized_end=1063
+  _globals['_CHUNKTIMING']._serialized_start=1066
+  _globals['_CHUNKTIMING']._serialized_end=1212
+  _globals['_ENCODERSERVICE']._serialized_start=1294
+  _globals['_ENCODERSERVICE']._serialized_end=1375
 # @@protoc_insertion_point(module_scope)

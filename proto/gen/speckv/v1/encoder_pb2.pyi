@@ -68,7 +68,7 @@ class LocalLayer(_message.Message):
     def __init__(self, handle: _Optional[str] = ..., layer: _Optional[int] = ..., byte_offset: _Optional[int] = ..., layer_bytes: _Optional[int] = ..., fp8_scales: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
-    __slots__ = ("status", "raw_bytes", "wire_bytes", "chunks", "predictor_seconds", "encode_seconds", "transfer_seconds", "total_seconds", "message_bytes", "encoding", "fallback", "stored_chunks", "mu_wait_seconds", "wire_wait_seconds")
+    __slots__ = ("status", "raw_bytes", "wire_bytes", "chunks", "predictor_seconds", "encode_seconds", "transfer_seconds", "total_seconds", "message_bytes", "encoding", "fallback", "stored_chunks", "mu_wait_seconds", "wire_wait_seconds", "chunk_timings")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class SubmitResponse(_message.Message):
     STORED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     MU_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WIRE_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     status: _common_pb2.Status
     raw_bytes: int
     wire_bytes: int
@@ -97,4 +98,21 @@ class SubmitResponse(_message.Message):
     stored_chunks: int
     mu_wait_seconds: float
     wire_wait_seconds: float
-    def __init__(self, status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., predictor_seconds: _Optional[float] = ..., encode_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., message_bytes: _Optional[int] = ..., encoding: _Optional[str] = ..., fallback: _Optional[bool] = ..., stored_chunks: _Optional[int] = ..., mu_wait_seconds: _Optional[float] = ..., wire_wait_seconds: _Optional[float] = ...) -> None: ...
+    chunk_timings: _containers.RepeatedCompositeFieldContainer[ChunkTiming]
+    def __init__(self, status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., predictor_seconds: _Optional[float] = ..., encode_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., message_bytes: _Optional[int] = ..., encoding: _Optional[str] = ..., fallback: _Optional[bool] = ..., stored_chunks: _Optional[int] = ..., mu_wait_seconds: _Optional[float] = ..., wire_wait_seconds: _Optional[float] = ..., chunk_timings: _Optional[_Iterable[_Union[ChunkTiming, _Mapping]]] = ...) -> None: ...
+
+class ChunkTiming(_message.Message):
+    __slots__ = ("chunk", "layers_in_seconds", "ready_seconds", "coded_seconds", "written_seconds", "wire_bytes")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    READY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CODED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    chunk: int
+    layers_in_seconds: float
+    ready_seconds: float
+    coded_seconds: float
+    written_seconds: float
+    wire_bytes: int
+    def __init__(self, chunk: _Optional[int] = ..., layers_in_seconds: _Optional[float] = ..., ready_seconds: _Optional[float] = ..., coded_seconds: _Optional[float] = ..., written_seconds: _Optional[float] = ..., wire_bytes: _Optional[int] = ...) -> None: ...
