@@ -27,13 +27,13 @@ linear pipeline A -> E -> W -> D of n equal chunks:
 critical_path = max(A, E, W, D) + (A + E + W + D - max(A, E, W, D)) / n.
 NOTE: P is the prefill as this row measured it; the encoder's predictor shares core 0 with
 it, so a speckv row's P includes that contention (stored's does not).
-paced_path_s: the same pipeline fed at the pace the chunks really became ready (the encoder's
-per-chunk timings, SubmitResponse.chunk_timings: chunk k ready at r_k once its layers and both
-sides' mu of them exist), each stage FIFO: e_k = max(r_k, e_{k-1}) + E/n, w_k = max(e_k,
-w_{k-1}) + bytes_k / goodput, d_k = max(w_k, d_{k-1}) + D/n; paced_path_s = d_{n-1}. Against
-total_s it is what the transport and coding add beyond their inputs; against critical_path_s,
-what an uneven pace of the chunks' inputs costs (on one core shared by the engine and the
-predictor, mu runs at half speed until the prefill ends).
+paced_path_s: the same pipeline fed at the pace the chunks' inputs really came (the encoder's
+per-chunk timings, SubmitResponse.chunk_timings: chunk k's inputs exist at r_k, once its layers
+are in and both sides' mu of them exist, however busy the sender was), each stage FIFO:
+e_k = max(r_k, e_{k-1}) + E/n, w_k = max(e_k, w_{k-1}) + bytes_k / goodput, d_k = max(w_k,
+d_{k-1}) + D/n; paced_path_s = d_{n-1}. Against total_s it is what the transport and coding add
+beyond their inputs; against critical_path_s, what an uneven pace of those inputs costs (on one
+core shared by the engine and the predictor, mu runs slower until the prefill ends).
 break_even_mbit: per encoding, the stages are the medians over its rows and an offset
 (median of total_s - critical_path: RPCs, RTTs, hashing) is added; the nominal rate where
 the speckv and stored models cross (goodput = nominal x the median calibration ratio),
@@ -91,14 +91,15 @@ def critical_path(st: dict[str, float], goodput_Bps: float) -> float:
 
 
 def paced_path(timeline: list[list[float]], st: dict[str, float], goodput_Bps: float) -> float | None:
-    """The paced model of the module docstring over one row's chunk timings (rows of
-    [layers_in, ready, coded, written, bytes], seconds from the prefill's start); None without them."""
+    """The paced model of the module docstring over one row's chunk timings (rows of [layers_in,
+    ready, coded, written, bytes, mu, peer_mu], seconds from the prefill's start; ChunkTiming's
+    fields): a chunk's inputs exist at max(layers_in, mu, peer_mu). None without timings."""
     if not timeline:
         return None
     n = len(timeline)
     e = w = d = 0.0
-    for _, ready, _, _, size in timeline:
-        e = max(ready, e) + st["encode_s"] / n
+    for layers_in, _, _, _, size, mu, peer in timeline:
+        e = max(layers_in, mu, peer, e) + st["encode_s"] / n
         w = max(e, w) + size / goodput_Bps
         d = max(w, d) + st["decode_s"] / n
     return d

@@ -137,7 +137,8 @@ class Prefill:
         r, end = fut.result(timeout=TIMEOUT)
         arrival = end - r.total_seconds - t0  # the header's arrival at the encoder, from t0 (one-way delay)
         timeline = [[arrival + x for x in (t.layers_in_seconds, t.ready_seconds, t.coded_seconds, t.written_seconds)]
-                    + [t.wire_bytes] for t in r.chunk_timings]
+                    + [t.wire_bytes] + [arrival + x for x in (t.mu_seconds, t.peer_mu_seconds)]
+                    for t in r.chunk_timings]  # NOTE: e2e.paced_path's row layout
         return {**out, "t0": t0, "submit_end": end, "timeline": timeline, "raw_bytes": r.raw_bytes,
                 "wire_bytes": r.wire_bytes, "chunks": r.chunks, "predictor_s": r.predictor_seconds,
                 "encode_s": r.encode_seconds, "encoding": r.encoding, "fallback": r.fallback,

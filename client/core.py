@@ -111,6 +111,13 @@ class ChunkTiming:
     coded_seconds: float  # its record coded
     written_seconds: float  # its record written to the decoder
     wire_bytes: int  # its record's size
+    mu_seconds: float = 0.0  # this encoder's mu of its layers existed (0: before the Submit, or stored)
+    peer_mu_seconds: float = 0.0  # the decoder's check of its mu arrived (0: stored)
+
+    @property
+    def inputs_seconds(self) -> float:
+        """When all it needs existed: its layers and both sides' mu, however busy the sender was."""
+        return max(self.layers_in_seconds, self.mu_seconds, self.peer_mu_seconds)
 
 
 @dataclass(frozen=True)
@@ -224,7 +231,8 @@ def _result(r: epb.SubmitResponse) -> SubmitResult:
                         r.transfer_seconds, r.total_seconds, r.message_bytes, r.encoding, r.fallback,
                         r.stored_chunks, r.mu_wait_seconds, r.wire_wait_seconds,
                         tuple(ChunkTiming(t.chunk, t.layers_in_seconds, t.ready_seconds, t.coded_seconds,
-                                          t.written_seconds, t.wire_bytes) for t in r.chunk_timings))
+                                          t.written_seconds, t.wire_bytes, t.mu_seconds, t.peer_mu_seconds)
+                              for t in r.chunk_timings))
 
 
 class _Collector:

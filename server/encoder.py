@@ -369,7 +369,10 @@ class EncoderService(egrpc.EncoderServiceServicer):
             start, count = job.h.chunk_layers(i)
             if await mu.digest_of(start, start + count, algorithm_of(job.h.version)) != await checks.get(i):
                 bad.add(i)
-            job.mark(i, "ready_seconds")
+            t = job.mark(i, "ready_seconds")
+            # NOTE: when the inputs existed, apart from when the sender got to them (0: before the Submit)
+            t.mu_seconds = max(0.0, mu.ready_time(start, start + count) - job.t0)
+            t.peer_mu_seconds = max(0.0, checks.arrived[i] - job.t0)
         if bad:
             job.fallback = True
             peer = job.header.decoder_address

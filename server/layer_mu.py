@@ -43,6 +43,7 @@ class LayerMu:
     def __init__(self, shape: tuple[int, ...], loop: asyncio.AbstractEventLoop) -> None:
         self.bits = np.zeros(shape, np.uint16)  # layers >= count are not computed yet
         self.count = 0  # layers ready
+        self.ready_at = np.full(shape[0], -np.inf)  # perf_counter when each layer's mu existed (-inf: not yet)
         self.seconds = 0.0  # the whole pass, once it ended
         self.error: BaseException | None = None
         self._loop = loop
@@ -68,6 +69,7 @@ class LayerMu:
         if self._stopped:
             raise PredictorStopped("the transfer no longer needs this predictor pass")
         self.bits[i] = bits
+        self.ready_at[i] = time.perf_counter()
         self._loop.call_soon_threadsafe(self._advance, i + 1)
 
     def _run(self, predictor: "Predictor", ids: np.ndarray, fp8_attention: "Fp8Attention | None") -> None:
@@ -110,6 +112,10 @@ class LayerMu:
                 raise self.error
             await self._changed.wait()
         return self.bits
+
+    def ready_time(self, start: int, stop: int) -> float:
+        """When layers ``[start, stop)`` all existed (perf_counter; -inf when none was timed)."""
+        return float(self.ready_at[start:stop].max())
 
     async def digest_of(self, start: int, stop: int, algorithm: int) -> bytes:
         """The ``algorithm`` digest of layers ``[start, stop)`` of mu (the per-chunk

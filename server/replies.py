@@ -15,6 +15,7 @@ takes stored streams of any model; the decode engine's FetchKV names the model i
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 
@@ -38,6 +39,7 @@ class Checks:
     def __init__(self, n_chunks: int) -> None:
         self.n_chunks = n_chunks
         self._by_chunk: dict[int, asyncio.Future[bytes]] = {}
+        self.arrived: dict[int, float] = {}  # chunk -> perf_counter of its check's arrival
 
     def get(self, i: int) -> "asyncio.Future[bytes]":
         if i not in self._by_chunk:
@@ -50,6 +52,7 @@ class Checks:
             raise RpcError(grpc.StatusCode.INTERNAL, f"decoder sent a PredictorCheck for chunk {i} of "
                            f"{self.n_chunks} twice or out of range")
         self.get(i).set_result(bytes(check.mu_digest))
+        self.arrived[i] = time.perf_counter()
 
 
 async def read_result(call, checks: Checks) -> dpb.TransferResult:

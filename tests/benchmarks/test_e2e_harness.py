@@ -78,7 +78,8 @@ def test_rows_are_lossless_and_sane(report):
         assert rows[enc]["critical_path_s"] > 0, rows[enc]
         # the encoder's per-chunk timings: one per chunk, each ready no later than written
         tl = rows[enc]["timeline"]
-        assert len(tl) > 0 and all(t[1] <= t[3] for t in tl) and rows[enc]["paced_path_s"] > 0, rows[enc]
+        assert len(tl) > 0 and all(max(t[0], t[5], t[6]) <= t[1] <= t[3] for t in tl), rows[enc]
+        assert rows[enc]["paced_path_s"] > 0, rows[enc]
         assert sum(t[4] for t in tl) < rows[enc]["wire_bytes"], rows[enc]  # the header record is not a chunk
     assert rows["speckv"]["rung"] and rows["stored"]["rung"] is None
     assert 0 < rows["speckv"]["wire_bytes"] < rows["stored"]["wire_bytes"]
@@ -133,8 +134,8 @@ def test_paced_path_of_a_model(load_script):
     """The paced model: a FIFO pipeline fed at the chunks' measured pace."""
     e2e = load_script("e2e")
     st = {"encode_s": 0.0, "decode_s": 0.0}
-    even = [[0.0, r, 0.0, 0.0, 1e6] for r in (0.0, 0.0, 0.0)]
-    late = [[0.0, r, 0.0, 0.0, 1e6] for r in (1.0, 2.0, 5.0)]
+    even = [[0.0, 9.0, 9.0, 9.0, 1e6, 0.0, 0.0] for _ in range(3)]  # ready..written: the sender's, unused
+    late = [[0.0, 9.0, 9.0, 9.0, 1e6, r, p] for r, p in ((1.0, 0.5), (1.0, 2.0), (5.0, 0.0))]
     assert e2e.paced_path(even, st, 1e6) == pytest.approx(3.0)  # the wire alone: 3 MB at 1 MB/s
     assert e2e.paced_path(late, st, 1e6) == pytest.approx(6.0)  # the wire idles until each chunk is ready
     assert e2e.paced_path(late, st, 0.25e6) == pytest.approx(13.0)  # slow wire: 1 s of wait, then 12 s busy

@@ -41,6 +41,9 @@ def assert_timeline(res: Any) -> None:
     assert [t.chunk for t in ts] == list(range(res.chunks)), ts
     for t in ts:
         assert 0 < t.layers_in_seconds <= t.ready_seconds <= t.coded_seconds <= t.written_seconds < res.total_seconds, t
+        assert t.inputs_seconds <= t.ready_seconds, t  # the sender starts on a chunk once its inputs exist
+        if res.encoding == "speckv" and not res.fallback:
+            assert t.peer_mu_seconds > 0, t  # the decoder's check came during the Submit
     assert sum(t.wire_bytes for t in ts) == res.wire_bytes - ct.HEADER_LEN
 
 

@@ -61,6 +61,10 @@ def test_layers_arrive_one_by_one_and_match():
         assert await mu.digest_of(2, 4, XXH3_128) == digest(MU[2:4], algorithm=XXH3_128)
         assert await mu.digest_of(2, 4, BLAKE2B_128) == digest(MU[2:4], algorithm=BLAKE2B_128)
         assert await mu.done() >= 0 and np.array_equal(mu.bits, MU)
+        # when each layer existed: layer 0 before the held ones, a range's time its last layer's
+        t = mu.ready_at
+        assert np.isfinite(t).all() and (np.diff(t) >= 0).all() and t[1] - t[0] >= 0.05, t
+        assert mu.ready_time(0, 1) == t[0] and mu.ready_time(1, 4) == t[3]
     run(go())
 
 

@@ -102,17 +102,21 @@ class SubmitResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., predictor_seconds: _Optional[float] = ..., encode_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., message_bytes: _Optional[int] = ..., encoding: _Optional[str] = ..., fallback: _Optional[bool] = ..., stored_chunks: _Optional[int] = ..., mu_wait_seconds: _Optional[float] = ..., wire_wait_seconds: _Optional[float] = ..., chunk_timings: _Optional[_Iterable[_Union[ChunkTiming, _Mapping]]] = ...) -> None: ...
 
 class ChunkTiming(_message.Message):
-    __slots__ = ("chunk", "layers_in_seconds", "ready_seconds", "coded_seconds", "written_seconds", "wire_bytes")
+    __slots__ = ("chunk", "layers_in_seconds", "ready_seconds", "coded_seconds", "written_seconds", "wire_bytes", "mu_seconds", "peer_mu_seconds")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     LAYERS_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     READY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CODED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PEER_MU_SECONDS_FIELD_NUMBER: _ClassVar[int]
     chunk: int
     layers_in_seconds: float
     ready_seconds: float
     coded_seconds: float
     written_seconds: float
     wire_bytes: int
-    def __init__(self, chunk: _Optional[int] = ..., layers_in_seconds: _Optional[float] = ..., ready_seconds: _Optional[float] = ..., coded_seconds: _Optional[float] = ..., written_seconds: _Optional[float] = ..., wire_bytes: _Optional[int] = ...) -> None: ...
+    mu_seconds: float
+    peer_mu_seconds: float
+    def __init__(self, chunk: _Optional[int] = ..., layers_in_seconds: _Optional[float] = ..., ready_seconds: _Optional[float] = ..., coded_seconds: _Optional[float] = ..., written_seconds: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., mu_seconds: _Optional[float] = ..., peer_mu_seconds: _Optional[float] = ...) -> None: ...
