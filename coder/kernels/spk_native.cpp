@@ -316,6 +316,7 @@ PyMethodDef methods[] = {
     {"wide_dequant", py_wide_dequant, METH_VARARGS, "the portable predictor's wide dequantisation (integer.py)"},
     {"w8a8_quantise", py_w8a8_quantise, METH_VARARGS, "the W8A8 predictor's row quantisation (w8a8.py)"},
     {"w8a8_dequant", py_w8a8_dequant, METH_VARARGS, "the W8A8 predictor's dequantisation (w8a8.py)"},
+    {"w8a8_rope", py_w8a8_rope, METH_VARARGS, "the W8A8 predictor's RoPE of float32 rows to BF16 (w8a8_pass.py)"},
     {"igemm", py_igemm, METH_VARARGS, "int8 products with exact int32 sums (integer.int_mm, CPUs without VNNI)"},
     {"int_attention", py_int_attention, METH_VARARGS, "the portable rung's integer attention (int_attention.py)"},
     {"split_qkv", py_split_qkv, METH_VARARGS, "the portable rung's rope, q/k/v split and BF16 mu (integer.split_qkv)"},

@@ -138,4 +138,84 @@ __attribute__((target("avx2"))) inline void w8a8_dequant_row_avx2(const int32_t*
     w8a8_dequant_row(acc, xs, ws, n, add, out, j);  // the tail (all of it for BF16 out: GCC vectorises it)
 }
 
+// RoPE of one token's heads, as w8a8_pass._rope computes it with torch's BF16 ops (llama.py ``rope``):
+// float32 x (heads * D) -> BF16 out (heads * D), per head, with h = D / 2 and BF16 cos, sin (D):
+//
+//   b_d   = bf16(x_d)
+//   r_d   = -b_{d+h} (d < h), b_{d-h} (d >= h)           rotate_half: exact
+//   out_d = bf16(bf16(b_d * cos_d) + bf16(r_d * sin_d))   each torch op: float32, then one rounding
+//
+// A product of two BF16 values is exact in float32, so only the roundings to BF16 count, and the sum
+// is rounded to float32 first, as torch's BF16 add does. Returns true when some output is not finite.
+// NOTE: then the caller must compute the token again with torch (w8a8_pass._rope does): f32_to_bf16
+// keeps no NaN payload, and torch's own NaN bits differ between its vector and scalar loops. Real
+// activations never get there (|x| past BF16's largest finite value, 3.39e38).
+__attribute__((always_inline)) inline bool rope_token_body(const float* __restrict x, const uint16_t* __restrict cos,
+                                                           const uint16_t* __restrict sin, int64_t heads, int64_t D,
+                                                           uint16_t* __restrict out) {
+    const int64_t h = D / 2;
+    uint32_t bad = 0;
+    // NOTE: two straight loops (first half: r = -b_{d+h}, second: r = b_{d-h}) so the compiler vectorises both
+    auto half = [&](const float* __restrict xb, const float* __restrict xr, float sign, const uint16_t* __restrict cs,
+                    const uint16_t* __restrict sn, uint16_t* __restrict oh) {
+        for (int64_t d = 0; d < h; ++d) {
+            const float b = bf16_to_f32(f32_to_bf16(xb[d]));
+            const float r = sign * bf16_to_f32(f32_to_bf16(xr[d]));  // exact: a sign
+            const float a = bf16_to_f32(f32_to_bf16(b * bf16_to_f32(cs[d])));
+            const float c = bf16_to_f32(f32_to_bf16(r * bf16_to_f32(sn[d])));
+            const uint16_t o = f32_to_bf16(a + c);
+            oh[d] = o;
+            bad |= (uint32_t)((o & 0x7F80u) == 0x7F80u);  // exponent all ones: inf or NaN
+        }
+    };
+    for (int64_t head = 0; head < heads; ++head) {
+        const float* xh = x + head * D;
+        uint16_t* oh = out + head * D;
+        half(xh, xh + h, -1.0f, cos, sin, oh);
+        half(xh + h, xh, 1.0f, cos + h, sin + h, oh + h);
+    }
+    return bad != 0;
+}
+
+inline bool w8a8_rope_token(const float* x, const uint16_t* cos, const uint16_t* sin, int64_t heads, int64_t D,
+                            uint16_t* out) {
+    return rope_token_body(x, cos, sin, heads, D, out);
+}
+
+// bf16(v) of 8 floats, as floats (round to nearest even; the low 16 bits cleared)
+__attribute__((target("avx2"))) inline __m256 bf16_round8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+// The same steps, 8 lanes at a time (head size a multiple of 16; else the scalar loop)
+__attribute__((target("avx2"))) inline bool w8a8_rope_token_avx2(const float* x, const uint16_t* cos,
+                                                                  const uint16_t* sin, int64_t heads, int64_t D,
+                                                                  uint16_t* out) {
+    const int64_t h = D / 2;
+    if (h % 8) return rope_token_body(x, cos, sin, heads, D, out);
+    const __m256 neg = _mm256_set1_ps(-0.0f);
+    const __m256i exp_mask = _mm256_set1_epi32(0x7F80), top = _mm256_set1_epi32(0x7F80);
+    __m256i bad = _mm256_setzero_si256();
+    for (int64_t head = 0; head < heads; ++head) {
+        const float* xh = x + head * D;
+        uint16_t* oh = out + head * D;
+        for (int64_t d = 0; d < D; d += 8) {
+            const bool first = d < h;  // r = -b_{d+h}, else b_{d-h}
+            const __m256 b = bf16_round8(_mm256_loadu_ps(xh + d));
+            __m256 r = bf16_round8(_mm256_loadu_ps(xh + (first ? d + h : d - h)));
+            if (first) r = _mm256_xor_ps(r, neg);
+            const __m256 a = bf16_round8(_mm256_mul_ps(b, load8(cos + d)));
+            const __m256 c = bf16_round8(_mm256_mul_ps(r, load8(sin + d)));
+            const __m256i o = _mm256_srli_epi32(_mm256_castps_si256(bf16_round8(_mm256_add_ps(a, c))), 16);
+            bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(o, exp_mask), top));
+            const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(o, o), 0xD8);  // 8 u16 in the low half
+            _mm_storeu_si128((__m128i*)(oh + d), _mm256_castsi256_si128(p));
+        }
+    }
+    return !_mm256_testz_si256(bad, bad);
+}
+
 }  // namespace spk

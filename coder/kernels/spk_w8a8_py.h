@@ -62,6 +62,40 @@ PyObject* py_w8a8_dequant(PyObject*, PyObject* args) {
     Py_RETURN_NONE;
 }
 
+// w8a8_rope(y float32 (rows, width), col0, heads, D, cos BF16 bits (rows, D), sin BF16 bits (rows, D),
+//           out BF16 bits (rows, heads * D), threads[, scalar]): columns [col0, col0 + heads * D) of each
+//           row of y rotated (spk_w8a8.h, w8a8_rope_token). Returns the number of rows with an output
+//           that is not finite (the caller computes those with torch).
+PyObject* py_w8a8_rope(PyObject*, PyObject* args) {
+    PyObject *y_o, *cos_o, *sin_o, *out_o;
+    long long col0, heads, D;
+    int threads, scalar = 0;
+    if (!PyArg_ParseTuple(args, "OLLLOOOi|p", &y_o, &col0, &heads, &D, &cos_o, &sin_o, &out_o, &threads, &scalar))
+        return nullptr;
+    Buf y, cs, sn, out;
+    if (!get_buf(out_o, out, -1, "out", true) || !get_buf(y_o, y, -1, "y")) return nullptr;
+    const int64_t width = heads * D, rows = D > 0 && heads > 0 ? out.count(2) / width : 0;
+    if (heads <= 0 || D <= 0 || D % 2 || col0 < 0 || rows * width * 2 != out.v.len || rows == 0 ||
+        y.count(4) % rows || col0 + width > y.count(4) / rows) {
+        PyErr_SetString(PyExc_ValueError, "w8a8_rope: shapes do not fit");
+        return nullptr;
+    }
+    const int64_t ld = y.count(4) / rows;
+    if (!get_buf(cos_o, cs, rows * D * 2, "cos") || !get_buf(sin_o, sn, rows * D * 2, "sin")) return nullptr;
+    const bool v = w8a8_avx2(scalar);
+    std::atomic<int64_t> bad{0};
+    Py_BEGIN_ALLOW_THREADS
+    parallel_for(rows, threads, [&](int64_t r) {
+        const float* x = y.as<float>() + r * ld + col0;
+        const uint16_t *c = cs.as<uint16_t>() + r * D, *s = sn.as<uint16_t>() + r * D;
+        uint16_t* o = out.as<uint16_t>() + r * width;
+        if (v ? spk::w8a8_rope_token_avx2(x, c, s, heads, D, o) : spk::w8a8_rope_token(x, c, s, heads, D, o))
+            bad.fetch_add(1, std::memory_order_relaxed);
+    });
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong((long long)bad.load());
+}
+
 // igemm(a int8 (m, k), b int8 (n, k), out int32 (m, n), m, n, k, threads[, scalar]): out = a @ b^T, exact
 // int32 sums (spk_igemm.h); integer.py ``int_mm`` checks dtypes and the sums' range.
 PyObject* py_igemm(PyObject*, PyObject* args) {

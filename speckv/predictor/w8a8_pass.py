@@ -41,6 +41,7 @@ from speckv.heap import release_free
 from speckv.kv import Fp8Attention, bf16_bits
 
 from . import int8_attention
+from . import w8a8 as stages
 from .llama import rope, rope_tables
 from .mapped import take_rows
 from .target import FP8_ATTENTION, LayerSink, deterministic_torch
@@ -141,14 +142,14 @@ def w8a8_passes(model: Any, reqs: list[MuRequest]) -> None:
             y = norm_linear(h, t, "kv" if last else "qkv", eps, scratch)
             att = []
             for r, (cos, sin), a, b in zip(reqs, tables, rows[:-1], rows[1:], strict=True):
-                q, kv = (None, y[a:b]) if last else (y[a:b, : H * D], y[a:b, H * D:])
-                key = _rope(kv[:, : Hk * D], Hk, cos, sin)
-                value = kv[:, Hk * D:].to(torch.bfloat16).view(b - a, Hk, D).transpose(0, 1)
+                k0 = 0 if last else H * D  # y's columns: [q,] k, v
+                key = _rope(y[a:b], k0, Hk, cos, sin)
+                value = y[a:b, k0 + Hk * D:].to(torch.bfloat16).view(b - a, Hk, D).transpose(0, 1)
                 r.emit(i, torch.stack([key[0], value]))  # (2, kv_heads, tokens, head_dim)
-                if q is not None:
+                if not last:
                     if r.fp8 is not None and i < r.fp8[1]:  # attention reads the engine's K/V
                         key, value = r.fp8[0].round(key, i, 0), r.fp8[0].round(value, i, 1)
-                    att.append(_attend(_rope(q, H, cos, sin), key, value[None], model.int_attention))
+                    att.append(_attend(_rope(y[a:b], 0, H, cos, sin), key, value[None], model.int_attention))
             if att:
                 h = _block_rest(h, t, torch.cat(att) if len(att) > 1 else att[0], eps, scratch)
 
@@ -177,11 +178,26 @@ def _head(model: Any, r: MuRequest) -> "torch.Tensor | None":
     return h
 
 
-def _rope(x: "torch.Tensor", heads: int, cos: "torch.Tensor", sin: "torch.Tensor") -> "torch.Tensor":
-    """float32 (T, heads * D) -> BF16 (1, heads, T, D) with the target's rotary embedding."""
+NATIVE_ROPE = True  # the extension's fused RoPE on CPUs where it is built (the same bits as torch's ops)
+
+
+def _rope(y: "torch.Tensor", col0: int, heads: int, cos: "torch.Tensor", sin: "torch.Tensor") -> "torch.Tensor":
+    """Columns [col0, col0 + heads * D) of float32 rows y (T, width) -> BF16 (1, heads, T, D) with
+    the target's rotary embedding (cos, sin: ``rope_tables``). The result's memory is token-major,
+    (T, heads, D), as torch's ops leave it."""
     import torch
 
-    return rope(x.to(torch.bfloat16).view(1, x.shape[0], heads, -1).transpose(1, 2), cos, sin)
+    T, D = y.shape[0], cos.shape[-1]
+    nat = stages._native() if NATIVE_ROPE and y.device.type == "cpu" else None
+    if nat is not None:
+        out = torch.empty((T, heads, D), dtype=torch.bfloat16)
+        bits = lambda t: t[0].contiguous().view(torch.int16).numpy()  # noqa: E731 -- (1, T, D) BF16 -> (T, D)
+        if nat.w8a8_rope(y.contiguous().numpy(), col0, heads, D, bits(cos), bits(sin), out.view(torch.int16).numpy(),
+                         stages.NATIVE_THREADS, stages.NATIVE_SCALAR) == 0:
+            return out.view(1, T, heads, D).transpose(1, 2)
+        # NOTE: an output past BF16's range: torch's NaN bits, which the kernel does not copy (spk_w8a8.h)
+    x = y[:, col0:col0 + heads * D]
+    return rope(x.to(torch.bfloat16).view(1, T, heads, D).transpose(1, 2), cos, sin)
 
 
 def _attend(q: "torch.Tensor", key: "torch.Tensor", value: "torch.Tensor", int8: bool) -> "torch.Tensor":

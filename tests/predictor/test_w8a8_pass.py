@@ -161,3 +161,55 @@ def test_rungs_that_do_not_batch_run_one_by_one(tiny_target, tiny_text, tmp_path
     got, errors = batched(pred, prompts)
     assert not pred.batches and errors == [None, None]
     assert all(same(g, alone(pred, p)) for g, p in zip(got, prompts, strict=True))
+
+
+NATIVE = pytest.mark.skipif(w8a8_pass.stages._native() is None, reason="the native extension is not built")
+
+
+def _rope_case(T: int, width: int, D: int, seed: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(T, width, generator=g) * scale
+    y[0, :6] = torch.tensor([0.0, -0.0, 1e-45, -1e-40, 3.3e38, -2.5])  # signed zeros, subnormals, near the top
+    cos, sin = (torch.randn(1, T, D, generator=g).to(torch.bfloat16) for _ in range(2))
+    return y, cos, sin
+
+
+@NATIVE
+@pytest.mark.parametrize("scalar", [False, True])
+@pytest.mark.parametrize("T, heads, D, col0", [(1, 9, 64, 0), (7, 3, 64, 576), (64, 3, 64, 768), (5, 2, 40, 8)])
+@pytest.mark.parametrize("scale", [1.0, 1e4, 1e-20])
+def test_native_rope_has_torchs_bits(monkeypatch, scalar, T, heads, D, col0, scale):
+    """The fused RoPE (spk_w8a8.h) against torch's BF16 ops, every bit and the memory layout:
+    both AVX2 paths (head size 64: intrinsics; 40: the scalar loop) and the scalar one."""
+    monkeypatch.setattr(w8a8_pass.stages, "NATIVE_SCALAR", scalar)
+    y, cos, sin = _rope_case(T, col0 + heads * D + 16, D, T * heads + D, scale)
+    got = w8a8_pass._rope(y, col0, heads, cos, sin)
+    monkeypatch.setattr(w8a8_pass, "NATIVE_ROPE", False)
+    ref = w8a8_pass._rope(y, col0, heads, cos, sin)
+    assert got.shape == ref.shape == (1, heads, T, D) and (T == 1 or got.stride() == ref.stride())
+    assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+
+
+@NATIVE
+def test_native_rope_past_bf16s_range_takes_torchs_bits(monkeypatch):
+    """An output that is not finite: the kernel says so and torch computes the call (its NaN bits)."""
+    y, cos, sin = _rope_case(4, 576, 64, 1, 1.0)
+    y[2, 40] = -3.4e38  # rounds to -inf in BF16, then -inf * 0 -> NaN
+    sin[0, 2, 8] = 0.0
+    calls = []
+    nat = w8a8_pass.stages._native()
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(nat, name)
+
+        def w8a8_rope(self, *a):
+            calls.append(nat.w8a8_rope(*a))
+            return calls[-1]
+
+    monkeypatch.setattr(w8a8_pass.stages, "_native", lambda: Spy())
+    got = w8a8_pass._rope(y, 0, 9, cos, sin)
+    monkeypatch.setattr(w8a8_pass, "NATIVE_ROPE", False)
+    ref = w8a8_pass._rope(y, 0, 9, cos, sin)
+    assert calls == [1] and torch.isnan(ref.float()).any()
+    assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
