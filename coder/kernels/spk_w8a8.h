@@ -146,10 +146,10 @@ __attribute__((target("avx2"))) inline void w8a8_dequant_row_avx2(const int32_t*
 //   out_d = bf16(bf16(b_d * cos_d) + bf16(r_d * sin_d))   each torch op: float32, then one rounding
 //
 // A product of two BF16 values is exact in float32, so only the roundings to BF16 count, and the sum
-// is rounded to float32 first, as torch's BF16 add does. Returns true when some output is not finite.
-// NOTE: then the caller must compute the token again with torch (w8a8_pass._rope does): f32_to_bf16
-// keeps no NaN payload, and torch's own NaN bits differ between its vector and scalar loops. Real
-// activations never get there (|x| past BF16's largest finite value, 3.39e38).
+// is rounded to float32 first, as torch's BF16 add does. Returns true when some input or output is not
+// finite. NOTE: then the caller must compute it again with torch (w8a8_pass._rope does): f32_to_bf16
+// keeps no NaN payload (some wrap to zeros), and torch's own NaN bits differ between its vector and
+// scalar loops. Real activations stay far below the overflow (|x| about 1e38 and up, by cos and sin).
 __attribute__((always_inline)) inline bool rope_token_body(const float* __restrict x, const uint16_t* __restrict cos,
                                                            const uint16_t* __restrict sin, int64_t heads, int64_t D,
                                                            uint16_t* __restrict out) {
@@ -165,7 +165,9 @@ __attribute__((always_inline)) inline bool rope_token_body(const float* __restri
             const float c = bf16_to_f32(f32_to_bf16(r * bf16_to_f32(sn[d])));
             const uint16_t o = f32_to_bf16(a + c);
             oh[d] = o;
-            bad |= (uint32_t)((o & 0x7F80u) == 0x7F80u);  // exponent all ones: inf or NaN
+            uint32_t u;
+            std::memcpy(&u, xb + d, 4);  // NOTE: the two halves read every input once as xb
+            bad |= (uint32_t)((o & 0x7F80u) == 0x7F80u) | (uint32_t)((u & 0x7F800000u) == 0x7F800000u);
         }
     };
     for (int64_t head = 0; head < heads; ++head) {
@@ -197,20 +199,23 @@ __attribute__((target("avx2"))) inline bool w8a8_rope_token_avx2(const float* x,
     const int64_t h = D / 2;
     if (h % 8) return rope_token_body(x, cos, sin, heads, D, out);
     const __m256 neg = _mm256_set1_ps(-0.0f);
-    const __m256i exp_mask = _mm256_set1_epi32(0x7F80), top = _mm256_set1_epi32(0x7F80);
+    const __m256i exp_mask = _mm256_set1_epi32(0x7F80), in_mask = _mm256_set1_epi32(0x7F800000);
     __m256i bad = _mm256_setzero_si256();
     for (int64_t head = 0; head < heads; ++head) {
         const float* xh = x + head * D;
         uint16_t* oh = out + head * D;
         for (int64_t d = 0; d < D; d += 8) {
             const bool first = d < h;  // r = -b_{d+h}, else b_{d-h}
-            const __m256 b = bf16_round8(_mm256_loadu_ps(xh + d));
+            const __m256 xd = _mm256_loadu_ps(xh + d);  // NOTE: every input passes here once
+            const __m256i xe = _mm256_and_si256(_mm256_castps_si256(xd), in_mask);
+            bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(xe, in_mask));
+            const __m256 b = bf16_round8(xd);
             __m256 r = bf16_round8(_mm256_loadu_ps(xh + (first ? d + h : d - h)));
             if (first) r = _mm256_xor_ps(r, neg);
             const __m256 a = bf16_round8(_mm256_mul_ps(b, load8(cos + d)));
             const __m256 c = bf16_round8(_mm256_mul_ps(r, load8(sin + d)));
             const __m256i o = _mm256_srli_epi32(_mm256_castps_si256(bf16_round8(_mm256_add_ps(a, c))), 16);
-            bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(o, exp_mask), top));
+            bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(o, exp_mask), exp_mask));
             const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(o, o), 0xD8);  // 8 u16 in the low half
             _mm_storeu_si128((__m128i*)(oh + d), _mm256_castsi256_si128(p));
         }

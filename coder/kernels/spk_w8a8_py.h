@@ -64,8 +64,8 @@ PyObject* py_w8a8_dequant(PyObject*, PyObject* args) {
 
 // w8a8_rope(y float32 (rows, width), col0, heads, D, cos BF16 bits (rows, D), sin BF16 bits (rows, D),
 //           out BF16 bits (rows, heads * D), threads[, scalar]): columns [col0, col0 + heads * D) of each
-//           row of y rotated (spk_w8a8.h, w8a8_rope_token). Returns the number of rows with an output
-//           that is not finite (the caller computes those with torch).
+//           row of y rotated (spk_w8a8.h, w8a8_rope_token). Returns the number of rows with an input or
+//           output that is not finite (then the caller computes the whole call again with torch).
 PyObject* py_w8a8_rope(PyObject*, PyObject* args) {
     PyObject *y_o, *cos_o, *sin_o, *out_o;
     long long col0, heads, D;
@@ -74,13 +74,15 @@ PyObject* py_w8a8_rope(PyObject*, PyObject* args) {
         return nullptr;
     Buf y, cs, sn, out;
     if (!get_buf(out_o, out, -1, "out", true) || !get_buf(y_o, y, -1, "y")) return nullptr;
-    const int64_t width = heads * D, rows = D > 0 && heads > 0 ? out.count(2) / width : 0;
-    if (heads <= 0 || D <= 0 || D % 2 || col0 < 0 || rows * width * 2 != out.v.len || rows == 0 ||
-        y.count(4) % rows || col0 + width > y.count(4) / rows) {
+    // NOTE: every product below is bounded by a buffer's length first (no overflow on absurd arguments)
+    const int64_t n = out.count(2);
+    const bool fit = D > 0 && D % 2 == 0 && D <= n && heads > 0 && heads <= n / D && n % (heads * D) == 0 &&
+                     n > 0 && col0 >= 0;
+    const int64_t width = fit ? heads * D : 1, rows = fit ? n / width : 1, ld = y.count(4) / rows;
+    if (!fit || y.count(4) % rows || ld < width || col0 > ld - width) {
         PyErr_SetString(PyExc_ValueError, "w8a8_rope: shapes do not fit");
         return nullptr;
     }
-    const int64_t ld = y.count(4) / rows;
     if (!get_buf(cos_o, cs, rows * D * 2, "cos") || !get_buf(sin_o, sn, rows * D * 2, "sin")) return nullptr;
     const bool v = w8a8_avx2(scalar);
     std::atomic<int64_t> bad{0};

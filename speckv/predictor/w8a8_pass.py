@@ -42,6 +42,7 @@ from speckv.kv import Fp8Attention, bf16_bits
 
 from . import int8_attention
 from . import w8a8 as stages
+from .integer import native_with
 from .llama import rope, rope_tables
 from .mapped import take_rows
 from .target import FP8_ATTENTION, LayerSink, deterministic_torch
@@ -188,14 +189,14 @@ def _rope(y: "torch.Tensor", col0: int, heads: int, cos: "torch.Tensor", sin: "t
     import torch
 
     T, D = y.shape[0], cos.shape[-1]
-    nat = stages._native() if NATIVE_ROPE and y.device.type == "cpu" else None
+    nat = native_with("w8a8_rope") if NATIVE_ROPE and stages.NATIVE and y.device.type == "cpu" else None
     if nat is not None:
         out = torch.empty((T, heads, D), dtype=torch.bfloat16)
         bits = lambda t: t[0].contiguous().view(torch.int16).numpy()  # noqa: E731 -- (1, T, D) BF16 -> (T, D)
         if nat.w8a8_rope(y.contiguous().numpy(), col0, heads, D, bits(cos), bits(sin), out.view(torch.int16).numpy(),
                          stages.NATIVE_THREADS, stages.NATIVE_SCALAR) == 0:
             return out.view(1, T, heads, D).transpose(1, 2)
-        # NOTE: an output past BF16's range: torch's NaN bits, which the kernel does not copy (spk_w8a8.h)
+        # NOTE: a non-finite input or output: torch's NaN bits, which the kernel does not copy (spk_w8a8.h)
     x = y[:, col0:col0 + heads * D]
     return rope(x.to(torch.bfloat16).view(1, T, heads, D).transpose(1, 2), cos, sin)
 

@@ -163,15 +163,32 @@ def test_rungs_that_do_not_batch_run_one_by_one(tiny_target, tiny_text, tmp_path
     assert all(same(g, alone(pred, p)) for g, p in zip(got, prompts, strict=True))
 
 
-NATIVE = pytest.mark.skipif(w8a8_pass.stages._native() is None, reason="the native extension is not built")
+
+NATIVE = pytest.mark.skipif(w8a8_pass.native_with("w8a8_rope") is None, reason="the native extension is not built")
 
 
-def _rope_case(T: int, width: int, D: int, seed: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _rope_case(T: int, col0: int, heads: int, D: int, seed: int, scale: float):
     g = torch.Generator().manual_seed(seed)
-    y = torch.randn(T, width, generator=g) * scale
-    y[0, :6] = torch.tensor([0.0, -0.0, 1e-45, -1e-40, 3.3e38, -2.5])  # signed zeros, subnormals, near the top
+    y = torch.randn(T, col0 + heads * D + 16, generator=g) * scale
+    y[0, col0:col0 + 6] = torch.tensor([0.0, -0.0, 1e-45, -1e-40, 1e37, -2.5])  # signed zeros, subnormals, large
     cos, sin = (torch.randn(1, T, D, generator=g).to(torch.bfloat16) for _ in range(2))
     return y, cos, sin
+
+
+def _spied_rope(monkeypatch, *args) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """``_rope(*args)`` through the kernel (what each native call returned) and through torch."""
+    calls: list[int] = []
+    nat = w8a8_pass.native_with("w8a8_rope")
+
+    class Spy:
+        def w8a8_rope(self, *a):
+            calls.append(nat.w8a8_rope(*a))
+            return calls[-1]
+
+    monkeypatch.setattr(w8a8_pass, "native_with", lambda name: Spy())
+    got = w8a8_pass._rope(*args)
+    monkeypatch.setattr(w8a8_pass, "NATIVE_ROPE", False)
+    return got, w8a8_pass._rope(*args), calls
 
 
 @NATIVE
@@ -180,36 +197,38 @@ def _rope_case(T: int, width: int, D: int, seed: int, scale: float) -> tuple[tor
 @pytest.mark.parametrize("scale", [1.0, 1e4, 1e-20])
 def test_native_rope_has_torchs_bits(monkeypatch, scalar, T, heads, D, col0, scale):
     """The fused RoPE (spk_w8a8.h) against torch's BF16 ops, every bit and the memory layout:
-    both AVX2 paths (head size 64: intrinsics; 40: the scalar loop) and the scalar one."""
+    both AVX2 paths (head size 64: intrinsics; 40: the scalar loop) and the scalar one, each
+    computing the whole call itself (the kernel reports nothing non-finite)."""
     monkeypatch.setattr(w8a8_pass.stages, "NATIVE_SCALAR", scalar)
-    y, cos, sin = _rope_case(T, col0 + heads * D + 16, D, T * heads + D, scale)
-    got = w8a8_pass._rope(y, col0, heads, cos, sin)
-    monkeypatch.setattr(w8a8_pass, "NATIVE_ROPE", False)
-    ref = w8a8_pass._rope(y, col0, heads, cos, sin)
+    y, cos, sin = _rope_case(T, col0, heads, D, T * heads + D, scale)
+    got, ref, calls = _spied_rope(monkeypatch, y, col0, heads, cos, sin)
+    assert calls == [0]
     assert got.shape == ref.shape == (1, heads, T, D) and (T == 1 or got.stride() == ref.stride())
     assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
 
 
 @NATIVE
-def test_native_rope_past_bf16s_range_takes_torchs_bits(monkeypatch):
-    """An output that is not finite: the kernel says so and torch computes the call (its NaN bits)."""
-    y, cos, sin = _rope_case(4, 576, 64, 1, 1.0)
-    y[2, 40] = -3.4e38  # rounds to -inf in BF16, then -inf * 0 -> NaN
-    sin[0, 2, 8] = 0.0
-    calls = []
-    nat = w8a8_pass.stages._native()
-
-    class Spy:
-        def __getattr__(self, name):
-            return getattr(nat, name)
-
-        def w8a8_rope(self, *a):
-            calls.append(nat.w8a8_rope(*a))
-            return calls[-1]
-
-    monkeypatch.setattr(w8a8_pass.stages, "_native", lambda: Spy())
-    got = w8a8_pass._rope(y, 0, 9, cos, sin)
-    monkeypatch.setattr(w8a8_pass, "NATIVE_ROPE", False)
-    ref = w8a8_pass._rope(y, 0, 9, cos, sin)
+@pytest.mark.parametrize("scalar", [False, True])
+@pytest.mark.parametrize("bad", ["overflow", "nan"])
+def test_native_rope_hands_non_finite_to_torch(monkeypatch, scalar, bad):
+    """An output past BF16's range, or a NaN input whose payload would round to a zero: the kernel
+    says so and torch computes the call (its NaN bits)."""
+    monkeypatch.setattr(w8a8_pass.stages, "NATIVE_SCALAR", scalar)
+    y, cos, sin = _rope_case(4, 0, 9, 64, 1, 1.0)
+    if bad == "overflow":
+        y[2, 40] = -3.4e38  # rounds to -inf in BF16, then -inf * 0 -> NaN
+        sin[0, 2, 8] = 0.0
+    else:
+        y.view(torch.int32)[2, 70] = 0x7FFFFFFF  # NOTE: + 0x7FFF wraps: a careless rounding gives -0
+    got, ref, calls = _spied_rope(monkeypatch, y, 0, 9, cos, sin)
     assert calls == [1] and torch.isnan(ref.float()).any()
     assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+
+
+@NATIVE
+@pytest.mark.parametrize("col0, heads, D", [(2**62, 1, 64), (0, 2**61, 4), (0, 4, 2**62 + 2), (0, 1, 3), (40, 1, 64)])
+def test_native_rope_refuses_shapes_that_do_not_fit(col0, heads, D):
+    nat = w8a8_pass.native_with("w8a8_rope")
+    y, cs, out = np.zeros((4, 96), np.float32), np.zeros((4, 64), np.int16), np.zeros((4, 64), np.int16)
+    with pytest.raises(ValueError, match="do not fit"):
+        nat.w8a8_rope(y, col0, heads, D, cs, cs, out, 1)
