@@ -135,7 +135,9 @@ class Prefill:
         out["prefill_s"] = time.monotonic() - t0
         write_atomic(cmd["expect"], kv_hash(kv) if cmd["stream"] else self.hashes[cmd.get("variant", 0)])
         r, end = fut.result(timeout=TIMEOUT)
-        arrival = end - r.total_seconds - t0  # the header's arrival at the encoder, from t0 (one-way delay)
+        # NOTE: the header's arrival at the encoder, from t0, to within the reply's way back and this
+        # thread's wake-up (a little late: ~RTT/2)
+        arrival = end - r.total_seconds - t0
         timeline = [[arrival + x for x in (t.layers_in_seconds, t.ready_seconds, t.coded_seconds, t.written_seconds)]
                     + [t.wire_bytes] + [arrival + x for x in (t.mu_seconds, t.peer_mu_seconds)]
                     for t in r.chunk_timings]  # NOTE: e2e.paced_path's row layout

@@ -9,10 +9,10 @@ reserved from the byte budget first); as soon as a chunk's layers are all in,
 and both sides' mu of those layers exist, a sender task compares its mu digest
 with the decoder's PredictorCheck for that chunk, codes it (off the event loop;
 stored when the digests differ) and writes its record in parts, while the next
-layers keep arriving. ``await call.write`` is where the
-decoder's backpressure reaches us; the budget is where ours reaches the
-engine. A failure anywhere cancels the decoder call and ends Submit with a
-precise status (the decoder's own, prefixed "decoder: ").
+layers keep arriving. ``await call.write`` is where the decoder's backpressure
+reaches us; the budget is where ours reaches the engine. A failure anywhere
+cancels the decoder call and ends Submit with a precise status (the decoder's
+own, prefixed "decoder: ").
 """
 
 from __future__ import annotations
@@ -338,8 +338,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
             mismatched = set() if mu is None else await self._mismatched(job, mu, batch, checks)
             job.mu_wait_s += time.perf_counter() - w0
             if mu is None:
-                for i in batch:
-                    job.mark(i, "ready_seconds")
+                job.mark(batch, "ready_seconds")
             got = [job.layers.pop(k) for k in range(start, stop)]
             e0 = time.perf_counter()
             if job.h.model == ct.MODEL_STORED or (job.h.version >= 3 and mismatched.issuperset(batch)):
@@ -348,8 +347,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
                 recs = await asyncio.to_thread(code_batch, job.codec, job.h, range(batch[0], batch[-1] + 1), got,
                                                None if mu is None else slice_heads(mu.bits, job.heads), mismatched)
             job.encode_s += time.perf_counter() - e0
-            for i in batch:
-                job.mark(i, "coded_seconds")
+            job.mark(batch, "coded_seconds")
             del got
             for i, (rec, stored) in zip(batch, recs, strict=True):
                 reason = "" if not stored or job.h.model == ct.MODEL_STORED else \
@@ -369,10 +367,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
             start, count = job.h.chunk_layers(i)
             if await mu.digest_of(start, start + count, algorithm_of(job.h.version)) != await checks.get(i):
                 bad.add(i)
-            t = job.mark(i, "ready_seconds")
-            # NOTE: when the inputs existed, apart from when the sender got to them (0: before the Submit)
-            t.mu_seconds = max(0.0, mu.ready_time(start, start + count) - job.t0)
-            t.peer_mu_seconds = max(0.0, checks.arrived[i] - job.t0)
+            job.ready(i, mu.ready_time(start, start + count), checks.arrived[i])
         if bad:
             job.fallback = True
             peer = job.header.decoder_address
@@ -391,7 +386,8 @@ class EncoderService(egrpc.EncoderServiceServicer):
         for off, _, views in frames.record_slices(rec, self.config.message_bytes):
             await write(job, call, frames.chunk_part(i, views, off, size, stored_reason if off == 0 else ""))
         job.holding.release(keep)
-        job.mark(i, "written_seconds").wire_bytes = size
+        job.mark(i, "written_seconds")
+        job.timeline[i].wire_bytes = size
         job.raw_bytes += raw
         job.wire_bytes += size
         job.chunks += 1

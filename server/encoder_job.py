@@ -57,13 +57,22 @@ class Job:
     def __post_init__(self) -> None:
         self.digest = KVDigest(algorithm_of(self.h.version))  # the stream version's digest
 
-    def mark(self, chunk: int, stage: str) -> epb.ChunkTiming:
-        """Chunk ``chunk``'s ``stage`` (a ChunkTiming field) ended now; returns its timing."""
-        t = self.timeline.get(chunk)
-        if t is None:
-            t = self.timeline[chunk] = epb.ChunkTiming(chunk=chunk)
-        setattr(t, stage, time.perf_counter() - self.t0)
-        return t
+    def mark(self, chunks: "int | list[int]", stage: str) -> None:
+        """The chunks' ``stage`` (a ChunkTiming field) ended now."""
+        now = time.perf_counter() - self.t0
+        for c in [chunks] if isinstance(chunks, int) else chunks:
+            t = self.timeline.get(c)
+            if t is None:
+                t = self.timeline[c] = epb.ChunkTiming(chunk=c)
+            setattr(t, stage, now)
+
+    def ready(self, chunk: int, mu_at: float, peer_at: float) -> None:
+        """Chunk ``chunk`` of a speckv stream is about to be coded; its layers' mu existed here at
+        ``mu_at`` and the decoder's check of it arrived at ``peer_at`` (perf_counter; NOTE: apart
+        from when the sender got to them; 0 when before the Submit)."""
+        self.mark(chunk, "ready_seconds")
+        t = self.timeline[chunk]
+        t.mu_seconds, t.peer_mu_seconds = max(0.0, mu_at - self.t0), max(0.0, peer_at - self.t0)
 
 
 async def write(job: Job, call, req: "dpb.TransferRequest | bytes") -> None:

@@ -94,9 +94,10 @@ def deterministic_torch() -> Iterator[None]:
 
 def _deterministic_settings() -> Iterator[None]:
     import torch
+    import torch.utils.deterministic as tud
 
     threads, det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    fill = torch._C._get_deterministic_fill_uninitialized_memory()
+    fill = tud.fill_uninitialized_memory  # type: ignore[attr-defined]
     # NOTE: on CUDA, TF32 and reduced-precision reductions would change mu's bits
     cuda = torch.backends.cuda.matmul
     flags = (cuda.allow_tf32, torch.backends.cudnn.allow_tf32, cuda.allow_bf16_reduced_precision_reduction)
@@ -104,16 +105,15 @@ def _deterministic_settings() -> Iterator[None]:
     _set_deterministic(True)
     # NOTE: deterministic mode also fills every fresh ``torch.empty`` with NaN (~1,900 fills, 4% of a
     # w8a8 pass); every buffer a pass allocates is written before it is read, so no bit depends on it
-    torch._C._set_deterministic_fill_uninitialized_memory(False)
-    cuda.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    cuda.allow_bf16_reduced_precision_reduction = False
+    tud.fill_uninitialized_memory = False  # type: ignore[attr-defined]
+    cuda.allow_tf32 = torch.backends.cudnn.allow_tf32 = cuda.allow_bf16_reduced_precision_reduction = False
     try:
         with torch.inference_mode():
             yield
     finally:
         torch.set_num_threads(threads)
         _set_deterministic(det)
-        torch._C._set_deterministic_fill_uninitialized_memory(fill)
+        tud.fill_uninitialized_memory = fill  # type: ignore[attr-defined]
         cuda.allow_tf32, torch.backends.cudnn.allow_tf32, cuda.allow_bf16_reduced_precision_reduction = flags
 
 

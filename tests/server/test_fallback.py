@@ -237,6 +237,8 @@ def test_a_decoder_under_another_pin_gets_a_stored_stream_not_a_failure(embedded
                 assert np.array_equal(back, bf16_bits(kv))  # lossless, uncompressed
                 assert (res.fallback, res.encoding, res.stored_chunks, res.chunks) == (True, "stored", 0, 15), res
                 assert res.wire_bytes > res.raw_bytes
+                assert_timeline(res)  # the stream started again stored: one timing per chunk of that one
+                assert all(t.mu_seconds == t.peer_mu_seconds == 0 for t in res.chunk_timings)
         assert _metric(enc, "speckv_fallbacks_total", "pin_mismatch") == 2 * 15  # every chunk of both streams
         assert _metric(enc, "speckv_fallbacks_total", "mu_mismatch") == 0
         assert _metric(enc, "speckv_fallback_transfers_total", "pin_mismatch") == 2  # per transfer, not chunk
