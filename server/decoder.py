@@ -172,7 +172,7 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
                                                                                          t.fp8_attention)
         if mu is not None:
             self.metrics.mu_cache(t.mu_hit)
-        t.encoding = labels[1]
+        t.encoding, t.mu = labels[1], mu
         worker = asyncio.ensure_future(self._decode_loop(t, h, mu, queue, labels))
         asm = RecordAssembler(h.n_chunks, min(ct.MAX_CHUNK_BYTES, self.budget.limit))
         trailer = None
@@ -200,6 +200,7 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
                     yield dpb.TransferResponse(chunk_ack=dpb.ChunkAck(index=chunk.index, bytes_received=t.wire_bytes))
             await self._finish(t, h, asm, trailer, queue, worker, mu)
         finally:
+            t.mu = None  # NOTE: the transfer lives on until fetched; its mu must not
             if mu is not None:
                 self.mu_cache.give_back(mu)  # NOTE: a pass no transfer needs stops at its next layer
             if not worker.done():
@@ -267,8 +268,9 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
             host = peer_host(t.peer)
             if host not in self._fallback_peers:  # NOTE: logged once per peer, counted every time
                 self._fallback_peers.add(host)
+                here = "" if t.mu is None else "; here " + t.mu.describe(c.layer_start, c.layer_start + c.layer_count)
                 logger.warning("transfer %s from %s: chunk %d came stored, the predictors disagree on its mu "
-                               "(predictor pin %s)", t.request_id, t.peer, c.index, self.rt.pin[:12])
+                               "(predictor pin %s)%s", t.request_id, t.peer, c.index, self.rt.pin[:12], here)
 
     async def _decode_loop(self, t: DecoderTransfer, h: ct.StreamHeader, mu: LayerMu | None,
                            queue: asyncio.Queue, labels: tuple[str, str]) -> None:

@@ -373,8 +373,10 @@ class EncoderService(egrpc.EncoderServiceServicer):
             peer = job.header.decoder_address
             if peer not in self._fallback_peers:  # NOTE: logged once per peer, counted every time
                 self._fallback_peers.add(peer)
+                start, count = job.h.chunk_layers(min(bad))
                 logger.warning("decoder %s computes another mu than this encoder (predictor %s) on chunks %s: "
-                               "they go stored", peer, self.rt.pin[:12], sorted(bad))
+                               "they go stored; here %s", peer, self.rt.pin[:12], sorted(bad),
+                               mu.describe(start, start + count))
         return bad
 
     async def _send(self, job: Job, call, i: int, rec: list[memoryview], raw: int, stored_reason: str) -> None:

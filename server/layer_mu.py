@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from speckv.digests import digest
+from speckv.digests import XXH3_128, digest, prompt_digest
 from speckv.heap import release_free
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -50,6 +50,7 @@ class LayerMu:
         self._changed = asyncio.Event()
         self._stopped = False
         self.task: asyncio.Future | None = None
+        self.inputs = "?"  # what the pass computes from: the prompt's digest (and the FP8 reading's), for logs
         self._queued: "concurrent.futures.Future[None] | None" = None  # its place in a batcher's queue
 
     @classmethod
@@ -59,6 +60,8 @@ class LayerMu:
         prompts (``fp8_attention``: as ``Predictor.mu``)."""
         loop = asyncio.get_running_loop()
         mu = cls(shape, loop)
+        mu.inputs = prompt_digest(ids).hex()[:12] + ("" if fp8_attention is None else
+                                                      "/fp8 " + digest(fp8_attention.key, algorithm=XXH3_128).hex()[:8])
         work = mu._batched(batcher, ids, fp8_attention) if batcher is not None else \
             asyncio.to_thread(mu._run, predictor, ids, fp8_attention)
         mu.task = loop.create_task(work, name=PREDICTOR_TASK)
@@ -116,6 +119,12 @@ class LayerMu:
     def ready_time(self, start: int, stop: int) -> float:
         """When layers ``[start, stop)`` all existed (perf_counter; -inf when none was timed)."""
         return float(self.ready_at[start:stop].max())
+
+    def describe(self, start: int, stop: int) -> str:
+        """Layers ``[start, stop)`` of mu as short digests, with the pass's inputs: what two sidecars'
+        logs compare when their predictors disagree on a chunk."""
+        layers = " ".join(f"{i}:{digest(self.bits[i], algorithm=XXH3_128).hex()[:12]}" for i in range(start, stop))
+        return f"prompt {self.inputs}, mu layers {layers}"
 
     async def digest_of(self, start: int, stop: int, algorithm: int) -> bytes:
         """The ``algorithm`` digest of layers ``[start, stop)`` of mu (the per-chunk

@@ -85,6 +85,7 @@ class DecoderTransfer:
         self.stored_chunks = 0  # chunks of a speckv stream that came stored (any reason)
         self.stored_reasons: set[str] = set()  # why they came stored (fallback_transfers_total)
         self.mu_hit = False  # mu came from the cache (or a pass another transfer started)
+        self.mu: Any = None  # its LayerMu while receiving (a mismatch's log shows its layers' digests)
         self.stored_reason = ""  # Chunk.stored_reason of the record being reassembled
         self.peer = "?"
         self.model_id = ""  # the model the encoder named (FetchKVRequest.model_id is checked against it)

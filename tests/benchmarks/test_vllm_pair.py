@@ -63,6 +63,11 @@ def test_vllm_pair_matches_a_single_instance_token_for_token(load_script, tmp_pa
     assert (r["received_verified"], r["fetch_failed"], r["submit_failed"]) == (PROMPTS, 0, 0)
     enc = r["encoder"]
     assert enc["transfers_ok"] == PROMPTS
+    # both sidecars computed the same mu for every chunk (else those chunks went stored, and the
+    # sidecars' logs say which layers disagree: each side's per-layer digests and the prompt's)
+    disagree = [line for side in ("encoder", "decoder") for line in (tmp_path / f"{side}.log").read_text().splitlines()
+                if "disagree" in line or "another mu" in line]
+    assert enc["stored_chunks"]["mu_mismatch"] == 0, (enc, disagree)
     # every prompt's whole KV went through the encoder: (30 layers, 2, 3 heads, tokens, 64 dims), 2 or 1 bytes each
     assert enc["raw_bytes"] == sum(r["kv_bytes"]) == sum(30 * 2 * 3 * n * 64 for n in r["prompt_tokens"]) * (
         1 if kv_cache_dtype == "fp8_e4m3" else 2)

@@ -149,7 +149,15 @@ def test_a_mismatch_sends_only_its_chunk_stored_and_stays_bit_exact(skewed_pair,
     warnings = [r for r in caplog.records if "mu" in r.getMessage() and r.levelno == logging.WARNING]
     assert len([r for r in warnings if r.name == "speckv.server.encoder"]) == 1  # once per peer
     assert len([r for r in warnings if r.name == "speckv.server.decoder"]) == 1
-    assert "chunks [2]" in next(r.getMessage() for r in warnings if r.name == "speckv.server.encoder")
+    enc_log, dec_log = (next(r.getMessage() for r in warnings if r.name == f"speckv.server.{side}")
+                        for side in ("encoder", "decoder"))
+    assert "chunks [2]" in enc_log
+    # each side's log names the prompt and its layers' digests: the same prompt, the one skewed layer differs
+    here = [dict(p.split(":") for p in log.split("mu layers ")[1].split()) for log in (enc_log, dec_log)]
+    assert enc_log.split("prompt ")[1].split(",")[0] == dec_log.split("prompt ")[1].split(",")[0]
+    skewed, other = str(SKEW_LAYER), str(SKEW_LAYER - 1)  # chunk 2: layers 4 and 5
+    assert sorted(here[0]) == sorted(here[1]) == [other, skewed]
+    assert here[0][skewed] != here[1][skewed] and here[0][other] == here[1][other]
 
 
 def test_matching_predictors_do_not_fall_back(sidecars, embedded_session):
