@@ -30,7 +30,6 @@ import numpy as np
 from speckv import frames, logs
 from speckv.coder import container as ct
 from speckv.coder.heads import head_codec, slice_heads
-from speckv.digests import algorithm_of
 from speckv.errors import RpcError
 from speckv.kv import some_heads
 from speckv.status import abort, outcome, to_status
@@ -46,7 +45,7 @@ from .auth import authorize, parse_allow
 from .budget import ByteBudget
 from .channels import DecoderChannels
 from .config import ServerConfig
-from .encoder_job import STORED_VERSION, TRANSFER, Job, local_part, transfer_header, write
+from .encoder_job import STORED_VERSION, TRANSFER, Job, local_part, mismatched_chunks, transfer_header, write
 from .handoff import Handoffs, parse_uids
 from .layer_mu import LayerMu
 from .metrics import Metrics
@@ -358,25 +357,15 @@ class EncoderService(egrpc.EncoderServiceServicer):
             self.metrics.seconds("predictor", job.predictor_s)
 
     async def _mismatched(self, job: Job, mu: LayerMu, batch: list[int], checks: Checks) -> set[int]:
-        """The chunks of ``batch`` whose layers' mu differs between this encoder and the decoder.
-
-        NOTE: the one wait on the predictors: chunk i waits for both sides' mu of its own
-        layers only, never for the whole mu."""
-        bad = set()
-        for i in batch:
-            start, count = job.h.chunk_layers(i)
-            if await mu.digest_of(start, start + count, algorithm_of(job.h.version)) != await checks.get(i):
-                bad.add(i)
-            job.ready(i, mu.ready_time(start, start + count), checks.arrived[i])
-        if bad:
-            job.fallback = True
-            peer = job.header.decoder_address
-            if peer not in self._fallback_peers:  # NOTE: logged once per peer, counted every time
-                self._fallback_peers.add(peer)
-                start, count = job.h.chunk_layers(min(bad))
-                logger.warning("decoder %s computes another mu than this encoder (predictor %s) on chunks %s: "
-                               "they go stored; here %s", peer, self.rt.pin[:12], sorted(bad),
-                               mu.describe(start, start + count))
+        """``mismatched_chunks``, logged once per peer (counted every time)."""
+        bad = await mismatched_chunks(job, mu, batch, checks)
+        peer = job.header.decoder_address
+        if bad and peer not in self._fallback_peers:
+            self._fallback_peers.add(peer)
+            start, count = job.h.chunk_layers(min(bad))
+            logger.warning("decoder %s computes another mu than this encoder (predictor %s) on chunks %s: "
+                           "they go stored; here %s", peer, self.rt.pin[:12], sorted(bad),
+                           mu.describe(start, start + count))
         return bad
 
     async def _send(self, job: Job, call, i: int, rec: list[memoryview], raw: int, stored_reason: str) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,6 +20,10 @@ from speckv.wire import fp8_attention_msg, heads_msg
 
 from .budget import Holding
 from .handoff import Handoffs
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .layer_mu import LayerMu
+    from .replies import Checks
 
 
 @dataclass
@@ -80,6 +84,22 @@ async def write(job: Job, call, req: "dpb.TransferRequest | bytes") -> None:
     t0 = time.perf_counter()
     await call.write(req)  # NOTE: awaits HTTP/2 flow control: the decoder's backpressure
     job.wire_wait_s += time.perf_counter() - t0
+
+
+async def mismatched_chunks(job: Job, mu: "LayerMu", batch: list[int], checks: "Checks") -> set[int]:
+    """The chunks of ``batch`` whose layers' mu differs between this encoder and the decoder (the
+    job marks them stored: ``fallback``); each chunk's ready time is recorded.
+
+    NOTE: the one wait on the predictors: chunk i waits for both sides' mu of its own layers only,
+    never for the whole mu."""
+    bad = set()
+    for i in batch:
+        start, count = job.h.chunk_layers(i)
+        if await mu.digest_of(start, start + count, algorithm_of(job.h.version)) != await checks.get(i):
+            bad.add(i)
+        job.ready(i, mu.ready_time(start, start + count), checks.arrived[i])
+    job.fallback = job.fallback or bool(bad)
+    return bad
 
 
 def local_part(job: Job, m: epb.LocalLayer, handoffs: Handoffs) -> tuple[pb.KVLayer, memoryview]:

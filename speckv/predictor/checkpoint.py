@@ -34,6 +34,7 @@ from speckv.coder.tables import CodingTables
 from speckv.errors import CheckpointError, PinMismatchError
 
 from .fp8 import weight_to_fp8
+from .fp32_linear import LINEAR_NAMES
 from .ladder import MEANS, NONE, W8A8, Rung, is_bf16_layer, manifest_rung
 from .store import (
     CALIB,
@@ -51,7 +52,6 @@ from .store import (
     canonical_json,
     sha256_file,
 )
-from .target import LINEAR_NAMES
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

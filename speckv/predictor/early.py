@@ -31,16 +31,9 @@ import numpy as np
 from speckv.errors import CheckpointError
 from speckv.kv import bf16_bits
 
+from .fp32_linear import fp32_linear_class, replace_linears
 from .ladder import Rung, layer_index
-from .target import (
-    LayerSink,
-    cache_layer,
-    deterministic_torch,
-    fp32_linear_class,
-    hooked_forward,
-    output_cache,
-    replace_linears,
-)
+from .target import LayerSink, cache_layer, deterministic_torch, hooked_forward, output_cache
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

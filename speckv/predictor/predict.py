@@ -31,11 +31,12 @@ from speckv.kv import Fp8Attention
 from .checkpoint import Checkpoint, fp8_state
 from .early import build_early_model, early_kv, early_state
 from .fp8 import dequantize_e4m3
+from .fp32_linear import LINEAR_NAMES, replace_linears
 from .ladder import EARLY, MEANS, PORTABLE, W8A8, Rung, load_means, mean_model
 from .llama import load_config
 from .portable import build_portable_model, portable_canary, portable_pass, portable_state
 from .store import CONFIG, FP8_SUFFIX, SCALE_SUFFIX, WEIGHTS, state_digest
-from .target import LINEAR_NAMES, LayerSink, emit_all, extract_kv, load_target, reading_fp8, replace_linears
+from .target import LayerSink, emit_all, extract_kv, load_target, reading_fp8
 from .w8a8 import build_w8a8_model, load_smooth, w8a8_state
 from .w8a8_pass import MuRequest, w8a8_kv, w8a8_passes
 from .weights import TargetWeights, derivation_source

@@ -37,6 +37,7 @@ from speckv.errors import ModelLoadError
 from speckv.kv import Fp8Attention, bf16_bits
 from speckv.paths import cache_dir
 
+from .fp32_linear import replace_linears
 from .store import state_digest
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -51,7 +52,6 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 # NOTE: one fixed thread count for every forward pass. FP32 GEMM reductions may
 # be split differently with other thread counts, which would change mu.
 COMPUTE_THREADS = 2
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def embedded_gguf_path() -> Path:
@@ -124,45 +124,6 @@ def _set_deterministic(mode: bool) -> None:
 
     setter = getattr(torch._C, "_set_deterministic_algorithms", None)
     (setter or torch.use_deterministic_algorithms)(mode, warn_only=False)
-
-
-def fp32_linear_class() -> type:
-    import torch
-    import torch.nn.functional as F
-
-    class Fp32AccumLinear(torch.nn.Module):
-        """y = bf16(x_f32 @ W_f32^T): BF16 in and out, FP32 accumulation."""
-
-        weight_f32: "torch.Tensor"  # a non-persistent buffer
-
-        def __init__(self, weight_f32: "torch.Tensor") -> None:
-            super().__init__()
-            self.register_buffer("weight_f32", weight_f32.contiguous(), persistent=False)
-
-        def forward(self, x: "torch.Tensor") -> "torch.Tensor":
-            return F.linear(x.float(), self.weight_f32).to(torch.bfloat16)
-
-    return Fp32AccumLinear
-
-
-def replace_linears(model: Any, weight_fn: Callable[[str, "torch.Tensor"], "torch.Tensor"]) -> None:
-    """Swap every decoder-layer linear for an FP32-accumulating one.
-
-    ``weight_fn(name, bf16_weight) -> fp32 weight`` lets the predictor put its
-    FP8-dequantized weights in; the target passes the exact BF16 upcast.
-    """
-    cls = fp32_linear_class()
-    for i, layer in enumerate(model.model.layers):
-        for part in ("self_attn", "mlp"):
-            parent = getattr(layer, part)
-            for name in LINEAR_NAMES:
-                lin = getattr(parent, name, None)
-                if lin is None:
-                    continue
-                path = f"model.layers.{i}.{part}.{name}"
-                if getattr(lin, "bias", None) is not None:
-                    raise ModelLoadError(f"{path}: biased linears are not supported yet")
-                setattr(parent, name, cls(weight_fn(path, lin.weight.detach())))
 
 
 LayerSink = Callable[[int, np.ndarray], None]  # (layer, its BF16 bits (2, kv_heads, tokens, head_dim))
