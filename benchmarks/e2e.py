@@ -46,6 +46,8 @@ loopback: the same veth with its qdiscs removed (unshaped, in-kernel), the prefi
 submitted whole; raw MB/s = raw bytes / (Submit start -> verified at the fetch engine).
 ``speckv``: a prompt whose mu both sidecars have cached (--mu-cache-bytes; the service's own
 throughput), ``speckv_cold``: a new prompt (both predictors' passes included).
+``--local-handoff`` adds ``stored_local`` and ``speckv_local``: the same, with the KV handed
+to the encoder and fetched from the decoder as sealed memfds over their local sockets.
 Prompts: every other transfer uses a prompt no transfer used before (the first token
 shifted, e2e_engine.variant), so no row is helped by a sidecar's mu cache.
 
@@ -132,7 +134,9 @@ class Bench:
         env = {"SPECKV_MAX_INFLIGHT_BYTES": "1Gi"}
         if self.args.predictor:  # NOTE: both sidecars, or the decoder refuses the encoder's pin
             env["SPECKV_PREDICTOR"] = str(Path(self.args.predictor).resolve())
-        dec = self.child("b", [*serve, "decoder", "--listen", "0.0.0.0:0", "--metrics-port", "0"], "decoder", env)
+        dsock = ["--local-socket", str(self.logdir / "decoder.sock")] if self.args.local_handoff else []
+        dec = self.child("b", [*serve, "decoder", "--listen", "0.0.0.0:0", "--metrics-port", "0", *dsock], "decoder",
+                         env)
         sock = ["--local-socket", str(self.logdir / "encoder.sock")] if self.args.local_handoff else []
         enc = self.child("a", [*serve, "encoder", "--listen", "127.0.0.1:0", "--metrics-port", "-1", *sock],
                          "encoder", env)
@@ -143,7 +147,7 @@ class Bench:
         self.prefill = self.child("a", [sys.executable, ENGINE, "prefill", "--encoder", f"127.0.0.1:{eport}",
                                         "--decoder", f"{ADDR['b']}:{dport}", *common, *sock], "prefill-engine")
         self.fetch = self.child("b", [sys.executable, ENGINE, "fetch", "--decoder", f"127.0.0.1:{dport}",
-                                      "--metrics-port", mport, *common], "fetch-engine")
+                                      "--metrics-port", mport, *common, *dsock], "fetch-engine")
         self.decoder = dec
         ready = self.prefill.ask(None, 600)
         self.tokens = ready["tokens"]
@@ -161,7 +165,7 @@ class Bench:
         v = n + 1 if variant is None else variant
         expect = str(self.logdir / f"{rid}.kvhash")
         cpu0 = self.decode_cpu()
-        self.fetch.ask({"op": "fetch", "rid": rid, "expect": expect}, 60)  # FetchKV is waiting
+        self.fetch.ask({"op": "fetch", "rid": rid, "expect": expect, "local": local}, 60)  # FetchKV is waiting
         p = self.prefill.ask({"rid": rid, "encoding": encoding, "stream": stream, "expect": expect, "variant": v,
                               "local": local}, ROW_TIMEOUT)
         f = self.fetch.ask(None, ROW_TIMEOUT)
@@ -304,7 +308,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep-logs", action="store_true", help="keep the children's logs after a clean run")
     ap.add_argument("--local-handoff", action="store_true",
-                    help="loopback block: also hand the KV to the encoder as a sealed memfd (*_local keys)")
+                    help="loopback block: also hand the KV to the encoder and fetch it from the decoder as sealed "
+                         "memfds over their local sockets (*_local keys)")
     ap.add_argument("--loopback-only", action="store_true", help="the loopback block alone, no shaped links")
     ap.add_argument("--predictor", default=None, help="both sidecars' checkpoint directory (default: the shipped one)")
     ap.add_argument("--engine", choices=ENGINES, default="sdpa",

@@ -181,6 +181,9 @@ class Fetch:
     def __init__(self, args: argparse.Namespace, target: Target, model: Any, ids: np.ndarray) -> None:
         self.args, self.target, self.model, self.ids = args, target, model, ids
         self.dec = DecoderClient(args.decoder, timeout=TIMEOUT)
+        # cmd "local": the layers as one sealed memfd over the decoder's local socket (client/local.py)
+        self.local = DecoderClient(args.decoder, timeout=TIMEOUT, local_socket=args.local_socket) \
+            if args.local_socket else None
 
     def run(self, cmd: dict[str, Any]) -> dict[str, Any]:
         return self.recompute(cmd) if cmd["op"] == "recompute" else self.fetch(cmd)
@@ -190,7 +193,11 @@ class Fetch:
         h, n = xxhash.xxh3_128(), 0
         out: dict[str, float] = {}
         reply(ack=True)  # NOTE: the harness starts the prefill only after this line
-        for layer, arr, _ in self.dec.fetch_layers(cmd["rid"], wait=TIMEOUT):
+        dec = self.dec
+        if cmd.get("local"):
+            assert self.local is not None, "local: --local-socket"
+            dec = self.local
+        for layer, arr, _ in dec.fetch_layers(cmd["rid"], wait=TIMEOUT):
             out.setdefault("first", time.monotonic())
             if layer != n:
                 raise RuntimeError(f"layer {layer} arrived as the {n}th")
@@ -218,7 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--encoder", default="")
     ap.add_argument("--decoder", required=True)
     ap.add_argument("--metrics-port", type=int, default=-1)
-    ap.add_argument("--local-socket", default="", help="the encoder's local hand-off socket (prefill)")
+    ap.add_argument("--local-socket", default="", help="the local socket of this node's sidecar: the encoder's "
+                    "hand-off (prefill), the decoder's local fetch (fetch)")
     ap.add_argument("--tokens", type=int, required=True)
     ap.add_argument("--text", required=True)
     ap.add_argument("--engine", choices=STREAM_ENGINES, default="sdpa", help="the engine computing the KV")

@@ -17,7 +17,7 @@ copies, protobuf, grpc, coding, numpy, python, kernel) and scaled to the process
 CPU seconds per transfer. ``--pin``: e2e.py's layout, encoder and submit client on
 core 0, decoder and fetch client on core 1.
 
-Usage: .venv/bin/python benchmarks/loopback_profile.py [--tokens 2048] [--repeats 3] [--perf] [--pin] [--json]
+Usage: .venv/bin/python benchmarks/loopback_profile.py [--tokens 2048] [--repeats 3] [--perf] [--pin] [--local] [--json]
 """
 
 from __future__ import annotations
@@ -59,12 +59,15 @@ def reply(**kw: Any) -> None:
     print("@@ " + json.dumps(kw), flush=True)
 
 
-def worker(role: str, address: str, kv_path: str, ids_path: str, model_id: str) -> None:
-    """One client, driven by JSON lines on stdin; replies ``@@ {json}`` lines."""
+def worker(role: str, address: str, kv_path: str, ids_path: str, model_id: str, local: str = "") -> None:
+    """One client, driven by JSON lines on stdin; replies ``@@ {json}`` lines (``local``: its
+    sidecar's local socket, or "")."""
     from speckv.client.client import DecoderClient, EncoderClient
 
     kv, ids = np.load(kv_path), np.load(ids_path)
-    client = EncoderClient(address, timeout=TIMEOUT) if role == "submit" else DecoderClient(address, timeout=TIMEOUT)
+    sock = local or None
+    client = EncoderClient(address, timeout=TIMEOUT, local_socket=sock) if role == "submit" else \
+        DecoderClient(address, timeout=TIMEOUT, local_socket=sock)
     reply(ready=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -163,13 +166,15 @@ class Rig:
         core = (lambda role: CORES[role]) if args.pin else (lambda role: None)
         env = {"SPECKV_MAX_INFLIGHT_BYTES": "1Gi"}  # NOTE: the mu cache keeps its default size
         env.update(kv.split("=", 1) for kv in args.sidecar_env)
-        (self.dec, dport), (self.enc, eport) = start("decoder", env, core("decoder")), start("encoder", env,
-                                                                                             core("encoder"))
+        sock = {r: str(tmp / f"{r}.sock") if args.local else "" for r in ("encoder", "decoder")}
+        (self.dec, dport), (self.enc, eport) = (
+            start(r, {**env, "SPECKV_LOCAL_SOCKET": sock[r]} if args.local else env, core(r))
+            for r in ("decoder", "encoder"))
         self.decoder = f"127.0.0.1:{dport}"
         me = [sys.executable, __file__, "--role"]
         files = [str(tmp / "kv.npy"), str(tmp / "ids.npy"), target.name]
-        self.submit = Child("submit", [*me, "submit", f"127.0.0.1:{eport}", *files], core("submit"))
-        self.fetch = Child("fetch", [*me, "fetch", self.decoder, *files], core("fetch"))
+        self.submit = Child("submit", [*me, "submit", f"127.0.0.1:{eport}", *files, sock["encoder"]], core("submit"))
+        self.fetch = Child("fetch", [*me, "fetch", self.decoder, *files, sock["decoder"]], core("fetch"))
 
     def pids(self) -> dict[str, int]:
         return {"encoder": self.enc.pid, "decoder": self.dec.pid, "submit": self.submit.proc.pid,
@@ -231,7 +236,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def measure(rig: Rig, args: argparse.Namespace) -> dict[str, Any]:
-    report: dict[str, Any] = {"tokens": rig.tokens, "pinned": args.pin, "load_before": os.getloadavg()[0]}
+    report: dict[str, Any] = {"tokens": rig.tokens, "pinned": args.pin, "local": args.local,
+                              "load_before": os.getloadavg()[0]}
     for encoding in args.encodings:
         rig.transfer(encoding)  # warm-up: channels, lazy imports; speckv: both mu caches now hold the prompt
         key = "speckv_warm" if encoding == "speckv" else encoding
@@ -248,6 +254,7 @@ def table(rep: dict[str, Any]) -> str:
     first = rep.get("stored") or rep["speckv_warm"]
     out = [f"{rep['tokens']} tokens, {first['raw_bytes'] / 1e6:.1f} MB raw BF16 KV, "
            f"CPU: mean of {first['repeats']}, wall: median; pinned: {rep['pinned']}; "
+           f"local sockets: {rep.get('local')}; "
            f"load {rep['load_before']:.2f} -> {rep['load_after']:.2f}",
            "path | " + " | ".join(f"{p} CPU s (MB/CPU-s)" for p in PROCS) + " | wall s (MB/s) | lossless"]
     for key in (k for k in ("stored", "speckv_warm") if k in rep):
@@ -263,13 +270,15 @@ def table(rep: dict[str, Any]) -> str:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--role":
-        worker(*sys.argv[2:7])
+        worker(*sys.argv[2:8])
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--text", default=str(DEFAULT_TEXT))
     ap.add_argument("--perf", action="store_true", help="perf record each process during one more transfer")
+    ap.add_argument("--local", action="store_true", help="clients on both sidecars' local sockets: the KV "
+                    "handed to the encoder and fetched from the decoder as memfds")
     ap.add_argument("--pin", action="store_true", help="e2e.py's layout: encoder + submit on core 0, the rest core 1")
     ap.add_argument("--sidecar-env", action="append", default=[], metavar="KEY=VALUE",
                     help="a setting of both sidecars, e.g. SPECKV_MESSAGE_BYTES=3Mi (repeatable)")

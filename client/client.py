@@ -49,7 +49,7 @@ from .core import (
     submit_stub,
     tls_credentials,
 )
-from .local import LocalHandoff
+from .local import LocalHandoff, LocalMailbox
 from .stream import SubmitStream
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -123,11 +123,13 @@ class DecoderClient:
     """Blocking client of a decoder sidecar (the decode engine's side)."""
 
     def __init__(self, address: str, timeout: float = 600.0, channel: grpc.Channel | None = None,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, local_socket: str | None = None) -> None:
         self.channel = channel or _channel(address, credentials)
         self.stub = dgrpc.DecoderServiceStub(self.channel)
         self._fetch = fetch_stub(self.channel)  # its layer parts' data: views of the bytes received
         self.timeout = timeout
+        # the decoder's local socket on this host: layers come as one sealed memfd, not bytes
+        self.mailbox = None if local_socket is None else LocalMailbox(local_socket)
 
     def fetch_layers(self, request_id: str, wait: float | None = None, timeout: float | None = None,
                      verified_only: bool = False, model_id: str = "", heads: HeadRange | None = None,
@@ -139,12 +141,13 @@ class DecoderClient:
         (MODEL_MISMATCH) before any layer arrives. ``heads``: only these heads (this rank's), from
         the transfers of ``request_id`` that hold them (one, several side by side, or a slice).
         ``tokens``: only tokens ``[start, stop)`` of each layer (a local prefix-cache hit holds the rest)."""
-        col = _Collector(verified_only, model_id=model_id, heads=heads, tokens=tokens)
+        col = _Collector(verified_only, model_id=model_id, heads=heads, tokens=tokens, mailbox=self.mailbox)
         yield from self._stream(request_id, wait, timeout, col)
 
     def _stream(self, request_id: str, wait: float | None, timeout: float | None,
                 col: _Collector) -> Iterator[tuple[int, np.ndarray, np.ndarray | None]]:
-        req = fetch_request(request_id, wait, col.verified_only, col.model_id, col.heads, col.tokens)
+        token = "" if self.mailbox is None else self.mailbox.token()
+        req = fetch_request(request_id, wait, col.verified_only, col.model_id, col.heads, col.tokens, token)
         try:
             for msg in self._fetch(req, timeout=timeout or self.timeout):
                 done = col.add(msg)
@@ -152,6 +155,8 @@ class DecoderClient:
                     yield done
         except grpc.RpcError as e:
             raise _failed(e) from None
+        finally:
+            col.close()
         col.check_done()
 
     def fetch(self, request_id: str, wait: float | None = None, timeout: float | None = None,
@@ -161,7 +166,8 @@ class DecoderClient:
         """The whole reconstructed KV (see the module docstring for its type), returned only
         after its whole-transfer digest matched, on the server and again here (``model_id``:
         ``heads`` and ``tokens``: as ``fetch_layers``)."""
-        col = _Collector(verified_only, whole=True, model_id=model_id, heads=heads, tokens=tokens)
+        col = _Collector(verified_only, whole=True, model_id=model_id, heads=heads, tokens=tokens,
+                         mailbox=self.mailbox)
         for layer, arr, scales in self._stream(request_id, wait, timeout, col):
             col.keep(layer, arr, scales)
         return col.result(as_torch)
@@ -184,6 +190,8 @@ class DecoderClient:
 
     def close(self) -> None:
         self.channel.close()
+        if self.mailbox is not None:
+            self.mailbox.close()
 
     def __enter__(self) -> "DecoderClient":
         return self
@@ -232,24 +240,27 @@ class AsyncDecoderClient:
     """asyncio client of a decoder sidecar."""
 
     def __init__(self, address: str, timeout: float = 600.0,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, local_socket: str | None = None) -> None:
         self.channel = _channel(address, credentials, aio=True)
         self.stub = dgrpc.DecoderServiceStub(self.channel)
         self._fetch = fetch_stub(self.channel)  # its layer parts' data: views of the bytes received
         self.timeout = timeout
+        # NOTE: the mailbox's socket calls block, briefly: a memfd's datagram is sent before its first layer
+        self.mailbox = None if local_socket is None else LocalMailbox(local_socket)
 
     async def fetch_layers(self, request_id: str, wait: float | None = None, timeout: float | None = None,
                            verified_only: bool = False, model_id: str = "", heads: HeadRange | None = None,
                            tokens: tuple[int, int] | None = None,
                            ) -> AsyncIterator[tuple[int, np.ndarray, np.ndarray | None]]:
         """As the blocking client's ``fetch_layers``."""
-        col = _Collector(verified_only, model_id=model_id, heads=heads, tokens=tokens)
+        col = _Collector(verified_only, model_id=model_id, heads=heads, tokens=tokens, mailbox=self.mailbox)
         async for done in self._stream(request_id, wait, timeout, col):
             yield done
 
     async def _stream(self, request_id: str, wait: float | None, timeout: float | None,
                       col: _Collector) -> AsyncIterator[tuple[int, np.ndarray, np.ndarray | None]]:
-        req = fetch_request(request_id, wait, col.verified_only, col.model_id, col.heads, col.tokens)
+        token = "" if self.mailbox is None else await asyncio.to_thread(self.mailbox.token)
+        req = fetch_request(request_id, wait, col.verified_only, col.model_id, col.heads, col.tokens, token)
         try:
             async for msg in self._fetch(req, timeout=timeout or self.timeout):
                 done = col.add(msg)
@@ -257,6 +268,8 @@ class AsyncDecoderClient:
                     yield done
         except grpc.RpcError as e:
             raise _failed(e) from None
+        finally:
+            col.close()
         col.check_done()
 
     async def fetch(self, request_id: str, wait: float | None = None, timeout: float | None = None,
@@ -264,7 +277,8 @@ class AsyncDecoderClient:
                     model_id: str = "", heads: HeadRange | None = None,
                     tokens: tuple[int, int] | None = None) -> "np.ndarray | Fp8KV | torch.Tensor":
         """As the blocking client's ``fetch``."""
-        col = _Collector(verified_only, whole=True, model_id=model_id, heads=heads, tokens=tokens)
+        col = _Collector(verified_only, whole=True, model_id=model_id, heads=heads, tokens=tokens,
+                         mailbox=self.mailbox)
         async for layer, arr, scales in self._stream(request_id, wait, timeout, col):
             col.keep(layer, arr, scales)
         return col.result(as_torch)
@@ -289,3 +303,5 @@ class AsyncDecoderClient:
 
     async def close(self) -> None:
         await self.channel.close()
+        if self.mailbox is not None:
+            self.mailbox.close()

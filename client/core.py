@@ -35,10 +35,10 @@ from speckv.wire import (
     shape_of,
 )
 
+from .local import LocalHandoff, LocalLayers, LocalMailbox
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
-    from .local import LocalHandoff
 
 logger = logging.getLogger(__name__)
 
@@ -239,8 +239,10 @@ class _Collector:
     """Assembles FetchKV parts into layers (``whole``: straight into the whole cache)."""
 
     def __init__(self, verified_only: bool = False, whole: bool = False, model_id: str = "",
-                 heads: HeadRange | None = None, tokens: tuple[int, int] | None = None) -> None:
-        self.asm: LayerAssembler | None = None
+                 heads: HeadRange | None = None, tokens: tuple[int, int] | None = None,
+                 mailbox: "LocalMailbox | None" = None) -> None:
+        self.asm: LayerAssembler | LocalLayers | None = None
+        self.mailbox = mailbox  # a local fetch's (FetchKVRequest.local_mailbox; None: bytes)
         self.out: np.ndarray | None = None
         self.scales: np.ndarray | None = None
         self.digest: KVDigest | None = None  # recomputed here (the check is end to end), once its algorithm is known
@@ -262,13 +264,17 @@ class _Collector:
             self.digest = KVDigest(algorithm)
         elif algorithm != self.digest.algorithm:
             raise RpcFailed(grpc.StatusCode.INTERNAL, "malformed FetchKV stream: its digest algorithm changed")
-        if msg.WhichOneof("kind") == "done":
+        kind = msg.WhichOneof("kind")
+        if kind == "done":
             self._finish(msg.done)
             return None
+        if kind == "local_layer":
+            return self._local(msg.local_layer)
         part = msg.layer
         try:
             if self.asm is None:
                 self.asm = self._assembler(part)
+            assert isinstance(self.asm, LayerAssembler), "FetchKV mixed local and byte layers"
             got = self.asm.add(part, frames.payload_of(msg))
         except Exception as e:  # noqa: BLE001 -- whatever a server sent, the caller gets a typed error
             raise RpcFailed(grpc.StatusCode.INTERNAL, f"malformed FetchKV stream: {e}") from None
@@ -291,9 +297,31 @@ class _Collector:
         self.out = np.empty(shape, dtype_of(part.dtype)[1])  # NOTE: layers land in it, no copy after
         return LayerAssembler(part.dtype, shape, out=self.out)
 
+    def _local(self, part: dpb.LocalFetchLayer) -> tuple[int, np.ndarray, np.ndarray | None] | None:
+        """A local fetch's layer: a view of the memfd (None when ``whole``: ``_finish`` maps it)."""
+        if self.mailbox is None:
+            raise RpcFailed(grpc.StatusCode.INTERNAL, "FetchKV sent a local layer to a fetch without a mailbox")
+        try:
+            if self.asm is None:
+                self.asm = LocalLayers(self.mailbox, part, self.whole)
+            assert isinstance(self.asm, LocalLayers), "FetchKV mixed local and byte layers"
+            layer, arr, scales = self.asm.add(part)
+        except (ValueError, AssertionError) as e:
+            raise RpcFailed(grpc.StatusCode.INTERNAL, f"malformed FetchKV stream: {e}") from None
+        return None if arr is None else (layer, arr, scales)
+
     def _finish(self, done: dpb.FetchKVDone) -> None:
         if self.asm is None or not self.asm.done or self.digest is None:
             raise RpcFailed(grpc.StatusCode.INTERNAL, "FetchKVDone before the last layer")
+        if isinstance(self.asm, LocalLayers):  # NOTE: its digest is over the sealed memfd's final bytes
+            try:
+                out = self.asm.finish(self.digest)
+            except (ValueError, OSError) as e:
+                raise RpcFailed(grpc.StatusCode.DATA_LOSS, f"local fetch: {e}") from None
+            if self.whole:
+                self.out = out
+                if self.asm.scales and self.asm.scales[0] is not None:
+                    self.scales = np.stack(self.asm.scales)  # type: ignore[arg-type]  # FP8: every layer has its two
         if (self.digest.digest(), self.digest.raw_bytes) != (bytes(done.raw_digest), done.raw_bytes):
             raise RpcFailed(grpc.StatusCode.DATA_LOSS, "the fetched KV does not match the encoder's "
                                                        "whole-transfer digest")
@@ -310,6 +338,11 @@ class _Collector:
         if scales is not None:
             assert self.scales is not None  # an FP8 transfer: allocated with its first layer
             self.scales[layer] = scales
+
+    def close(self) -> None:
+        """A local fetch's fd, if it is still open (the call failed or stopped early)."""
+        if isinstance(self.asm, LocalLayers):
+            self.asm.close()
 
     def check_done(self) -> None:
         if self.asm is None or not self.asm.done:
@@ -334,7 +367,8 @@ def to_torch(bits: np.ndarray) -> "torch.Tensor":
 
 
 def fetch_request(request_id: str, wait: float | None, verified_only: bool, model_id: str = "",
-                  heads: HeadRange | None = None, tokens: tuple[int, int] | None = None) -> dpb.FetchKVRequest:
+                  heads: HeadRange | None = None, tokens: tuple[int, int] | None = None,
+                  mailbox: str = "") -> dpb.FetchKVRequest:
     start, stop = tokens or (0, 0)
     if not 0 <= start <= stop:
         raise ValueError(f"tokens must be (start, stop) with 0 <= start <= stop, not {tokens}")
@@ -342,4 +376,5 @@ def fetch_request(request_id: str, wait: float | None, verified_only: bool, mode
         raise ValueError("tokens: an empty range (FetchKVRequest.token_count 0 means to the end)")
     return dpb.FetchKVRequest(request_id=request_id, wait_timeout_ms=int((wait or 0) * 1000),
                               verified_only=verified_only, digest=FETCH_DIGEST, model_id=model_id,
-                              heads=heads_msg(heads), token_start=start, token_count=stop - start)
+                              heads=heads_msg(heads), token_start=start, token_count=stop - start,
+                              local_mailbox=mailbox)

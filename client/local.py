@@ -17,9 +17,11 @@ limits); a socket that cannot be reached raises UNAVAILABLE.
 from __future__ import annotations
 
 import fcntl
+import mmap
 import os
 import socket
 import threading
+import time
 from typing import Any, Iterator, Sequence
 
 import grpc
@@ -42,14 +44,7 @@ class LocalHandoff:
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            sock.settimeout(self.timeout)
-            try:
-                sock.connect(self.path)
-            except OSError as e:
-                sock.close()
-                raise RpcFailed(grpc.StatusCode.UNAVAILABLE, f"local socket {self.path}: {e}", UNREACHABLE) from None
-            self._sock = sock
+            self._sock = _connect(self.path, self.timeout)
         return self._sock
 
     def share(self, buffers: Sequence[Any]) -> tuple[str, int]:
@@ -131,4 +126,181 @@ def _stream(header: epb.SubmitRequest, layers: Iterator[epb.SubmitRequest]) -> I
     yield from layers
 
 
-__all__ = ["LocalHandoff", "local_submit_requests", "local_layers", "memfd_with"]
+
+
+# -- the decoder side: a mailbox for local fetches (FetchKVRequest.local_mailbox) --------
+
+class LocalMailbox:
+    """One connection to a decoder's local socket, holding a mailbox: the memfds of this
+    client's local fetches arrive on it, one datagram each (``speckv/handoff.py``). Several
+    fetches may share it (each takes its own memfd by id); a memfd no fetch took within
+    ``STALE_S`` (its fetch failed first) is closed."""
+
+    STALE_S = 60.0
+
+    def __init__(self, path: str, timeout: float = 10.0) -> None:
+        self.path, self.timeout = path, timeout
+        self._sock: socket.socket | None = None
+        self._token = ""
+        self._lock = threading.Lock()
+        self._stash: dict[str, tuple[int, int, float]] = {}  # memfd id -> (fd, bytes, when it came)
+
+    def token(self) -> str:
+        """The mailbox's token (connected and asked for on first use, again after a failure)."""
+        with self._lock:
+            if self._sock is None:
+                sock = _connect(self.path, self.timeout)
+                try:
+                    sock.send(proto.encode({"v": proto.VERSION, "mailbox": True}))
+                    reply = proto.decode(sock.recv(proto.MAX_DATAGRAM) or b"{}")
+                except (OSError, ValueError) as e:
+                    sock.close()
+                    raise RpcFailed(grpc.StatusCode.UNAVAILABLE, f"local socket {self.path}: {e}",
+                                    UNREACHABLE) from None
+                if "mailbox" not in reply:
+                    sock.close()
+                    raise _refused(reply, self.path)
+                self._sock, self._token = sock, str(reply["mailbox"])
+            return self._token
+
+    def take(self, memfd_id: str, size: int) -> int:
+        """The fd of memfd ``memfd_id`` (the caller closes it), waiting up to ``timeout`` for it;
+        UNAVAILABLE when the connection ends, INTERNAL when its size is not ``size``."""
+        deadline = time.monotonic() + self.timeout
+        with self._lock:
+            while memfd_id not in self._stash:
+                self._receive(deadline)
+            fd, n, _ = self._stash.pop(memfd_id)
+        if n != size or os.fstat(fd).st_size != size:
+            os.close(fd)
+            raise RpcFailed(grpc.StatusCode.INTERNAL, f"local memfd {memfd_id}: {n} bytes declared, "
+                            f"{size} expected")
+        return fd
+
+    def _receive(self, deadline: float) -> None:
+        sock = self._sock
+        if sock is None:
+            raise RpcFailed(grpc.StatusCode.UNAVAILABLE, f"local socket {self.path}: not connected", UNREACHABLE)
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        try:
+            data, fds, _flags, _ = socket.recv_fds(sock, proto.MAX_DATAGRAM, 4, socket.MSG_CMSG_CLOEXEC)
+        except OSError as e:
+            self._reset()
+            raise RpcFailed(grpc.StatusCode.UNAVAILABLE, f"local socket {self.path}: {e}", UNREACHABLE) from None
+        try:
+            msg = proto.decode(data) if data else {}
+            key, n = str(msg["memfd"]), int(msg["bytes"])
+        except (ValueError, KeyError, TypeError):
+            for fd in fds:
+                os.close(fd)
+            self._reset()
+            what = "sent a malformed datagram" if data else "closed the mailbox"
+            raise RpcFailed(grpc.StatusCode.UNAVAILABLE, f"local socket {self.path} {what}", UNREACHABLE) from None
+        for fd in fds[1:]:
+            os.close(fd)
+        now = time.monotonic()
+        for old in [k for k, (_, _, t) in self._stash.items() if now - t > self.STALE_S]:
+            os.close(self._stash.pop(old)[0])
+        if fds:
+            self._stash[key] = (fds[0], n, now)
+
+    def _reset(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock, self._token = None, ""
+
+    def close(self) -> None:
+        with self._lock:
+            self._reset()
+            for fd, _, _ in self._stash.values():
+                os.close(fd)
+            self._stash.clear()
+
+
+def _connect(path: str, timeout: float) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(path)
+    except OSError as e:
+        sock.close()
+        raise RpcFailed(grpc.StatusCode.UNAVAILABLE, f"local socket {path}: {e}", UNREACHABLE) from None
+    return sock
+
+
+def _refused(reply: dict[str, Any], path: str) -> RpcFailed:
+    if "code" not in reply:
+        return RpcFailed(grpc.StatusCode.UNAVAILABLE, f"local socket {path} closed the connection", UNREACHABLE)
+    return RpcFailed(getattr(grpc.StatusCode, str(reply["code"]), grpc.StatusCode.UNKNOWN),
+                     f"local socket {path} refused: {reply.get('message', '')}", str(reply.get("reason", "")))
+
+
+class LocalLayers:
+    """A local fetch's layers, read where the decoder wrote them: the memfd its mailbox
+    received. Streamed (``whole`` False), each layer is a read-only view of a shared
+    mapping; ``whole``, nothing is mapped until ``finish``, which maps it private and
+    writable (copy on write: nothing is copied unless the caller writes). Either way the
+    whole-transfer digest is computed in ``finish``, after the memfd's seals are checked,
+    over the bytes the caller keeps."""
+
+    def __init__(self, mailbox: LocalMailbox, part: Any, whole: bool) -> None:
+        from speckv.wire import dtype_of, shape_of
+
+        self.shape, self.dtype, self.whole = shape_of(part.shape), part.dtype, whole
+        self.dt = dtype_of(part.dtype)[1]
+        self.id, self.size = part.memfd_id, int(part.memfd_bytes)
+        self.layer_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dt.itemsize
+        if self.size != self.shape[0] * self.layer_bytes:
+            raise ValueError(f"a memfd of {self.size} bytes for KV of shape {self.shape}")
+        self.fd = mailbox.take(self.id, self.size)
+        self.mm = None if whole or not self.size else mmap.mmap(
+            self.fd, self.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+        self.next = 0
+        self.scales: list[np.ndarray | None] = []
+
+    @property
+    def done(self) -> bool:
+        return self.next == self.shape[0]
+
+    def add(self, part: Any) -> tuple[int, np.ndarray | None, np.ndarray | None]:
+        """Layer ``part.layer`` (in order): its view (None when ``whole``) and scales."""
+        from speckv.wire import shape_of
+
+        i = self.next
+        if (part.memfd_id, part.layer, part.dtype, shape_of(part.shape)) != (self.id, i, self.dtype, self.shape) or \
+                (part.byte_offset, part.layer_bytes) != (i * self.layer_bytes, self.layer_bytes):
+            raise ValueError(f"local layer {part.layer} does not follow layer {i - 1} of memfd {self.id}")
+        scales = np.asarray(part.fp8_scales, np.float32) if len(part.fp8_scales) else None
+        if (scales is None) != (self.dt.itemsize == 2) or (scales is not None and scales.shape != (2,)):
+            raise ValueError(f"local layer {i}: {len(part.fp8_scales)} FP8 scales for a {self.dt} layer")
+        self.scales.append(scales)
+        self.next += 1
+        return i, None if self.whole else self._view(self.mm)[i], scales
+
+    def _view(self, mm: mmap.mmap | None) -> np.ndarray:
+        if mm is None:
+            return np.empty(self.shape, self.dt)  # NOTE: no bytes at all (an empty memfd cannot be mapped)
+        return np.frombuffer(mm, self.dt).reshape(self.shape)
+
+    def finish(self, digest: Any) -> np.ndarray:
+        """After the last layer: ValueError unless the memfd is sealed against every change;
+        the whole-transfer digest updated over the final bytes; the whole KV."""
+        seals = fcntl.fcntl(self.fd, fcntl.F_GET_SEALS)
+        if proto.ALL_SEALS & ~seals:
+            raise ValueError(f"the decoder did not seal memfd {self.id} (seals {seals:#x})")
+        mm = self.mm if not self.whole or not self.size else mmap.mmap(
+            self.fd, self.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        out = self._view(mm)
+        for i in range(self.shape[0]):
+            digest.update_layer(out[i], self.scales[i])
+        self.close()
+        return out
+
+    def close(self) -> None:
+        """The fd goes; mappings stay as long as the arrays over them."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+__all__ = ["LocalHandoff", "LocalLayers", "LocalMailbox", "local_submit_requests", "local_layers", "memfd_with"]

@@ -66,8 +66,9 @@ class Sidecar:
 
     async def start(self) -> None:
         await self.server.start()
-        if isinstance(self.service, EncoderService) and self.service.handoffs is not None:
-            self.service.handoffs.start()
+        local = self.service.handoffs if isinstance(self.service, EncoderService) else self.service.mailboxes
+        if local is not None:
+            local.start()  # the local socket: memfd hand-offs (encoder) or fetch mailboxes (decoder)
         if self.health_server is not None:
             await self.health_server.start()
         if self.config.metrics_port >= 0:
@@ -101,8 +102,7 @@ class Sidecar:
                 await self.health_server.stop(0)
             if self._reaper is not None:
                 self._reaper.cancel()
-            if isinstance(self.service, EncoderService):
-                await self.service.close()  # NOTE: its local hand-off socket too
+            await self.service.close()  # NOTE: its local socket too
             self.metrics.stop_http()
         except Exception:
             logger.exception("%s: error while stopping", self.config.role)

@@ -62,7 +62,8 @@ class ServerConfig:
     health_listen: str | None = None  # extra plaintext health-only port (probes while mTLS is on)
     allow: str | None = None  # per-RPC allow-list of client certificate names (server/auth.py), needs mTLS
     max_transfers_per_peer: int = 16  # concurrent transfers from one client host
-    local_socket: str | None = None  # encoder: Unix socket for sealed-memfd KV hand-offs (server/handoff.py)
+    local_socket: str | None = None  # Unix socket for engines on this host: the encoder's sealed-memfd KV
+    # hand-offs (server/handoff.py), the decoder's local fetches (server/mailbox.py)
     local_uids: str | None = None  # uids allowed on local_socket (SO_PEERCRED); None = this process's uid
     local_handle_ttl_s: float = 30.0  # a handed-off memfd no Submit claimed is closed after this
     local_max_handles: int = 256  # memfds mapped at once (each holds one fd)
@@ -109,7 +110,7 @@ class ServerConfig:
         if self.health_listen is not None and ":" not in self.health_listen:
             raise ValueError(f"health_listen must be HOST:PORT, not {self.health_listen!r}")
         if self.local_uids is not None:
-            from .handoff import parse_uids
+            from .local_socket import parse_uids
 
             parse_uids(self.local_uids)  # ValueError names the bad value
         if self.local_max_handles < 1:
@@ -194,8 +195,8 @@ FIELDS = (
     _field("health_listen", _opt_str, "extra plaintext health-only HOST:PORT (probes under mTLS)"),
     _field("allow", _opt_str, "per-RPC allow-list of client cert names: RPC=ID,ID;RPC=ID (needs mTLS)"),
     _field("max_transfers_per_peer", int, "concurrent transfers from one client host"),
-    _field("local_socket", _opt_str, "encoder: Unix socket path for sealed-memfd KV hand-offs from engines on "
-                                     "this host (off when unset)"),
+    _field("local_socket", _opt_str, "Unix socket path for engines on this host (off when unset): the encoder "
+                                     "takes their KV as sealed memfds, the decoder hands it out as memfds"),
     _field("local_uids", _opt_str, "uids allowed on local_socket, comma-separated (default: the sidecar's own)"),
     _field("local_handle_ttl_s", float, "seconds a handed-off memfd waits for its Submit before it is closed"),
     _field("local_max_handles", int, "handed-off memfds mapped at once"),

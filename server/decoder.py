@@ -44,6 +44,8 @@ from .config import ServerConfig
 from .fetch import FetchService
 from .inbox import await_or_fail, events, mu_checks
 from .layer_mu import LayerMu
+from .local_socket import parse_uids
+from .mailbox import Mailboxes
 from .metrics import Metrics
 from .mu_cache import MuCache
 from .runtime import Runtime
@@ -59,6 +61,12 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
         self._fallback_peers: set[str] = set()
         self.allow = parse_allow(config.allow)
         self.mu_cache = MuCache(config.mu_cache_bytes)
+        self.mailboxes = None if config.local_socket is None else Mailboxes(
+            config.local_socket, parse_uids(config.local_uids))  # local fetches (server/mailbox.py)
+
+    async def close(self) -> None:
+        if self.mailboxes is not None:
+            self.mailboxes.stop()
 
     # -- Transfer -----------------------------------------------------------
     async def Transfer(self, request_iterator: AsyncIterator[dpb.TransferRequest],

@@ -20,11 +20,13 @@ from speckv import frames, logs
 from speckv.digests import ALGORITHMS, BLAKE2B_128, KVDigest
 from speckv.errors import RpcError
 from speckv.status import abort, in_band, to_status
+from speckv.v1 import common_pb2 as pb
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.wire import heads_of, kv_shape, layer_frames
 
 from . import tracing
 from .auth import authorize
+from .mailbox import LocalKV, Mailboxes
 from .replies import MODEL_MISMATCH
 from .transfers import DecoderTransfer, S
 
@@ -45,6 +47,7 @@ class FetchService:
     metrics: "Metrics"
     budget: "ByteBudget"
     allow: dict[str, frozenset[str]]
+    mailboxes: "Mailboxes | None"
 
     def _gauges(self) -> None:  # pragma: no cover -- DecoderService's
         raise NotImplementedError
@@ -56,8 +59,10 @@ class FetchService:
         wait = request.wait_timeout_ms / 1000 if request.wait_timeout_ms else self.config.fetch_wait_s
         t0 = time.perf_counter()
         pieces: list[Piece] = []
+        local: _LocalOut | None = None
         span = tracing.start("speckv.decoder.FetchKV", context, request_id=request.request_id)
         try:
+            local = _LocalOut(self.mailboxes, request.local_mailbox) if request.local_mailbox else None
             algorithm = request.digest or BLAKE2B_128  # NOTE: unset: a client before FetchKVRequest.digest
             if algorithm not in ALGORITHMS:
                 raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown digest algorithm {request.digest}")
@@ -76,10 +81,12 @@ class FetchService:
             one = pieces[0][0]
             whole = len(pieces) == 1 and pieces[0][1] is None and toks is None
             handed = None if whole and algorithm == one.digest.algorithm else KVDigest(algorithm)
-            async for frame in self._layers(pieces, wait, t0, handed, toks):
+            async for frame in self._layers(pieces, wait, t0, handed, toks, local):
                 yield frame
             for t, _ in pieces:
                 digest = await t.wait_final(max(wait, self.config.lease_s))
+            if local is not None:
+                local.seal()  # NOTE: before FetchKVDone: the client verifies bytes no one can change
             raw = one.digest.raw_bytes if handed is None else handed.raw_bytes
             yield dpb.FetchKVResponse(done=dpb.FetchKVDone(raw_digest=digest if handed is None else handed.digest(),
                                                            raw_bytes=raw), digest=algorithm)
@@ -107,6 +114,8 @@ class FetchService:
                 raise
             await abort(context, e)
         finally:
+            if local is not None:
+                local.close()
             self._gauges()  # a fetched or cancelled transfer is no longer in flight
 
     def _check_pieces(self, request: dpb.FetchKVRequest, found: list[Piece]) -> None:
@@ -142,9 +151,10 @@ class FetchService:
                            f"{self.budget.limit}" + ("" if request.verified_only else ": fetch each range alone"))
 
     async def _layers(self, pieces: list[Piece], wait: float, t0: float, handed: KVDigest | None,
-                      toks: slice | None) -> AsyncIterator[bytes]:
+                      toks: slice | None, local: "_LocalOut | None") -> AsyncIterator["bytes | dpb.FetchKVResponse"]:
         """Each layer as pre-serialised FetchKVResponses (``speckv.frames``), in order: the
-        pieces' heads side by side, tokens ``toks`` (None: all)."""
+        pieces' heads side by side, tokens ``toks`` (None: all); ``local``: written into its
+        memfd instead, one LocalFetchLayer each."""
         one = pieces[0][0]
         algorithm = one.digest.algorithm if handed is None else handed.algorithm
         tail = dpb.FetchKVResponse(digest=algorithm)  # NOTE: FetchKVResponse.layer is field 1, digest 3
@@ -165,8 +175,11 @@ class FetchService:
             assert dtype is not None  # set at layer 0
             if handed is not None:
                 handed.update_layer(arr, scales)
-            for p in layer_frames(layer, arr, dtype, hdr_shape, self.config.message_bytes, scales):
-                yield frames.join(frames.submessage(1, p, tail))
+            if local is not None:
+                yield local.layer(layer, arr, dtype, hdr_shape, scales, algorithm)
+            else:
+                for p in layer_frames(layer, arr, dtype, hdr_shape, self.config.message_bytes, scales):
+                    yield frames.join(frames.submessage(1, p, tail))
             for (t, _), (_, _, freed) in zip(pieces, got, strict=True):
                 t.holding.release(freed)
 
@@ -204,3 +217,35 @@ def _bytes_of(t: DecoderTransfer, part: slice | None) -> int:
 def _same_scales(a: np.ndarray | None, b: np.ndarray | None) -> bool:
     return (a is None) == (b is None) and (a is None or bytes(np.asarray(a, np.float32)) == bytes(
         np.asarray(b, np.float32)))
+
+
+class _LocalOut:
+    """A local fetch's memfd (``mailbox.LocalKV``): made and sent to the mailbox with the
+    first layer, every layer of the same shape after it."""
+
+    def __init__(self, mailboxes: "Mailboxes | None", token: str) -> None:
+        if mailboxes is None:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "FetchKVRequest.local_mailbox needs a decoder with a "
+                           "local socket (local_socket)")
+        mailboxes.check(token)
+        self.mailboxes, self.token = mailboxes, token
+        self.kv: LocalKV | None = None
+
+    def layer(self, index: int, arr: np.ndarray, dtype: int, shape: pb.KVShape, scales: np.ndarray | None,
+              algorithm: int) -> dpb.FetchKVResponse:
+        if self.kv is None:  # NOTE: layer 0 comes first, and every layer has its shape
+            self.kv = LocalKV(shape.layers * arr.nbytes)
+            self.mailboxes.send(self.token, self.kv.fd, self.kv.id, self.kv.size)
+        self.kv.write(index * arr.nbytes, arr)
+        sp = [] if scales is None else [float(v) for v in np.asarray(scales, np.float32).ravel()]
+        return dpb.FetchKVResponse(local_layer=dpb.LocalFetchLayer(
+            memfd_id=self.kv.id, memfd_bytes=self.kv.size, layer=index, dtype=dtype, shape=shape,
+            byte_offset=index * arr.nbytes, layer_bytes=arr.nbytes, fp8_scales=sp), digest=algorithm)
+
+    def seal(self) -> None:
+        if self.kv is not None:
+            self.kv.seal()
+
+    def close(self) -> None:
+        if self.kv is not None:
+            self.kv.close()

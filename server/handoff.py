@@ -26,10 +26,8 @@ import logging
 import mmap
 import os
 import secrets
-import selectors
 import socket
 import stat
-import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -39,16 +37,12 @@ import grpc
 from speckv import handoff as proto
 from speckv.errors import RpcError
 
+from .local_socket import LocalListener, Refused, parse_uids
+
+__all__ = ["Handoffs", "Mapping", "Refused", "check_fd", "parse_uids"]
+
 logger = logging.getLogger(__name__)
 UNKNOWN_HANDLE = "LOCAL_HANDLE_UNKNOWN"
-
-
-class Refused(Exception):
-    """A hand-off refused: the reply's code, reason and message."""
-
-    def __init__(self, code: str, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.code, self.reason, self.message = code, reason, message
 
 
 @dataclass
@@ -74,31 +68,18 @@ class Mapping:
             logger.debug("local handle %s: views alive, unmapped by the garbage collector", self.handle[:8])
 
 
-def parse_uids(text: str | None) -> frozenset[int]:
-    """``"1000,10001"`` -> the uids allowed to hand off; None or empty: this process's uid."""
-    if not text:
-        return frozenset({os.getuid()})
-    try:
-        uids = frozenset(int(u) for u in text.split(",") if u.strip())
-    except ValueError:
-        raise ValueError(f"local_uids must be comma-separated uids, not {text!r}") from None
-    if not uids or min(uids) < 0:
-        raise ValueError(f"local_uids must be comma-separated uids, not {text!r}")
-    return uids
-
-
-class Handoffs:
+class Handoffs(LocalListener):
     """The Unix socket, its thread, and the handles it gave out."""
 
+    what = "local hand-off"
+    denied_as = "hand KV to this encoder"
+
     def __init__(self, path: str, uids: frozenset[int], ttl_s: float, max_handles: int, max_bytes: int) -> None:
-        self.path, self.uids, self.ttl_s = path, uids, ttl_s
-        self.max_handles, self.max_bytes = max_handles, max_bytes
+        super().__init__(path, uids)
+        self.ttl_s, self.max_handles, self.max_bytes = ttl_s, max_handles, max_bytes
         self._lock = threading.Lock()
         self._maps: dict[str, Mapping] = {}
         self._mapped = 0
-        self._sock: socket.socket | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     @property
     def mapped_bytes(self) -> int:
@@ -108,28 +89,8 @@ class Handoffs:
     def handles(self) -> int:
         return len(self._maps)
 
-    def start(self) -> None:
-        if os.path.exists(self.path) and stat.S_ISSOCK(os.stat(self.path).st_mode):
-            os.unlink(self.path)  # a previous sidecar's socket (a file of another kind is an error below)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        sock.bind(self.path)
-        # NOTE: anyone may connect; SO_PEERCRED against local_uids is the access check
-        os.chmod(self.path, 0o666)
-        sock.listen(64)
-        sock.setblocking(False)
-        self._sock = sock
-        self._thread = threading.Thread(target=self._serve, daemon=True, name="speckv-handoff")
-        self._thread.start()
-        logger.info("local hand-off on %s (uids %s)", self.path, sorted(self.uids))
-
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        if self._sock is not None:
-            self._sock.close()
-            if os.path.exists(self.path):
-                os.unlink(self.path)
+        super().stop()
         with self._lock:
             for m in self._maps.values():
                 m.close()
@@ -138,63 +99,11 @@ class Handoffs:
 
     # -- the socket thread ------------------------------------------------------
 
-    def _serve(self) -> None:
-        assert self._sock is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self._sock, selectors.EVENT_READ)
-        try:
-            while not self._stop.is_set():
-                for key, _ in sel.select(timeout=0.5):
-                    if key.fileobj is self._sock:
-                        self._accept(sel)
-                    elif not self._datagram(key.fileobj, key.data):  # type: ignore[arg-type]
-                        sel.unregister(key.fileobj)
-                        key.fileobj.close()  # type: ignore[union-attr]
-                self.expire()
-        finally:
-            for key in list(sel.get_map().values()):
-                if key.fileobj is not self._sock:
-                    key.fileobj.close()  # type: ignore[union-attr]
-            sel.close()
+    def handle(self, conn: socket.socket, data: bytes, fds: list[int]) -> tuple[bytes, bool]:
+        return self._register(data, fds), True
 
-    def _accept(self, sel: selectors.BaseSelector) -> None:
-        assert self._sock is not None
-        try:
-            conn, _ = self._sock.accept()
-        except BlockingIOError:
-            return
-        pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-        denied = None
-        if uid not in self.uids:
-            logger.warning("local hand-off: refused pid %d uid %d (allowed: %s)", pid, uid, sorted(self.uids))
-            # NOTE: the refusal answers the peer's first datagram (its fds closed unread): sent at
-            # once and closed, the peer's own send could meet a reset connection, not the reason
-            denied = proto.refusal("PERMISSION_DENIED", proto.PEER_DENIED,
-                                   f"uid {uid} may not hand KV to this encoder (local_uids)")
-        conn.setblocking(False)
-        sel.register(conn, selectors.EVENT_READ, denied)
-
-    def _datagram(self, conn: socket.socket, denied: bytes | None) -> bool:
-        """Serve one hand-off; False when the connection is done (closed or refused)."""
-        try:
-            data, fds, _flags, _ = socket.recv_fds(conn, proto.MAX_DATAGRAM, 4, socket.MSG_CMSG_CLOEXEC)
-        except BlockingIOError:
-            return True
-        except OSError:
-            return False
-        if not data and not fds:
-            return False  # the client closed
-        try:
-            if denied is not None:
-                raise Refused("PERMISSION_DENIED", proto.PEER_DENIED, "")
-            reply = self._register(data, fds)
-            ok = True
-        except Refused as e:
-            reply, ok = denied or proto.refusal(e.code, e.reason, e.message), False
-        finally:
-            for fd in fds:
-                os.close(fd)  # NOTE: the mapping holds its own reference
-        return _send(conn, reply) and ok
+    def tick(self) -> None:
+        self.expire()
 
     def _register(self, data: bytes, fds: list[int]) -> bytes:
         try:
@@ -273,14 +182,3 @@ def fcntl_seals(fd: int) -> int:
     import fcntl
 
     return fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-
-
-def _send(conn: socket.socket, reply: bytes) -> bool:
-    try:
-        conn.setblocking(True)
-        conn.settimeout(1.0)  # NOTE: a client that does not read cannot stall the thread for long
-        conn.send(reply)
-        conn.setblocking(False)
-        return True
-    except OSError:
-        return False

@@ -13,6 +13,15 @@ sending the bytes. Both directions are one small JSON object per datagram:
   ``{"code": "PERMISSION_DENIED", "reason": "LOCAL_PEER_DENIED", "message": "..."}``
   (``code``: a gRPC status code name), after which the encoder closes the connection.
 
+The decoder's local socket runs the other direction, for an engine that fetches
+(``FetchKVRequest.local_mailbox``): the client connects, asks for a mailbox and
+keeps the connection; each local fetch's memfd then comes to it as one datagram:
+
+* request: ``{"v": 1, "mailbox": true}`` (no fd); reply: ``{"mailbox": "..."}``
+  (the token the FetchKV names) or a refusal as above;
+* then, per local fetch: ``{"memfd": "<id>", "bytes": N}`` with exactly one fd,
+  the id that fetch's ``LocalFetchLayer.memfd_id`` names.
+
 Imports nothing of the client or the server (both use it).
 """
 
@@ -33,6 +42,8 @@ PEER_DENIED = "LOCAL_PEER_DENIED"
 UNSEALED = "LOCAL_FD_UNSEALED"
 BAD_REQUEST = "LOCAL_BAD_REQUEST"
 OVER_LIMIT = "LOCAL_OVER_LIMIT"
+MAILBOX_UNKNOWN = "LOCAL_MAILBOX_UNKNOWN"
+MAILBOX_GONE = "LOCAL_MAILBOX_GONE"
 
 
 def encode(obj: dict[str, Any]) -> bytes:

@@ -140,7 +140,7 @@ class TransferResponse(_message.Message):
     def __init__(self, chunk_ack: _Optional[_Union[ChunkAck, _Mapping]] = ..., result: _Optional[_Union[TransferResult, _Mapping]] = ..., predictor: _Optional[_Union[PredictorCheck, _Mapping]] = ...) -> None: ...
 
 class FetchKVRequest(_message.Message):
-    __slots__ = ("request_id", "wait_timeout_ms", "verified_only", "digest", "model_id", "heads", "token_start", "token_count")
+    __slots__ = ("request_id", "wait_timeout_ms", "verified_only", "digest", "model_id", "heads", "token_start", "token_count", "local_mailbox")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WAIT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_ONLY_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +149,7 @@ class FetchKVRequest(_message.Message):
     HEADS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_START_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_MAILBOX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     wait_timeout_ms: int
     verified_only: bool
@@ -157,7 +158,28 @@ class FetchKVRequest(_message.Message):
     heads: _common_pb2.HeadRange
     token_start: int
     token_count: int
-    def __init__(self, request_id: _Optional[str] = ..., wait_timeout_ms: _Optional[int] = ..., verified_only: _Optional[bool] = ..., digest: _Optional[_Union[_common_pb2.DigestAlgorithm, str]] = ..., model_id: _Optional[str] = ..., heads: _Optional[_Union[_common_pb2.HeadRange, _Mapping]] = ..., token_start: _Optional[int] = ..., token_count: _Optional[int] = ...) -> None: ...
+    local_mailbox: str
+    def __init__(self, request_id: _Optional[str] = ..., wait_timeout_ms: _Optional[int] = ..., verified_only: _Optional[bool] = ..., digest: _Optional[_Union[_common_pb2.DigestAlgorithm, str]] = ..., model_id: _Optional[str] = ..., heads: _Optional[_Union[_common_pb2.HeadRange, _Mapping]] = ..., token_start: _Optional[int] = ..., token_count: _Optional[int] = ..., local_mailbox: _Optional[str] = ...) -> None: ...
+
+class LocalFetchLayer(_message.Message):
+    __slots__ = ("memfd_id", "memfd_bytes", "layer", "dtype", "shape", "byte_offset", "layer_bytes", "fp8_scales")
+    MEMFD_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMFD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    BYTE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FP8_SCALES_FIELD_NUMBER: _ClassVar[int]
+    memfd_id: str
+    memfd_bytes: int
+    layer: int
+    dtype: _common_pb2.Dtype
+    shape: _common_pb2.KVShape
+    byte_offset: int
+    layer_bytes: int
+    fp8_scales: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, memfd_id: _Optional[str] = ..., memfd_bytes: _Optional[int] = ..., layer: _Optional[int] = ..., dtype: _Optional[_Union[_common_pb2.Dtype, str]] = ..., shape: _Optional[_Union[_common_pb2.KVShape, _Mapping]] = ..., byte_offset: _Optional[int] = ..., layer_bytes: _Optional[int] = ..., fp8_scales: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class FetchKVDone(_message.Message):
     __slots__ = ("raw_digest", "raw_bytes")
@@ -168,14 +190,16 @@ class FetchKVDone(_message.Message):
     def __init__(self, raw_digest: _Optional[bytes] = ..., raw_bytes: _Optional[int] = ...) -> None: ...
 
 class FetchKVResponse(_message.Message):
-    __slots__ = ("layer", "done", "digest")
+    __slots__ = ("layer", "done", "local_layer", "digest")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_LAYER_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     layer: _common_pb2.KVLayer
     done: FetchKVDone
+    local_layer: LocalFetchLayer
     digest: _common_pb2.DigestAlgorithm
-    def __init__(self, layer: _Optional[_Union[_common_pb2.KVLayer, _Mapping]] = ..., done: _Optional[_Union[FetchKVDone, _Mapping]] = ..., digest: _Optional[_Union[_common_pb2.DigestAlgorithm, str]] = ...) -> None: ...
+    def __init__(self, layer: _Optional[_Union[_common_pb2.KVLayer, _Mapping]] = ..., done: _Optional[_Union[FetchKVDone, _Mapping]] = ..., local_layer: _Optional[_Union[LocalFetchLayer, _Mapping]] = ..., digest: _Optional[_Union[_common_pb2.DigestAlgorithm, str]] = ...) -> None: ...
 
 class TransferStatus(_message.Message):
     __slots__ = ("request_id", "state", "status", "chunks_received", "chunks_total", "chunks_decoded", "wire_bytes", "raw_bytes", "heads")
