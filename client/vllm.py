@@ -14,11 +14,13 @@ Enable it on both instances (the module is loaded by path, so vLLM needs no plug
                                "speckv_model_id": "SmolLM2-135M-Instruct"}}'
 
 (consumer only: ``speckv_fetch_wait_s``, how long a fetch waits for a transfer its decoder
-sidecar has not heard of yet; 30 s. Producer only: ``speckv_local_socket``, else the
-variable SPECKV_LOCAL_SOCKET, the encoder sidecar's local hand-off socket on this host:
-each layer then goes to the encoder as a sealed memfd (``speckv.client.local``), not as
-bytes on the Submit stream; a refused hand-off fails that request's submit like any
-other submit error: logged, counted in ``send_failed``, the decode side recomputes.)
+sidecar has not heard of yet; 30 s. ``speckv_local_socket``, else the variable
+SPECKV_LOCAL_SOCKET: the local socket of this engine's sidecar on this host. A producer
+hands each layer to the encoder as a sealed memfd (``speckv.client.local``), not as bytes
+on the Submit stream; a refused hand-off fails that request's submit like any other
+submit error: logged, counted in ``send_failed``, the decode side recomputes. A consumer
+(not also a producer) fetches each transfer from the decoder as one sealed memfd; a
+refused fetch fails like any other fetch.)
 
 The router's protocol is vLLM's own (``speckv.client.pd``): the prefill request carries
 ``kv_transfer_params={"do_remote_decode": true}``, and its output's kv_transfer_params
@@ -110,7 +112,7 @@ class SpeckvConnector(KVConnectorBase_V1):
         self.encoder_address = get("speckv_encoder_address", os.environ.get("SPECKV_ENCODER_ADDRESS"))
         self.decoder_address = get("speckv_decoder_address", os.environ.get("SPECKV_DECODER_ADDRESS"))
         default_decoder = get("speckv_decoder_service", os.environ.get("SPECKV_DECODER_SERVICE"))
-        self.local_socket = local_socket(get) if self.producer else None
+        self.local_socket = local_socket(get)
         if self.producer and not self.encoder_address:
             raise ValueError("SpeckvConnector as kv_producer needs speckv_encoder_address in kv_connector_extra_config")
         if self.consumer and not self.decoder_address:

@@ -47,7 +47,7 @@ class Settings(Protocol):
     consumer: bool
     encoder_address: str | None
     decoder_address: str | None
-    local_socket: str | None  # producer: the encoder's local hand-off socket (``local_socket``)
+    local_socket: str | None  # this engine's sidecar's local socket (``local_socket``), or None
     model_id: str
     encoding: str
     fetch_wait_s: float
@@ -61,10 +61,11 @@ def _credentials() -> grpc.ChannelCredentials | None:
 
 
 def local_socket(get: Callable[[str, Any], Any]) -> str | None:
-    """The encoder sidecar's local hand-off socket (``speckv.client.local``) for a producer,
-    from ``get`` (vLLM's ``get_from_extra_config``): the ``speckv_local_socket`` key of
-    kv_connector_extra_config, else SPECKV_LOCAL_SOCKET (the variable the encoder listens
-    by); neither, or empty: None, the KV goes as bytes on the Submit stream."""
+    """This engine's sidecar's local socket (``speckv.client.local``: the encoder's hand-off
+    for a producer, the decoder's local fetch for a consumer), from ``get`` (vLLM's
+    ``get_from_extra_config``): the ``speckv_local_socket`` key of kv_connector_extra_config,
+    else SPECKV_LOCAL_SOCKET (the variable the sidecar listens by); neither, or empty: None,
+    the KV goes as bytes on gRPC."""
     path = get("speckv_local_socket", os.environ.get("SPECKV_LOCAL_SOCKET"))
     return str(path) if path else None
 
@@ -90,7 +91,12 @@ class Worker:
                                      local_socket=conn.local_socket) if conn.producer else None
         if self.encoder is not None and conn.local_socket:
             logger.info("speckv: the KV goes to the encoder as sealed memfds through %s", conn.local_socket)
-        self.decoder = DecoderClient(str(conn.decoder_address), TIMEOUT_S, credentials=creds) if conn.consumer else None
+        # NOTE: an instance that is both producer and consumer has one local socket: its encoder's
+        fetch_socket = conn.local_socket if conn.consumer and not conn.producer else None
+        self.decoder = DecoderClient(str(conn.decoder_address), TIMEOUT_S, credentials=creds,
+                                     local_socket=fetch_socket) if conn.consumer else None
+        if fetch_socket:
+            logger.info("speckv: the KV comes from the decoder as sealed memfds through %s", fetch_socket)
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="speckv-fetch") if conn.consumer else None
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:

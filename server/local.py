@@ -25,10 +25,13 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class LocalPair:
-    """A started decoder + encoder pair; ``**overrides`` apply to both configs."""
+    """A started decoder + encoder pair; ``**overrides`` apply to both configs, ``decoder``
+    and ``encoder`` to one (e.g. each its own ``local_socket``)."""
 
-    def __init__(self, predictor: "Predictor", metrics: bool = True, **overrides: Any) -> None:
+    def __init__(self, predictor: "Predictor", metrics: bool = True, decoder: dict | None = None,
+                 encoder: dict | None = None, **overrides: Any) -> None:
         self.predictor, self.overrides = predictor, overrides
+        self.role_overrides = {"decoder": decoder or {}, "encoder": encoder or {}}
         self.metrics = metrics
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="speckv-local")
@@ -40,7 +43,8 @@ class LocalPair:
     def start(self) -> "LocalPair":
         self.thread.start()
         for role in ("decoder", "encoder"):
-            config = ServerConfig(role=role, metrics_port=0 if self.metrics else -1, **self.overrides)
+            config = ServerConfig(role=role, metrics_port=0 if self.metrics else -1,
+                                  **{**self.overrides, **self.role_overrides[role]})
             runtime = Runtime.from_predictor(self.predictor, config)
             runtime.codec.warm()  # the reference's context table, if it is the path
 

@@ -271,3 +271,22 @@ def test_refused_hand_off_fails_the_submit(vw, handoffs, tmp_path, caplog, refus
     w.save_layer(plan, LAYERS[1], kv[1])  # the next layer: nothing more for that request
     assert w.stats.data["send_failed"] == 1
     w.close()
+
+
+@pytest.mark.parametrize(("producer", "consumer"), [(False, True), (True, True)])
+def test_consumer_fetches_through_the_socket(vw, producer, consumer):
+    """A consumer's decoder client fetches through the sidecar's socket (a mailbox, opened on first
+    fetch); an instance that is both producer and consumer keeps its one socket for its encoder."""
+    conn = SimpleNamespace(_vllm_config=None, block_size=16, producer=producer, consumer=consumer,
+                           encoder_address="127.0.0.1:9", decoder_address="127.0.0.1:9",
+                           local_socket="/run/kv/sidecar.sock", model_id="SmolLM2-135M-Instruct",
+                           encoding="stored", fetch_wait_s=1.0, head_range=None)
+    w = vw.Worker(conn)
+    try:
+        mailbox = w.decoder.mailbox
+        assert (mailbox.path if mailbox is not None else None) == (None if producer else "/run/kv/sidecar.sock")
+        assert (w.encoder is not None) == producer
+    finally:
+        w.decoder.close()
+        if w.encoder is not None:
+            w.encoder.close()

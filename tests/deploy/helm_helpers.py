@@ -285,10 +285,10 @@ def expected_kv_transfer_config(values: dict[str, Any], role: str) -> dict[str, 
     if role == "encoder":
         chart |= {"speckv_encoder_address": local,
                   "speckv_decoder_service": f"{RELEASE}-decode.{NAMESPACE}.svc:{grpc}"}
-        if vl["localHandoff"]["enabled"]:  # the encoder sidecar's hand-off socket, in the shared dir
-            chart |= {"speckv_local_socket": f"{vl['localHandoff']['dir']}/encoder.sock"}
     else:
         chart |= {"speckv_decoder_address": local}
+    if vl["localHandoff"]["enabled"]:  # the sidecar's local socket (hand-off or fetch), in the shared dir
+        chart |= {"speckv_local_socket": f"{vl['localHandoff']['dir']}/{role}.sock"}
     kv = {"kv_connector": vl["kvConnector"],
           "kv_role": {"encoder": "kv_producer", "decoder": "kv_consumer"}[role],
           "kv_load_failure_policy": "recompute",

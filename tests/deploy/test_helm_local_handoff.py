@@ -1,11 +1,12 @@
 """The chart's local KV hand-off option (vllm.localHandoff, mode: sidecar): off by default;
-on, the prefill pod gets a memory emptyDir mounted at the same directory in the vLLM
-container and the encoder sidecar, the sidecar SPECKV_LOCAL_SOCKET (and SPECKV_LOCAL_UIDS
-when set), and the vLLM container the same socket path as the connector's speckv_local_socket
-(kv_connector_extra_config) and SPECKV_LOCAL_SOCKET, both read by the connector; the
-decode pod nothing; every object validates (kubernetes-validate)."""
+on, each pod gets a memory emptyDir mounted at the same directory in the vLLM container and
+its sidecar, the sidecar SPECKV_LOCAL_SOCKET (encoder.sock in the prefill pod, decoder.sock
+in the decode pod; and SPECKV_LOCAL_UIDS when set), and the vLLM container the same socket
+path as the connector's speckv_local_socket (kv_connector_extra_config) and
+SPECKV_LOCAL_SOCKET, both read by the connector; every object validates (kubernetes-validate)."""
 from __future__ import annotations
 
+import pytest
 import yaml
 from helm_helpers import (
     EXAMPLES_DIR,
@@ -48,27 +49,25 @@ def test_off_by_default(chart):
         assert "speckv_local_socket" not in kv_transfer_config(_by_name(spec)["vllm"])["kv_connector_extra_config"]
 
 
-def test_prefill_pod_shares_the_socket_dir(chart):
-    pods = _pods(chart, {"enabled": True, "dir": "/run/kv", "uids": "10001,1000"})
-    prefill, decode = pods["prefill"], pods["decode"]
-    assert volumes(prefill)["speckv-local"]["emptyDir"]["medium"] == "Memory"
-    c = _by_name(prefill)
+@pytest.mark.parametrize(("pod", "role"), [("prefill", "encoder"), ("decode", "decoder")])
+def test_each_pod_shares_the_socket_dir(chart, pod, role):
+    spec = _pods(chart, {"enabled": True, "dir": "/run/kv", "uids": "10001,1000"})[pod]
+    assert volumes(spec)["speckv-local"]["emptyDir"]["medium"] == "Memory"
+    c = _by_name(spec)
     assert mounts(c["vllm"])["/run/kv"]["name"] == "speckv-local"
-    assert mounts(c["speckv-encoder"])["/run/kv"]["name"] == "speckv-local"
-    env = env_map(c["speckv-encoder"])
-    assert (env["SPECKV_LOCAL_SOCKET"], env["SPECKV_LOCAL_UIDS"]) == ("/run/kv/encoder.sock", "10001,1000")
-    assert "speckv-local" not in volumes(decode)
-    assert all("SPECKV_LOCAL_SOCKET" not in env_map(x) for x in all_containers(decode))
-    assert "speckv_local_socket" not in kv_transfer_config(_by_name(decode)["vllm"])["kv_connector_extra_config"]
+    assert mounts(c[f"speckv-{role}"])["/run/kv"]["name"] == "speckv-local"
+    env = env_map(c[f"speckv-{role}"])
+    assert (env["SPECKV_LOCAL_SOCKET"], env["SPECKV_LOCAL_UIDS"]) == (f"/run/kv/{role}.sock", "10001,1000")
 
 
-def test_prefill_connector_finds_the_socket(chart):
-    """The prefill vLLM container is given the encoder's socket path the way it is given the
-    encoder's address: the extra-config key and its SPECKV_* fallback, both read by the connector."""
-    prefill = _by_name(_pods(chart, {"enabled": True, "dir": "/run/kv"})["prefill"])
-    path = env_map(prefill["speckv-encoder"])["SPECKV_LOCAL_SOCKET"]
-    assert path == "/run/kv/encoder.sock"
-    vllm = prefill["vllm"]
+@pytest.mark.parametrize(("pod", "role"), [("prefill", "encoder"), ("decode", "decoder")])
+def test_connector_finds_the_socket(chart, pod, role):
+    """Each vLLM container is given its sidecar's socket path the way it is given the sidecar's
+    address: the extra-config key and its SPECKV_* fallback, both read by the connector."""
+    c = _by_name(_pods(chart, {"enabled": True, "dir": "/run/kv"})[pod])
+    path = env_map(c[f"speckv-{role}"])["SPECKV_LOCAL_SOCKET"]
+    assert path == f"/run/kv/{role}.sock"
+    vllm = c["vllm"]
     assert kv_transfer_config(vllm)["kv_connector_extra_config"]["speckv_local_socket"] == path
     assert env_map(vllm)["SPECKV_LOCAL_SOCKET"] == path
     assert path.rsplit("/", 1)[0] in mounts(vllm)  # the shared directory, mounted in vLLM too

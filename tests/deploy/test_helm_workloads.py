@@ -127,7 +127,7 @@ def test_native_sidecar(rendered, case):
                     "decoder": {"SPECKV_DECODER_ADDRESS"}}[role]
         if values["tls"]["enabled"]:
             want_env |= {"SPECKV_TLS_CA", "SPECKV_TLS_CERT", "SPECKV_TLS_KEY"}
-        if role == "encoder" and values["vllm"]["localHandoff"]["enabled"]:
+        if values["vllm"]["localHandoff"]["enabled"]:
             want_env |= {"SPECKV_LOCAL_SOCKET"}
         assert {k for k in env if k.startswith("SPECKV_")} == want_env
         if role == "encoder":
