@@ -29,6 +29,7 @@ import grpc
 import numpy as np
 
 from speckv.errors import RpcFailed
+from speckv.handoff import MAILBOX_UNKNOWN
 from speckv.kv import Fp8Attention, Fp8KV, HeadRange
 from speckv.v1 import decoder_pb2 as dpb
 from speckv.v1 import decoder_pb2_grpc as dgrpc
@@ -154,7 +155,7 @@ class DecoderClient:
                 if done is not None:
                     yield done
         except grpc.RpcError as e:
-            raise _failed(e) from None
+            raise _mailbox_failed(self.mailbox, _failed(e)) from None
         finally:
             col.close()
         col.check_done()
@@ -198,6 +199,13 @@ class DecoderClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _mailbox_failed(mailbox: LocalMailbox | None, e: RpcFailed) -> RpcFailed:
+    """``e``; a decoder that knows no such mailbox (it restarted) makes the next fetch ask anew."""
+    if mailbox is not None and e.reason == MAILBOX_UNKNOWN:
+        mailbox.reset()
+    return e
 
 
 # -- asyncio -----------------------------------------------------------------------
@@ -263,11 +271,12 @@ class AsyncDecoderClient:
         req = fetch_request(request_id, wait, col.verified_only, col.model_id, col.heads, col.tokens, token)
         try:
             async for msg in self._fetch(req, timeout=timeout or self.timeout):
-                done = col.add(msg)
+                # NOTE: a local fetch maps, hashes and waits on its mailbox: off the loop
+                done = col.add(msg) if self.mailbox is None else await asyncio.to_thread(col.add, msg)
                 if done is not None:
                     yield done
         except grpc.RpcError as e:
-            raise _failed(e) from None
+            raise _mailbox_failed(self.mailbox, _failed(e)) from None
         finally:
             col.close()
         col.check_done()

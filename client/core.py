@@ -284,6 +284,13 @@ class _Collector:
                 return got[0], got[1][:, :, self.cut], got[2]
         return got
 
+    def _check_shape(self, shape: tuple[int, ...]) -> None:
+        """The heads and tokens asked for (a local fetch's decoder knows token ranges: no cut)."""
+        if self.heads is not None and shape[2] != self.heads.count:
+            raise ValueError(f"{shape[2]} heads sent for {self.heads}")
+        if self.tokens is not None and shape[3] != self.tokens[1] - self.tokens[0]:
+            raise ValueError(f"{shape[3]} tokens sent for tokens {self.tokens}")
+
     def _assembler(self, part: pb.KVLayer) -> LayerAssembler:
         shape = shape_of(part.shape)
         if self.heads is not None and shape[2] != self.heads.count:
@@ -304,9 +311,12 @@ class _Collector:
         try:
             if self.asm is None:
                 self.asm = LocalLayers(self.mailbox, part, self.whole)
+                self._check_shape(self.asm.shape)
             assert isinstance(self.asm, LocalLayers), "FetchKV mixed local and byte layers"
             layer, arr, scales = self.asm.add(part)
-        except (ValueError, AssertionError) as e:
+        except RpcFailed:
+            raise  # the mailbox's own (UNAVAILABLE, DEADLINE_EXCEEDED, ...)
+        except Exception as e:  # noqa: BLE001 -- whatever a server sent, the caller gets a typed error
             raise RpcFailed(grpc.StatusCode.INTERNAL, f"malformed FetchKV stream: {e}") from None
         return None if arr is None else (layer, arr, scales)
 
@@ -322,7 +332,9 @@ class _Collector:
                 self.out = out
                 if self.asm.scales and self.asm.scales[0] is not None:
                     self.scales = np.stack(self.asm.scales)  # type: ignore[arg-type]  # FP8: every layer has its two
+            del out  # NOTE: not kept alive by a traceback through this frame
         if (self.digest.digest(), self.digest.raw_bytes) != (bytes(done.raw_digest), done.raw_bytes):
+            self.out = None  # NOTE: a local fetch's mapping (and its fd) goes with the bad bytes
             raise RpcFailed(grpc.StatusCode.DATA_LOSS, "the fetched KV does not match the encoder's "
                                                        "whole-transfer digest")
         self.done = True

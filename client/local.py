@@ -146,8 +146,11 @@ class LocalMailbox:
         self._stash: dict[str, tuple[int, int, float]] = {}  # memfd id -> (fd, bytes, when it came)
 
     def token(self) -> str:
-        """The mailbox's token (connected and asked for on first use, again after a failure)."""
+        """The mailbox's token (connected and asked for on first use, again after a failure or
+        once the decoder closed the connection: a restarted decoder knows no old token)."""
         with self._lock:
+            if self._sock is not None and _closed(self._sock):
+                self._reset()
             if self._sock is None:
                 sock = _connect(self.path, self.timeout)
                 try:
@@ -184,6 +187,9 @@ class LocalMailbox:
         sock.settimeout(max(deadline - time.monotonic(), 0.001))
         try:
             data, fds, _flags, _ = socket.recv_fds(sock, proto.MAX_DATAGRAM, 4, socket.MSG_CMSG_CLOEXEC)
+        except socket.timeout:  # NOTE: the connection stays: other fetches share it
+            raise RpcFailed(grpc.StatusCode.DEADLINE_EXCEEDED, f"local socket {self.path}: no memfd within "
+                            f"{self.timeout} s", UNREACHABLE) from None
         except OSError as e:
             self._reset()
             raise RpcFailed(grpc.StatusCode.UNAVAILABLE, f"local socket {self.path}: {e}", UNREACHABLE) from None
@@ -204,6 +210,11 @@ class LocalMailbox:
         if fds:
             self._stash[key] = (fds[0], n, now)
 
+    def reset(self) -> None:
+        """Drop the connection (and so the token): the next fetch asks for a new mailbox."""
+        with self._lock:
+            self._reset()
+
     def _reset(self) -> None:
         if self._sock is not None:
             self._sock.close()
@@ -215,6 +226,16 @@ class LocalMailbox:
             for fd, _, _ in self._stash.values():
                 os.close(fd)
             self._stash.clear()
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the peer closed ``sock`` (an empty read pending), without taking a datagram."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def _connect(path: str, timeout: float) -> socket.socket:
@@ -253,8 +274,12 @@ class LocalLayers:
         if self.size != self.shape[0] * self.layer_bytes:
             raise ValueError(f"a memfd of {self.size} bytes for KV of shape {self.shape}")
         self.fd = mailbox.take(self.id, self.size)
-        self.mm = None if whole or not self.size else mmap.mmap(
-            self.fd, self.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+        try:
+            self.mm = None if whole or not self.size else mmap.mmap(
+                self.fd, self.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+        except BaseException:
+            self.close()
+            raise
         self.next = 0
         self.scales: list[np.ndarray | None] = []
 
@@ -297,7 +322,8 @@ class LocalLayers:
         return out
 
     def close(self) -> None:
-        """The fd goes; mappings stay as long as the arrays over them."""
+        """The fd goes; mappings stay as long as the arrays over them (NOTE: each with a duplicate
+        of the fd, which Python's mmap keeps until it is unmapped)."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 
 from speckv import frames, logs
+from speckv import handoff as proto
 from speckv.digests import ALGORITHMS, BLAKE2B_128, KVDigest
 from speckv.errors import RpcError
 from speckv.status import abort, in_band, to_status
@@ -71,6 +72,8 @@ class FetchService:
             self._check_pieces(request, found)
             toks = _tokens(request, found[0][0].tokens)
             self._check_memory(request, found)
+            if local is not None:  # NOTE: before the claim: a memfd that cannot be made leaves the transfer fetchable
+                local.create(one_layer_bytes(found, toks) * found[0][0].n_layers)
             pieces = _claim(found)
             if request.verified_only:
                 for t, _ in pieces:
@@ -219,23 +222,42 @@ def _same_scales(a: np.ndarray | None, b: np.ndarray | None) -> bool:
         np.asarray(b, np.float32)))
 
 
+def one_layer_bytes(found: list[Piece], toks: slice | None) -> int:
+    """Bytes of one layer as a fetch of ``found`` hands it out (its heads side by side, tokens ``toks``)."""
+    total = 0
+    for t, part in found:
+        per_token = t.layer_bytes // t.n_heads // t.tokens if t.tokens else 0  # (2, 1, 1, head_dim) of one head
+        heads = t.n_heads if part is None else part.stop - part.start
+        total += heads * per_token * (t.tokens if toks is None else toks.stop - toks.start)
+    return total
+
+
 class _LocalOut:
-    """A local fetch's memfd (``mailbox.LocalKV``): made and sent to the mailbox with the
-    first layer, every layer of the same shape after it."""
+    """A local fetch's memfd (``mailbox.LocalKV``): made before the fetch claims its transfers,
+    sent to the mailbox with the first layer, every layer of the same shape after it."""
 
     def __init__(self, mailboxes: "Mailboxes | None", token: str) -> None:
         if mailboxes is None:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "FetchKVRequest.local_mailbox needs a decoder with a "
-                           "local socket (local_socket)")
+                           "local socket (local_socket)", reason=proto.SOCKET_OFF)
         mailboxes.check(token)
         self.mailboxes, self.token = mailboxes, token
         self.kv: LocalKV | None = None
+        self.sent = False
+
+    def create(self, size: int) -> None:
+        try:
+            self.kv = LocalKV(size)
+        except OSError as e:  # e.g. ENOMEM (no memory for the pages), EMFILE
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"a local fetch's memfd of {size} bytes: {e}",
+                           reason=proto.OVER_LIMIT) from None
 
     def layer(self, index: int, arr: np.ndarray, dtype: int, shape: pb.KVShape, scales: np.ndarray | None,
               algorithm: int) -> dpb.FetchKVResponse:
-        if self.kv is None:  # NOTE: layer 0 comes first, and every layer has its shape
-            self.kv = LocalKV(shape.layers * arr.nbytes)
+        assert self.kv is not None and self.kv.size == shape.layers * arr.nbytes, "create() sized it"
+        if not self.sent:  # NOTE: layer 0 comes first
             self.mailboxes.send(self.token, self.kv.fd, self.kv.id, self.kv.size)
+            self.sent = True
         self.kv.write(index * arr.nbytes, arr)
         sp = [] if scales is None else [float(v) for v in np.asarray(scales, np.float32).ravel()]
         return dpb.FetchKVResponse(local_layer=dpb.LocalFetchLayer(
@@ -244,7 +266,11 @@ class _LocalOut:
 
     def seal(self) -> None:
         if self.kv is not None:
-            self.kv.seal()
+            try:
+                self.kv.seal()
+            except OSError as e:  # EBUSY: someone mapped it shared and writable (a reopened fd)
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, f"local memfd {self.kv.id} could not be "
+                               f"sealed: {e}", reason=proto.UNSEALED) from None
 
     def close(self) -> None:
         if self.kv is not None:

@@ -121,6 +121,8 @@ class LocalKV:
 
     def write(self, offset: int, arr: np.ndarray) -> None:
         """``arr``'s bytes (C order) at ``offset``: one copy, whatever its strides."""
+        if not arr.nbytes:
+            return  # NOTE: nothing to write (and an empty memfd has no mapping)
         assert self.mm is not None and offset + arr.nbytes <= self.size
         dst = np.frombuffer(self.mm, arr.dtype, arr.size, offset).reshape(arr.shape)
         np.copyto(dst, arr)

@@ -44,6 +44,7 @@ BAD_REQUEST = "LOCAL_BAD_REQUEST"
 OVER_LIMIT = "LOCAL_OVER_LIMIT"
 MAILBOX_UNKNOWN = "LOCAL_MAILBOX_UNKNOWN"
 MAILBOX_GONE = "LOCAL_MAILBOX_GONE"
+SOCKET_OFF = "LOCAL_SOCKET_OFF"  # a local request to a sidecar without a local socket
 
 
 def encode(obj: dict[str, Any]) -> bytes:

@@ -10,6 +10,7 @@ and a memfd the decoder did not seal DATA_LOSS at the client."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import os
@@ -21,11 +22,13 @@ import pytest
 from server_helpers import FETCH_WAIT, MODEL, WAIT, Pair, assert_same_kv, budgets_drain, rid, wait_until
 
 from speckv import handoff as proto
-from speckv.client.client import DecoderClient, RpcFailed
+from speckv.client.client import AsyncDecoderClient, DecoderClient, RpcFailed
 from speckv.client.core import fetch_request
+from speckv.client.local import LocalMailbox
 from speckv.coder.codec import bf16_bits
 from speckv.kv import HeadRange
 from speckv.server import mailbox
+from speckv.server.local_socket import parse_uids
 
 MEMFD = f"/memfd:{proto.MEMFD_NAME}"
 
@@ -129,6 +132,7 @@ def test_decoder_without_socket(pair, prompts):
     with pytest.raises(grpc.RpcError) as e:
         list(pair.dec._fetch(fetch_request(r, FETCH_WAIT, False, mailbox="0" * 32), timeout=WAIT))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "local socket" in e.value.details()
+    assert proto.SOCKET_OFF in str(e.value.trailing_metadata())
     assert_same_kv(pair.dec.fetch(r, wait=FETCH_WAIT, timeout=WAIT), kv)  # refused before it claimed anything
     budgets_drain(pair)
 
@@ -165,3 +169,62 @@ def test_unsealed_memfd_is_data_loss(local, prompts, monkeypatch):
         local.transfer(rid("lfetch-unsealed"), kv, ids, encoding="stored")
     assert e.value.code == grpc.StatusCode.DATA_LOSS and "did not seal" in str(e.value)
     clean(local)
+
+
+def test_a_changed_memfd_is_data_loss(local, prompts, monkeypatch):
+    """The client's digest is over the memfd's bytes: one bit changed after the decoder verified
+    the layer (and computed its own digest from it) fails the fetch."""
+    write = mailbox.LocalKV.write
+
+    def flip(self, offset, arr):
+        write(self, offset, arr)
+        if offset == 0:
+            self.mm[5] ^= 1
+
+    monkeypatch.setattr(mailbox.LocalKV, "write", flip)
+    ids, kv = prompts("short")
+    with pytest.raises(RpcFailed) as e:
+        local.transfer(rid("lfetch-changed"), kv, ids, encoding="stored")
+    assert e.value.code == grpc.StatusCode.DATA_LOSS and "digest" in str(e.value)
+    clean(local)
+
+
+def test_async_client(local, prompts):
+    ids, kv = prompts("short")
+    r = rid("lfetch-async")
+    local.enc.submit(r, kv, ids, local.daddr, MODEL, encoding="stored", timeout=WAIT)
+
+    async def fetch():
+        dec = AsyncDecoderClient(local.daddr, timeout=WAIT, local_socket=local.path)
+        try:
+            return await dec.fetch(r, wait=FETCH_WAIT)
+        finally:
+            await dec.close()
+
+    got = asyncio.run(fetch())
+    assert_same_kv(got, kv)
+    del got
+    clean(local)
+
+
+def test_a_restarted_decoder_gets_a_new_mailbox(tmp_path):
+    """The client's mailbox outlives a decoder: its next token comes from the new one."""
+    path = str(tmp_path / "restart.sock")
+    first = mailbox.Mailboxes(path, parse_uids(None))
+    first.start()
+    box = LocalMailbox(path, timeout=WAIT)
+    try:
+        old = box.token()
+        first.check(old)
+        first.stop()
+        second = mailbox.Mailboxes(path, parse_uids(None))
+        second.start()
+        try:
+            new = box.token()
+            assert new != old
+            second.check(new)
+        finally:
+            second.stop()
+    finally:
+        box.close()
+        first.stop()
