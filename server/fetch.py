@@ -90,6 +90,7 @@ class FetchService:
                 digest = await t.wait_final(max(wait, self.config.lease_s))
             if local is not None:
                 local.seal()  # NOTE: before FetchKVDone: the client verifies bytes no one can change
+                self.metrics.local(local.size)
             raw = one.digest.raw_bytes if handed is None else handed.raw_bytes
             yield dpb.FetchKVResponse(done=dpb.FetchKVDone(raw_digest=digest if handed is None else handed.digest(),
                                                            raw_bytes=raw), digest=algorithm)
@@ -263,6 +264,10 @@ class _LocalOut:
         return dpb.FetchKVResponse(local_layer=dpb.LocalFetchLayer(
             memfd_id=self.kv.id, memfd_bytes=self.kv.size, layer=index, dtype=dtype, shape=shape,
             byte_offset=index * arr.nbytes, layer_bytes=arr.nbytes, fp8_scales=sp), digest=algorithm)
+
+    @property
+    def size(self) -> int:
+        return 0 if self.kv is None else self.kv.size
 
     def seal(self) -> None:
         if self.kv is not None:

@@ -107,6 +107,10 @@ class Metrics:
                                         "Predictor passes looked up by prompt: hit (cached or shared with a "
                                         "transfer in flight) or miss (a new pass).", ("role", "model", "result"),
                                         registry=r)
+        self.local_bytes = Counter("speckv_local_bytes_total",
+                                   "Raw KV bytes through the local socket as memfds: taken in from engines "
+                                   "(encoder) or handed out to them (decoder).", ("role", "model"), registry=r)
+        self.local_bytes.labels(role, model)  # NOTE: the series exists at 0 from the start
         self.inflight_transfers = Gauge("speckv_inflight_transfers", "Transfers in progress.",
                                         ("role", "model"), registry=r)
         self.inflight_bytes = Gauge("speckv_inflight_bytes", "KV bytes buffered by transfers in progress.",
@@ -132,6 +136,9 @@ class Metrics:
         self.raw_bytes.labels(*lab).inc(raw)
         self.wire_bytes.labels(*lab).inc(wire)
         self.saved_bytes.labels(*lab).inc(max(raw - wire - overhead, 0))
+
+    def local(self, raw: int) -> None:
+        self.local_bytes.labels(self.role, self.model).inc(raw)
 
     def header(self, dtype: str, encoding: str, wire: int) -> None:
         self.wire_bytes.labels(self.role, self.model, dtype, encoding).inc(wire)

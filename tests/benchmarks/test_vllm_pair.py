@@ -4,7 +4,10 @@ leaves it out: it needs vLLM's own environment, which ``make test-vllm`` builds)
 benchmarks/vllm_pair.py starts both sidecars (``speckv serve``), a single vLLM instance,
 and a kv_producer and a kv_consumer running ``speckv.client.vllm.SpeckvConnector`` (vLLM's
 CPU backend, the embedded SmolLM2 from local files, each engine pinned to its own core).
-Run with the model's BF16 KV cache and with an FP8 e4m3 one (codes and per-layer scales).
+Run with the model's BF16 KV cache and with an FP8 e4m3 one (codes and per-layer scales);
+the BF16 run goes through both sidecars' local sockets (``speckv_local_socket``: the KV
+handed to the encoder and fetched from the decoder as sealed memfds; every byte counted in
+both sidecars' ``speckv_local_bytes_total``), the FP8 run as bytes on gRPC.
 Checked, with 256 tokens per engine step (so the longer prompts' prefills span two and
 four steps: chunked prefill): greedy tokens through the pair equal the single instance's
 token for token on three prompts (one, three and seven blocks; each alone, as vLLM's
@@ -54,8 +57,10 @@ def test_vllm_pair_matches_a_single_instance_token_for_token(load_script, tmp_pa
         pytest.skip("vLLM's CPU backend keeps FP8 KV caches only on x86 CPUs with AVX-512 or AMX; this CPU "
                     "has neither (the BF16 pair runs)")
     bench = load_script("vllm_pair")
+    # NOTE: the BF16 pair goes through both sidecars' local sockets (memfds both ways), the FP8 pair as bytes
+    local = kv_cache_dtype == "auto"
     args = bench.parse_args(["--vllm-python", python, "--max-tokens", "16", "--chunk", "256",
-                             "--kv-cache-dtype", kv_cache_dtype])
+                             "--kv-cache-dtype", kv_cache_dtype, *(["--local"] if local else [])])
     r = bench.measure(args, tmp_path)
     assert r["prompt_tokens"][0] < 128 < r["prompt_tokens"][1] < 3 * 128 < r["prompt_tokens"][2]
     assert r["tokens_equal"], (r["single_tokens"], r["pair_tokens"])
@@ -71,6 +76,9 @@ def test_vllm_pair_matches_a_single_instance_token_for_token(load_script, tmp_pa
     # every prompt's whole KV went through the encoder: (30 layers, 2, 3 heads, tokens, 64 dims), 2 or 1 bytes each
     assert enc["raw_bytes"] == sum(r["kv_bytes"]) == sum(30 * 2 * 3 * n * 64 for n in r["prompt_tokens"]) * (
         1 if kv_cache_dtype == "fp8_e4m3" else 2)
+    # every byte went through the sockets both ways (--local), or none did
+    want_local = enc["raw_bytes"] if local else 0
+    assert (enc["local_bytes"], r["decoder"]["local_bytes"]) == (want_local, want_local), (enc, r["decoder"])
     print(f"\nvLLM's KV ({kv_cache_dtype}): speckv ratio {enc['ratio']!r}")
     isa = "amx" if "amx_tile" in flags.split() else "vec"  # vLLM's CPU attention kernel here (BF16, block 128)
     assert enc["ratio"] >= MIN_RATIO[kv_cache_dtype, isa], enc

@@ -44,6 +44,12 @@ def memfd_fds() -> int:
     return n
 
 
+def local_bytes(sidecar) -> float:
+    """speckv_local_bytes_total of a sidecar so far."""
+    return sidecar.service.metrics.local_bytes.labels(sidecar.service.metrics.role,
+                                                      sidecar.service.metrics.model)._value.get()
+
+
 @pytest.fixture()
 def local(sidecars, tmp_path):
     """A pair whose decoder listens on a local socket; its DecoderClient fetches through it."""
@@ -64,12 +70,14 @@ def clean(p: Pair) -> None:
 @pytest.mark.parametrize("encoding", ["stored", "speckv"])
 def test_whole_kv_bit_exact_writable_and_closed(local, prompts, encoding):
     ids, kv = prompts("medium")
+    before = local_bytes(local.decoder)
     res, got = local.transfer(rid("lfetch"), kv, ids, encoding=encoding)
     assert_same_kv(got, kv)
     assert res.encoding == encoding and res.raw_bytes == bf16_bits(kv).nbytes
     assert got.flags.writeable and not got.flags.owndata  # a private mapping: copy on write only
     got[0, 0, 0, 0, 0] ^= 1  # NOTE: writing is allowed (and touches no one else's pages)
     assert local.decoder.service.mailboxes.mailboxes == 1
+    assert local_bytes(local.decoder) - before == bf16_bits(kv).nbytes
     del got  # NOTE: Python's mmap keeps a dup of the fd while the array over it lives
     clean(local)
 

@@ -92,8 +92,12 @@ def clean(p: Pair) -> None:
 @pytest.mark.parametrize("encoding", ["stored", "speckv"])
 def test_whole_kv_bit_exact_and_closed(local, prompts, encoding):
     ids, kv = prompts("medium")
+    m = local.encoder.service.metrics
+    counted = m.local_bytes.labels(m.role, m.model)
+    before = counted._value.get()
     res = local.roundtrip(rid("local"), kv, ids, encoding=encoding)
     assert res.encoding == encoding and res.raw_bytes == bf16_bits(kv).nbytes
+    assert counted._value.get() - before == res.raw_bytes  # speckv_local_bytes_total
     clean(local)
 
 
