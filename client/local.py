@@ -230,12 +230,16 @@ class LocalMailbox:
 
 def _closed(sock: socket.socket) -> bool:
     """Whether the peer closed ``sock`` (an empty read pending), without taking a datagram."""
+    timeout = sock.gettimeout()
+    sock.setblocking(False)  # NOTE: with a timeout set, Python waits for data first, MSG_DONTWAIT or not
     try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        return sock.recv(1, socket.MSG_PEEK) == b""
     except BlockingIOError:
         return False
     except OSError:
         return True
+    finally:
+        sock.settimeout(timeout)
 
 
 def _connect(path: str, timeout: float) -> socket.socket:

@@ -115,8 +115,10 @@ def test_token_range_and_heads(local, prompts):
     res, got = local.transfer(r, kv, ids, encoding="stored", fetch=lambda dec, r: dec.fetch(
         r, wait=FETCH_WAIT, timeout=WAIT, heads=HeadRange(1, 2, 3), tokens=(2, 7)))
     assert np.array_equal(got, bits[:, :, 1:3, 2:7])
+    token = local.dec.mailbox.token()
     rest = local.dec.fetch(r, wait=FETCH_WAIT, timeout=WAIT, heads=HeadRange(0, 1, 3))  # the rest, whole
     assert np.array_equal(rest, bits[:, :, :1])
+    assert local.dec.mailbox.token() == token  # one mailbox for every fetch of a live connection
     del got, rest
     clean(local)
 
