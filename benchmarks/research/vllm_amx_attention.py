@@ -18,6 +18,13 @@ bit for bit (BF16) with three models computed here over the values the cache hol
   any product below 2^-126 * 2^120.
 
 Prints the share of output elements each model reproduces, per ISA and cache dtype.
+
+``--crafted``: hand-made inputs that show where the ``amx`` kernel flushes with an FP8 cache.
+Values are e4m3-exact, so 0.125 - 0.1171875 = 2^-7 is a partial sum below the flush line.
+- P @ V with all scores 0 (so every weight is 1): V values along the keys of one dim, read
+  back from the last query row (times its key count).
+- Q @ K with one nonzero key: q = 1 in every dim, and 0.125 / -0.1171875 at chosen dims of the
+  key. A flushed partial sum shows as a weight of 0.5 instead of 0.5039.
 """
 from __future__ import annotations
 
@@ -76,11 +83,56 @@ def model(q, k, v, p_bf16: bool, flush: bool) -> torch.Tensor:
     return (o / total).permute(1, 0, 2).to(torch.bfloat16)
 
 
+def crafted() -> None:
+    """The ``--crafted`` probes of the module docstring (amx and vec, FP8 cache)."""
+    small, minus = 0.125, -0.1171875  # their sum, 2^-7, is below the flush line (2^-6)
+    print("P @ V, every weight 1: value sums per kernel (exact sum in brackets)")
+    for vals in ([small, minus, 0.5, 0.0], [small, 0.0, minus, 0.5], [0.5, minus, -0.375, 0.0],
+                 [small, minus] + [0.0] * 30 + [0.5, 0.0]):
+        t = len(vals)
+        q, k = torch.zeros(t, HEADS, DIM, dtype=torch.bfloat16), torch.zeros(t, KV_HEADS, DIM, dtype=torch.bfloat16)
+        v = torch.zeros(t, KV_HEADS, DIM)
+        v[:, :, 0] = torch.tensor(vals)[:, None]
+        got = {isa: attention(q, k, v.to(torch.bfloat16), isa, "fp8_e4m3")[-1, 0, 0].item() * t
+               for isa in ("amx", "vec")}
+        shown = vals if t <= 4 else f"{vals[:2]} + 30 zeros + {vals[-2:]}"
+        print(f"  {shown}: amx {got['amx']:.5f}, vec {got['vec']:.5f} [{sum(vals):.5f}]")
+    print("one product per score (q in dim 0, key 0 = 4.0 there): weights of the last row, two keys")
+    for qv in (1.1015625, 1.0625, 0.3, 2.7):
+        q = torch.zeros(2, HEADS, DIM)
+        q[:, :, 0] = qv
+        k = torch.zeros(2, KV_HEADS, DIM)
+        k[0, :, 0] = 4.0
+        v = torch.zeros(2, KV_HEADS, DIM)
+        v[0, :, 0] = v[1, :, 1] = 1.0
+        args = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
+        got = {isa: attention(*args, isa, "fp8_e4m3")[1, 0, :2].tolist() for isa in ("amx", "vec")}
+        want = {name: model(*args, pb, False)[1, 0, :2].tolist() for name, pb in (("fp32", False), ("p_bf16", True))}
+        print(f"  q {qv}: amx {got['amx']} (p_bf16 model {want['p_bf16']}), vec {got['vec']} (fp32 {want['fp32']})")
+    print("Q @ K, q = 1: key dims (a, b) holding 0.125 and -0.1171875; the first key's weight")
+    for label, pairs in (("(2i, 2i+1), 16 pairs", [(2 * i, 2 * i + 1) for i in range(16)]),
+                         ("(4i, 4i+2), 16 pairs", [(4 * i, 4 * i + 2) for i in range(16)]),
+                         ("(i, i+32), 16 pairs", [(i, i + 32) for i in range(16)])):
+        q = torch.ones(2, HEADS, DIM, dtype=torch.bfloat16)
+        k = torch.zeros(2, KV_HEADS, DIM)
+        for a, b in pairs:
+            k[0, :, a], k[0, :, b] = small, minus
+        v = torch.zeros(2, KV_HEADS, DIM)
+        v[0, :, 0] = v[1, :, 1] = 1.0
+        w = {isa: attention(q, k.to(torch.bfloat16), v.to(torch.bfloat16), isa, "fp8_e4m3")[1, 0, 0].item()
+             for isa in ("amx", "vec")}
+        print(f"  {label}: amx {w['amx']:.5f}, vec {w['vec']:.5f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--crafted", action="store_true", help="the hand-made flush probes instead")
     args = ap.parse_args()
     torch._C._cpu._init_amx()  # NOTE: the process must ask the kernel for AMX tile state (vLLM's workers do)
+    if args.crafted:
+        crafted()
+        return
     torch.manual_seed(0)
     t = args.tokens
     q = (torch.randn(t, HEADS, DIM) * 2).to(torch.bfloat16)
