@@ -136,7 +136,9 @@ class Worker:
                 scales = np.array([self._scales(name) for name in self.layers], np.float32)  # (layers, 2)
                 write = _cpu_writer(self.conn, self.layers[0], self.head_dim, True)
                 self._fp8_attention = Fp8Attention(tuple(map(float, scales[:, 0])), tuple(map(float, scales[:, 1])),
-                                                   fp8_rounds_toward_zero(write, self.conn.block_size, self.head_dim))
+                                                   fp8_rounds_toward_zero(write, self.conn.block_size, self.head_dim),
+                                                   amx=_attn_isa(self.conn, self.layers[0], self.head_dim,
+                                                                 True) == "amx")
             return self._fp8_attention
 
     def layout(self) -> PagedLayout:
@@ -293,17 +295,24 @@ def _learn_cpu_layout(conn: Settings, layer_name: str, head_dim: int, fp8: bool)
     return PagedLayout.learn(write, conn.block_size, head_dim, torch.uint8 if fp8 else torch.bfloat16)
 
 
+def _attn_isa(conn: Settings, layer_name: str, head_dim: int, fp8: bool) -> str:
+    """The kernel ISA of vLLM's CPU attention layers (``amx``, ``vec``, ...): how they lay out and
+    read the cache."""
+    layer = conn._vllm_config.compilation_config.static_forward_context.get(layer_name)
+    isa = getattr(layer, "isa", None)
+    if isa is None:  # NOTE: private to vLLM: the same choice its CPU backend makes
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(torch.bfloat16, conn.block_size, head_dim, "fp8_e4m3" if fp8 else "auto")
+    return str(isa)
+
+
 def _cpu_writer(conn: Settings, layer_name: str, head_dim: int, fp8: bool) -> Callable[..., None]:
     """vLLM's CPU cache writer (scale 1.0) with the ISA its attention layers use."""
     from vllm import _custom_ops as ops
 
-    layer = conn._vllm_config.compilation_config.static_forward_context.get(layer_name)
-    isa = getattr(layer, "isa", None)
+    isa = _attn_isa(conn, layer_name, head_dim, fp8)
     cache_dtype = "fp8_e4m3" if fp8 else "auto"
-    if isa is None:  # NOTE: private to vLLM: the same choice its CPU backend makes
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        isa = _get_attn_isa(torch.bfloat16, conn.block_size, head_dim, cache_dtype)
 
     def write(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor) -> None:
         ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa, 1.0, 1.0, cache_dtype)

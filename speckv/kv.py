@@ -51,6 +51,9 @@ class Fp8Attention:
     k_scales: tuple[float, ...]  # one per layer (fp32)
     v_scales: tuple[float, ...]
     toward_zero: bool = False
+    # the engine's attention is vLLM's CPU ``amx`` kernel: codes widened to BF16 unscaled, products on
+    # AMX tiles (``speckv.predictor.amx_fp8`` replays it in the layers the predictor computes exactly)
+    amx: bool = False
 
     def __post_init__(self) -> None:
         if len(self.k_scales) != len(self.v_scales) or not self.k_scales:
@@ -63,7 +66,7 @@ class Fp8Attention:
     def key(self) -> bytes:
         """A stable identity (what a mu cache keys on)."""
         scales = np.asarray(self.k_scales + self.v_scales, np.float32)
-        return scales.tobytes() + bytes([self.toward_zero])
+        return scales.tobytes() + bytes([self.toward_zero | self.amx << 1])
 
     def round(self, x: "torch.Tensor", layer: int, kv: int) -> "torch.Tensor":
         """``x`` (K if ``kv`` is 0, else V, of ``layer``) as the engine's attention reads it: e4m3 at the

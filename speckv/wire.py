@@ -66,7 +66,8 @@ def fp8_attention_of(m: pb.Fp8Attention, layers: int, dtype: int) -> "Fp8Attenti
     if not len(m.k_scales) == len(m.v_scales) == layers:
         raise bad(f"fp8_attention needs {layers} K and {layers} V scales, not {len(m.k_scales)} and {len(m.v_scales)}")
     try:
-        return Fp8Attention(tuple(m.k_scales), tuple(m.v_scales), m.rounding == pb.FP8_ROUNDING_TOWARD_ZERO)
+        return Fp8Attention(tuple(m.k_scales), tuple(m.v_scales), m.rounding == pb.FP8_ROUNDING_TOWARD_ZERO,
+                            m.amx_tiles)
     except ValueError as e:
         raise bad(str(e)) from None
 
@@ -76,7 +77,7 @@ def fp8_attention_msg(fa: "Fp8Attention | None") -> pb.Fp8Attention | None:
     if fa is None:
         return None
     return pb.Fp8Attention(k_scales=fa.k_scales, v_scales=fa.v_scales, rounding=(
-        pb.FP8_ROUNDING_TOWARD_ZERO if fa.toward_zero else pb.FP8_ROUNDING_NEAREST))
+        pb.FP8_ROUNDING_TOWARD_ZERO if fa.toward_zero else pb.FP8_ROUNDING_NEAREST), amx_tiles=fa.amx)
 
 
 def heads_of(m: pb.HeadRange, kv_heads: int | None = None) -> "HeadRange | None":

@@ -17,7 +17,9 @@ bit for bit (BF16) with three models computed here over the values the cache hol
   without rescaling (value * 2^-120) and AMX flushes denormal inputs and results, which drops
   any product below 2^-126 * 2^120.
 
-Prints the share of output elements each model reproduces, per ISA and cache dtype.
+Prints the share of output elements each model reproduces, per ISA and cache dtype, and for an FP8
+cache the share speckv's replay of the amx kernel reproduces (``speckv.predictor.amx_fp8``: the
+products on AMX tiles in the kernel's operand order, with its own softmax, and with torch's).
 
 ``--crafted``: hand-made inputs that show where the ``amx`` kernel flushes with an FP8 cache.
 Values are e4m3-exact, so 0.125 - 0.1171875 = 2^-7 is a partial sum below the flush line.
@@ -139,14 +141,26 @@ def main() -> None:
     k = (torch.randn(t, KV_HEADS, DIM) * 3).to(torch.bfloat16)
     v = torch.randn(t, KV_HEADS, DIM).to(torch.bfloat16)
     print(f"{t} tokens; share of output elements (BF16) each model reproduces bit for bit")
-    print("isa | cache | fp32 | p_bf16 | p_bf16_flush")
+    print("isa | cache | fp32 | p_bf16 | p_bf16_flush | speckv amx replay | its reference")
     for isa in ("vec", "amx"):
         for cache in ("auto", "fp8_e4m3"):
             kk, vv = (k, v) if cache == "auto" else (e4m3_toward_zero(k), e4m3_toward_zero(v))
             out = attention(q, k, v, isa, cache)
             shares = [(out == model(q, kk, vv, pb, fl)).float().mean().item()
                       for pb, fl in ((False, False), (True, False), (True, True))]
-            print(f"{isa} | {'bf16' if cache == 'auto' else 'fp8'} | " + " | ".join(f"{s:.3f}" for s in shares))
+            shares += [(out == r).float().mean().item() for r in replays(q, kk, vv)] if cache != "auto" else []
+            print(f"{isa} | {'bf16' if cache == 'auto' else 'fp8'} | " + " | ".join(f"{s:.4f}" for s in shares))
+
+
+def replays(q, k, v) -> list[torch.Tensor]:
+    """speckv's replay of the amx kernel (``speckv.predictor.amx_fp8``: one native call, and its
+    reference with torch's softmax) over the cache's values k, v (tokens, kv_heads, dim), scale 1."""
+    from speckv.kv import Fp8Attention
+    from speckv.predictor import amx_fp8
+
+    fa = Fp8Attention((1.0,), (1.0,), toward_zero=True, amx=True)
+    args = (q.float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), fa, 0, 1 / math.sqrt(DIM))
+    return [amx_fp8.attention(*args), amx_fp8.reference(*args)]  # (tokens, heads, dim)
 
 
 if __name__ == "__main__":

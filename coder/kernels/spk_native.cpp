@@ -307,6 +307,7 @@ PyObject* py_contexts(PyObject*, PyObject* args) {
 #include "spk_portable_py.h"  // the portable predictor's stages (its own file: one concept per file)
 #include "spk_w8a8_py.h"      // the W8A8 predictor's stages
 #include "spk_attn_py.h"      // the W8A8 predictor's int8 attention
+#include "spk_fp8_amx_py.h"   // an FP8 cache's attention products as vLLM's amx kernel computes them
 
 namespace {
 
@@ -324,6 +325,10 @@ PyMethodDef methods[] = {
     {"wide_pack", py_wide_pack, METH_VARARGS, "the portable rung's weight layout for wide_linear"},
     {"wide_linear", py_wide_linear, METH_VARARGS, "the portable rung's fused linear (integer.wide_linear)"},
     {"int8_attention", py_int8_attention, METH_VARARGS, "the W8A8 predictor's int8 attention (int8_attention.py)"},
+    {"fp8_amx_ready", py_fp8_amx_ready, METH_NOARGS, "whether AMX BF16 tiles are granted (amx_fp8.py)"},
+    {"fp8_amx_attention", py_fp8_amx_attention, METH_VARARGS, "causal attention over an FP8 cache as vLLM's amx kernel computes it (amx_fp8.py)"},
+    {"fp8_amx_scores", py_fp8_amx_scores, METH_VARARGS, "unscaled FP8-cache scores on AMX tiles (amx_fp8.py)"},
+    {"fp8_amx_pv", py_fp8_amx_pv, METH_VARARGS, "unscaled FP8-cache P @ V on AMX tiles (amx_fp8.py)"},
     {"int_softmax", py_int_softmax, METH_VARARGS, "the portable predictor's softmax numerators (int_attention.py)"},
     {"contexts", py_contexts, METH_VARARGS, "packed contexts of (mu, L) pairs (tests)"},
     {"prepare_mu", py_prepare_mu, METH_VARARGS, "mu correction (model 2) and the FP8 division, threaded"},

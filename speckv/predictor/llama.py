@@ -181,6 +181,20 @@ def attend(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor") -> "torch.Te
     return out.transpose(1, 2).contiguous().reshape(T, -1)
 
 
+def amx_attend(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", fa: Fp8Attention,
+               layer: int) -> "torch.Tensor | None":
+    """``attend`` as vLLM's amx kernel computes it over an FP8 cache (``amx_fp8``), when ``fa`` says the
+    engine runs it and this CPU can replay it; else None (``attend``'s FP32 model)."""
+    if not fa.amx:
+        return None
+    from . import amx_fp8
+
+    if not amx_fp8.usable():
+        return None
+    out = amx_fp8.attention(q[0], k[0], v[0], fa, layer, q.shape[-1] ** -0.5)  # (T, heads, D) BF16
+    return out.reshape(q.shape[2], -1)
+
+
 @functools.cache
 def _module_class() -> type:
     """ExactHead, made on first use (``import speckv`` never imports torch)."""
@@ -233,9 +247,11 @@ def _module_class() -> type:
                 layers.append(torch.stack([key[0], value[0]]))  # (2, kv_heads, T, D)
                 if emit is not None:
                     emit(i, layers[-1])
+                att = None
                 if fp8 is not None and i < fp8[1]:
                     key, value = fp8[0].round(key, i, 0), fp8[0].round(value, i, 1)
-                h = h + linear(attend(q, key, value), self.w(i, "self_attn.o_proj"))
+                    att = amx_attend(q, key, value, fp8[0], i)
+                h = h + linear(attend(q, key, value) if att is None else att, self.w(i, "self_attn.o_proj"))
                 x = rms_norm(h, self.w(i, "post_attention_layernorm"), self.eps)
                 gate = torch.nn.functional.silu(linear(x, self.w(i, "mlp.gate_proj")))
                 h = h + linear(gate * linear(x, self.w(i, "mlp.up_proj")), self.w(i, "mlp.down_proj"))

@@ -43,7 +43,7 @@ from speckv.kv import Fp8Attention, bf16_bits
 from . import int8_attention
 from . import w8a8 as stages
 from .integer import native_with
-from .llama import rope, rope_tables
+from .llama import amx_attend, rope, rope_tables
 from .mapped import take_rows
 from .target import FP8_ATTENTION, LayerSink, deterministic_torch
 from .w8a8 import W8, WS, Scratch, linear, norm_linear, quantise_rows, scratch_buffer
@@ -148,9 +148,11 @@ def w8a8_passes(model: Any, reqs: list[MuRequest]) -> None:
                 value = y[a:b, k0 + Hk * D:].to(torch.bfloat16).view(b - a, Hk, D).transpose(0, 1)
                 r.emit(i, torch.stack([key[0], value]))  # (2, kv_heads, tokens, head_dim)
                 if not last:
+                    query, replay = _rope(y[a:b], 0, H, cos, sin), None
                     if r.fp8 is not None and i < r.fp8[1]:  # attention reads the engine's K/V
                         key, value = r.fp8[0].round(key, i, 0), r.fp8[0].round(value, i, 1)
-                    att.append(_attend(_rope(y[a:b], 0, H, cos, sin), key, value[None], model.int_attention))
+                        replay = amx_attend(query, key, value[None], r.fp8[0], i)  # an amx engine's (llama.py)
+                    att.append(_attend(query, key, value[None], model.int_attention) if replay is None else replay)
             if att:
                 h = _block_rest(h, t, torch.cat(att) if len(att) > 1 else att[0], eps, scratch)
 

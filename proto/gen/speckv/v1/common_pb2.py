@@ -24,29 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16speckv/v1/common.proto\x12\tspeckv.v1\"Y\n\x07KVShape\x12\x0e\n\x06layers\x18\x01 \x01(\r\x12\n\n\x02kv\x18\x02 \x01(\r\x12\x10\n\x08kv_heads\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\"\xfa\x01\n\x07KVLayer\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x1f\n\x05\x64type\x18\x02 \x01(\x0e\x32\x10.speckv.v1.Dtype\x12!\n\x05shape\x18\x03 \x01(\x0b\x32\x12.speckv.v1.KVShape\x12\x12\n\npart_index\x18\x04 \x01(\r\x12\x12\n\npart_count\x18\x05 \x01(\r\x12\x13\n\x0b\x62yte_offset\x18\x06 \x01(\x04\x12\x13\n\x0blayer_bytes\x18\x07 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\x12\x12\n\nfp8_scales\x18\t \x03(\x02\x12\x13\n\x0btoken_start\x18\n \x01(\r\x12\x13\n\x0btoken_count\x18\x0b \x01(\r\"\\\n\x0c\x46p8Attention\x12\x10\n\x08k_scales\x18\x01 \x03(\x02\x12\x10\n\x08v_scales\x18\x02 \x03(\x02\x12(\n\x08rounding\x18\x03 \x01(\x0e\x32\x16.speckv.v1.Fp8Rounding\"8\n\tHeadRange\x12\r\n\x05start\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\r\n\x05total\x18\x03 \x01(\r\"N\n\x06Status\x12#\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x15.speckv.v1.StatusCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t*B\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0e\n\nDTYPE_BF16\x10\x01\x12\x12\n\x0e\x44TYPE_FP8_E4M3\x10\x02*t\n\x0f\x44igestAlgorithm\x12 \n\x1c\x44IGEST_ALGORITHM_UNSPECIFIED\x10\x00\x12 \n\x1c\x44IGEST_ALGORITHM_BLAKE2B_128\x10\x01\x12\x1d\n\x19\x44IGEST_ALGORITHM_XXH3_128\x10\x02*c\n\x0b\x46p8Rounding\x12\x1c\n\x18\x46P8_ROUNDING_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46P8_ROUNDING_NEAREST\x10\x01\x12\x1c\n\x18\x46P8_ROUNDING_TOWARD_ZERO\x10\x02*\xce\x04\n\nStatusCode\x12\x1b\n\x17STATUS_CODE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTATUS_CODE_OK\x10\x01\x12 \n\x1cSTATUS_CODE_INVALID_ARGUMENT\x10\x02\x12\x1c\n\x18STATUS_CODE_PIN_MISMATCH\x10\x03\x12\x1e\n\x1aSTATUS_CODE_MODEL_MISMATCH\x10\x04\x12\x1c\n\x18STATUS_CODE_FORMAT_ERROR\x10\x05\x12\x1e\n\x1aSTATUS_CODE_CHECKSUM_ERROR\x10\x06\x12\x19\n\x15STATUS_CODE_TRUNCATED\x10\x07\x12\x1b\n\x17STATUS_CODE_MU_MISMATCH\x10\x08\x12\x1f\n\x1bSTATUS_CODE_PROMPT_MISMATCH\x10\t\x12\x1f\n\x1bSTATUS_CODE_INTEGRITY_ERROR\x10\n\x12\x1e\n\x1aSTATUS_CODE_ALREADY_EXISTS\x10\x0b\x12\x19\n\x15STATUS_CODE_NOT_FOUND\x10\x0c\x12\x19\n\x15STATUS_CODE_CANCELLED\x10\r\x12!\n\x1dSTATUS_CODE_DEADLINE_EXCEEDED\x10\x0e\x12\x1b\n\x17STATUS_CODE_UNAVAILABLE\x10\x0f\x12\"\n\x1eSTATUS_CODE_RESOURCE_EXHAUSTED\x10\x10\x12\x18\n\x14STATUS_CODE_INTERNAL\x10\x11\x12#\n\x1fSTATUS_CODE_FAILED_PRECONDITION\x10\x12\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16speckv/v1/common.proto\x12\tspeckv.v1\"Y\n\x07KVShape\x12\x0e\n\x06layers\x18\x01 \x01(\r\x12\n\n\x02kv\x18\x02 \x01(\r\x12\x10\n\x08kv_heads\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\"\xfa\x01\n\x07KVLayer\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x1f\n\x05\x64type\x18\x02 \x01(\x0e\x32\x10.speckv.v1.Dtype\x12!\n\x05shape\x18\x03 \x01(\x0b\x32\x12.speckv.v1.KVShape\x12\x12\n\npart_index\x18\x04 \x01(\r\x12\x12\n\npart_count\x18\x05 \x01(\r\x12\x13\n\x0b\x62yte_offset\x18\x06 \x01(\x04\x12\x13\n\x0blayer_bytes\x18\x07 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\x12\x12\n\nfp8_scales\x18\t \x03(\x02\x12\x13\n\x0btoken_start\x18\n \x01(\r\x12\x13\n\x0btoken_count\x18\x0b \x01(\r\"o\n\x0c\x46p8Attention\x12\x10\n\x08k_scales\x18\x01 \x03(\x02\x12\x10\n\x08v_scales\x18\x02 \x03(\x02\x12(\n\x08rounding\x18\x03 \x01(\x0e\x32\x16.speckv.v1.Fp8Rounding\x12\x11\n\tamx_tiles\x18\x04 \x01(\x08\"8\n\tHeadRange\x12\r\n\x05start\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\r\n\x05total\x18\x03 \x01(\r\"N\n\x06Status\x12#\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x15.speckv.v1.StatusCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t*B\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0e\n\nDTYPE_BF16\x10\x01\x12\x12\n\x0e\x44TYPE_FP8_E4M3\x10\x02*t\n\x0f\x44igestAlgorithm\x12 \n\x1c\x44IGEST_ALGORITHM_UNSPECIFIED\x10\x00\x12 \n\x1c\x44IGEST_ALGORITHM_BLAKE2B_128\x10\x01\x12\x1d\n\x19\x44IGEST_ALGORITHM_XXH3_128\x10\x02*c\n\x0b\x46p8Rounding\x12\x1c\n\x18\x46P8_ROUNDING_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46P8_ROUNDING_NEAREST\x10\x01\x12\x1c\n\x18\x46P8_ROUNDING_TOWARD_ZERO\x10\x02*\xce\x04\n\nStatusCode\x12\x1b\n\x17STATUS_CODE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTATUS_CODE_OK\x10\x01\x12 \n\x1cSTATUS_CODE_INVALID_ARGUMENT\x10\x02\x12\x1c\n\x18STATUS_CODE_PIN_MISMATCH\x10\x03\x12\x1e\n\x1aSTATUS_CODE_MODEL_MISMATCH\x10\x04\x12\x1c\n\x18STATUS_CODE_FORMAT_ERROR\x10\x05\x12\x1e\n\x1aSTATUS_CODE_CHECKSUM_ERROR\x10\x06\x12\x19\n\x15STATUS_CODE_TRUNCATED\x10\x07\x12\x1b\n\x17STATUS_CODE_MU_MISMATCH\x10\x08\x12\x1f\n\x1bSTATUS_CODE_PROMPT_MISMATCH\x10\t\x12\x1f\n\x1bSTATUS_CODE_INTEGRITY_ERROR\x10\n\x12\x1e\n\x1aSTATUS_CODE_ALREADY_EXISTS\x10\x0b\x12\x19\n\x15STATUS_CODE_NOT_FOUND\x10\x0c\x12\x19\n\x15STATUS_CODE_CANCELLED\x10\r\x12!\n\x1dSTATUS_CODE_DEADLINE_EXCEEDED\x10\x0e\x12\x1b\n\x17STATUS_CODE_UNAVAILABLE\x10\x0f\x12\"\n\x1eSTATUS_CODE_RESOURCE_EXHAUSTED\x10\x10\x12\x18\n\x14STATUS_CODE_INTERNAL\x10\x11\x12#\n\x1fSTATUS_CODE_FAILED_PRECONDITION\x10\x12\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'speckv.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=613
-  _globals['_DTYPE']._serialized_end=679
-  _globals['_DIGESTALGORITHM']._serialized_start=681
-  _globals['_DIGESTALGORITHM']._serialized_end=797
-  _globals['_FP8ROUNDING']._serialized_start=799
-  _globals['_FP8ROUNDING']._serialized_end=898
-  _globals['_STATUSCODE']._serialized_start=901
-  _globals['_STATUSCODE']._serialized_end=1491
+  _globals['_DTYPE']._serialized_start=632
+  _globals['_DTYPE']._serialized_end=698
+  _globals['_DIGESTALGORITHM']._serialized_start=700
+  _globals['_DIGESTALGORITHM']._serialized_end=816
+  _globals['_FP8ROUNDING']._serialized_start=818
+  _globals['_FP8ROUNDING']._serialized_end=917
+  _globals['_STATUSCODE']._serialized_start=920
+  _globals['_STATUSCODE']._serialized_end=1510
   _globals['_KVSHAPE']._serialized_start=37
   _globals['_KVSHAPE']._serialized_end=126
   _globals['_KVLAYER']._serialized_start=129
   _globals['_KVLAYER']._serialized_end=379
   _globals['_FP8ATTENTION']._serialized_start=381
-  _globals['_FP8ATTENTION']._serialized_end=473
-  _globals['_HEADRANGE']._serialized_start=475
-  _globals['_HEADRANGE']._serialized_end=531
-  _globals['_STATUS']._serialized_start=533
-  _globals['_STATUS']._serialized_end=611
+  _globals['_FP8ATTENTION']._serialized_end=492
+  _globals['_HEADRANGE']._serialized_start=494
+  _globals['_HEADRANGE']._serialized_end=550
+  _globals['_STATUS']._serialized_start=552
+  _globals['_STATUS']._serialized_end=630
 # @@protoc_insertion_point(module_scope)

@@ -116,14 +116,16 @@ class KVLayer(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Union[KVShape, _Mapping]] = ..., part_index: _Optional[int] = ..., part_count: _Optional[int] = ..., byte_offset: _Optional[int] = ..., layer_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., fp8_scales: _Optional[_Iterable[float]] = ..., token_start: _Optional[int] = ..., token_count: _Optional[int] = ...) -> None: ...
 
 class Fp8Attention(_message.Message):
-    __slots__ = ("k_scales", "v_scales", "rounding")
+    __slots__ = ("k_scales", "v_scales", "rounding", "amx_tiles")
     K_SCALES_FIELD_NUMBER: _ClassVar[int]
     V_SCALES_FIELD_NUMBER: _ClassVar[int]
     ROUNDING_FIELD_NUMBER: _ClassVar[int]
+    AMX_TILES_FIELD_NUMBER: _ClassVar[int]
     k_scales: _containers.RepeatedScalarFieldContainer[float]
     v_scales: _containers.RepeatedScalarFieldContainer[float]
     rounding: Fp8Rounding
-    def __init__(self, k_scales: _Optional[_Iterable[float]] = ..., v_scales: _Optional[_Iterable[float]] = ..., rounding: _Optional[_Union[Fp8Rounding, str]] = ...) -> None: ...
+    amx_tiles: bool
+    def __init__(self, k_scales: _Optional[_Iterable[float]] = ..., v_scales: _Optional[_Iterable[float]] = ..., rounding: _Optional[_Union[Fp8Rounding, str]] = ..., amx_tiles: _Optional[bool] = ...) -> None: ...
 
 class HeadRange(_message.Message):
     __slots__ = ("start", "count", "total")
