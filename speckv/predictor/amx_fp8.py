@@ -46,7 +46,8 @@ def amx_ready() -> bool:
         from speckv.coder import _native
     except ImportError:
         return False
-    return bool(_native.fp8_amx_ready())
+    ready = getattr(_native, "fp8_amx_ready", None)  # NOTE: an extension built before the replay has none
+    return ready is not None and bool(ready())
 
 
 def codes(x: "torch.Tensor", scale: float) -> "torch.Tensor":

@@ -184,12 +184,13 @@ def attend(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor") -> "torch.Te
 def amx_attend(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", fa: Fp8Attention,
                layer: int) -> "torch.Tensor | None":
     """``attend`` as vLLM's amx kernel computes it over an FP8 cache (``amx_fp8``), when ``fa`` says the
-    engine runs it and this CPU can replay it; else None (``attend``'s FP32 model)."""
-    if not fa.amx:
+    engine runs it and this process can replay it (CPU tensors, head size 64, AMX BF16 tiles); else
+    None (``attend``'s FP32 model)."""
+    if not fa.amx or q.device.type != "cpu":
         return None
     from . import amx_fp8
 
-    if not amx_fp8.usable():
+    if q.shape[-1] != amx_fp8.HEAD_DIM or not amx_fp8.usable():
         return None
     out = amx_fp8.attention(q[0], k[0], v[0], fa, layer, q.shape[-1] ** -0.5)  # (T, heads, D) BF16
     return out.reshape(q.shape[2], -1)

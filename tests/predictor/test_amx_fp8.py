@@ -94,7 +94,7 @@ def test_one_call_follows_the_reference_and_is_deterministic():
     k, v = FA.round(torch.randn(t, HK, D) * 3, 0, 0), FA.round(torch.randn(t, HK, D), 0, 1)
     a, b = run(q, k, v), run(q, k, v)
     assert torch.equal(a, b)
-    assert (a == run(q, k, v, amx_fp8.reference)).float().mean().item() >= 0.998  # measured 0.9983-0.9990
+    assert (a == run(q, k, v, amx_fp8.reference)).float().mean().item() >= 0.997  # measured 0.9983-0.9990
 
 
 def test_the_flag_travels_in_the_header_and_keys_the_mu_cache():
@@ -128,3 +128,10 @@ def test_without_amx_tiles_the_predictor_keeps_the_fp32_model(embedded_session, 
     monkeypatch.setattr(amx_fp8, "amx_ready", lambda: False)
     mu = embedded_session.predictor.mu(ids, fp8_attention=amx)
     assert np.array_equal(bf16_bits(mu), bf16_bits(plain_mu))
+
+
+def test_head_sizes_the_tiles_do_not_take_keep_the_fp32_model():
+    from speckv.predictor.llama import amx_attend
+
+    q, k = torch.randn(1, 4, 8, 128), torch.randn(1, 2, 8, 128)
+    assert amx_attend(q, k, k, Fp8Attention((1.0,), (1.0,), toward_zero=True, amx=True), 0) is None
