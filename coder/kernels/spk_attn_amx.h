@@ -9,10 +9,7 @@
 // NOTE: Linux hands a thread AMX's tile state only after arch_prctl(ARCH_REQ_XCOMP_PERM) for the
 // process (amx_int8_ready); each pass loads its own tile configuration and releases it.
 #pragma once
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
+#include "spk_amx.h"
 #include "spk_attn.h"
 
 namespace spk {
@@ -23,13 +20,7 @@ constexpr int ATT_AMX_ROWS = 16; // query rows per pass (a tile's rows)
 
 // Whether this CPU and kernel let this process use AMX int8 tiles (asked once).
 inline bool amx_int8_ready() {
-    static const bool yes = [] {
-        unsigned a = 0, b = 0, c = 0, d = 0;
-        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1u) || !((d >> 25) & 1u))
-            return false;  // CPUID.(7,0):EDX bit 24 AMX-TILE, bit 25 AMX-INT8
-        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    }();
+    static const bool yes = amx_granted(AMX_INT8_BIT);
     return yes;
 }
 

@@ -18,15 +18,14 @@
 // (checked: the replay equals vLLM's op bit for bit at 4-880 tokens whatever the tile rows), so
 // rows run in passes of up to 16 and keys or dims in groups of 16.
 #pragma once
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "spk_amx.h"
 
 namespace spk {
 
@@ -38,13 +37,7 @@ constexpr int FP8_AMX_ROWS = 16;  // query rows per tile pass
 
 // Whether this CPU and kernel let this process use AMX BF16 tiles (asked once).
 inline bool amx_bf16_ready() {
-    static const bool yes = [] {
-        unsigned a = 0, b = 0, c = 0, d = 0;
-        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1u) || !((d >> 22) & 1u))
-            return false;  // CPUID.(7,0):EDX bit 24 AMX-TILE, bit 22 AMX-BF16
-        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    }();
+    static const bool yes = amx_granted(AMX_BF16_BIT);
     return yes;
 }
 
@@ -92,15 +85,14 @@ inline void fp8_amx_pack_v(const uint8_t* v, int64_t U, int64_t U32, uint16_t* v
                     }
 }
 
-// Scores'' (unscaled) of query rows [r0, r0 + rows) against keys [0, U16): q BF16 bits (T, 64),
-// kp from fp8_amx_pack_k, out (T, U16) fp32.
-SPK_AMX_BF16 inline void fp8_amx_scores(const uint16_t* q, const uint16_t* kp, int64_t U16, int64_t r0, int rows,
-                                        float* out) {
+// The tile loops (tile config loaded by the caller). Scores'' (unscaled) of query rows
+// [r0, r0 + rows) (q BF16 bits (T, 64)) against key groups [0, groups) of kp: row r's 16 x groups
+// scores to S + r * s_stride.
+SPK_AMX_BF16 inline void fp8_amx_score_tiles(const uint16_t* q, const uint16_t* kp, int64_t groups, int64_t r0,
+                                             int rows, float* S, int64_t s_stride) {
     constexpr int D = FP8_AMX_D;
-    const Fp8AmxConfig cfg(rows);
-    _tile_loadconfig(&cfg);
     alignas(64) float C[FP8_AMX_ROWS * 16];
-    for (int64_t g = 0; g < U16 / 16; ++g) {
+    for (int64_t g = 0; g < groups; ++g) {
         _tile_zero(0);
         for (int h = 0; h < 2; ++h) {  // NOTE: dims 0-31, then 32-63, into one accumulator: vLLM's order
             _tile_loadd(1, q + r0 * D + 32 * h, D * 2);
@@ -108,13 +100,34 @@ SPK_AMX_BF16 inline void fp8_amx_scores(const uint16_t* q, const uint16_t* kp, i
             _tile_dpbf16ps(0, 1, 2);
         }
         _tile_stored(0, C, 64);
-        for (int r = 0; r < rows; ++r) std::memcpy(out + (r0 + r) * U16 + 16 * g, C + r * 16, 64);
+        for (int r = 0; r < rows; ++r) std::memcpy(S + r * s_stride + 16 * g, C + r * 16, 64);
     }
+}
+
+// P @ V'' (unscaled) for dims 16j .. 16j + 15: weights P (rows of p_stride BF16, zero past each row's
+// keys) over key groups [0, groups) of vp, 32 keys per instruction, in order, into one accumulator;
+// the (rows x 16) sums to C (stride 16).
+SPK_AMX_BF16 inline void fp8_amx_pv_tiles(const uint16_t* P, int64_t p_stride, const uint16_t* vp, int64_t groups,
+                                          int j, float* C) {
+    _tile_zero(0);
+    for (int64_t g = 0; g < groups; ++g) {
+        _tile_loadd(1, P + 32 * g, p_stride * 2);
+        _tile_loadd(2, vp + (g * 4 + j) * 512, 64);
+        _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, C, 64);
+}
+
+// Scores'' (unscaled) of query rows [r0, r0 + rows) against keys [0, U16): out (T, U16) fp32.
+SPK_AMX_BF16 inline void fp8_amx_scores(const uint16_t* q, const uint16_t* kp, int64_t U16, int64_t r0, int rows,
+                                        float* out) {
+    const Fp8AmxConfig cfg(rows);
+    _tile_loadconfig(&cfg);
+    fp8_amx_score_tiles(q, kp, U16 / 16, r0, rows, out + r0 * U16, U16);
     _tile_release();
 }
 
-// P @ V'' (unscaled) of rows [r0, r0 + rows): p BF16 bits (T, U32) (zero past each row's keys),
-// vp from fp8_amx_pack_v, out (T, 64) fp32; keys in instructions of 32, in order, into one accumulator.
+// P @ V'' (unscaled) of rows [r0, r0 + rows): p BF16 bits (T, U32), out (T, 64) fp32.
 SPK_AMX_BF16 inline void fp8_amx_pv(const uint16_t* p, const uint16_t* vp, int64_t U32, int64_t r0, int rows,
                                     float* out) {
     constexpr int D = FP8_AMX_D;
@@ -122,13 +135,7 @@ SPK_AMX_BF16 inline void fp8_amx_pv(const uint16_t* p, const uint16_t* vp, int64
     _tile_loadconfig(&cfg);
     alignas(64) float C[FP8_AMX_ROWS * 16];
     for (int j = 0; j < D / 16; ++j) {
-        _tile_zero(0);
-        for (int64_t g = 0; g < U32 / 32; ++g) {
-            _tile_loadd(1, p + r0 * U32 + 32 * g, U32 * 2);
-            _tile_loadd(2, vp + (g * 4 + j) * 512, 64);
-            _tile_dpbf16ps(0, 1, 2);
-        }
-        _tile_stored(0, C, 64);
+        fp8_amx_pv_tiles(p + r0 * U32, U32, vp, U32 / 32, j, C);
         for (int r = 0; r < rows; ++r) std::memcpy(out + (r0 + r) * D + 16 * j, C + r * 16, 64);
     }
     _tile_release();
@@ -184,17 +191,7 @@ SPK_AMX_BF16_MATH inline void fp8_amx_rows(const uint16_t* q, const uint16_t* kp
     P.assign((size_t)(rows * w), 0);
     const Fp8AmxConfig cfg(rows);
     _tile_loadconfig(&cfg);
-    alignas(64) float C[FP8_AMX_ROWS * 16];
-    for (int64_t g = 0; g < n16; ++g) {  // scores'': dims 0-31, then 32-63, into one accumulator
-        _tile_zero(0);
-        for (int h = 0; h < 2; ++h) {
-            _tile_loadd(1, q + r0 * D + 32 * h, D * 2);
-            _tile_loadd(2, kp + (g * 2 + h) * 512, 64);
-            _tile_dpbf16ps(0, 1, 2);
-        }
-        _tile_stored(0, C, 64);
-        for (int r = 0; r < rows; ++r) std::memcpy(S.data() + r * n16 * 16 + 16 * g, C + r * 16, 64);
-    }
+    fp8_amx_score_tiles(q, kp, n16, r0, rows, S.data(), n16 * 16);
     float total[FP8_AMX_ROWS];
     for (int r = 0; r < rows; ++r) {  // the softmax of each row: FP32 logits, max, exp, sum, BF16 weights
         const int64_t n = U - T + r0 + r + 1;  // keys 0 .. n - 1
@@ -217,14 +214,9 @@ SPK_AMX_BF16_MATH inline void fp8_amx_rows(const uint16_t* q, const uint16_t* kp
         }
         total[r] = _mm512_reduce_add_ps(sum);
     }
-    for (int j = 0; j < D / 16; ++j) {  // P @ V'': keys in instructions of 32, in order, into one accumulator
-        _tile_zero(0);
-        for (int64_t g = 0; g < n32; ++g) {
-            _tile_loadd(1, P.data() + 32 * g, w * 2);
-            _tile_loadd(2, vp + (g * 4 + j) * 512, 64);
-            _tile_dpbf16ps(0, 1, 2);
-        }
-        _tile_stored(0, C, 64);
+    alignas(64) float C[FP8_AMX_ROWS * 16];
+    for (int j = 0; j < D / 16; ++j) {
+        fp8_amx_pv_tiles(P.data(), w, vp, n32, j, C);
         for (int r = 0; r < rows; ++r) {  // out'' * bias / total, to BF16
             const __m512 o = _mm512_div_ps(_mm512_mul_ps(_mm512_loadu_ps(C + r * 16), _mm512_set1_ps(bias)),
                                            _mm512_set1_ps(total[r]));

@@ -1,5 +1,6 @@
-// Python binding of the FP8 cache's AMX products (spk_fp8_amx.h), included by spk_native.cpp; the
-// softmax between them is speckv/predictor/amx_fp8.py's.
+// Python binding of the FP8 cache's AMX replay (spk_fp8_amx.h), included by spk_native.cpp:
+// the one-call attention, and its two products alone (the reference with torch's softmax between
+// them, speckv/predictor/amx_fp8.py).
 #pragma once
 #include <vector>
 
@@ -20,34 +21,60 @@ bool fp8_amx_args(long long H, long long Hk, long long T, long long U) {
     return true;
 }
 
+// fn(h, r0, rows) for every head h and pass of up to FP8_AMX_ROWS query rows from r0, on up to
+// `threads` threads; the passes with the most keys (the last rows) first.
+template <class F>
+void fp8_amx_passes(int64_t H, int64_t T, int threads, const F& fn) {
+    const int64_t passes = (T + spk::FP8_AMX_ROWS - 1) / spk::FP8_AMX_ROWS;
+    parallel_for(H * passes, threads, [&](int64_t task) {
+        const int64_t r0 = (passes - 1 - task / H) * spk::FP8_AMX_ROWS;
+        fn(task % H, r0, (int)std::min<int64_t>(spk::FP8_AMX_ROWS, T - r0));
+    });
+}
+
+// One product's call (a, codes (Hk, U, 64), out, H, Hk, T, U, threads), parsed and checked; the
+// codes packed as the tiles take them (pack: fp8_amx_pack_k or _v, `width` keys rounded up).
+struct Fp8AmxProduct {
+    long long H = 0, Hk = 0, T = 0, U = 0;
+    int threads = 1;
+    int64_t width = 0;
+    Buf a, codes, out;
+    std::vector<uint16_t> packed;
+
+    bool parse(PyObject* args, int64_t align, int64_t a_row, int64_t out_row) {
+        PyObject *a_o, *c_o, *out_o;
+        if (!PyArg_ParseTuple(args, "OOOLLLLi", &a_o, &c_o, &out_o, &H, &Hk, &T, &U, &threads) ||
+            !fp8_amx_args(H, Hk, T, U))
+            return false;
+        width = (U + align - 1) / align * align;
+        constexpr int64_t D = spk::FP8_AMX_D;
+        return get_buf(a_o, a, H * T * (a_row ? a_row : width) * 2, "a") && get_buf(c_o, codes, Hk * U * D, "codes") &&
+               get_buf(out_o, out, H * T * (out_row ? out_row : width) * 4, "out", true);
+    }
+    template <class Pack>
+    void pack(const Pack& fn) {  // NOTE: without the GIL
+        constexpr int64_t D = spk::FP8_AMX_D;
+        packed.resize((size_t)(Hk * width * D));
+        parallel_for(Hk, threads, [&](int64_t h) {
+            fn(codes.as<uint8_t>() + h * U * D, U, width, packed.data() + h * width * D);
+        });
+    }
+    const uint16_t* head(int64_t h) const { return packed.data() + h / (H / Hk) * width * spk::FP8_AMX_D; }
+};
+
 // fp8_amx_ready(): whether this process can run the products (AMX BF16 tiles granted)
 PyObject* py_fp8_amx_ready(PyObject*, PyObject*) { return PyBool_FromLong(spk::amx_bf16_ready()); }
 
 // fp8_amx_scores(q BF16 (H, T, 64), k e4m3 codes (Hk, U, 64), out fp32 (H, T, U16), H, Hk, T, U, threads):
-// unscaled scores, U16 = U rounded up to 16 (spk_fp8_amx.h)
+// unscaled scores, U16 = U rounded up to 16
 PyObject* py_fp8_amx_scores(PyObject*, PyObject* args) {
-    PyObject *q_o, *k_o, *out_o;
-    long long H, Hk, T, U;
-    int threads;
-    if (!PyArg_ParseTuple(args, "OOOLLLLi", &q_o, &k_o, &out_o, &H, &Hk, &T, &U, &threads) ||
-        !fp8_amx_args(H, Hk, T, U))
-        return nullptr;
-    constexpr int64_t D = spk::FP8_AMX_D;
-    const int64_t U16 = (U + 15) / 16 * 16, passes = (T + spk::FP8_AMX_ROWS - 1) / spk::FP8_AMX_ROWS;
-    Buf q, k, out;
-    if (!get_buf(q_o, q, H * T * D * 2, "q") || !get_buf(k_o, k, Hk * U * D, "k") ||
-        !get_buf(out_o, out, H * T * U16 * 4, "out", true))
-        return nullptr;
-    std::vector<uint16_t> kp((size_t)(Hk * U16 * 2 * 16 * 2));
+    Fp8AmxProduct c;
+    if (!c.parse(args, 16, spk::FP8_AMX_D, 0)) return nullptr;
     Py_BEGIN_ALLOW_THREADS
-    parallel_for(Hk, threads, [&](int64_t h) {
-        spk::fp8_amx_pack_k(k.as<uint8_t>() + h * U * D, U, U16, kp.data() + h * U16 * 64);
-    });
-    parallel_for(H * passes, threads, [&](int64_t task) {
-        const int64_t h = task / passes, r0 = task % passes * spk::FP8_AMX_ROWS;
-        const int rows = (int)std::min<int64_t>(spk::FP8_AMX_ROWS, T - r0);
-        spk::fp8_amx_scores(q.as<uint16_t>() + h * T * D, kp.data() + h / (H / Hk) * U16 * 64, U16, r0, rows,
-                            out.as<float>() + h * T * U16);
+    c.pack(spk::fp8_amx_pack_k);
+    fp8_amx_passes(c.H, c.T, c.threads, [&](int64_t h, int64_t r0, int rows) {
+        spk::fp8_amx_scores(c.a.as<uint16_t>() + h * c.T * spk::FP8_AMX_D, c.head(h), c.width, r0, rows,
+                            c.out.as<float>() + h * c.T * c.width);
     });
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
@@ -56,36 +83,17 @@ PyObject* py_fp8_amx_scores(PyObject*, PyObject* args) {
 // fp8_amx_pv(p BF16 (H, T, U32), v e4m3 codes (Hk, U, 64), out fp32 (H, T, 64), H, Hk, T, U, threads):
 // unscaled P @ V, U32 = U rounded up to 32 (p zero past each row's keys)
 PyObject* py_fp8_amx_pv(PyObject*, PyObject* args) {
-    PyObject *p_o, *v_o, *out_o;
-    long long H, Hk, T, U;
-    int threads;
-    if (!PyArg_ParseTuple(args, "OOOLLLLi", &p_o, &v_o, &out_o, &H, &Hk, &T, &U, &threads) ||
-        !fp8_amx_args(H, Hk, T, U))
-        return nullptr;
-    constexpr int64_t D = spk::FP8_AMX_D;
-    const int64_t U32 = (U + 31) / 32 * 32, passes = (T + spk::FP8_AMX_ROWS - 1) / spk::FP8_AMX_ROWS;
-    Buf p, v, out;
-    if (!get_buf(p_o, p, H * T * U32 * 2, "p") || !get_buf(v_o, v, Hk * U * D, "v") ||
-        !get_buf(out_o, out, H * T * D * 4, "out", true))
-        return nullptr;
-    std::vector<uint16_t> vp((size_t)(Hk * U32 * D));
+    Fp8AmxProduct c;
+    if (!c.parse(args, 32, 0, spk::FP8_AMX_D)) return nullptr;
     Py_BEGIN_ALLOW_THREADS
-    parallel_for(Hk, threads, [&](int64_t h) {
-        spk::fp8_amx_pack_v(v.as<uint8_t>() + h * U * D, U, U32, vp.data() + h * U32 * D);
-    });
-    parallel_for(H * passes, threads, [&](int64_t task) {
-        const int64_t h = task / passes, r0 = task % passes * spk::FP8_AMX_ROWS;
-        const int rows = (int)std::min<int64_t>(spk::FP8_AMX_ROWS, T - r0);
-        spk::fp8_amx_pv(p.as<uint16_t>() + h * T * U32, vp.data() + h / (H / Hk) * U32 * D, U32, r0, rows,
-                        out.as<float>() + h * T * D);
+    c.pack(spk::fp8_amx_pack_v);
+    fp8_amx_passes(c.H, c.T, c.threads, [&](int64_t h, int64_t r0, int rows) {
+        spk::fp8_amx_pv(c.a.as<uint16_t>() + h * c.T * c.width, c.head(h), c.width, r0, rows,
+                        c.out.as<float>() + h * c.T * spk::FP8_AMX_D);
     });
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
-
-}  // namespace
-
-namespace {
 
 // fp8_amx_attention(q BF16 (H, T, 64), k codes (Hk, U, 64), v codes (Hk, U, 64), out BF16 (T, H, 64), H, Hk,
 // T, U, s, bias, threads): causal attention as vLLM's amx kernel computes it over an FP8 cache
@@ -104,7 +112,6 @@ PyObject* py_fp8_amx_attention(PyObject*, PyObject* args) {
     }
     constexpr int64_t D = spk::FP8_AMX_D;
     const int64_t U16 = (U + 15) / 16 * 16, U32 = (U + 31) / 32 * 32;
-    const int64_t passes = (T + spk::FP8_AMX_ROWS - 1) / spk::FP8_AMX_ROWS;
     Buf q, k, v, out;
     if (!get_buf(q_o, q, H * T * D * 2, "q") || !get_buf(k_o, k, Hk * U * D, "k") || !get_buf(v_o, v, Hk * U * D, "v") ||
         !get_buf(out_o, out, T * H * D * 2, "out", true))
@@ -116,9 +123,7 @@ PyObject* py_fp8_amx_attention(PyObject*, PyObject* args) {
         if (t % 2 == 0) spk::fp8_amx_pack_k(k.as<uint8_t>() + h * U * D, U, U16, kp.data() + h * U16 * D);
         else spk::fp8_amx_pack_v(v.as<uint8_t>() + h * U * D, U, U32, vp.data() + h * U32 * D);
     });
-    parallel_for(H * passes, threads, [&](int64_t task) {  // NOTE: later passes (more keys) first
-        const int64_t h = task % H, r0 = (passes - 1 - task / H) * spk::FP8_AMX_ROWS;
-        const int rows = (int)std::min<int64_t>(spk::FP8_AMX_ROWS, T - r0);
+    fp8_amx_passes(H, T, threads, [&](int64_t h, int64_t r0, int rows) {
         const int64_t kv = h / (H / Hk);
         spk::fp8_amx_rows(q.as<uint16_t>() + h * T * D, kp.data() + kv * U16 * D, vp.data() + kv * U32 * D, T, U, s,
                           bias, r0, rows, out.as<uint16_t>() + h * D, H * D);
