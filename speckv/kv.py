@@ -52,7 +52,7 @@ class Fp8Attention:
     v_scales: tuple[float, ...]
     toward_zero: bool = False
     # the engine's attention is vLLM's CPU ``amx`` kernel: codes widened to BF16 unscaled, products on
-    # AMX tiles (``speckv.predictor.amx_fp8`` replays it in the layers the predictor computes exactly)
+    # AMX tiles (``speckv.predictor.amx_fp8`` replays it where a W8A8 rung's attention reads the cache)
     amx: bool = False
 
     def __post_init__(self) -> None:

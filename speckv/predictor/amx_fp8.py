@@ -20,6 +20,7 @@ affected chunks stored (their mu digests differ), never wrong bytes.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING
 
@@ -33,7 +34,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from speckv.kv import Fp8Attention
 
 logger = logging.getLogger(__name__)
-_UNAVAILABLE_LOGGED: list[bool] = []
 
 UNSCALED = 2.0 ** 120  # what the kernel's BF16 widening of an e4m3 code leaves off (2^(127 - 7))
 HEAD_DIM = 64  # the head size the tile products take (spk_fp8_amx.h FP8_AMX_D)
@@ -123,9 +123,12 @@ def usable() -> bool:
     """``amx_ready``, and a warning the first time it is not (module docstring)."""
     if amx_ready():
         return True
-    if not _UNAVAILABLE_LOGGED:
-        _UNAVAILABLE_LOGGED.append(True)
-        logger.warning("the engine reads its FP8 cache with vLLM's amx kernel, but this CPU gives no AMX BF16 "
-                       "tiles: this predictor keeps the FP32 attention model (a peer that replays the kernel "
-                       "computes another mu; those chunks go stored)")
+    _warn_unavailable()
     return False
+
+
+@functools.cache
+def _warn_unavailable() -> None:
+    logger.warning("the engine reads its FP8 cache with vLLM's amx kernel, but this CPU gives no AMX BF16 "
+                   "tiles: this predictor keeps the FP32 attention model (a peer that replays the kernel "
+                   "computes another mu; those chunks go stored)")
