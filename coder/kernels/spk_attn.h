@@ -125,6 +125,15 @@ struct AttnPacked {
 
 inline int64_t pad_to(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
+// The calling thread's scores buffer of at least n floats, kept between tasks and calls (a task's
+// rows of scores: 128 KiB at 2,048 tokens, which a fresh vector would map and zero per task).
+// NOTE: stale scores past a row's computed keys are only ever read under a mask (attn_block_weights).
+inline float* attn_scratch(size_t n) {
+    thread_local std::vector<float> x;
+    if (x.size() < n) x.assign(n, 0.0f);
+    return x.data();
+}
+
 // k8, v8 (T, D) -> the packed layouts; the buffers are sized by the caller (pad_to(T, 16) * D,
 // pad_to(T, 16), pad_to(T, ATT_KEY_BLOCK) * D) and zeroed.
 inline void attn_pack_kv(const int8_t* k8, const int8_t* v8, int64_t T, int64_t D, int8_t* k4, int32_t* ksum,
@@ -141,15 +150,16 @@ inline void attn_pack_kv(const int8_t* k8, const int8_t* v8, int64_t T, int64_t 
     }
 }
 
-SPK_VNNI inline __m512 exp2_det_v(__m512 x) {
+// exp2_det of 16 lanes; lanes outside ``keep`` are 0
+SPK_VNNI inline __m512 exp2_det_v(__m512 x, __mmask16 keep) {
     x = _mm512_max_ps(x, _mm512_set1_ps(ATT_EXP_FLOOR));
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 r = _mm512_sub_ps(x, n);
     __m512 p = _mm512_set1_ps(EXP2_P[0]);
     for (int k = 1; k < 5; ++k) p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(EXP2_P[k]));
     const __m512 y = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+    // NOTE: y * 2^n in one rounding, as the scalar path's multiply by 2^n's bits (n >= -126: 2^n normal)
+    return _mm512_maskz_scalef_ps(keep, y, n);
 }
 
 // Scores of 4 query rows qu (4, D) against keys [0, 16 * groups): x rows of stride x_stride.
@@ -192,14 +202,18 @@ SPK_VNNI inline float attn_row_max(const float* xr, int64_t i) {
 SPK_VNNI inline float attn_block_weights(const AttnPacked& p, const float* x, float m, int64_t i, int64_t b0,
                                          uint8_t* u, int64_t& den) {
     const __m512 vm = _mm512_set1_ps(m), den_scale = _mm512_set1_ps((float)(1 << ATT_DEN_BITS));
+    // NOTE: the block is skipped when its best score is ATT_SKIP below m: fl(x - m) is monotonic in x, so
+    // testing every key's x - m is the scalar path's test of the largest one
     __mmask16 mask[ATT_KEY_BLOCK / 16];
-    __m512 bxv = _mm512_set1_ps(-INFINITY);
+    __m512 d[ATT_KEY_BLOCK / 16];
+    __mmask16 near = 0;
     for (int k = 0; k < ATT_KEY_BLOCK / 16; ++k) {
         const int64_t valid = std::max<int64_t>(0, std::min<int64_t>(16, i + 1 - (b0 + 16 * k)));
         mask[k] = (__mmask16)((1u << valid) - 1u);
-        bxv = _mm512_mask_max_ps(bxv, mask[k], bxv, _mm512_loadu_ps(x + b0 + 16 * k));
+        d[k] = _mm512_sub_ps(_mm512_loadu_ps(x + b0 + 16 * k), vm);
+        near |= _mm512_mask_cmp_ps_mask(mask[k], d[k], _mm512_set1_ps(ATT_SKIP), _CMP_GE_OQ);
     }
-    if (_mm512_reduce_max_ps(bxv) - m < ATT_SKIP) {
+    if (!near) {
         std::memset(u, 0, ATT_KEY_BLOCK);
         return 0.0f;
     }
@@ -207,11 +221,10 @@ SPK_VNNI inline float attn_block_weights(const AttnPacked& p, const float* x, fl
     __m512 bmv = _mm512_setzero_ps();
     __m512i dsum = _mm512_setzero_si512();
     for (int k = 0; k < ATT_KEY_BLOCK / 16; ++k) {
-        const int64_t j0 = b0 + 16 * k;
-        const __m512 e = _mm512_maskz_mov_ps(mask[k], exp2_det_v(_mm512_sub_ps(_mm512_loadu_ps(x + j0), vm)));
+        const __m512 e = exp2_det_v(d[k], mask[k]);
         // NOTE: cvtps rounds in the MXCSR mode, nearest even, as nearbyint does
         dsum = _mm512_add_epi32(dsum, _mm512_cvtps_epi32(_mm512_mul_ps(e, den_scale)));
-        w[k] = _mm512_mul_ps(e, _mm512_loadu_ps(p.vs + j0));
+        w[k] = _mm512_mul_ps(e, _mm512_loadu_ps(p.vs + b0 + 16 * k));
         bmv = _mm512_max_ps(bmv, w[k]);
     }
     den += _mm512_reduce_add_epi32(dsum);
@@ -291,7 +304,7 @@ SPK_VNNI inline void attn_rows_vnni_c(const AttnPacked& p, const float* qs, floa
                                       uint16_t* o, int64_t o_stride) {
     constexpr int64_t D = 16 * C;
     const int64_t stride = pad_to(i1, ATT_KEY_BLOCK);  // NOTE: a row's last key block is read whole
-    std::vector<float> x((size_t)(4 * stride), 0.0f);
+    float* x = attn_scratch((size_t)(4 * stride));
     for (int64_t r0 = i0; r0 < i1; r0 += 4) {
         const int rows = (int)std::min<int64_t>(4, i1 - r0);
         float c[4];
@@ -303,8 +316,8 @@ SPK_VNNI inline void attn_rows_vnni_c(const AttnPacked& p, const float* qs, floa
             for (int r = 0; r < 4; ++r) std::memcpy(qpad + r * D, qu + std::min(r, rows - 1) * D, D);
             qu = qpad;
         }
-        attn_scores4(p, qu, c, D, pad_to(r0 + rows, 16) / 16, x.data(), stride);
-        attn_rows4_pv<C>(p, x.data(), stride, r0, rows, o, o_stride);
+        attn_scores4(p, qu, c, D, pad_to(r0 + rows, 16) / 16, x, stride);
+        attn_rows4_pv<C>(p, x, stride, r0, rows, o, o_stride);
     }
 }
 

@@ -121,7 +121,7 @@ SPK_AMX inline void attn_rows_amx(const AttnPacked& p, const float* qs, float rs
     const AmxTileConfig cfg;
     _tile_loadconfig(&cfg);
     const int64_t stride = pad_to(i1, ATT_KEY_BLOCK);  // NOTE: a row's last key block is read whole
-    std::vector<float> x((size_t)(R * stride), 0.0f);
+    float* x = attn_scratch((size_t)(R * stride));
     for (int64_t r0 = i0; r0 < i1; r0 += R) {
         const int rows = (int)std::min<int64_t>(R, i1 - r0);
         float c[R];
@@ -133,8 +133,8 @@ SPK_AMX inline void attn_rows_amx(const AttnPacked& p, const float* qs, float rs
             for (int r = 0; r < R; ++r) std::memcpy(qpad + r * D, qu + std::min(r, rows - 1) * D, D);
             qu = qpad;
         }
-        attn_scores16_amx(p, qu, c, pad_to(r0 + rows, 16) / 16, x.data(), stride);
-        attn_rows16_pv_amx(p, x.data(), stride, r0, rows, o, o_stride);
+        attn_scores16_amx(p, qu, c, pad_to(r0 + rows, 16) / 16, x, stride);
+        attn_rows16_pv_amx(p, x, stride, r0, rows, o, o_stride);
     }
     _tile_release();
 }

@@ -16,13 +16,14 @@ bool attn_vnni(int scalar, int64_t D) {
 }
 
 // Each row of x (rows, D) BF16 bits -> q8 int8 and its scale (the W8A8 row quantisation, unit factors:
-// its AVX2 and scalar rows give the same bits).
+// its AVX-512, AVX2 and scalar rows give the same bits).
 void quantise_rows(const uint16_t* x, int64_t rows, int64_t D, int8_t* q, float* s, int scalar) {
     const std::vector<float> one((size_t)D, 1.0f);
-    const bool avx2 = w8a8_avx2(scalar);
+    const bool avx2 = w8a8_avx2(scalar), avx512 = w8a8_avx512(scalar, 0);
     for (int64_t r = 0; r < rows; ++r) {
-        const float amax = avx2 ? spk::w8a8_quantise_row_avx2(x + r * D, one.data(), D, q + r * D)
-                                : spk::w8a8_quantise_row(x + r * D, one.data(), D, q + r * D);
+        const float amax = avx512 ? spk::w8a8_quantise_row_avx512(x + r * D, one.data(), D, q + r * D)
+                         : avx2   ? spk::w8a8_quantise_row_avx2(x + r * D, one.data(), D, q + r * D)
+                                  : spk::w8a8_quantise_row(x + r * D, one.data(), D, q + r * D);
         s[r] = amax / spk::W8A8_QMAX;
     }
 }
@@ -73,7 +74,8 @@ PyObject* py_int8_attention(PyObject*, PyObject* args) {
         if (vnni) spk::attn_pack_kv(kq, vq, T, D, k4.data() + g * T16 * D, ksum.data() + g * T16, v4.data() + g * T64 * D);
     });
     parallel_for(H * tiles, threads, [&](int64_t task) {
-        const int64_t h = task % H, g = h / G, i0 = (task / H) * spk::ATT_ROWS;
+        // NOTE: the last rows first (causal: they cost the most), so the threads finish together
+        const int64_t h = task % H, g = h / G, i0 = (tiles - 1 - task / H) * spk::ATT_ROWS;
         const int64_t i1 = std::min<int64_t>(i0 + spk::ATT_ROWS, T);
         uint16_t* o = out.as<uint16_t>() + h * D;
         if (vnni) {

@@ -12,22 +12,31 @@ bool w8a8_avx2(int scalar) {
     return yes && !scalar;
 }
 
+bool w8a8_avx512(int scalar, int no_avx512) {
+    static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                            __builtin_cpu_supports("avx512vl");
+    return yes && !scalar && !no_avx512;
+}
+
 // w8a8_quantise(x float32 or BF16 bits (rows, k), bf16, f float32 (k), q int8 (rows, k), xs float32 (rows),
-//               threads[, scalar])
+//               threads[, scalar[, no_avx512]]): the AVX-512 rows, else AVX2, else (scalar) the scalar loops
 PyObject* py_w8a8_quantise(PyObject*, PyObject* args) {
     PyObject *x_o, *f_o, *q_o, *xs_o;
-    int bf16, threads, scalar = 0;
-    if (!PyArg_ParseTuple(args, "OpOOOi|p", &x_o, &bf16, &f_o, &q_o, &xs_o, &threads, &scalar)) return nullptr;
+    int bf16, threads, scalar = 0, no_avx512 = 0;
+    if (!PyArg_ParseTuple(args, "OpOOOi|pp", &x_o, &bf16, &f_o, &q_o, &xs_o, &threads, &scalar, &no_avx512))
+        return nullptr;
     Buf x, f, q, xs;
     if (!get_buf(xs_o, xs, -1, "xs", true) || !get_buf(f_o, f, -1, "f")) return nullptr;
     const int64_t rows = xs.count(4), k = f.count(4);
     if (!get_buf(x_o, x, rows * k * (bf16 ? 2 : 4), "x") || !get_buf(q_o, q, rows * k, "q", true)) return nullptr;
-    const bool v = w8a8_avx2(scalar);
+    const bool v = w8a8_avx2(scalar), w = w8a8_avx512(scalar, no_avx512);
     Py_BEGIN_ALLOW_THREADS
     parallel_for(rows, threads, [&](int64_t r) {
         int8_t* qr = q.as<int8_t>() + r * k;
         auto row = [&](const auto* xr) {
-            return v ? spk::w8a8_quantise_row_avx2(xr, f.as<float>(), k, qr) : spk::w8a8_quantise_row(xr, f.as<float>(), k, qr);
+            return w ? spk::w8a8_quantise_row_avx512(xr, f.as<float>(), k, qr)
+                 : v ? spk::w8a8_quantise_row_avx2(xr, f.as<float>(), k, qr)
+                     : spk::w8a8_quantise_row(xr, f.as<float>(), k, qr);
         };
         const float amax = bf16 ? row(x.as<uint16_t>() + r * k) : row(x.as<float>() + r * k);
         xs.as<float>()[r] = amax / spk::W8A8_QMAX;

@@ -239,7 +239,8 @@ class ActivationRangeError(ValueError):
 
 NATIVE = True  # the native extension's stages where it is built (the same bits either way)
 NATIVE_THREADS = COMPUTE_THREADS
-NATIVE_SCALAR = False  # the extension's scalar loops instead of its AVX2 ones (tests: the same bits)
+NATIVE_SCALAR = False  # the extension's scalar loops instead of its vector ones (tests: the same bits)
+NATIVE_NO_AVX512 = False  # the row quantisation's AVX2 loop where the CPU has AVX-512 (tests: the same bits)
 
 
 def _native() -> Any:
@@ -264,7 +265,7 @@ def quantise_rows(x: "torch.Tensor", factor: "torch.Tensor",
         q, xs = torch.empty(x.shape, dtype=torch.int8), torch.empty(x.shape[0], dtype=torch.float32)
         bf16 = x.dtype == torch.bfloat16
         nat.w8a8_quantise((x.view(torch.int16) if bf16 else x.float()).numpy(), bf16, factor.contiguous().numpy(),
-                          q.numpy(), xs.numpy(), NATIVE_THREADS, NATIVE_SCALAR)
+                          q.numpy(), xs.numpy(), NATIVE_THREADS, NATIVE_SCALAR, NATIVE_NO_AVX512)
     if not bool(torch.isfinite(xs).all()):
         raise ActivationRangeError("a non-finite activation reached a w8a8 linear")
     return q, xs

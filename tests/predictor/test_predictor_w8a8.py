@@ -58,20 +58,24 @@ def rows(dtype: torch.dtype, k: int, seed: int) -> tuple[torch.Tensor, torch.Ten
 
 
 @NATIVE
-@pytest.mark.parametrize("scalar", [False, True])
+@pytest.mark.parametrize("path", ["fastest", "avx2", "scalar"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k", [1, 7, 8, 13, 576])
-def test_native_stages_equal_the_torch_reference(monkeypatch, scalar, dtype, k):
-    monkeypatch.setattr(w8a8, "NATIVE_SCALAR", scalar)
+@pytest.mark.parametrize("k", [1, 7, 8, 13, 16, 33, 576])
+def test_native_stages_equal_the_torch_reference(monkeypatch, path, dtype, k):
+    """Every path of the row stages (the quantisation's AVX-512 rows where the CPU has them, AVX2,
+    scalar) writes the reference's bits, at widths that leave each vector path a tail."""
+    monkeypatch.setattr(w8a8, "NATIVE_SCALAR", path == "scalar")
+    monkeypatch.setattr(w8a8, "NATIVE_NO_AVX512", path == "avx2")
     x, f = rows(dtype, k, k)
     q_ref, xs_ref = w8a8.quantise_rows(x, f, native=False)
     q, xs = w8a8.quantise_rows(x, f)
     assert torch.equal(q, q_ref) and torch.equal(xs.view(torch.int32), xs_ref.view(torch.int32))
     assert int(q_ref.abs().max()) == 127 and not q_ref[3].any()
     g = torch.Generator().manual_seed(k + 1)
-    w8 = torch.randint(-127, 128, (19, k), dtype=torch.int8, generator=g)
-    ws = torch.rand(19, generator=g) * 1e-2
-    h = torch.randn(ROWS, 19, generator=g).to(torch.bfloat16)
+    n = 19 + k  # output widths 20 to 595: every vector path's tail
+    w8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    ws = torch.rand(n, generator=g) * 1e-2
+    h = torch.randn(ROWS, n, generator=g).to(torch.bfloat16)
     y_ref, y = w8a8.linear(q, xs, w8, ws, native=False), w8a8.linear(q, xs, w8, ws)
     assert y.dtype == torch.float32 and torch.equal(y.view(torch.int32), y_ref.view(torch.int32))
     r_ref, r = w8a8.linear(q, xs, w8, ws, add=h, native=False), w8a8.linear(q, xs, w8, ws, add=h)
