@@ -306,6 +306,7 @@ PyObject* py_contexts(PyObject*, PyObject* args) {
 
 #include "spk_portable_py.h"  // the portable predictor's stages (its own file: one concept per file)
 #include "spk_w8a8_py.h"      // the W8A8 predictor's stages
+#include "spk_w8a8_amx_py.h"  // the W8A8 linear on AMX tiles
 #include "spk_attn_py.h"      // the W8A8 predictor's int8 attention
 #include "spk_fp8_amx_py.h"   // an FP8 cache's attention products as vLLM's amx kernel computes them
 
@@ -317,6 +318,8 @@ PyMethodDef methods[] = {
     {"wide_dequant", py_wide_dequant, METH_VARARGS, "the portable predictor's wide dequantisation (integer.py)"},
     {"w8a8_quantise", py_w8a8_quantise, METH_VARARGS, "the W8A8 predictor's row quantisation (w8a8.py)"},
     {"w8a8_dequant", py_w8a8_dequant, METH_VARARGS, "the W8A8 predictor's dequantisation (w8a8.py)"},
+    {"w8a8_amx_ready", py_w8a8_amx_ready, METH_NOARGS, "whether AMX int8 tiles are granted (w8a8.py)"},
+    {"w8a8_amx_linear", py_w8a8_amx_linear, METH_VARARGS, "the W8A8 linear: product and dequantisation on AMX tiles (w8a8.py)"},
     {"w8a8_rope", py_w8a8_rope, METH_VARARGS, "the W8A8 predictor's RoPE of float32 rows to BF16 (w8a8_pass.py)"},
     {"igemm", py_igemm, METH_VARARGS, "int8 products with exact int32 sums (integer.int_mm, CPUs without VNNI)"},
     {"int_attention", py_int_attention, METH_VARARGS, "the portable rung's integer attention (int_attention.py)"},

@@ -23,6 +23,10 @@ derives the int8 weights from the target's BF16 ones and the exponents
         q, k, v = y; rope; mu_l = bf16(k), bf16(v)
         h += bf16(o(SDPA(q, k, v)));  h += bf16(down(silu(g) * u)),  g, u = gate_up(norm(h))
 
+On a CPU with AMX int8 tiles, ``linear`` runs the product and the dequantisation in one native pass
+(``coder/kernels/spk_w8a8_amx.h``): the int32 sums never go to memory, and integer sums in any order
+are the same bits as ``torch._int_mm``'s.
+
 mu is deterministic for one torch build and machine type, like the other float
 rungs (only ``portable`` is the same bits everywhere).
 
@@ -241,10 +245,26 @@ NATIVE = True  # the native extension's stages where it is built (the same bits 
 NATIVE_THREADS = COMPUTE_THREADS
 NATIVE_SCALAR = False  # the extension's scalar loops instead of its vector ones (tests: the same bits)
 NATIVE_NO_AVX512 = False  # the row quantisation's AVX2 loop where the CPU has AVX-512 (tests: the same bits)
+NATIVE_AMX = True  # linear on AMX tiles where granted (spk_w8a8_amx.h; tests: the same bits as int_mm + dequant)
 
 
 def _native() -> Any:
     return native_with("w8a8_quantise") if NATIVE else None
+
+
+AMX_K, AMX_N = 64, 16  # spk_w8a8_amx.h: k a multiple of AMX_K, n of AMX_N
+
+
+def _amx_fits(nat: Any, k: int, n: int) -> bool:
+    """Whether ``linear`` runs on AMX tiles here (``NATIVE_AMX``, an extension with the kernel, AMX
+    int8 granted, k and n the kernel's multiples)."""
+    return (NATIVE_AMX and not NATIVE_SCALAR and k % AMX_K == 0 and n % AMX_N == 0
+            and hasattr(nat, "w8a8_amx_linear") and _amx_ready(nat))
+
+
+@functools.cache
+def _amx_ready(nat: Any) -> bool:
+    return bool(nat.w8a8_amx_ready())
 
 
 def quantise_rows(x: "torch.Tensor", factor: "torch.Tensor",
@@ -298,8 +318,13 @@ def linear(q: "torch.Tensor", xs: "torch.Tensor", w8: "torch.Tensor", ws: "torch
         y = int_mm(q, w8).float() * xs[:, None] * ws
         return y if add is None else add + y.to(torch.bfloat16)
     shape = (q.shape[0], w8.shape[0])
-    acc = int_mm(q, w8, out=scratch_buffer(scratch, name + ".acc", shape, torch.int32))
     out = scratch_buffer(scratch, name, shape, torch.float32 if add is None else torch.bfloat16)
+    if q.shape[0] and _amx_fits(nat, q.shape[1], w8.shape[0]):  # product and dequantisation in one pass
+        nat.w8a8_amx_linear(q.contiguous().numpy(), xs.numpy(), w8.contiguous().numpy(), ws.contiguous().numpy(),
+                            None if add is None else add.contiguous().view(torch.int16).numpy(),
+                            out.numpy() if add is None else out.view(torch.int16).numpy(), NATIVE_THREADS)
+        return out
+    acc = int_mm(q, w8, out=scratch_buffer(scratch, name + ".acc", shape, torch.int32))
     nat.w8a8_dequant(acc.numpy(), xs.numpy(), ws.contiguous().numpy(),
                      None if add is None else add.contiguous().view(torch.int16).numpy(),
                      out.numpy() if add is None else out.view(torch.int16).numpy(), NATIVE_THREADS, NATIVE_SCALAR)

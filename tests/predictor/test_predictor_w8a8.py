@@ -82,6 +82,51 @@ def test_native_stages_equal_the_torch_reference(monkeypatch, path, dtype, k):
     assert r.dtype == torch.bfloat16 and torch.equal(bits(r), bits(r_ref))
 
 
+def _amx_granted() -> bool:
+    nat = w8a8._native()
+    return nat is not None and hasattr(nat, "w8a8_amx_ready") and bool(nat.w8a8_amx_ready())
+
+
+@NATIVE
+@pytest.mark.parametrize("m", [1, 31, 32, 33, 129, 300])
+@pytest.mark.parametrize("k, n", [(64, 16), (128, 48), (576, 960), (1536, 64)])
+def test_amx_linear_equals_the_product_and_dequantisation(monkeypatch, m, k, n):
+    """On AMX tiles (spk_w8a8_amx.h: product and dequantisation in one pass) ``linear`` writes the bits
+    of int_mm + w8a8_dequant and of the torch reference, float32 and BF16 with the residual add, at row
+    counts around the kernel's 32-row blocks and 128-row tasks, and a lone last 16-column panel
+    (n = 48). Where the CPU has no AMX int8, ``linear`` must take the other path (checked instead)."""
+    g = torch.Generator().manual_seed(m * 7 + k + n)
+    q = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
+    xs = torch.rand(m, generator=g) * 1e-2
+    w8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    ws = torch.rand(n, generator=g) * 1e-2
+    h = torch.randn(m, n, generator=g).to(torch.bfloat16)
+    nat = w8a8._native()
+    assert w8a8._amx_fits(nat, k, n) == _amx_granted()
+    for add in (None, h):
+        got = w8a8.linear(q, xs, w8, ws, add=add)
+        monkeypatch.setattr(w8a8, "NATIVE_AMX", False)
+        assert not w8a8._amx_fits(nat, k, n)
+        two_pass, ref = w8a8.linear(q, xs, w8, ws, add=add), w8a8.linear(q, xs, w8, ws, add=add, native=False)
+        monkeypatch.setattr(w8a8, "NATIVE_AMX", True)
+        assert torch.equal(bits(got), bits(two_pass)) and torch.equal(bits(got), bits(ref))
+
+
+@NATIVE
+def test_amx_linear_refuses_shapes_it_cannot_tile():
+    """k not a multiple of 64 or n not of 16: a typed error from the kernel, and ``linear`` never sends
+    it those (the two-pass product runs them)."""
+    nat = w8a8._native()
+    if not _amx_granted():
+        assert not w8a8._amx_fits(nat, 64, 16)
+        return
+    assert not w8a8._amx_fits(nat, 576 + 8, 16) and not w8a8._amx_fits(nat, 64, 24)
+    q, w8 = np.zeros((4, 72), np.int8), np.zeros((16, 72), np.int8)
+    with pytest.raises(ValueError, match="a multiple of 64"):
+        nat.w8a8_amx_linear(q, np.ones(4, np.float32), w8, np.ones(16, np.float32), None,
+                            np.zeros((4, 16), np.float32), 2)
+
+
 @pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_non_finite_activations_are_refused(native, bad):
