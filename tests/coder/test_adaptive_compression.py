@@ -152,8 +152,16 @@ BF16_CACHE = [e for e in engines.ENGINES if e != "fp8cache"]  # engines whose at
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("engine", [e for e in BF16_CACHE if e not in ("sdpa", "eager")])
-def test_bits_per_scalar_on_other_engines(wire_bits, dtype, engine):
-    assert wire_bits(dtype, engine, 5) == pytest.approx(WIRE_BITS[dtype, engine, 5], rel=rel(engine))
+def test_bits_per_scalar_on_other_engines(wire_bits, engine_kv, dtype, engine):
+    """NOTE: on a miss the message says how far the engine's KV was from the same-kernel KV this time
+    (tests/predictor/test_engines.py pins each engine's fraction): a once-seen miss of the avx2 child
+    (5.689 against 5.449, 2026-12-03, not reproduced in 16 runs since, quiet or loaded) would then say
+    whether the child computed other KV or the coder coded the same KV otherwise."""
+    kvs = engine_kv[2]
+    got = wire_bits(dtype, engine, 5)
+    assert got == pytest.approx(WIRE_BITS[dtype, engine, 5], rel=rel(engine)), (
+        f"{engine}: {engines.differing_fraction(kvs[engine], kvs[engines.SAME]):.4f} of its KV scalars "
+        "differ from the same-kernel KV's")
 
 
 def test_worst_engine_meets_the_bar(wire_bits):
