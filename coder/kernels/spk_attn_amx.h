@@ -18,22 +18,8 @@ namespace spk {
 constexpr int ATT_AMX_D = 64;    // the head size the tiles take: one 64-byte tile row per query row
 constexpr int ATT_AMX_ROWS = 16; // query rows per pass (a tile's rows)
 
-// Whether this CPU and kernel let this process use AMX int8 tiles (asked once).
-inline bool amx_int8_ready() {
-    static const bool yes = amx_granted(AMX_INT8_BIT);
-    return yes;
-}
-
-// Palette 1, tiles 0-7 each 16 rows of 64 bytes. Tiles: 0 scores, then P @ V dims 0-15;
-// 1 queries; 2 keys; 3 weights; 4 values; 5-7 P @ V dims 16-63.
-struct alignas(64) AmxTileConfig {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-    AmxTileConfig() {
-        for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = 16;
-    }
-};
+// The tiles (AmxTileConfig): 0 scores, then P @ V dims 0-15; 1 queries; 2 keys; 3 weights; 4 values;
+// 5-7 P @ V dims 16-63.
 
 // Scores x (16 rows of stride x_stride) of query rows qu (16 rows x D bytes) against keys [0, 16 groups).
 SPK_AMX inline void attn_scores16_amx(const AttnPacked& p, const uint8_t* qu, const float* c, int64_t groups,

@@ -12,7 +12,8 @@
 // of q (64 k each), 6-7 two 16-column panels of w8, packed per call (pack_panels) so that a tile row
 // holds 4 consecutive k of 16 columns:  panel[c][r][4 * n + t] = w8[16 c + n][64 chunk + 4 r + t].
 // NOTE: k must be a multiple of 64 and n of 16 (w8a8_amx_fits); rows of q past m are read from a
-// zero-padded copy of the last partial block, so any m works.
+// zero-padded copy of the last partial block, so any m works. Each call holds the n x k packed panels
+// while it runs (one layer's linear: 1.8 MB for the embedded model's gate_up), never between calls.
 #pragma once
 #include <immintrin.h>
 
@@ -21,28 +22,35 @@
 #include <cstring>
 #include <vector>
 
-#include "spk_amx.h"
-#include "spk_attn_amx.h"  // AmxTileConfig: palette 1, eight 16 x 64-byte tiles
+#include "spk_amx.h"  // AmxTileConfig: palette 1, eight 16 x 64-byte tiles
 #include "spk_w8a8.h"
 
 namespace spk {
 
 #define SPK_AMX_MM __attribute__((target("avx512f,avx512bw,avx512vl,amx-tile,amx-int8")))
-constexpr int64_t AMX_MM_K = 64;      // k per tile product
-constexpr int64_t AMX_MM_BLOCK = 32;  // rows and columns of a block: 2 x 2 tiles of sums
+constexpr int64_t AMX_MM_K = AMX_TILE_BYTES;          // k per tile product: a tile row of q
+constexpr int64_t AMX_MM_PANEL = AMX_TILE_ROWS;       // columns of a packed panel: a tile of sums is 16 wide
+constexpr int64_t AMX_MM_CHUNK = AMX_TILE_ROWS * AMX_TILE_BYTES;  // bytes of a panel per 64 k: one tile
+constexpr int64_t AMX_MM_BLOCK = 2 * AMX_TILE_ROWS;  // rows and columns of a block: 2 x 2 tiles of sums
 constexpr int64_t AMX_MM_ROWS = 128;  // rows of q per task (4 blocks: each packed panel read 4 times per load)
+// NOTE: int32 sums of k products of int8 (|q| <= 127, w8 >= -128) are exact only while 127 * 128 * k < 2^31,
+// as for torch._int_mm (products.py); larger k is refused, not wrapped
+constexpr int64_t AMX_MM_MAX_K = 131072;
 
-inline bool w8a8_amx_fits(int64_t k, int64_t n) { return k > 0 && n > 0 && k % AMX_MM_K == 0 && n % 16 == 0; }
+inline bool w8a8_amx_fits(int64_t k, int64_t n) {
+    return k > 0 && n > 0 && k <= AMX_MM_MAX_K && k % AMX_MM_K == 0 && n % AMX_MM_PANEL == 0;
+}
 
 // The 16-column panel c of w8 (n, k): (k / 64) chunks of 16 rows x 64 bytes, 1 KiB each; a row of a
 // chunk gathers the same 4 bytes of 16 rows of w8 (k is a multiple of 64, so each is 4-byte aligned).
+// NOTE: k <= AMX_MM_MAX_K keeps the gather's 32-bit indexes (up to 15 k / 4) far from overflow.
 SPK_AMX_MM inline void pack_panel(const int8_t* w8, int64_t k, int64_t c, int8_t* out) {
     const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32((int)(k / 4)));  // dword index of row n
-    const int32_t* base = reinterpret_cast<const int32_t*>(w8 + 16 * c * k);
+    const int32_t* base = reinterpret_cast<const int32_t*>(w8 + AMX_MM_PANEL * c * k);
     for (int64_t chunk = 0; chunk < k / AMX_MM_K; ++chunk)
-        for (int64_t r = 0; r < 16; ++r)
-            _mm512_storeu_si512((void*)(out + (chunk * 16 + r) * 64),
+        for (int64_t r = 0; r < AMX_TILE_ROWS; ++r)
+            _mm512_storeu_si512((void*)(out + chunk * AMX_MM_CHUNK + r * AMX_TILE_BYTES),
                                 _mm512_i32gather_epi32(rows, base + chunk * (AMX_MM_K / 4) + r, 4));
 }
 
@@ -73,18 +81,18 @@ SPK_AMX_MM inline void dequant16(const int32_t* acc, __m512 xs, const float* ws,
 SPK_AMX_MM inline void amx_block(const int8_t* qb, const int8_t* panels, int64_t k, int64_t c, int64_t cols,
                                  int64_t i0, int64_t rows, const float* xs, const float* ws, const uint16_t* add,
                                  void* out, bool bf16_out, int64_t n) {
-    const int64_t chunks = k / AMX_MM_K, panel = chunks * 1024;
+    const int64_t chunks = k / AMX_MM_K, panel = chunks * AMX_MM_CHUNK;
     const int8_t* b0 = panels + c * panel;
-    const int8_t* b1 = cols > 16 ? b0 + panel : b0;  // NOTE: a lone last panel repeats; its sums are not read
+    const int8_t* b1 = cols > AMX_MM_PANEL ? b0 + panel : b0;  // NOTE: a lone last panel repeats; its sums are not read
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t ch = 0; ch < chunks; ++ch) {
         _tile_loadd(4, qb + ch * AMX_MM_K, k);
-        _tile_loadd(5, qb + 16 * k + ch * AMX_MM_K, k);
-        _tile_loadd(6, b0 + ch * 1024, 64);
-        _tile_loadd(7, b1 + ch * 1024, 64);
+        _tile_loadd(5, qb + AMX_TILE_ROWS * k + ch * AMX_MM_K, k);
+        _tile_loadd(6, b0 + ch * AMX_MM_CHUNK, AMX_TILE_BYTES);
+        _tile_loadd(7, b1 + ch * AMX_MM_CHUNK, AMX_TILE_BYTES);
         _tile_dpbssd(0, 4, 6);
         _tile_dpbssd(1, 4, 7);
         _tile_dpbssd(2, 5, 6);
@@ -92,15 +100,15 @@ SPK_AMX_MM inline void amx_block(const int8_t* qb, const int8_t* panels, int64_t
     }
     alignas(64) int32_t s[AMX_MM_BLOCK][AMX_MM_BLOCK];
     _tile_stored(0, &s[0][0], AMX_MM_BLOCK * 4);
-    _tile_stored(1, &s[0][16], AMX_MM_BLOCK * 4);
-    _tile_stored(2, &s[16][0], AMX_MM_BLOCK * 4);
-    _tile_stored(3, &s[16][16], AMX_MM_BLOCK * 4);
+    _tile_stored(1, &s[0][AMX_TILE_ROWS], AMX_MM_BLOCK * 4);
+    _tile_stored(2, &s[AMX_TILE_ROWS][0], AMX_MM_BLOCK * 4);
+    _tile_stored(3, &s[AMX_TILE_ROWS][AMX_TILE_ROWS], AMX_MM_BLOCK * 4);
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r;
         const __m512 x = _mm512_set1_ps(xs[i]);
         const uint16_t* ar = add ? add + i * n : nullptr;
         void* o = bf16_out ? (void*)(static_cast<uint16_t*>(out) + i * n) : (void*)(static_cast<float*>(out) + i * n);
-        for (int64_t h = 0; h < cols; h += 16) dequant16(&s[r][h], x, ws, ar, o, 16 * c + h);
+        for (int64_t h = 0; h < cols; h += 16) dequant16(&s[r][h], x, ws, ar, o, AMX_MM_PANEL * c + h);
     }
 }
 
@@ -118,8 +126,8 @@ SPK_AMX_MM inline void amx_rows(const int8_t* q, const int8_t* panels, int64_t k
         pad.assign((size_t)(AMX_MM_BLOCK * k), 0);
         std::memcpy(pad.data(), q + last * k, (size_t)(last_rows * k));
     }
-    for (int64_t c = 0; c < n / 16; c += 2) {
-        const int64_t cols = std::min<int64_t>(AMX_MM_BLOCK, n - 16 * c);
+    for (int64_t c = 0; c < n / AMX_MM_PANEL; c += 2) {
+        const int64_t cols = std::min<int64_t>(AMX_MM_BLOCK, n - AMX_MM_PANEL * c);
         for (int64_t b = 0; b < blocks; ++b) {
             const int64_t r0 = i0 + b * AMX_MM_BLOCK, rows = std::min<int64_t>(AMX_MM_BLOCK, i1 - r0);
             const int8_t* qb = rows < AMX_MM_BLOCK ? pad.data() : q + r0 * k;

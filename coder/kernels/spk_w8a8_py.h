@@ -18,8 +18,11 @@ bool w8a8_avx512(int scalar, int no_avx512) {
     return yes && !scalar && !no_avx512;
 }
 
+enum { W8A8_PATH_SCALAR = 0, W8A8_PATH_AVX2 = 1, W8A8_PATH_AVX512 = 2 };
+
 // w8a8_quantise(x float32 or BF16 bits (rows, k), bf16, f float32 (k), q int8 (rows, k), xs float32 (rows),
-//               threads[, scalar[, no_avx512]]): the AVX-512 rows, else AVX2, else (scalar) the scalar loops
+//               threads[, scalar[, no_avx512]]): the AVX-512 rows, else AVX2, else (scalar) the scalar loops;
+//               returns the path that ran (W8A8_PATH_*)
 PyObject* py_w8a8_quantise(PyObject*, PyObject* args) {
     PyObject *x_o, *f_o, *q_o, *xs_o;
     int bf16, threads, scalar = 0, no_avx512 = 0;
@@ -42,7 +45,7 @@ PyObject* py_w8a8_quantise(PyObject*, PyObject* args) {
         xs.as<float>()[r] = amax / spk::W8A8_QMAX;
     });
     Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
+    return PyLong_FromLong(w ? W8A8_PATH_AVX512 : v ? W8A8_PATH_AVX2 : W8A8_PATH_SCALAR);
 }
 
 // w8a8_dequant(acc int32 (rows, n), xs float32 (rows), ws float32 (n), add BF16 bits (rows, n) or None,

@@ -252,14 +252,11 @@ def _native() -> Any:
     return native_with("w8a8_quantise") if NATIVE else None
 
 
-AMX_K, AMX_N = 64, 16  # spk_w8a8_amx.h: k a multiple of AMX_K, n of AMX_N
-
-
 def _amx_fits(nat: Any, k: int, n: int) -> bool:
     """Whether ``linear`` runs on AMX tiles here (``NATIVE_AMX``, an extension with the kernel, AMX
-    int8 granted, k and n the kernel's multiples)."""
-    return (NATIVE_AMX and not NATIVE_SCALAR and k % AMX_K == 0 and n % AMX_N == 0
-            and hasattr(nat, "w8a8_amx_linear") and _amx_ready(nat))
+    int8 granted, an inner size k and a width n the kernel takes: ``spk_w8a8_amx.h``)."""
+    return (NATIVE_AMX and not NATIVE_SCALAR and hasattr(nat, "w8a8_amx_linear") and _amx_ready(nat)
+            and bool(nat.w8a8_amx_fits(k, n)))
 
 
 @functools.cache
@@ -320,9 +317,14 @@ def linear(q: "torch.Tensor", xs: "torch.Tensor", w8: "torch.Tensor", ws: "torch
     shape = (q.shape[0], w8.shape[0])
     out = scratch_buffer(scratch, name, shape, torch.float32 if add is None else torch.bfloat16)
     if q.shape[0] and _amx_fits(nat, q.shape[1], w8.shape[0]):  # product and dequantisation in one pass
-        nat.w8a8_amx_linear(q.contiguous().numpy(), xs.numpy(), w8.contiguous().numpy(), ws.contiguous().numpy(),
-                            None if add is None else add.contiguous().view(torch.int16).numpy(),
-                            out.numpy() if add is None else out.view(torch.int16).numpy(), NATIVE_THREADS)
+        if q.dtype != torch.int8 or w8.dtype != torch.int8 or q.shape[1] != w8.shape[1] or xs.shape != q.shape[:1] \
+                or ws.shape != w8.shape[:1]:
+            raise ValueError(f"linear: int8 {tuple(q.shape)} {q.dtype} rows (scales {tuple(xs.shape)}) by int8 "
+                             f"{tuple(w8.shape)} {w8.dtype} weights (scales {tuple(ws.shape)})")
+        residual = None if add is None else add.contiguous().view(torch.int16).numpy()
+        target = out.numpy() if add is None else out.view(torch.int16).numpy()
+        nat.w8a8_amx_linear(q.contiguous().numpy(), xs.contiguous().numpy(), w8.contiguous().numpy(),
+                            ws.contiguous().numpy(), residual, target, *shape, q.shape[1], NATIVE_THREADS)
         return out
     acc = int_mm(q, w8, out=scratch_buffer(scratch, name + ".acc", shape, torch.int32))
     nat.w8a8_dequant(acc.numpy(), xs.numpy(), ws.contiguous().numpy(),

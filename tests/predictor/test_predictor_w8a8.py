@@ -87,6 +87,25 @@ def _amx_granted() -> bool:
     return nat is not None and hasattr(nat, "w8a8_amx_ready") and bool(nat.w8a8_amx_ready())
 
 
+def _linear_case(m: int, k: int, n: int, extreme: bool = False):
+    g = torch.Generator().manual_seed(m * 7 + k + n)
+    q = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
+    w8 = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    if extreme:  # the largest sums the int32 accumulators see: every product 127 * 128 of one sign
+        q[0], w8[0] = 127, -128
+    xs, ws = torch.rand(m, generator=g) * 1e-2, torch.rand(n, generator=g) * 1e-2
+    return q, xs, w8, ws, torch.randn(m, n, generator=g).to(torch.bfloat16)
+
+
+def _three_ways(monkeypatch, q, xs, w8, ws, add):
+    """``linear`` as it runs here (AMX where granted), without AMX, and the torch reference."""
+    got = w8a8.linear(q, xs, w8, ws, add=add)
+    monkeypatch.setattr(w8a8, "NATIVE_AMX", False)
+    two_pass, ref = w8a8.linear(q, xs, w8, ws, add=add), w8a8.linear(q, xs, w8, ws, add=add, native=False)
+    monkeypatch.setattr(w8a8, "NATIVE_AMX", True)
+    return got, two_pass, ref
+
+
 @NATIVE
 @pytest.mark.parametrize("m", [1, 31, 32, 33, 129, 300])
 @pytest.mark.parametrize("k, n", [(64, 16), (128, 48), (576, 960), (1536, 64)])
@@ -95,36 +114,81 @@ def test_amx_linear_equals_the_product_and_dequantisation(monkeypatch, m, k, n):
     of int_mm + w8a8_dequant and of the torch reference, float32 and BF16 with the residual add, at row
     counts around the kernel's 32-row blocks and 128-row tasks, and a lone last 16-column panel
     (n = 48). Where the CPU has no AMX int8, ``linear`` must take the other path (checked instead)."""
-    g = torch.Generator().manual_seed(m * 7 + k + n)
-    q = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
-    xs = torch.rand(m, generator=g) * 1e-2
-    w8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
-    ws = torch.rand(n, generator=g) * 1e-2
-    h = torch.randn(m, n, generator=g).to(torch.bfloat16)
-    nat = w8a8._native()
-    assert w8a8._amx_fits(nat, k, n) == _amx_granted()
+    q, xs, w8, ws, h = _linear_case(m, k, n)
+    assert w8a8._amx_fits(w8a8._native(), k, n) == _amx_granted()
     for add in (None, h):
-        got = w8a8.linear(q, xs, w8, ws, add=add)
-        monkeypatch.setattr(w8a8, "NATIVE_AMX", False)
-        assert not w8a8._amx_fits(nat, k, n)
-        two_pass, ref = w8a8.linear(q, xs, w8, ws, add=add), w8a8.linear(q, xs, w8, ws, add=add, native=False)
-        monkeypatch.setattr(w8a8, "NATIVE_AMX", True)
+        got, two_pass, ref = _three_ways(monkeypatch, q, xs, w8, ws, add)
         assert torch.equal(bits(got), bits(two_pass)) and torch.equal(bits(got), bits(ref))
 
 
 @NATIVE
-def test_amx_linear_refuses_shapes_it_cannot_tile():
-    """k not a multiple of 64 or n not of 16: a typed error from the kernel, and ``linear`` never sends
-    it those (the two-pass product runs them)."""
+@pytest.mark.parametrize("k", [8192, 131072])
+def test_amx_linear_at_the_largest_sums(monkeypatch, k):
+    """Long rows whose sums reach 127 * 128 * k (at k = 131072, the kernel's limit, just under 2^31):
+    exact int32 sums either way."""
+    q, xs, w8, ws, h = _linear_case(3, k, 16, extreme=True)
+    for add in (None, h):
+        got, two_pass, _ = _three_ways(monkeypatch, q, xs, w8, ws, add)
+        assert torch.equal(bits(got), bits(two_pass))
+
+
+@NATIVE
+def test_amx_linear_keeps_non_finite_outputs_as_the_two_pass_path(monkeypatch):
+    """Scales that overflow the product to inf (and the residual's inf + -inf to NaN): the same bits as
+    the two-pass path's (both round with spk_w8a8.h's f32_to_bf16)."""
+    q, xs, w8, ws, h = _linear_case(5, 64, 32)
+    xs[1], h[2, 3], ws[4] = 3e38, float("inf"), 3e38
+    for add in (None, h):
+        got, two_pass, _ = _three_ways(monkeypatch, q, xs, w8, ws, add)
+        assert torch.equal(bits(got), bits(two_pass))
+
+
+@NATIVE
+@pytest.mark.parametrize("k, n", [(0, 16), (64, 0), (72, 16), (64, 24), (131072 + 64, 16)])
+def test_amx_linear_leaves_shapes_it_cannot_tile_to_the_two_pass_path(monkeypatch, k, n):
+    """Empty, unaligned or too long products: ``linear`` gives the two-pass path's result, and the
+    kernel itself refuses them with a typed error."""
     nat = w8a8._native()
+    assert not w8a8._amx_fits(nat, k, n)
+    q, xs, w8, ws, h = _linear_case(4, k, n)
+    got, two_pass, _ = _three_ways(monkeypatch, q, xs, w8, ws, h)
+    assert torch.equal(bits(got), bits(two_pass))
+    if hasattr(nat, "w8a8_amx_linear"):
+        with pytest.raises(ValueError, match="w8a8_amx_linear: m 4"):
+            nat.w8a8_amx_linear(q.numpy(), xs.numpy(), w8.numpy(), ws.numpy(), None,
+                                np.zeros((4, n), np.float32), 4, n, k, 2)
+
+
+@NATIVE
+def test_amx_linear_refuses_arguments_that_do_not_fit():
+    """Buffers that disagree with m, n, k: a typed error before anything is read; and ``linear``
+    refuses operands that are not int8 or whose inner sizes differ."""
     if not _amx_granted():
-        assert not w8a8._amx_fits(nat, 64, 16)
-        return
-    assert not w8a8._amx_fits(nat, 576 + 8, 16) and not w8a8._amx_fits(nat, 64, 24)
-    q, w8 = np.zeros((4, 72), np.int8), np.zeros((16, 72), np.int8)
-    with pytest.raises(ValueError, match="a multiple of 64"):
-        nat.w8a8_amx_linear(q, np.ones(4, np.float32), w8, np.ones(16, np.float32), None,
-                            np.zeros((4, 16), np.float32), 2)
+        pytest.skip("no AMX int8 tiles on this CPU: the kernel cannot run (the other tests check the fallback)")
+    nat = w8a8._native()
+    q, xs, w8, ws, _ = _linear_case(4, 64, 16)
+    out = np.zeros((4, 16), np.float32)
+    for m, n, k in [(5, 16, 64), (4, 32, 64), (2, 16, 128), (4, 16, 128)]:
+        with pytest.raises(ValueError, match="do not fit"):
+            nat.w8a8_amx_linear(q.numpy(), xs.numpy(), w8.numpy(), ws.numpy(), None, out, m, n, k, 2)
+    with pytest.raises(ValueError, match="int8"):
+        w8a8.linear(q.to(torch.int16), xs, w8, ws)
+    with pytest.raises(ValueError, match="int8"):
+        w8a8.linear(q, xs[:3], w8, ws)
+
+
+def test_the_row_quantisation_reports_the_path_it_ran():
+    """The binding names its path, so a CPU check that went wrong cannot hide behind equal bits: AVX-512
+    where the CPU has AVX-512 F, BW and VL, else AVX2; AVX2 when asked; scalar when asked."""
+    nat = w8a8._native()
+    if nat is None:
+        pytest.skip("the native extension is not built")
+    flags = set(open("/proc/cpuinfo").read().split())
+    x, f = torch.randn(3, 40), torch.ones(40)
+    q, xs = torch.empty(3, 40, dtype=torch.int8), torch.empty(3)
+    run = lambda *path: nat.w8a8_quantise(x.numpy(), False, f.numpy(), q.numpy(), xs.numpy(), 2, *path)  # noqa: E731
+    widest = 2 if {"avx512f", "avx512bw", "avx512vl"} <= flags else 1 if "avx2" in flags else 0
+    assert (run(), run(False, True), run(True)) == (widest, min(widest, 1), 0)
 
 
 @pytest.mark.parametrize("native", [False, True])
