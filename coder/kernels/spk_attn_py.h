@@ -5,7 +5,7 @@
 #include "spk_attn_amx.h"
 #include "spk_attn_avx2.h"
 #include "spk_py.h"
-#include "spk_w8a8_py.h"  // w8a8_avx2: the W8A8 row quantisation's path choice
+#include "spk_w8a8_py.h"  // w8a8_avx2, w8a8_quantise_row_on: the W8A8 row quantisation's paths
 
 namespace {
 
@@ -19,13 +19,9 @@ bool attn_vnni(int scalar, int64_t D) {
 // its AVX-512, AVX2 and scalar rows give the same bits).
 void quantise_rows(const uint16_t* x, int64_t rows, int64_t D, int8_t* q, float* s, int scalar) {
     const std::vector<float> one((size_t)D, 1.0f);
-    const bool avx2 = w8a8_avx2(scalar), avx512 = w8a8_avx512(scalar, 0);
-    for (int64_t r = 0; r < rows; ++r) {
-        const float amax = avx512 ? spk::w8a8_quantise_row_avx512(x + r * D, one.data(), D, q + r * D)
-                         : avx2   ? spk::w8a8_quantise_row_avx2(x + r * D, one.data(), D, q + r * D)
-                                  : spk::w8a8_quantise_row(x + r * D, one.data(), D, q + r * D);
-        s[r] = amax / spk::W8A8_QMAX;
-    }
+    const int path = w8a8_quantise_path(scalar, 0);
+    for (int64_t r = 0; r < rows; ++r)
+        s[r] = w8a8_quantise_row_on(path, x + r * D, one.data(), D, q + r * D) / spk::W8A8_QMAX;
 }
 
 enum { ATT_PATH_LOOPS = 0, ATT_PATH_VNNI = 1, ATT_PATH_AMX = 2 };  // LOOPS: AVX2 or scalar

@@ -73,7 +73,8 @@ SPK_AMX_MM inline void dequant16(const int32_t* acc, __m512 xs, const float* ws,
     const __m512 yb = _mm512_castsi512_ps(_mm512_slli_epi32(f32_to_bf16_v(y), 16));
     const __m512 a = _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(add + j))), 16));
-    _mm256_storeu_si256((__m256i*)(static_cast<uint16_t*>(out) + j), _mm512_cvtepi32_epi16(f32_to_bf16_v(_mm512_add_ps(a, yb))));
+    const __m512i o = f32_to_bf16_v(_mm512_add_ps(a, yb));
+    _mm256_storeu_si256((__m256i*)(static_cast<uint16_t*>(out) + j), _mm512_cvtepi32_epi16(o));
 }
 
 // One 32 x 32 block: rows [i0, i0 + rows) of q (qb: its 32 rows, stride k), columns [16 c, 16 c + 32)

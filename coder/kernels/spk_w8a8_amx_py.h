@@ -41,8 +41,8 @@ PyObject* py_w8a8_amx_linear(PyObject*, PyObject* args) {
     // NOTE: m and n are bounded by the buffers' lengths (by division) before any product of them is formed
     if (q.v.len % k || q.v.len / k != m || w.v.len % k || w.v.len / k != n || xs.v.len != m * 4 ||
         ws.v.len != n * 4 || n > (int64_t)(PY_SSIZE_T_MAX / 4) / m) {
-        PyErr_Format(PyExc_ValueError, "w8a8_amx_linear: q %zd bytes, w8 %zd, xs %zd, ws %zd do not fit m %lld, n %lld, "
-                     "k %lld", q.v.len, w.v.len, xs.v.len, ws.v.len, m, n, k);
+        PyErr_Format(PyExc_ValueError, "w8a8_amx_linear: q %zd bytes, w8 %zd, xs %zd, ws %zd "
+                     "do not fit m %lld, n %lld, k %lld", q.v.len, w.v.len, xs.v.len, ws.v.len, m, n, k);
         return nullptr;
     }
     if ((bf16 && !get_buf(add_o, add, m * n * 2, "add")) || !get_buf(out_o, out, m * n * (bf16 ? 2 : 4), "out", true))

@@ -20,6 +20,19 @@ bool w8a8_avx512(int scalar, int no_avx512) {
 
 enum { W8A8_PATH_SCALAR = 0, W8A8_PATH_AVX2 = 1, W8A8_PATH_AVX512 = 2 };
 
+// The row quantisation's path on this CPU: the widest vector loop allowed (every path, the same bits).
+int w8a8_quantise_path(int scalar, int no_avx512) {
+    return w8a8_avx512(scalar, no_avx512) ? W8A8_PATH_AVX512 : w8a8_avx2(scalar) ? W8A8_PATH_AVX2 : W8A8_PATH_SCALAR;
+}
+
+// One row of the quantisation on ``path`` (w8a8_quantise_path); returns amax.
+template <class X>
+float w8a8_quantise_row_on(int path, const X* x, const float* f, int64_t k, int8_t* q) {
+    return path == W8A8_PATH_AVX512 ? spk::w8a8_quantise_row_avx512(x, f, k, q)
+         : path == W8A8_PATH_AVX2   ? spk::w8a8_quantise_row_avx2(x, f, k, q)
+                                    : spk::w8a8_quantise_row(x, f, k, q);
+}
+
 // w8a8_quantise(x float32 or BF16 bits (rows, k), bf16, f float32 (k), q int8 (rows, k), xs float32 (rows),
 //               threads[, scalar[, no_avx512]]): the AVX-512 rows, else AVX2, else (scalar) the scalar loops;
 //               returns the path that ran (W8A8_PATH_*)
@@ -32,20 +45,16 @@ PyObject* py_w8a8_quantise(PyObject*, PyObject* args) {
     if (!get_buf(xs_o, xs, -1, "xs", true) || !get_buf(f_o, f, -1, "f")) return nullptr;
     const int64_t rows = xs.count(4), k = f.count(4);
     if (!get_buf(x_o, x, rows * k * (bf16 ? 2 : 4), "x") || !get_buf(q_o, q, rows * k, "q", true)) return nullptr;
-    const bool v = w8a8_avx2(scalar), w = w8a8_avx512(scalar, no_avx512);
+    const int path = w8a8_quantise_path(scalar, no_avx512);
     Py_BEGIN_ALLOW_THREADS
     parallel_for(rows, threads, [&](int64_t r) {
         int8_t* qr = q.as<int8_t>() + r * k;
-        auto row = [&](const auto* xr) {
-            return w ? spk::w8a8_quantise_row_avx512(xr, f.as<float>(), k, qr)
-                 : v ? spk::w8a8_quantise_row_avx2(xr, f.as<float>(), k, qr)
-                     : spk::w8a8_quantise_row(xr, f.as<float>(), k, qr);
-        };
-        const float amax = bf16 ? row(x.as<uint16_t>() + r * k) : row(x.as<float>() + r * k);
+        const float amax = bf16 ? w8a8_quantise_row_on(path, x.as<uint16_t>() + r * k, f.as<float>(), k, qr)
+                                : w8a8_quantise_row_on(path, x.as<float>() + r * k, f.as<float>(), k, qr);
         xs.as<float>()[r] = amax / spk::W8A8_QMAX;
     });
     Py_END_ALLOW_THREADS
-    return PyLong_FromLong(w ? W8A8_PATH_AVX512 : v ? W8A8_PATH_AVX2 : W8A8_PATH_SCALAR);
+    return PyLong_FromLong(path);
 }
 
 // w8a8_dequant(acc int32 (rows, n), xs float32 (rows), ws float32 (n), add BF16 bits (rows, n) or None,

@@ -316,20 +316,18 @@ def linear(q: "torch.Tensor", xs: "torch.Tensor", w8: "torch.Tensor", ws: "torch
         return y if add is None else add + y.to(torch.bfloat16)
     shape = (q.shape[0], w8.shape[0])
     out = scratch_buffer(scratch, name, shape, torch.float32 if add is None else torch.bfloat16)
+    residual = None if add is None else add.contiguous().view(torch.int16).numpy()
+    target = out.numpy() if add is None else out.view(torch.int16).numpy()
     if q.shape[0] and _amx_fits(nat, q.shape[1], w8.shape[0]):  # product and dequantisation in one pass
         if q.dtype != torch.int8 or w8.dtype != torch.int8 or q.shape[1] != w8.shape[1] or xs.shape != q.shape[:1] \
                 or ws.shape != w8.shape[:1]:
             raise ValueError(f"linear: int8 {tuple(q.shape)} {q.dtype} rows (scales {tuple(xs.shape)}) by int8 "
                              f"{tuple(w8.shape)} {w8.dtype} weights (scales {tuple(ws.shape)})")
-        residual = None if add is None else add.contiguous().view(torch.int16).numpy()
-        target = out.numpy() if add is None else out.view(torch.int16).numpy()
         nat.w8a8_amx_linear(q.contiguous().numpy(), xs.contiguous().numpy(), w8.contiguous().numpy(),
                             ws.contiguous().numpy(), residual, target, *shape, q.shape[1], NATIVE_THREADS)
         return out
     acc = int_mm(q, w8, out=scratch_buffer(scratch, name + ".acc", shape, torch.int32))
-    nat.w8a8_dequant(acc.numpy(), xs.numpy(), ws.contiguous().numpy(),
-                     None if add is None else add.contiguous().view(torch.int16).numpy(),
-                     out.numpy() if add is None else out.view(torch.int16).numpy(), NATIVE_THREADS, NATIVE_SCALAR)
+    nat.w8a8_dequant(acc.numpy(), xs.numpy(), ws.contiguous().numpy(), residual, target, NATIVE_THREADS, NATIVE_SCALAR)
     return out
 
 
