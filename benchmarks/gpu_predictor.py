@@ -67,6 +67,28 @@ def code(pred: Any, kv: Any, ids: Any, mu: Any, coder: str) -> dict[str, Any]:
     return out
 
 
+def variants(pred: Any, target: Any, ids: Any, device: str, repeats: int, sync: Callable[[], None]) -> dict:
+    """Seconds of two neighbours on the device: the shipped w8a8i rung with torch's attention instead
+    of the host's int8 kernel (``w8a8:K``'s attention: no host round trip), and the target's prefill
+    as an engine runs it there (BF16 linears, not ``target.py``'s FP32-accumulated ones)."""
+    import torch
+
+    from speckv.predictor.target import extract_kv, load_hf, target_dir
+
+    out: dict[str, Any] = {}
+    if getattr(pred.model, "int_attention", False):
+        pred.model.int_attention = False
+        try:
+            mu, out["sdpa_attention_s"] = timed(lambda: pred.mu(ids), repeats, sync)
+            out["sdpa_attention_deterministic"] = bool(torch.equal(mu.view(torch.int16),
+                                                                   pred.mu(ids).view(torch.int16)))
+        finally:
+            pred.model.int_attention = True
+    engine = load_hf(target_dir(target.spec))[0].to(device)
+    _, out["engine_bf16_s"] = timed(lambda: extract_kv(engine, ids), repeats, sync)
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
@@ -99,7 +121,7 @@ def main() -> None:
     kv, target_s = timed(lambda: target.kv(ids), a.repeats, sync)
     mu, mu_s = timed(lambda: pred.mu(ids), a.repeats, sync)
     again = pred.mu(ids)
-    print(json.dumps({
+    print(json.dumps({**variants(pred, target, ids, a.device, a.repeats, sync),
         "device": a.device, "name": torch.cuda.get_device_name() if on_gpu else "cpu", "rung": ck.rung.name,
         "tokens": int(len(ids)), "torch": torch.__version__, "target_s": round(target_s, 4),
         "predictor_s": round(mu_s, 4), "predictor_cost": round(mu_s / target_s, 3),

@@ -61,7 +61,9 @@ class CudaCoder:
 
     def __init__(self, cp: Any) -> None:
         self.cp = cp
-        opts = ("-std=c++17", f"-I{source_dir()}", "--fmad=false")  # NOTE: fp32 ops must not contract
+        # NOTE: FP32 operations must not contract; subnormals are kept by spk_model.cuh's float64
+        # emulation (on an H200 these flags alone did not keep them)
+        opts = ("-std=c++17", f"-I{source_dir()}", "--fmad=false", "-ftz=false", "-prec-div=true")
         self.module = cp.RawModule(code=source(), options=opts)
         self.k = {n: self.module.get_function(n) for n in KERNELS}
         self._tables: dict[int, tuple[tuple[Any, ...], Any, int]] = {}

@@ -13,19 +13,39 @@
 // one integer addition done once per channel on the host (coder/plan.py Plan.shifted) for
 // every backend alike; nothing below depends on whether L was shifted (shift 0: L' = L).
 // NOTE: those float operations must be neither fused (FMA) nor flushed to zero:
-// the host build uses -ffp-contract=off without -ffast-math, the device code the
-// explicit round-to-nearest intrinsics below.
+// the host build uses -ffp-contract=off without -ffast-math, the device code float64
+// emulation below (its float32 instructions flush subnormals).
 #pragma once
 #include "rans_lane.cuh"
 
 #ifdef __CUDA_ARCH__
-#define SPK_FMUL(a, b) __fmul_rn((a), (b))
-#define SPK_FADD(a, b) __fadd_rn((a), (b))
-#define SPK_FSUB(a, b) __fsub_rn((a), (b))
-#define SPK_FDIV(a, b) __fdiv_rn((a), (b))
-#define SPK_ISNAN(a) isnan(a)
+// NOTE: the device's float32 instructions flush subnormal inputs and results to zero in the build
+// CuPy makes (a lent H200 flushed 879 of 49,152 FP8 mu' / scale quotients, with -ftz=false and
+// __fdiv_rn alike: 2026-12-04), and the CPU keeps them. So each device float32 operation runs in
+// float64, which no flag flushes: operands widened exactly from their bits (spk_widen), one
+// correctly rounded float64 operation, then one rounding to float32 from the bits (spk_narrow).
+// One rounding after another is still the correctly rounded float32 result: float64 has at least
+// 2p + 2 bits of a p <= 24 bit result (Figueroa, "When is double rounding innocuous?", 1995).
 SPK_HD float spk_f32(uint32_t u) { return __uint_as_float(u); }
 SPK_HD uint32_t spk_u32(float f) { return __float_as_uint(f); }
+SPK_HD double spk_pow2(int k) { return __longlong_as_double((long long)(k + 1023) << 52); }  // normal k only
+SPK_HD double spk_widen(float f) {
+    const uint32_t u = __float_as_uint(f), e = (u >> 23) & 0xFFu, m = u & 0x7FFFFFu;
+    if (e == 0xFFu) return (double)f;  // inf, NaN: no subnormal to flush
+    const double v = e ? (double)(m | 0x800000u) * spk_pow2((int)e - 150) : (double)m * spk_pow2(-149);
+    return (u >> 31) ? -v : v;
+}
+SPK_HD float spk_narrow(double d) {
+    const double a = fabs(d);
+    if (!(a < 0x1p-126)) return __double2float_rn(d);  // normal, inf or NaN result
+    const uint32_t units = (uint32_t)__double2ull_rn(a * 0x1p149);  // exact scaling; ties to even
+    return __uint_as_float((__double_as_longlong(d) < 0 ? 0x80000000u : 0u) | units);  // 2^23 units: 2^-126
+}
+#define SPK_FMUL(a, b) spk_narrow(__dmul_rn(spk_widen(a), spk_widen(b)))
+#define SPK_FADD(a, b) spk_narrow(__dadd_rn(spk_widen(a), spk_widen(b)))
+#define SPK_FSUB(a, b) spk_narrow(__dsub_rn(spk_widen(a), spk_widen(b)))
+#define SPK_FDIV(a, b) spk_narrow(__ddiv_rn(spk_widen(a), spk_widen(b)))
+#define SPK_ISNAN(a) isnan(a)
 SPK_HD int32_t spk_clz32(uint32_t v) { return __clz(v); }
 SPK_HD int32_t spk_clz64(uint64_t v) { return __clzll(v); }
 #else
@@ -381,7 +401,15 @@ SPK_HD uint32_t spk_affine_bf16(uint32_t mu, float a, float b) {
     return spk_f32_to_bf16(SPK_FADD(SPK_FMUL(spk_f32(mu << 16), a), b));
 }
 
-// FP8 path: mu / scale in IEEE fp32 (one correctly rounded division), as bits
+// FP8 path: mu / scale in IEEE fp32 (one correctly rounded division), as bits.
+// NOTE: IEEE leaves a NaN result's bits open. x86 (numpy, the CPU build's vector loops) returns
+// the NaN operand, the dividend's first, quieted, and its default NaN 0xFFC00000 for 0/0 and
+// inf/inf; a GPU returns 0x7FFFFFFF for all of them. The x86 rules are spelled out here so that
+// every backend prepares the same bits (a lent H200 showed the difference, 2026-12-04).
 SPK_HD uint32_t spk_fp8_mu(uint32_t mu_bf16, float scale) {
-    return spk_u32(SPK_FDIV(spk_f32(mu_bf16 << 16), scale));
+    const uint32_t m = mu_bf16 << 16, s = spk_u32(scale);
+    if ((m & 0x7FFFFFFFu) > 0x7F800000u) return m | 0x00400000u;
+    if ((s & 0x7FFFFFFFu) > 0x7F800000u) return s | 0x00400000u;
+    const uint32_t q = spk_u32(SPK_FDIV(spk_f32(m), scale));
+    return (q & 0x7FFFFFFFu) > 0x7F800000u ? 0xFFC00000u : q;
 }

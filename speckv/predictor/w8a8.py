@@ -291,14 +291,15 @@ def quantise_rows(x: "torch.Tensor", factor: "torch.Tensor",
 Scratch = dict  # name -> a buffer reused by every layer of one forward (fresh large buffers page-fault)
 
 
-def scratch_buffer(scratch: Scratch | None, name: str, shape: tuple[int, ...], dtype: Any) -> "torch.Tensor":
+def scratch_buffer(scratch: Scratch | None, name: str, shape: tuple[int, ...], dtype: Any,
+                   device: Any = "cpu") -> "torch.Tensor":
     import torch
 
     if scratch is None:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype, device=device)
     b = scratch.get(name)
-    if b is None or b.shape != shape or b.dtype != dtype:
-        b = scratch[name] = torch.empty(shape, dtype=dtype)
+    if b is None or b.shape != shape or b.dtype != dtype or b.device != torch.device(device):
+        b = scratch[name] = torch.empty(shape, dtype=dtype, device=device)
     return b
 
 

@@ -227,7 +227,7 @@ def _block_rest(h: "torch.Tensor", t: Callable[[str], "torch.Tensor"], att: "tor
     import torch.nn.functional as F
 
     h = linear(*quantise_rows(att, t("in_o")), t("o" + W8), t("o" + WS), add=h, scratch=scratch, name="h.o")
-    out = scratch_buffer(scratch, "h.down", tuple(h.shape), torch.bfloat16)
+    out = scratch_buffer(scratch, "h.down", tuple(h.shape), torch.bfloat16, h.device)  # NOTE: on h's device (a GPU's)
     for a in range(0, h.shape[0], MLP_ROWS):
         rows = h[a:a + MLP_ROWS]
         tag = f"mlp{rows.shape[0]}"  # NOTE: at most two chunk lengths, so two sets of buffers
