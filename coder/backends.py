@@ -21,9 +21,10 @@ from . import native
 logger = logging.getLogger(__name__)
 
 CODERS = ("auto", "native", "numpy", "cuda")
-# NOTE: the CUDA kernels compile for sm_90 without spills, but have not yet run on a GPU
-# (benchmarks/gpu_check.py is the check); until they pass it on a device, ``auto`` does
-# not pick them and ``--coder cuda`` is an explicit opt-in
+# NOTE: the CUDA kernels pass benchmarks/gpu_check.py on an H200 (byte identity with the CPU
+# coders, 2026-12-04) but code only 4-5.5 GB/s there, 1 GB/s at streaming granularity
+# (benchmarks/RESULTS.md "The first GPU run"); until they beat the CPU path where KV lives on
+# the host, ``auto`` does not pick them and ``--coder cuda`` is an explicit opt-in
 CUDA_IN_AUTO = False
 _warned: set[str] = set()
 
