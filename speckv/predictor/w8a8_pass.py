@@ -130,6 +130,12 @@ def w8a8_passes(model: Any, reqs: list[MuRequest]) -> None:
         del heads
         rows = np.cumsum([0] + [len(r.ids) for r in reqs])
         scratch: Scratch = {}
+        if SOLO_TORCH and model.int_attention and h.device.type == "cpu" and stages.NATIVE \
+                and stages._native() is not None:
+            # NOTE: every heavy stage below is native and threads itself; torch's OpenMP workers,
+            # idle between its few small ops, would spin on the other core meanwhile (as in
+            # portable.py). deterministic_torch restores the thread count; no bit depends on it
+            torch.set_num_threads(1)
         for i in range(model.k, L):
             if any(r.error is not None for r in reqs):  # NOTE: rows are independent: drop a failed prompt's
                 if all(r.error is not None for r in reqs):
@@ -181,6 +187,7 @@ def _head(model: Any, r: MuRequest) -> "torch.Tensor | None":
     return h
 
 
+SOLO_TORCH = True  # torch on one thread in the later layers of a w8a8i pass (w8a8_passes)
 NATIVE_ROPE = True  # the extension's fused RoPE on CPUs where it is built (the same bits as torch's ops)
 
 
