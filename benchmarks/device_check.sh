@@ -53,8 +53,17 @@ bad = {k: v for k, v in r["cases"].items() if not all(v[f] for f in ("streams_eq
 print("cases", len(r["cases"]), "bad", sorted(bad), "digests_match", r["digests_match"], "ok", r["ok"])
 print("copy GB/s", round(r.get("copy_gb_s", 0), 1))
 for k, t in r.get("throughput", {}).items():
-    print(k, {f: round(v, 3) if isinstance(v, float) else v for f, v in t.items()})
+    print(k, {f: round(v, 3) if isinstance(v, float) else v for f, v in t.items() if "profile" not in f})
+    for way in ("encode", "decode"):
+        print("   ", way, "ms", {n: round(v, 2) for n, v in t.get(f"{way}_profile_ms", {}).items()})
 EOF
+    # the same figures from the native CPU coder on this machine's cores, for `auto`'s choice
+    timeout 150 python3 benchmarks/gpu_check.py --backend native --repeats 3 --json > "$O/gpu_check_native.json" \
+        2> "$O/gpu_check_native.err"
+    echo "gpu_check native rc=$?"
+    python3 -c "import json, sys; r = json.load(open(sys.argv[1]))
+print({k: (round(t['encode_gb_s'], 2), round(t['decode_gb_s'], 2)) for k, t in r['throughput'].items()})" \
+        "$O/gpu_check_native.json"
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/coder/test_cuda_source.py \
         tests/predictor/test_predictor_portable.py tests/predictor/test_predictor_w8a8.py > "$O/pytest_gpu.log" 2>&1
     echo "pytest rc=$?"; tail -5 "$O/pytest_gpu.log"

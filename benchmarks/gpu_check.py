@@ -203,25 +203,55 @@ def timed(dev: Device, fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
+def typical_fp8(seed: int, L: np.ndarray, tokens: int) -> dict[str, np.ndarray]:
+    """``typical`` KV as e4m3 codes with one scale per (layer, kv), as an FP8 cache holds it."""
+    data = typical(seed, L, tokens)
+    x_f = data["x"].astype(np.uint32) << 16
+    x_f = x_f.view(np.float32)
+    scales = (np.abs(x_f).max(axis=(2, 3, 4)) / 448).astype(np.float32)
+    return {"x": e4m3(x_f / scales[:, :, None, None, None]), "mu": data["mu"], "scales": scales}
+
+
 def throughput(dev: Device, model: ResidualModel, layers: int, tokens: int, requests: int, repeats: int,
-               epl: int = 1024, lpc: int = 2) -> dict:
-    """BF16 KV of ``requests`` stacked requests in device memory, coded in one call each way."""
+               epl: int = 1024, lpc: int = 2, fp8: bool = False) -> dict:
+    """KV of ``requests`` stacked requests in device memory (BF16, or e4m3 codes), coded in one
+    call each way; GB/s of the raw KV (2 or 1 bytes a scalar), and on a device the seconds of each
+    kernel in one profiled call each way (the rest of a call is the host's)."""
     # NOTE: a streaming call codes 2 middle layers (hybrid:4's first layers are exact, 0 bits)
     n, first = layers * requests, 10 if layers < 30 else 0
     L = levels(model, first + n, None)[first:]
-    data = typical(7, L, tokens)
+    data = (typical_fp8 if fp8 else typical)(7, L, tokens)
+    scales = data.get("scales")
+    if scales is not None:
+        L = levels(model, first + n, None)[first:]
+        L = np.ascontiguousarray(fp8_log2_sigma(L, scales.view(np.uint32)[:, :, None, None]), np.int32)
     counts = [min(lpc, n - i) for i in range(0, n, lpc)]
     a, b = (None if v is None else v[first:] for v in affine(model, first + n))
-    x, mu = dev.put(data["x"]), dev.prepare_mu(dev.put(data["mu"]), a, b, None)
+    x, mu = dev.put(data["x"]), dev.prepare_mu(dev.put(data["mu"]), a, b, scales)
     parts = dev.encode(x, mu, L, counts, epl, model.tables)
     out = dev.xp.empty(data["x"].shape, data["x"].dtype)
-    t_enc = timed(dev, lambda: dev.encode(x, mu, L, counts, epl, model.tables), repeats)
-    t_dec = timed(dev, lambda: dev.decode(mu, L, counts, epl, _streams(parts), model.tables, out), repeats)
-    raw = data["x"].nbytes
+    enc = lambda: dev.encode(x, mu, L, counts, epl, model.tables)  # noqa: E731
+    dec = lambda: dev.decode(mu, L, counts, epl, _streams(parts), model.tables, out)  # noqa: E731
+    t_enc, t_dec = timed(dev, enc, repeats), timed(dev, dec, repeats)
+    raw, scalars = data["x"].nbytes, data["x"].size
     wire = sum(len(p.bits) + 2 * p.blocks.words.size + 4 * p.blocks.states.size for p in parts)
-    return {"layers": layers, "tokens": tokens, "requests": requests, "raw_mb": raw / 1e6,
-            "encode_gb_s": raw / t_enc / 1e9, "decode_gb_s": raw / t_dec / 1e9, "bits_per_scalar": 8 * wire / (raw / 2),
-            "decode_correct": bool(np.array_equal(dev.get(out), data["x"]))}
+    rep = {"layers": layers, "tokens": tokens, "requests": requests, "epl": epl, "dtype": "fp8" if fp8 else "bf16",
+           "raw_mb": raw / 1e6, "encode_gb_s": raw / t_enc / 1e9, "decode_gb_s": raw / t_dec / 1e9,
+           "bits_per_scalar": 8 * wire / scalars, "decode_correct": bool(np.array_equal(dev.get(out), data["x"]))}
+    if hasattr(dev.coder, "profiled"):
+        for name, fn in (("encode", enc), ("decode", dec)):
+            wall, kernels = dev.coder.profiled(fn)
+            rep[f"{name}_profile_ms"] = {"wall": 1e3 * wall, **{k: 1e3 * v for k, v in kernels.items()}}
+    return rep
+
+
+# (name, layers, tokens, requests, elems_per_lane, fp8): streaming, batched and several requests at
+# the shipped geometry; then other lane lengths (more, shorter blocks: more warps, more state bytes)
+# and FP8 KV
+THROUGHPUT = (("streaming", 2, 2048, 1, 1024, False), ("batched", 30, 2048, 1, 1024, False),
+              ("requests4", 30, 2048, 4, 1024, False), ("batched_epl64", 30, 2048, 1, 64, False),
+              ("batched_epl256", 30, 2048, 1, 256, False), ("batched_epl4096", 30, 2048, 1, 4096, False),
+              ("streaming_epl256", 2, 2048, 1, 256, False), ("batched_fp8", 30, 2048, 1, 1024, True))
 
 
 def copy_bandwidth(dev: Device, nbytes: int, repeats: int) -> float:
@@ -238,8 +268,8 @@ def run(backend: str, repeats: int, speed: bool) -> dict:
     if speed:
         tuned = models["tuned"]
         rep["copy_gb_s"] = copy_bandwidth(dev, 1 << 28 if backend == "cuda" else 1 << 24, repeats)
-        rep["throughput"] = {name: throughput(dev, tuned, layers, tokens, req, repeats) for name, layers, tokens, req in
-                             (("streaming", 2, 2048, 1), ("batched", 30, 2048, 1), ("requests4", 30, 2048, 4))}
+        rep["throughput"] = {name: throughput(dev, tuned, layers, tokens, req, repeats, epl, fp8=fp8)
+                             for name, layers, tokens, req, epl, fp8 in THROUGHPUT}
     checks = [v[k] for v in rep["cases"].values() for k in ("streams_equal", "mu_equal", "gpu_to_cpu", "cpu_to_gpu")]
     checks += [t["decode_correct"] for t in rep.get("throughput", {}).values()]
     rep["ok"] = all(checks) and rep["digests_match"]
@@ -278,6 +308,10 @@ def main() -> int:
         for name, t in rep["throughput"].items():
             print(f"| {name} ({t['raw_mb']:.1f} MB) | {t['encode_gb_s']:.2f} | {t['decode_gb_s']:.2f} | "
                   f"{t['bits_per_scalar']:.2f} |")
+        for name, t in rep["throughput"].items():
+            for way in ("encode", "decode"):
+                if f"{way}_profile_ms" in t:
+                    print(f"{name} {way} ms: " + ", ".join(f"{k} {v:.2f}" for k, v in t[f"{way}_profile_ms"].items()))
     print(f"overall ok {rep['ok']}")
     return 0 if rep["ok"] else 1
 

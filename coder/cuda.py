@@ -67,6 +67,8 @@ class CudaCoder:
         self.module = cp.RawModule(code=source(), options=opts)
         self.k = {n: self.module.get_function(n) for n in KERNELS}
         self._tables: dict[int, tuple[tuple[Any, ...], Any, int]] = {}
+        # kernel name -> device seconds, summed over launches, while a caller profiles (``profiled``)
+        self.kernel_s: dict[str, float] | None = None
         self._geo: dict[tuple, tuple[Geometry, tuple[Any, ...]]] = {}
 
     @classmethod
@@ -128,7 +130,30 @@ class CudaCoder:
         k = self.k[name]
         if smem:
             k.max_dynamic_shared_size_bytes = smem  # NOTE: the staged tables exceed the default 48 KiB
+        if self.kernel_s is None:
+            k((-(-n_blocks // WARPS),), (32 * WARPS,), args, shared_mem=smem)
+            return
+        start, end = self.cp.cuda.Event(), self.cp.cuda.Event()
+        start.record()
         k((-(-n_blocks // WARPS),), (32 * WARPS,), args, shared_mem=smem)
+        end.record()
+        end.synchronize()
+        self.kernel_s[name] = self.kernel_s.get(name, 0.0) + self.cp.cuda.get_elapsed_time(start, end) / 1e3
+
+    def profiled(self, fn: Any) -> tuple[float, dict[str, float]]:
+        """(wall seconds of ``fn()``, device seconds per kernel in it): where a call's time goes.
+        NOTE: each launch then waits for its kernel, so the wall time is not the unprofiled one."""
+        import time
+
+        self.cp.cuda.Device().synchronize()
+        self.kernel_s = {}
+        try:
+            t0 = time.perf_counter()
+            fn()
+            self.cp.cuda.Device().synchronize()
+            return time.perf_counter() - t0, self.kernel_s
+        finally:
+            self.kernel_s = None
 
     # -- mu ------------------------------------------------------------------------------
     def prepare_mu_device(self, mu: Any, a: Any, b: Any, scales: Any) -> Any:

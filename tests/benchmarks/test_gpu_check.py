@@ -49,3 +49,17 @@ def test_digest_sees_every_field(gpu_check):
     assert d0 != gpu_check.stream_digest([EncodedChunk(base, b"\x02")])
     other = RansBlocks(base.states + 1, base.word_counts, base.words)
     assert d0 != gpu_check.stream_digest([EncodedChunk(other, b"\x01")])
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_throughput_codes_and_decodes_both_dtypes(gpu_check, fp8):
+    """The throughput cases run (here on the native coder, no kernel profile): the KV round-trips,
+    FP8 KV is one byte a scalar, and shorter lanes cost state bytes."""
+    models = gpu_check.load_models()
+    dev = gpu_check.Device("native")
+    reps = {epl: gpu_check.throughput(dev, models["tuned"], 2, 96, 1, 1, epl, fp8=fp8) for epl in (8, 1024)}
+    for r in reps.values():
+        assert r["decode_correct"] and r["dtype"] == ("fp8" if fp8 else "bf16") and "encode_profile_ms" not in r
+        assert r["raw_mb"] == 2 * 2 * 3 * 96 * 64 * (1 if fp8 else 2) / 1e6 and r["encode_gb_s"] > 0
+    assert reps[8]["bits_per_scalar"] > reps[1024]["bits_per_scalar"] + 0.5
+    assert {name for name, *_ in gpu_check.THROUGHPUT} >= {"streaming", "batched", "requests4", "batched_fp8"}
