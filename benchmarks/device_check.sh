@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The prepared GPU checks for a lent CUDA machine (the workplace's `device` tool), in two calls
-# that must land on the same warm machine: results and logs go under $OUT.
+# that must land on the same warm machine: results and logs go under $OUT. Each stays under
+# ~500 s (its timeouts plus setup): run each with timeout_s 600.
 #
 #   coder: install speckv there (wheels of .dev/wheels, the native extension built for its
 #          python3), benchmarks/gpu_check.py (fused CUDA coder: digests, CPU<->GPU identity,
@@ -41,7 +42,7 @@ print(sys.version.split()[0], 'torch', torch.__version__, 'cupy', cupy.__version
 
 coder() {
     cp .dev/a/gguf.part /tmp/gguf.a
-    timeout 240 python3 benchmarks/gpu_check.py --repeats 5 --json > "$O/gpu_check.json" 2> "$O/gpu_check.err"
+    timeout 200 python3 benchmarks/gpu_check.py --repeats 5 --json > "$O/gpu_check.json" 2> "$O/gpu_check.err"
     echo "gpu_check rc=$?"
     python3 - "$O/gpu_check.json" <<'EOF'
 import json, sys
@@ -57,16 +58,16 @@ for k, t in r.get("throughput", {}).items():
     for way in ("encode", "decode"):
         print("   ", way, "ms", {n: round(v, 2) for n, v in t.get(f"{way}_profile_ms", {}).items()})
 EOF
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/coder/test_cuda_source.py \
+        tests/predictor/test_predictor_portable.py tests/predictor/test_predictor_w8a8.py > "$O/pytest_gpu.log" 2>&1
+    echo "pytest rc=$?"; tail -5 "$O/pytest_gpu.log"
     # the same figures from the native CPU coder on this machine's cores, for `auto`'s choice
-    timeout 150 python3 benchmarks/gpu_check.py --backend native --repeats 3 --json > "$O/gpu_check_native.json" \
+    timeout 100 python3 benchmarks/gpu_check.py --backend native --repeats 3 --json > "$O/gpu_check_native.json" \
         2> "$O/gpu_check_native.err"
     echo "gpu_check native rc=$?"
     python3 -c "import json, sys; r = json.load(open(sys.argv[1]))
 print({k: (round(t['encode_gb_s'], 2), round(t['decode_gb_s'], 2)) for k, t in r['throughput'].items()})" \
         "$O/gpu_check_native.json"
-    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/coder/test_cuda_source.py \
-        tests/predictor/test_predictor_portable.py tests/predictor/test_predictor_w8a8.py > "$O/pytest_gpu.log" 2>&1
-    echo "pytest rc=$?"; tail -5 "$O/pytest_gpu.log"
 }
 
 model() {

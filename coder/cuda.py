@@ -61,9 +61,9 @@ class CudaCoder:
 
     def __init__(self, cp: Any) -> None:
         self.cp = cp
-        # NOTE: FP32 operations must not contract; subnormals are kept by spk_model.cuh's float64
-        # emulation (on an H200 these flags alone did not keep them)
-        opts = ("-std=c++17", f"-I{source_dir()}", "--fmad=false", "-ftz=false", "-prec-div=true")
+        # NOTE: FP32 operations must not contract. CuPy appends -ftz=true to these options, so
+        # spk_model.cuh keeps subnormals by emulating its float32 operations in float64
+        opts = ("-std=c++17", f"-I{source_dir()}", "--fmad=false")
         self.module = cp.RawModule(code=source(), options=opts)
         self.k = {n: self.module.get_function(n) for n in KERNELS}
         self._tables: dict[int, tuple[tuple[Any, ...], Any, int]] = {}
@@ -130,7 +130,8 @@ class CudaCoder:
         k = self.k[name]
         if smem:
             k.max_dynamic_shared_size_bytes = smem  # NOTE: the staged tables exceed the default 48 KiB
-        if self.kernel_s is None:
+        prof = self.kernel_s  # NOTE: read once: profiled() in another thread may reset it meanwhile
+        if prof is None:
             k((-(-n_blocks // WARPS),), (32 * WARPS,), args, shared_mem=smem)
             return
         start, end = self.cp.cuda.Event(), self.cp.cuda.Event()
@@ -138,11 +139,12 @@ class CudaCoder:
         k((-(-n_blocks // WARPS),), (32 * WARPS,), args, shared_mem=smem)
         end.record()
         end.synchronize()
-        self.kernel_s[name] = self.kernel_s.get(name, 0.0) + self.cp.cuda.get_elapsed_time(start, end) / 1e3
+        prof[name] = prof.get(name, 0.0) + self.cp.cuda.get_elapsed_time(start, end) / 1e3
 
     def profiled(self, fn: Any) -> tuple[float, dict[str, float]]:
         """(wall seconds of ``fn()``, device seconds per kernel in it): where a call's time goes.
-        NOTE: each launch then waits for its kernel, so the wall time is not the unprofiled one."""
+        NOTE: each launch then waits for its kernel, so the wall time is not the unprofiled one; for
+        a benchmark with nothing else coding on the device (other threads' kernels would count)."""
         import time
 
         self.cp.cuda.Device().synchronize()

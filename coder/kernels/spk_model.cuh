@@ -14,18 +14,21 @@
 // every backend alike; nothing below depends on whether L was shifted (shift 0: L' = L).
 // NOTE: those float operations must be neither fused (FMA) nor flushed to zero:
 // the host build uses -ffp-contract=off without -ffast-math, the device code float64
-// emulation below (its float32 instructions flush subnormals).
+// emulation below (CuPy builds it with -ftz=true: its float32 instructions flush subnormals).
 #pragma once
 #include "rans_lane.cuh"
 
 #ifdef __CUDA_ARCH__
-// NOTE: the device's float32 instructions flush subnormal inputs and results to zero in the build
-// CuPy makes (a lent H200 flushed 879 of 49,152 FP8 mu' / scale quotients, with -ftz=false and
-// __fdiv_rn alike: 2026-12-04), and the CPU keeps them. So each device float32 operation runs in
-// float64, which no flag flushes: operands widened exactly from their bits (spk_widen), one
-// correctly rounded float64 operation, then one rounding to float32 from the bits (spk_narrow).
-// One rounding after another is still the correctly rounded float32 result: float64 has at least
-// 2p + 2 bits of a p <= 24 bit result (Figueroa, "When is double rounding innocuous?", 1995).
+// NOTE: CuPy compiles every RawModule with -ftz=true appended to the caller's options (the last
+// one wins), so the device's float32 instructions flush subnormal inputs and results to zero and
+// the CPU's do not: a lent H200 (2026-12-04) gave 879 of 49,152 FP8 mu' / scale quotients other
+// bits than the CPU. So each device float32 operation runs in float64, which ftz leaves alone:
+// operands widened exactly from their bits (spk_widen), one correctly rounded float64 operation,
+// then one rounding to float32 from the bits (spk_narrow). One rounding after another is still the
+// correctly rounded float32 result: for normal results float64 has at least 2p + 2 bits of the
+// p = 24 bit result (Figueroa, "When is double rounding innocuous?", 1995); subnormal results of a
+// sum or product are exact in float64, and a subnormal quotient lies farther from a midpoint than
+// half a float64 ulp. Float32 compares are made on bits for the same reason (spk_affine_bf16).
 SPK_HD float spk_f32(uint32_t u) { return __uint_as_float(u); }
 SPK_HD uint32_t spk_u32(float f) { return __float_as_uint(f); }
 SPK_HD double spk_pow2(int k) { return __longlong_as_double((long long)(k + 1023) << 52); }  // normal k only
@@ -395,9 +398,10 @@ SPK_HD uint32_t spk_f32_to_bf16(float y) {
 }
 
 // mu' = bf16(a * mu + b): one fp32 multiply, then one fp32 add (never fused); an
-// identity channel (a == 1 and b == 0) keeps mu bit for bit.
+// identity channel (a == 1 and b == +-0) keeps mu bit for bit.
+// NOTE: compared as bits: a float compare flushes a subnormal b to 0 on the device (setp.ftz)
 SPK_HD uint32_t spk_affine_bf16(uint32_t mu, float a, float b) {
-    if (a == 1.0f && b == 0.0f) return mu;
+    if (spk_u32(a) == 0x3F800000u && (spk_u32(b) << 1) == 0u) return mu;
     return spk_f32_to_bf16(SPK_FADD(SPK_FMUL(spk_f32(mu << 16), a), b));
 }
 

@@ -1,7 +1,7 @@
 """The fused CUDA coder (coder/kernels/spk_fused.cu, coder/cuda.py, coder/cuda_host.py).
 
-Without a GPU: every .cu compiles with nvcc for sm_90 (with --fmad=false, as NVRTC
-builds it) and spills no registers; the host-side bookkeeping (geometry, decoder
+Without a GPU: every .cu compiles with nvcc for sm_90 (with --fmad=false and -ftz=true,
+as NVRTC builds it through CuPy) and spills no registers; the host-side bookkeeping (geometry, decoder
 lookup tables, section layout) is checked in numpy; importing the codec never
 imports CuPy. Tests marked ``gpu`` run CudaCoder against NativeCoder byte for byte
 and skip cleanly without a device and CuPy.
@@ -28,7 +28,8 @@ def _nvcc(path):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         missing("NVCC", "nvcc not found (the CUDA toolkit is not installed on this machine)")
-    cmd = [nvcc, "-arch=sm_90", "-Xptxas", "-v", "-std=c++17", "--fmad=false", f"-I{source_dir()}", "-c",
+    # NOTE: -ftz=true as CuPy builds it (it appends that flag to coder/cuda.py's options)
+    cmd = [nvcc, "-arch=sm_90", "-Xptxas", "-v", "-std=c++17", "--fmad=false", "-ftz=true", f"-I{source_dir()}", "-c",
            str(path), "-o", "/dev/null"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
@@ -44,6 +45,23 @@ def test_nvcc_compiles_for_sm90_without_spills(path, capsys):
     regs = re.findall(r"Used (\d+) registers", out)
     with capsys.disabled():
         print(f"\n{path.name}: " + ", ".join(f"{f} {r} regs" for f, r in zip(funcs, regs, strict=True)) + ", 0 spills")
+
+
+def test_device_code_has_no_flushing_float32_arithmetic(tmp_path):
+    """CuPy builds with -ftz=true, under which float32 arithmetic and compares flush subnormals
+    (a lent H200 showed it): spk_model.cuh's float operations run in float64 from the bits instead.
+    The PTX keeps only float32 instructions whose flushing changes no result there: ``abs`` +
+    ``setp.le`` (isnan), ``min`` before a truncation, conversions of integers and to float32 from
+    float64 at normal magnitudes (spk_narrow)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        missing("NVCC", "nvcc not found (the CUDA toolkit is not installed on this machine)")
+    ptx = tmp_path / "fused.ptx"
+    for path in sorted(source_dir().glob("*.cu")):
+        subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "--fmad=false", "-ftz=true", f"-I{source_dir()}", "-ptx",
+                        str(path), "-o", str(ptx)], check=True, timeout=600)
+        ops = set(re.findall(r"\b((?:add|sub|mul|div|fma|rcp|sqrt|setp\.\w+)\.[\w.]*f32)\b", ptx.read_text()))
+        assert ops <= {"setp.le.ftz.f32"}, (path.name, sorted(ops))
 
 
 def test_codec_import_never_imports_cupy():

@@ -235,6 +235,7 @@ def test_native_rope_refuses_shapes_that_do_not_fit(col0, heads, D):
         nat.w8a8_rope(y, col0, heads, D, cs, cs, out, 1)
 
 
+@NATIVE
 def test_torch_runs_on_one_thread_in_native_later_layers_and_no_bit_changes(tiny_pred, monkeypatch):
     """w8a8i's later layers are native stages: torch runs them on one thread (its idle OpenMP workers
     would spin beside the native threads), the caller's thread count comes back after, and mu is the
