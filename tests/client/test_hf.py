@@ -35,8 +35,8 @@ def test_cache_round_trip_continues_generation_bit_exactly(embedded_target, pref
     assert np.array_equal(bf16_bits(kv_from_cache(rebuilt)), bf16_bits(kv))
     nxt = torch.tensor([[42]])
     with torch.no_grad():
-        a = embedded_target.model(input_ids=nxt, past_key_values=cache_from_kv(kv), use_cache=True).logits
-        b = embedded_target.model(input_ids=nxt, past_key_values=rebuilt, use_cache=True).logits
+        a = embedded_target.model(input_ids=nxt, cache=cache_from_kv(kv), use_cache=True).logits
+        b = embedded_target.model(input_ids=nxt, cache=rebuilt, use_cache=True).logits
     assert torch.equal(a.view(torch.int16), b.view(torch.int16)) if a.dtype == torch.bfloat16 else torch.equal(a, b)
 
 
