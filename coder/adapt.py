@@ -100,11 +100,13 @@ def _group_costs(fx: FloatFormat, fm: FloatFormat, tab: CodingTables, x: np.ndar
 
 
 def choose_shifts(fx: FloatFormat, fm: FloatFormat, tab: CodingTables, x: np.ndarray, mu: np.ndarray,
-                  log2_sigma: np.ndarray, backend: GroupCoster | None = None) -> np.ndarray:
+                  log2_sigma: np.ndarray, backend: GroupCoster | None = None,
+                  base: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """The shift of each (layer, kv, head) group: int8 ``(layers, 2, heads)`` for KV bit
     patterns ``x`` ``(layers, 2, heads, tokens, dim)``, mu as coded (``fm``) and the model's
     ``log2_sigma`` ``(layers, 2, heads, dim)`` (in x's units); costs priced in numpy, or by a
-    native ``backend`` (the same integers, so the same shifts)."""
+    native ``backend`` (the same integers, so the same shifts). ``base``: each group's sampled
+    (cost, surprises) at shift 0 under this mu, when already priced (``choose_rounding``)."""
     groups = x.shape[:3]
     out = np.zeros(groups, np.int8)
     if x.size == 0:
@@ -114,7 +116,7 @@ def choose_shifts(fx: FloatFormat, fm: FloatFormat, tab: CodingTables, x: np.nda
     ms = mu[:, :, :, tok].reshape(xs.shape)
     lg = np.asarray(log2_sigma, np.int64).reshape(-1, x.shape[4])
     n = np.zeros(len(xs), np.int64)
-    cost0, surprises = _group_costs(fx, fm, tab, xs, ms, lg, n, backend)
+    cost0, surprises = _group_costs(fx, fm, tab, xs, ms, lg, n, backend) if base is None else base
     hot = np.flatnonzero(surprises * SEARCH_SURPRISES > xs.shape[1] * xs.shape[2])
     if not len(hot):
         return out
@@ -138,7 +140,8 @@ def choose_shifts(fx: FloatFormat, fm: FloatFormat, tab: CodingTables, x: np.nda
 
 def choose_rounding(fx: FloatFormat, fm: FloatFormat, tab: CodingTables, x: np.ndarray, mu: np.ndarray,
                     move: Callable[[np.ndarray], np.ndarray], log2_sigma: np.ndarray, chunk_layers: list[int],
-                    backend: GroupCoster | None = None) -> np.ndarray:
+                    backend: GroupCoster | None = None,
+                    base_out: list[tuple[np.ndarray, np.ndarray]] | None = None) -> np.ndarray:
     """Format 5, FP8: per layer (bool ``(layers,)``, the same for a chunk's layers), whether its
     chunk codes cheaper with ``move(mu)`` (mu moved toward zero: the engine rounded its codes
     toward zero, as vLLM's CPU cache writer does) than with ``mu`` (rounded to nearest). Each
@@ -146,7 +149,9 @@ def choose_rounding(fx: FloatFormat, fm: FloatFormat, tab: CodingTables, x: np.n
     prices (numpy, or the same integers natively).
 
     NOTE: ``move`` runs on the sampled tokens only: moving the whole mu cost 6x the native
-    encode itself (1.4 s of a 2048-token FP8 encode), for a choice that reads SAMPLE_TOKENS of each group's tokens."""
+    encode itself (1.4 s of a 2048-token FP8 encode), for a choice that reads SAMPLE_TOKENS of each group's tokens.
+    ``base_out``: receives each group's sampled (cost, surprises) at shift 0 under the chosen
+    rounding, ``choose_shifts``'s ``base`` (the same sample: one pricing fewer)."""
     out = np.zeros(x.shape[0], bool)
     if x.size == 0:
         return out
@@ -155,11 +160,15 @@ def choose_rounding(fx: FloatFormat, fm: FloatFormat, tab: CodingTables, x: np.n
     lg = np.asarray(log2_sigma, np.int64).reshape(-1, x.shape[4])
     zero = np.zeros(len(xs), np.int64)
     ms = np.ascontiguousarray(mu[:, :, :, tok]).reshape(xs.shape)
-    per_layer = [_group_costs(fx, fm, tab, xs, m, lg, zero, backend)[0]
-                 .reshape(x.shape[0], -1).sum(axis=1) for m in (ms, move(ms))]
+    priced = [_group_costs(fx, fm, tab, xs, m, lg, zero, backend) for m in (ms, move(ms))]
+    per_layer = [cost.reshape(x.shape[0], -1).sum(axis=1) for cost, _ in priced]
     start = 0
     for n in chunk_layers:
         sl = slice(start, start + n)
         out[sl] = per_layer[1][sl].sum() < per_layer[0][sl].sum()  # NOTE: strict: ties stay nearest
         start += n
+    if base_out is not None:
+        moved = np.repeat(out, len(xs) // x.shape[0])  # groups are layer-major
+        (c0, s0), (c1, s1) = priced
+        base_out.append((np.where(moved, c1, c0), np.where(moved, s1, s0)))
     return out

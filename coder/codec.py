@@ -228,12 +228,13 @@ class Codec:
         x = plan.x
         assert x is not None  # an encoding plan
         coster = self.backend if hasattr(self.backend, "group_costs") else None
+        base: list[tuple[np.ndarray, np.ndarray]] = []  # the rounding's costs at shift 0: choose_shifts's first
         if h.version >= 5 and plan.fmt is E4M3:
             plan = plan.rounded(choose_rounding(plan.fmt, plan.fmt_mu, plan.model.tables, x, plan.mu,
                                                 toward_zero_mu, plan.log2_sigma, plan.chunk_counts(h),
-                                                coster))
+                                                coster, base_out=base))
         return plan.shifted(choose_shifts(plan.fmt, plan.fmt_mu, plan.model.tables, x, plan.mu,
-                                          plan.log2_sigma, coster))
+                                          plan.log2_sigma, coster, base=base[0] if base else None))
 
     def _predicted(self, ids: np.ndarray) -> "torch.Tensor | np.ndarray":
         if self.predictor is None:

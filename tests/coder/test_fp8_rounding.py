@@ -130,3 +130,39 @@ def test_a_bad_rounding_byte_is_rejected(make_codec, how):
         codec.decode(bad, ids, bf16_tensor(mu))
     if how != "dropped":
         assert isinstance(info.value, IntegrityError)
+
+
+@pytest.mark.parametrize("coster", ["numpy", "native"])
+def test_the_roundings_prices_are_the_shift_search_base(ckpt, coster):
+    """choose_rounding hands choose_shifts each group's cost and surprises at shift 0 under the
+    rounding it chose (one pricing fewer an FP8 encode): the same arrays a fresh pricing of the
+    rounded mu gives, so the same shifts and bytes, here with some layers moved and some not."""
+    from speckv.coder import adapt
+    from speckv.coder.model import E4M3, FP32, fp8_log2_sigma
+    from speckv.coder.native import NativeCoder
+    from speckv.coder.residual import models_of
+
+    m = models_of(ckpt)[2]
+    layers = 6
+    near, mu = _kv(False, seed=3)
+    trunc, _ = _kv(True, seed=3)
+    codes = near.codes[:layers].copy()
+    codes[2:4] = trunc.codes[2:4]  # an engine that truncated two layers (one chunk of two)
+    scales = near.scales[:layers]
+    mu2 = NativeCoder(1).prepare_mu(mu[:layers], None, None, scales)
+    lg = np.ascontiguousarray(fp8_log2_sigma(m.log2_sigma[:layers].astype(np.int64),
+                                             scales.view(np.uint32)[:, :, None, None]), np.int64)
+    backend = NativeCoder(1) if coster == "native" else None
+    base: list = []
+    tz = adapt.choose_rounding(E4M3, FP32, m.tables, codes, mu2, toward_zero_mu, lg, [2, 2, 2], backend,
+                               base_out=base)
+    assert tz.tolist() == [False, False, True, True, False, False]
+    moved = mu2.copy()
+    moved[tz] = toward_zero_mu(mu2[tz])
+    tok = adapt.sample_tokens(codes.shape[3])
+    xs = codes[:, :, :, tok].reshape(-1, len(range(*tok.indices(codes.shape[3]))), codes.shape[4])
+    fresh = adapt._group_costs(E4M3, FP32, m.tables, xs, moved[:, :, :, tok].reshape(xs.shape),
+                               lg.reshape(-1, codes.shape[4]), np.zeros(len(xs), np.int64), backend)
+    assert all(np.array_equal(a, b) for a, b in zip(base[0], fresh, strict=True))
+    assert np.array_equal(adapt.choose_shifts(E4M3, FP32, m.tables, codes, moved, lg, backend, base=base[0]),
+                          adapt.choose_shifts(E4M3, FP32, m.tables, codes, moved, lg, backend))
