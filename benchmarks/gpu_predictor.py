@@ -68,22 +68,24 @@ def code(pred: Any, kv: Any, ids: Any, mu: Any, coder: str) -> dict[str, Any]:
 
 
 def variants(pred: Any, target: Any, ids: Any, device: str, repeats: int, sync: Callable[[], None]) -> dict:
-    """Seconds of two neighbours on the device: the shipped w8a8i rung with torch's attention instead
-    of the host's int8 kernel (``w8a8:K``'s attention: no host round trip), and the target's prefill
-    as an engine runs it there (BF16 linears, not ``target.py``'s FP32-accumulated ones)."""
+    """Seconds of two neighbours on the device: the shipped w8a8i rung with its int8 attention on
+    the host's kernel (each layer's q/k/v to the CPU and back: ``w8a8_pass.HOST_INT8_ON_DEVICE``; on
+    the CPU that is the rung as shipped), and the target's prefill as an engine runs it there (BF16
+    linears, not ``target.py``'s FP32-accumulated ones)."""
     import torch
 
+    from speckv.predictor import w8a8_pass
     from speckv.predictor.target import extract_kv, load_hf, target_dir
 
     out: dict[str, Any] = {}
     if getattr(pred.model, "int_attention", False):
-        pred.model.int_attention = False
+        w8a8_pass.HOST_INT8_ON_DEVICE = True
         try:
-            mu, out["sdpa_attention_s"] = timed(lambda: pred.mu(ids), repeats, sync)
-            out["sdpa_attention_deterministic"] = bool(torch.equal(mu.view(torch.int16),
-                                                                   pred.mu(ids).view(torch.int16)))
+            mu, out["host_int8_attention_s"] = timed(lambda: pred.mu(ids), repeats, sync)
+            out["host_int8_attention_deterministic"] = bool(torch.equal(mu.view(torch.int16),
+                                                                        pred.mu(ids).view(torch.int16)))
         finally:
-            pred.model.int_attention = True
+            w8a8_pass.HOST_INT8_ON_DEVICE = False
     engine = load_hf(target_dir(target.spec))[0].to(device)
     _, out["engine_bf16_s"] = timed(lambda: extract_kv(engine, ids), repeats, sync)
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}

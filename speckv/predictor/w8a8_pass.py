@@ -188,6 +188,11 @@ def _head(model: Any, r: MuRequest) -> "torch.Tensor | None":
 
 
 SOLO_TORCH = True  # torch on one thread in the later layers of a w8a8i pass (w8a8_passes)
+# NOTE: the int8 attention is a CPU kernel; on a GPU, sending each layer's q/k/v to it and back made
+# the shipped w8a8i:4 cost 8.2x the target's prefill on an H200, torch's attention there 1.3x, both
+# deterministic (benchmarks/RESULTS.md "The first GPU run"). A GPU's mu never equals a CPU's (other
+# float kernels), so only two GPU sidecars pair, and they agree either way
+HOST_INT8_ON_DEVICE = False
 NATIVE_ROPE = True  # the extension's fused RoPE on CPUs where it is built (the same bits as torch's ops)
 
 
@@ -212,10 +217,11 @@ def _rope(y: "torch.Tensor", col0: int, heads: int, cos: "torch.Tensor", sin: "t
 
 def _attend(q: "torch.Tensor", key: "torch.Tensor", value: "torch.Tensor", int8: bool) -> "torch.Tensor":
     """Causal attention of one prompt: (1, heads, T, D) BF16 -> rows (T, heads * D); ``int8``: the
-    w8a8i rungs' (int8_attention.py, on the CPU)."""
+    w8a8i rungs' (int8_attention.py, on the CPU). On a GPU a w8a8i rung runs torch's attention there
+    (``HOST_INT8_ON_DEVICE``): its mu is then w8a8:K's, which a GPU's mu is anyway, not the CPU's."""
     import torch.nn.functional as F
 
-    if int8:
+    if int8 and (q.device.type == "cpu" or HOST_INT8_ON_DEVICE):
         att = int8_attention.attention(q[0].cpu(), key[0].cpu(), value[0].cpu()).to(q.device)  # (T, heads, D)
         return att.view(q.shape[2], -1)
 

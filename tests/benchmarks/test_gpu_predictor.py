@@ -21,8 +21,8 @@ def test_cpu_smoke_run(corpus_file):
     assert proc.returncode == 0, proc.stderr[-2000:]
     rep = json.loads(proc.stdout.strip().splitlines()[-1])
     assert rep["tokens"] == 48 and rep["device"] == "cpu" and rep["rung"] == "w8a8i:4"
-    assert rep["mu_deterministic"] and rep["sdpa_attention_deterministic"]
+    assert rep["mu_deterministic"] and rep["host_int8_attention_deterministic"]
     assert rep["mu_equal_cpu_fraction"] == 1.0 and rep["kv_equal_cpu_fraction"] == 1.0
     assert all(rep[p]["lossless"] for p in PAIRS)
     assert len({rep[p]["bits_per_scalar"] for p in PAIRS}) == 1 and 3 < rep[PAIRS[0]]["bits_per_scalar"] < 8
-    assert rep["predictor_cost"] > 0 and rep["engine_bf16_s"] > 0 and rep["sdpa_attention_s"] > 0
+    assert rep["predictor_cost"] > 0 and rep["engine_bf16_s"] > 0 and rep["host_int8_attention_s"] > 0

@@ -259,3 +259,27 @@ def test_torch_runs_on_one_thread_in_native_later_layers_and_no_bit_changes(tiny
     monkeypatch.setattr(w8a8_pass, "SOLO_TORCH", False)
     seen.clear()
     assert same(alone(tiny_pred, ids), solo) and seen == [COMPUTE_THREADS] * rest
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_w8a8i_rung_on_a_gpu_attends_there(tiny_pred, monkeypatch):
+    """On a GPU a w8a8i rung runs torch's attention on the device, not the host's int8 kernel (8.2x
+    a prefill on an H200): deterministic, near the CPU's mu; with HOST_INT8_ON_DEVICE, the host's."""
+    if not tiny_pred.model.int_attention:
+        pytest.skip("a rung with torch's attention everywhere")
+    ids = prompts_of(tiny_pred.model.config.vocab_size, [300], 6)[0]
+    cpu = tiny_pred.mu(ids)
+    calls: list[int] = []
+    real = w8a8_pass.int8_attention.attention
+    monkeypatch.setattr(w8a8_pass.int8_attention, "attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    tiny_pred.to("cuda")
+    try:
+        a, b = tiny_pred.mu(ids), tiny_pred.mu(ids)
+        assert not calls and torch.equal(a.view(torch.int16), b.view(torch.int16))
+        assert (a.float() - cpu.float()).abs().max() < 0.1 * cpu.float().abs().max()
+        monkeypatch.setattr(w8a8_pass, "HOST_INT8_ON_DEVICE", True)
+        tiny_pred.mu(ids)
+        assert calls
+    finally:
+        tiny_pred.to("cpu")
