@@ -1,7 +1,7 @@
 """Adapters between Hugging Face ``DynamicCache`` objects and speckv's canonical
 KV layout ``(layers, 2, kv_heads, tokens, head_dim)``.
 
-A prefill engine built on transformers hands ``kv_from_cache(out.past_key_values)``
+A prefill engine built on transformers hands ``kv_from_cache(out)`` (its output, or the cache)
 to ``EncoderClient.submit``; the decode side rebuilds a cache with
 ``cache_from_kv(DecoderClient(...).fetch(rid, as_torch=True))`` and continues
 generation from it. Both directions copy nothing but the final stack/split and
@@ -20,9 +20,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def kv_from_cache(cache: Any) -> "torch.Tensor":
-    """A (batch 1) DynamicCache -> ``(layers, 2, kv_heads, tokens, head_dim)`` tensor."""
+    """A (batch 1) DynamicCache, or a model output holding one, -> ``(layers, 2, kv_heads, tokens,
+    head_dim)`` tensor. NOTE: transformers 5 names an output's cache ``cache`` and deprecates
+    ``past_key_values`` (4.x has only that), so an output is read by whichever it has."""
     import torch
 
+    if getattr(cache, "layers", None) is None:  # a model output: its cache
+        inner = getattr(cache, "cache", None)
+        cache = inner if inner is not None else getattr(cache, "past_key_values", cache)
     layers = getattr(cache, "layers", None)
     if layers is None:
         raise TypeError(f"expected a transformers Cache with .layers, got {type(cache).__name__}")

@@ -117,7 +117,7 @@ def test_hf_dir_kv_matches_float32_reference(tiny_model_dir, tiny_target):
     kv = tiny_target.kv(ids)
     with torch.no_grad():
         out = ref_model(torch.as_tensor(ids).unsqueeze(0), use_cache=True)
-    cache = out.past_key_values
+    cache = out.cache
     refs = [(cache.layers[i].keys[0], cache.layers[i].values[0]) for i in range(2)]
 
     k0 = refs[0][0]
