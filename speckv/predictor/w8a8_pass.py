@@ -130,12 +130,6 @@ def w8a8_passes(model: Any, reqs: list[MuRequest]) -> None:
         del heads
         rows = np.cumsum([0] + [len(r.ids) for r in reqs])
         scratch: Scratch = {}
-        if SOLO_TORCH and model.int_attention and h.device.type == "cpu" and stages.NATIVE \
-                and stages._native() is not None:
-            # NOTE: every heavy stage below is native and threads itself; torch's OpenMP workers,
-            # idle between its few small ops, would spin on the other core meanwhile (as in
-            # portable.py). deterministic_torch restores the thread count; no bit depends on it
-            torch.set_num_threads(1)
         for i in range(model.k, L):
             if any(r.error is not None for r in reqs):  # NOTE: rows are independent: drop a failed prompt's
                 if all(r.error is not None for r in reqs):
@@ -187,7 +181,6 @@ def _head(model: Any, r: MuRequest) -> "torch.Tensor | None":
     return h
 
 
-SOLO_TORCH = True  # torch on one thread in the later layers of a w8a8i pass (w8a8_passes)
 # NOTE: the int8 attention is a CPU kernel; on a GPU, sending each layer's q/k/v to it and back made
 # the shipped w8a8i:4 cost 8.2x the target's prefill on an H200, torch's attention there 1.3x, both
 # deterministic (benchmarks/RESULTS.md "The first GPU run"). A GPU's mu never equals a CPU's (other

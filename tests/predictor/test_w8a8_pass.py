@@ -12,7 +12,6 @@ from speckv.predictor import w8a8_pass
 from speckv.predictor.calibrate import build_checkpoint
 from speckv.predictor.checkpoint import load_checkpoint
 from speckv.predictor.predict import Predictor
-from speckv.predictor.target import COMPUTE_THREADS
 from speckv.server.layer_mu import PredictorStopped
 
 
@@ -233,32 +232,6 @@ def test_native_rope_refuses_shapes_that_do_not_fit(col0, heads, D):
     y, cs, out = np.zeros((4, 96), np.float32), np.zeros((4, 64), np.int16), np.zeros((4, 64), np.int16)
     with pytest.raises(ValueError, match="do not fit"):
         nat.w8a8_rope(y, col0, heads, D, cs, cs, out, 1)
-
-
-@NATIVE
-def test_torch_runs_on_one_thread_in_native_later_layers_and_no_bit_changes(tiny_pred, monkeypatch):
-    """w8a8i's later layers are native stages: torch runs them on one thread (its idle OpenMP workers
-    would spin beside the native threads), the caller's thread count comes back after, and mu is the
-    same bits with torch on two threads; a torch-attention rung (w8a8, w8a8:1) keeps torch's threads."""
-    ids = prompts_of(tiny_pred.model.config.vocab_size, [40], 5)[0]
-    seen: list[int] = []
-    real = w8a8_pass._block_rest
-
-    def spy(*args, **kwargs):
-        seen.append(torch.get_num_threads())
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(w8a8_pass, "_block_rest", spy)
-    before = torch.get_num_threads()
-    solo = alone(tiny_pred, ids)
-    assert torch.get_num_threads() == before
-    # NOTE: w8a8:1 of the 2-layer tiny model has one later layer, the last: K/V only, no _block_rest
-    rest = tiny_pred.model.config.num_hidden_layers - 1 - tiny_pred.model.k
-    want = 1 if tiny_pred.model.int_attention else COMPUTE_THREADS
-    assert seen == [want] * rest
-    monkeypatch.setattr(w8a8_pass, "SOLO_TORCH", False)
-    seen.clear()
-    assert same(alone(tiny_pred, ids), solo) and seen == [COMPUTE_THREADS] * rest
 
 
 @pytest.mark.gpu
