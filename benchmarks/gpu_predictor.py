@@ -17,24 +17,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+import gpu_portable  # NOTE: a sibling script (benchmarks/ is on sys.path when one of them runs)
 
 TEXT = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "tinyshakespeare.txt"
 
 
 def timed(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> tuple[Any, float]:
     """(the last result, median seconds of ``repeats`` synchronised calls after one warm-up)."""
-    out, times = fn(), []
+    fn()
     sync()
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return out, statistics.median(times)
+    return gpu_portable.timed(fn, repeats, sync)
 
 
 def same_fraction(a: Any, b: Any) -> float:
