@@ -14,8 +14,8 @@ from setuptools.command.build_ext import build_ext
 
 # NOTE: no -ffast-math and no FMA contraction: the model's few float32 operations
 # must round exactly as numpy's do (coder/kernels/spk_model.cuh)
-HEADERS = ("spk_simd.h", "spk_block.h", "spk_encode.h", "spk_decode.h", "spk_model.cuh", "rans_lane.cuh",
-           "spk_consts.h", "spk_portable.h", "spk_portable_py.h", "spk_py.h",
+HEADERS = ("spk_simd.h", "spk_block.h", "spk_encode.h", "spk_decode.h", "spk_model.cuh", "spk_float.cuh",
+           "rans_lane.cuh", "spk_consts.h", "spk_portable.h", "spk_portable_py.h", "spk_py.h",
            "spk_w8a8.h", "spk_w8a8_py.h", "spk_attn.h", "spk_attn_py.h", "spk_wide.h", "spk_iattn.h", "spk_igemm.h",
            "spk_attn_avx2.h", "spk_amx.h", "spk_attn_amx.h", "spk_fp8_amx.h", "spk_fp8_amx_py.h", "spk_pool.h",
            "spk_w8a8_amx.h", "spk_w8a8_amx_py.h")

@@ -33,7 +33,7 @@ from .native import EncodedChunk, FlatTables, _raise
 from .rans import LANES, RansBlocks, _check_blocks
 from .tables import CodingTables
 
-SOURCES = ("spk_consts.h", "rans_lane.cuh", "spk_model.cuh", "spk_fused.cu")
+SOURCES = ("spk_consts.h", "rans_lane.cuh", "spk_float.cuh", "spk_model.cuh", "spk_fused.cu")
 KERNELS = ("spk_prepare_mu", "spk_gather") + tuple(
     f"spk_{k}_{f}" for k in ("encode_count", "encode_write", "decode_rans", "decode_values") for f in ("bf16", "fp8"))
 WARPS = 4  # rANS blocks (warps) per CTA
