@@ -41,25 +41,50 @@ void symbols_scalar(const EncodeJob& J, int64_t e0, int64_t n, const int32_t* __
     }
 }
 
-// Stage B: the block's raw bit sections, in element order. NOTE: LOW (most elements) is
-// written from registers, the rare kinds through their BitWriters.
+// Stage B: the block's raw bit sections, in element order. LOW (most elements) goes through a
+// 64-bit container whose pending bits sit at its top, MSB first: each field is OR-ed in just below
+// them, and after every low_batch<FX>() fields the container's whole bytes are stored at once (8
+// bytes written, the pointer moved by the whole ones), so no branch depends on the bit count. The
+// rare kinds go through their BitWriters.
+// NOTE: a LOW field is at most FX::mant bits (spk_low_bits), so a batch adds at most 56 bits to the
+// <= 7 left after a store: the container never overflows, and 63 - k - w >= 0 in the OR's shift.
+template <class FX>
+constexpr int low_batch() { return 56 / FX::mant; }
+
+struct LowWriter {  // the container: k pending bits at the top of `top`, whole bytes stored at out
+    uint64_t top;
+    int k;
+    uint8_t* out;
+
+    void put(uint32_t field, int w) {  // field < 2^w, w <= FX::mant; NOTE: two shifts: w = 0 at k = 0
+        top |= (uint64_t)field << (63 - k - w) << 1;
+        k += w;
+    }
+    void store() {  // the whole bytes out (8 written: the buffer has room), at most 7 bits stay
+        const uint64_t be = __builtin_bswap64(top);
+        std::memcpy(out, &be, 8);
+        const int whole = k & ~7;
+        out += whole >> 3;
+        top = whole ? top << whole : top;  // NOTE: whole < 64 (k <= 63)
+        k -= whole;
+    }
+};
+
 template <class FX>
 void put_bits(const uint32_t* __restrict desc, const void* x, int64_t e0, int64_t n, EncodedBlock& o) {
     BitWriter& low = o.sec[SPK_KIND_NORMAL];
-    low.bytes.resize(low.len + (size_t)(n * FX::mant / 8 + 8));  // room for every LOW field
-    uint8_t* out = low.bytes.data() + low.len;
-    uint64_t acc = low.acc, total = 0;
-    int k = low.nacc;
+    // room for the pending bits (< 32), every LOW field, and the last 8-byte store
+    low.bytes.resize(low.len + (size_t)(n * FX::mant / 8 + 16));
+    // the writer's pending bits (its acc's low nacc) at the container's top
+    uint8_t* const start = low.bytes.data() + low.len;
+    LowWriter lw{low.nacc ? low.acc << (64 - low.nacc) : 0, low.nacc, start};
+    lw.store();
+    int batch = 0;
     for (int64_t e = 0; e < n; ++e) {
         const uint32_t d = desc[e], kind = d >> 21 & 3u, w = d >> 16 & 31u;
         if (kind == SPK_KIND_NORMAL) {  // NOTE: a well-predicted branch
-            acc = (acc << w) | (d & 0xFFFFu), k += (int)w, total += w;
-            if (k >= 32) {
-                k -= 32;
-                const uint32_t be = __builtin_bswap32((uint32_t)(acc >> k));  // MSB first
-                std::memcpy(out, &be, 4);
-                out += 4;
-            }
+            lw.put(d & 0xFFFFu, (int)w);
+            if (++batch == low_batch<FX>()) lw.store(), batch = 0;  // NOTE: periodic: predicted
             continue;
         }
         o.sec[kind].put(d & 0xFFFFu, (int)w);
@@ -68,7 +93,11 @@ void put_bits(const uint32_t* __restrict desc, const void* x, int64_t e0, int64_
             o.sec[3].put_unary((uint32_t)(kk + FX::bias - 1 - (int32_t)((load<FX>(x, e0 + e) >> FX::mant) & FX::exp_mask)));
         }
     }
-    low.acc = acc, low.nacc = k, low.nbits += total, low.len = (size_t)(out - low.bytes.data());
+    lw.store();
+    // NOTE: the LOW bits written, from where the container ends (no running sum in the loop)
+    low.nbits += (uint64_t)(8 * (lw.out - start) + lw.k - low.nacc);
+    low.acc = lw.k ? lw.top >> (64 - lw.k) : 0, low.nacc = lw.k;
+    low.len = (size_t)(lw.out - low.bytes.data());
     for (auto& s : o.sec) s.finish();
 }
 
