@@ -2,6 +2,10 @@
 // block's own raw bit sections in element order, then its 32 lanes' rANS steps (last
 // first); per chunk, words and sections concatenated (FORMAT.md's layout).
 #pragma once
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "spk_block.h"
 
 namespace spk {
@@ -121,6 +125,46 @@ inline void rans_block(const uint32_t* __restrict ops, int64_t steps, EncodedBlo
     o.words.assign(words, words + count);
 }
 
+#if SPK_HAVE_AVX2_BUILD
+// Stage C on AVX-512: rans_block's steps (enc_put) for the 32 lanes as two vectors of 16, lane for
+// lane the same integers; each step's renormalisation words leave in lane order (compressed, then
+// narrowed to 16 bits), as the scalar loop's ballot order.
+// NOTE: s / freq in double: s < 2^32 is exact there, and the quotient q < 2^17 is never rounded up
+// to q + 1 (the true one is at least 1 / freq >= 2^-15 below it, half an ulp is 2^-36), so
+// truncating the correctly rounded quotient gives floor(s / freq) exactly.
+static_assert(SPK_LANES == 32, "rans_block_avx512 holds a block's lanes in two vectors of 16");
+SPK_AVX512 inline void rans_block_avx512(const uint32_t* __restrict ops, int64_t steps, EncodedBlock& o) {
+    thread_local std::vector<uint16_t> words_buf;
+    words_buf.resize((size_t)(steps * SPK_LANES) + 16);  // NOTE: each step's store writes 16 words
+    uint16_t* __restrict words = words_buf.data();
+    const __m512i low16 = _mm512_set1_epi32(0xFFFF);
+    __m512i x[2] = {_mm512_set1_epi32((int)SPK_RANS_L), _mm512_set1_epi32((int)SPK_RANS_L)};
+    size_t count = 0;
+    for (int64_t s = steps - 1; s >= 0; --s) {  // NOTE: LIFO, the last op first
+        for (int h = 0; h < 2; ++h) {
+            const __m512i op = _mm512_loadu_si512((const void*)(ops + s * SPK_LANES + 16 * h));
+            const __m512i start = _mm512_and_si512(op, low16), freq = _mm512_srli_epi32(op, 16);
+            const __mmask16 emit = _mm512_cmpge_epu32_mask(_mm512_srli_epi32(x[h], SPK_X_MAX_SHIFT), freq);
+            const __m512i w = _mm512_maskz_compress_epi32(emit, _mm512_and_si512(x[h], low16));
+            _mm256_storeu_si256((__m256i*)(words + count), _mm512_cvtepi32_epi16(w));
+            count += (size_t)__builtin_popcount(emit);
+            const __m512i v = _mm512_mask_srli_epi32(x[h], emit, x[h], SPK_WORD_BITS);
+            const __m512d f0 = _mm512_cvtepu32_pd(_mm512_castsi512_si256(freq));
+            const __m512d f1 = _mm512_cvtepu32_pd(_mm512_extracti64x4_epi64(freq, 1));
+            const __m512d v0 = _mm512_cvtepu32_pd(_mm512_castsi512_si256(v));
+            const __m512d v1 = _mm512_cvtepu32_pd(_mm512_extracti64x4_epi64(v, 1));
+            const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvttpd_epu32(_mm512_div_pd(v0, f0))),
+                                                 _mm512_cvttpd_epu32(_mm512_div_pd(v1, f1)), 1);
+            const __m512i r = _mm512_sub_epi32(v, _mm512_mullo_epi32(q, freq));  // s % freq
+            x[h] = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(q, SPK_PROB_BITS), r), start);
+        }
+    }
+    _mm512_storeu_si512((void*)o.states, x[0]);
+    _mm512_storeu_si512((void*)(o.states + 16), x[1]);
+    o.words.assign(words, words + count);
+}
+#endif
+
 template <class FX, class FM, bool TAB>
 void encode_block_t(const EncodeJob& J, int64_t b, EncodedBlock& o) {
     const int64_t e0 = J.g.block_e0[b], n = J.g.block_n[b], steps = J.g.epl;
@@ -137,6 +181,9 @@ void encode_block_t(const EncodeJob& J, int64_t b, EncodedBlock& o) {
     else
         symbols_scalar<FX, FM, TAB>(J, e0, n, lev_buf.data(), ops_buf.data(), desc_buf.data());
     put_bits<FX>(desc_buf.data(), J.x, e0, n, o);
+#if SPK_HAVE_AVX2_BUILD
+    if (J.simd && J.simd->wide) return rans_block_avx512(ops_buf.data(), steps, o);
+#endif
     rans_block(ops_buf.data(), steps, o);
 }
 

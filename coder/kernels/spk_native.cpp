@@ -302,6 +302,37 @@ PyObject* py_contexts(PyObject*, PyObject* args) {
     Py_RETURN_NONE;
 }
 
+
+// One rANS block's steps on the scalar or the AVX-512 path (tests: both against coder/rans.py)
+PyObject* py_rans_blocks(PyObject*, PyObject* args) {
+    PyObject* ops_o;
+    long long steps;
+    int wide;
+    if (!PyArg_ParseTuple(args, "OLp", &ops_o, &steps, &wide)) return nullptr;
+    Buf ops;
+    if (!get_buf(ops_o, ops, -1, "ops")) return nullptr;
+    if (steps < 1 || ops.count(4) % (steps * SPK_LANES) != 0)
+        return PyErr_Format(PyExc_ValueError, "ops: %zd bytes are not whole blocks of %lld steps", ops.v.len, steps);
+    if (wide && !spk::cpu_has_avx512()) return PyErr_Format(PyExc_ValueError, "no AVX-512 path here");
+    const int64_t n_blocks = ops.count(4) / (steps * SPK_LANES);
+    std::vector<uint32_t> states, counts;
+    std::vector<uint16_t> words;
+    for (int64_t b = 0; b < n_blocks; ++b) {
+        spk::EncodedBlock o;
+        const uint32_t* op = ops.as<uint32_t>() + b * steps * SPK_LANES;
+#if SPK_HAVE_AVX2_BUILD
+        if (wide) spk::rans_block_avx512(op, steps, o);
+        else
+#endif
+            spk::rans_block(op, steps, o);
+        states.insert(states.end(), o.states, o.states + SPK_LANES);
+        counts.push_back((uint32_t)o.words.size());
+        words.insert(words.end(), o.words.begin(), o.words.end());
+    }
+    return Py_BuildValue("(NNN)", bytes_of(states.data(), 4 * states.size()), bytes_of(counts.data(), 4 * counts.size()),
+                         bytes_of(words.data(), 2 * words.size()));
+}
+
 }  // namespace
 
 #include "spk_portable_py.h"  // the portable predictor's stages (its own file: one concept per file)
@@ -335,6 +366,7 @@ PyMethodDef methods[] = {
     {"fp8_amx_pv", py_fp8_amx_pv, METH_VARARGS, "unscaled FP8-cache P @ V on AMX tiles (amx_fp8.py)"},
     {"int_softmax", py_int_softmax, METH_VARARGS, "the portable predictor's softmax numerators (int_attention.py)"},
     {"contexts", py_contexts, METH_VARARGS, "packed contexts of (mu, L) pairs (tests)"},
+    {"rans_blocks", py_rans_blocks, METH_VARARGS, "rANS blocks of ops on the scalar or AVX-512 path (tests)"},
     {"prepare_mu", py_prepare_mu, METH_VARARGS, "mu correction (model 2) and the FP8 division, threaded"},
     {"encode", py_encode, METH_VARARGS, "code a batch of consecutive chunks"},
     {"group_costs", py_group_costs, METH_VARARGS, "exact coded cost and surprises per group (adapt.py)"},
