@@ -6,6 +6,8 @@
 #include <immintrin.h>
 #endif
 
+#include <array>
+
 #include "spk_block.h"
 
 namespace spk {
@@ -129,9 +131,9 @@ inline void rans_block(const uint32_t* __restrict ops, int64_t steps, EncodedBlo
 // Stage C on AVX-512: rans_block's steps (enc_put) for the 32 lanes as two vectors of 16, lane for
 // lane the same integers; each step's renormalisation words leave in lane order (compressed, then
 // narrowed to 16 bits), as the scalar loop's ballot order.
-// NOTE: s / freq in double: s < 2^32 is exact there, and the quotient q < 2^17 is never rounded up
-// to q + 1 (the true one is at least 1 / freq >= 2^-15 below it, half an ulp is 2^-36), so
-// truncating the correctly rounded quotient gives floor(s / freq) exactly.
+// NOTE: s / freq from a float32 division, then one exact correction: float(s) and the quotient each
+// round once (< 2^-23 relative together), so the estimate of q = floor(s / freq) < 2^17 is off by at
+// most one, and r = s - q * freq (exact mod 2^32: |r| < 2 freq) says which way.
 static_assert(SPK_LANES == 32, "rans_block_avx512 holds a block's lanes in two vectors of 16");
 SPK_AVX512 inline void rans_block_avx512(const uint32_t* __restrict ops, int64_t steps, EncodedBlock& o) {
     thread_local std::vector<uint16_t> words_buf;
@@ -149,18 +151,70 @@ SPK_AVX512 inline void rans_block_avx512(const uint32_t* __restrict ops, int64_t
             _mm256_storeu_si256((__m256i*)(words + count), _mm512_cvtepi32_epi16(w));
             count += (size_t)__builtin_popcount(emit);
             const __m512i v = _mm512_mask_srli_epi32(x[h], emit, x[h], SPK_WORD_BITS);
-            const __m512d f0 = _mm512_cvtepu32_pd(_mm512_castsi512_si256(freq));
-            const __m512d f1 = _mm512_cvtepu32_pd(_mm512_extracti64x4_epi64(freq, 1));
-            const __m512d v0 = _mm512_cvtepu32_pd(_mm512_castsi512_si256(v));
-            const __m512d v1 = _mm512_cvtepu32_pd(_mm512_extracti64x4_epi64(v, 1));
-            const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvttpd_epu32(_mm512_div_pd(v0, f0))),
-                                                 _mm512_cvttpd_epu32(_mm512_div_pd(v1, f1)), 1);
-            const __m512i r = _mm512_sub_epi32(v, _mm512_mullo_epi32(q, freq));  // s % freq
+            __m512i q = _mm512_cvttps_epu32(_mm512_div_ps(_mm512_cvtepu32_ps(v), _mm512_cvtepu32_ps(freq)));
+            __m512i r = _mm512_sub_epi32(v, _mm512_mullo_epi32(q, freq));
+            const __mmask16 over = _mm512_cmplt_epi32_mask(r, _mm512_setzero_si512());  // q one too large
+            q = _mm512_mask_sub_epi32(q, over, q, _mm512_set1_epi32(1)), r = _mm512_mask_add_epi32(r, over, r, freq);
+            const __mmask16 under = _mm512_cmpge_epi32_mask(r, freq);  // q one too small
+            q = _mm512_mask_add_epi32(q, under, q, _mm512_set1_epi32(1)), r = _mm512_mask_sub_epi32(r, under, r, freq);
             x[h] = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(q, SPK_PROB_BITS), r), start);
         }
     }
     _mm512_storeu_si512((void*)o.states, x[0]);
     _mm512_storeu_si512((void*)(o.states + 16), x[1]);
+    o.words.assign(words, words + count);
+}
+
+// Stage C on AVX2: the same steps for the 32 lanes as four vectors of 8, the quotient as on AVX-512
+// (AVX2 converts only signed int32: s goes to float by its 16-bit halves). The compare of s >> 17
+// (< 2^15) with freq (<= 2^15) is signed. Each vector's emitting lanes' words leave in lane order,
+// compressed by a permutation (compress_lut8).
+// Per 8-lane mask: the lanes it sets, in ascending order (the rest 0): a compress as a permutation.
+inline std::array<std::array<uint8_t, 8>, 256> compress_lut8() {
+    std::array<std::array<uint8_t, 8>, 256> t{};
+    for (unsigned m = 0; m < 256; ++m)
+        for (unsigned l = 0, k = 0; l < 8; ++l)
+            if (m >> l & 1u) t[m][k++] = (uint8_t)l;
+    return t;
+}
+
+SPK_AVX2 inline void rans_block_avx2(const uint32_t* __restrict ops, int64_t steps, EncodedBlock& o) {
+    static const auto lut = compress_lut8();
+    thread_local std::vector<uint16_t> words_buf;
+    words_buf.resize((size_t)(steps * SPK_LANES) + 8);  // NOTE: each store writes 8 words
+    uint16_t* __restrict words = words_buf.data();
+    const __m256i low16 = _mm256_set1_epi32(0xFFFF);
+    __m256i x[4];
+    for (auto& v : x) v = _mm256_set1_epi32((int)SPK_RANS_L);
+    size_t count = 0;
+    for (int64_t s = steps - 1; s >= 0; --s) {  // NOTE: LIFO, the last op first
+        for (int h = 0; h < 4; ++h) {
+            const __m256i op = _mm256_loadu_si256((const __m256i*)(ops + s * SPK_LANES + 8 * h));
+            const __m256i start = _mm256_and_si256(op, low16), freq = _mm256_srli_epi32(op, 16);
+            // emit where (s >> 17) >= freq: not freq > (s >> 17)
+            const __m256i keep = _mm256_cmpgt_epi32(freq, _mm256_srli_epi32(x[h], SPK_X_MAX_SHIFT));
+            const unsigned emit = ~(unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(keep)) & 0xFFu;
+            const __m256i w = _mm256_permutevar8x32_epi32(_mm256_and_si256(x[h], low16),
+                                                          _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)lut[emit].data())));
+            // NOTE: packus saturates int32 to uint16: the words are 0..0xFFFF, so it narrows exactly
+            _mm_storeu_si128((__m128i*)(words + count),
+                             _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+            count += (size_t)__builtin_popcount(emit);
+            const __m256i v = _mm256_blendv_epi8(_mm256_srli_epi32(x[h], SPK_WORD_BITS), x[h], keep);
+            // float(v) for v < 2^32 in one rounding: its halves convert exactly, 2^16 hi is exact
+            const __m256 vf = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 16)),
+                                                          _mm256_set1_ps(65536.0f)),
+                                            _mm256_cvtepi32_ps(_mm256_and_si256(v, low16)));
+            __m256i q = _mm256_cvttps_epi32(_mm256_div_ps(vf, _mm256_cvtepi32_ps(freq)));
+            __m256i r = _mm256_sub_epi32(v, _mm256_mullo_epi32(q, freq));
+            const __m256i over = _mm256_cmpgt_epi32(_mm256_setzero_si256(), r);  // q one too large
+            q = _mm256_add_epi32(q, over), r = _mm256_add_epi32(r, _mm256_and_si256(over, freq));
+            const __m256i under = _mm256_cmpgt_epi32(r, _mm256_sub_epi32(freq, _mm256_set1_epi32(1)));  // r >= freq
+            q = _mm256_sub_epi32(q, under), r = _mm256_sub_epi32(r, _mm256_and_si256(under, freq));
+            x[h] = _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(q, SPK_PROB_BITS), r), start);
+        }
+    }
+    for (int h = 0; h < 4; ++h) _mm256_storeu_si256((__m256i*)(o.states + 8 * h), x[h]);
     o.words.assign(words, words + count);
 }
 #endif
@@ -182,7 +236,8 @@ void encode_block_t(const EncodeJob& J, int64_t b, EncodedBlock& o) {
         symbols_scalar<FX, FM, TAB>(J, e0, n, lev_buf.data(), ops_buf.data(), desc_buf.data());
     put_bits<FX>(desc_buf.data(), J.x, e0, n, o);
 #if SPK_HAVE_AVX2_BUILD
-    if (J.simd && J.simd->wide) return rans_block_avx512(ops_buf.data(), steps, o);
+    if (J.simd) return J.simd->wide ? rans_block_avx512(ops_buf.data(), steps, o)
+                                    : rans_block_avx2(ops_buf.data(), steps, o);
 #endif
     rans_block(ops_buf.data(), steps, o);
 }

@@ -303,17 +303,18 @@ PyObject* py_contexts(PyObject*, PyObject* args) {
 }
 
 
-// One rANS block's steps on the scalar or the AVX-512 path (tests: both against coder/rans.py)
+// One rANS block's steps on the scalar (path 0), AVX2 (1) or AVX-512 (2) path (tests: each against coder/rans.py)
 PyObject* py_rans_blocks(PyObject*, PyObject* args) {
     PyObject* ops_o;
     long long steps;
-    int wide;
-    if (!PyArg_ParseTuple(args, "OLp", &ops_o, &steps, &wide)) return nullptr;
+    int path;
+    if (!PyArg_ParseTuple(args, "OLi", &ops_o, &steps, &path)) return nullptr;
     Buf ops;
     if (!get_buf(ops_o, ops, -1, "ops")) return nullptr;
     if (steps < 1 || ops.count(4) % (steps * SPK_LANES) != 0)
         return PyErr_Format(PyExc_ValueError, "ops: %zd bytes are not whole blocks of %lld steps", ops.v.len, steps);
-    if (wide && !spk::cpu_has_avx512()) return PyErr_Format(PyExc_ValueError, "no AVX-512 path here");
+    if (path < 0 || path > 2 || (path == 1 && !spk::cpu_has_avx2()) || (path == 2 && !spk::cpu_has_avx512()))
+        return PyErr_Format(PyExc_ValueError, "no rANS path %d here", path);
     const int64_t n_blocks = ops.count(4) / (steps * SPK_LANES);
     std::vector<uint32_t> states, counts;
     std::vector<uint16_t> words;
@@ -321,7 +322,8 @@ PyObject* py_rans_blocks(PyObject*, PyObject* args) {
         spk::EncodedBlock o;
         const uint32_t* op = ops.as<uint32_t>() + b * steps * SPK_LANES;
 #if SPK_HAVE_AVX2_BUILD
-        if (wide) spk::rans_block_avx512(op, steps, o);
+        if (path == 2) spk::rans_block_avx512(op, steps, o);
+        else if (path == 1) spk::rans_block_avx2(op, steps, o);
         else
 #endif
             spk::rans_block(op, steps, o);

@@ -1,7 +1,9 @@
-"""The native coder's rANS stage (``spk_encode.h``: ``rans_block``, and ``rans_block_avx512`` where the
-CPU has AVX-512) against the numpy reference ``coder/rans.py`` on raw ops: the same final states, word
-counts and words, with the frequencies at their extremes (1, where every step renormalises, and
-PROB_SCALE, the no-op) and states near 2^32 (the double-precision quotient of the vector path)."""
+"""The native coder's rANS stage (``spk_encode.h``: ``rans_block``, and ``rans_block_avx2`` and
+``rans_block_avx512`` where the CPU has AVX2 / AVX-512) against the numpy reference ``coder/rans.py``
+on raw ops: the same final states, word counts and words, with the frequencies at their extremes (1,
+where every step renormalises, and PROB_SCALE, the no-op). The vector paths divide in float32 and
+correct the quotient by one either way; 96 blocks of 1024 steps (3.1 M ops, a chunk's worth) reach
+both corrections (without either, cases fail)."""
 
 from __future__ import annotations
 
@@ -13,16 +15,19 @@ from speckv.coder import native
 from speckv.coder.rans import LANES, PROB_SCALE, rans_encode
 
 
-def native_rans(start: np.ndarray, freq: np.ndarray, wide: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def native_rans(start: np.ndarray, freq: np.ndarray, path: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     blocks, steps, _ = start.shape
     ops = (start.astype(np.uint32) | freq.astype(np.uint32) << 16).ravel()
-    states, counts, words = native._native.rans_blocks(ops, steps, wide)
+    states, counts, words = native._native.rans_blocks(ops, steps, path)
     return (np.frombuffer(states, np.uint32).reshape(blocks, LANES), np.frombuffer(counts, np.uint32),
             np.frombuffer(words, np.uint16))
 
 
-def paths() -> list[bool]:
-    return [False, True] if native.wide_path() else [False]
+PATHS = {"scalar": 0, "avx2": 1, "avx512": 2}
+
+
+def paths() -> list[str]:
+    return ["scalar"] + (["avx2"] if native.vector_path() else []) + (["avx512"] if native.wide_path() else [])
 
 
 def random_ops(rng: np.random.Generator, blocks: int, steps: int, kind: str) -> tuple[np.ndarray, np.ndarray]:
@@ -37,15 +42,15 @@ def random_ops(rng: np.random.Generator, blocks: int, steps: int, kind: str) -> 
     return start, freq
 
 
-@pytest.mark.parametrize("wide", paths(), ids=lambda w: "avx512" if w else "scalar")
+@pytest.mark.parametrize("path", paths())
 @pytest.mark.parametrize("kind", ["extremes", "small", "uniform"])
-@pytest.mark.parametrize("blocks,steps", [(1, 1), (3, 7), (2, 64), (1, 1024)])
-def test_native_rans_blocks_equal_the_reference(wide, kind, blocks, steps):
+@pytest.mark.parametrize("blocks,steps", [(1, 1), (3, 7), (2, 64), (1, 1024), (96, 1024)])
+def test_native_rans_blocks_equal_the_reference(path, kind, blocks, steps):
     need_native()
     rng = np.random.default_rng([blocks, steps, ord(kind[0])])
     start, freq = random_ops(rng, blocks, steps, kind)
     want = rans_encode(start, freq)
-    states, counts, words = native_rans(start, freq, wide)
+    states, counts, words = native_rans(start, freq, PATHS[path])
     assert np.array_equal(states, want.states)
     assert np.array_equal(counts, want.word_counts)
     assert words.tobytes() == want.words.tobytes()
@@ -54,4 +59,6 @@ def test_native_rans_blocks_equal_the_reference(wide, kind, blocks, steps):
 def test_native_rans_rejects_partial_blocks():
     need_native()
     with pytest.raises(ValueError, match="whole blocks"):
-        native._native.rans_blocks(np.zeros(LANES * 3 - 1, np.uint32), 3, False)
+        native._native.rans_blocks(np.zeros(LANES * 3 - 1, np.uint32), 3, 0)
+    with pytest.raises(ValueError, match="no rANS path"):
+        native._native.rans_blocks(np.zeros(LANES * 3, np.uint32), 3, 7)
