@@ -43,6 +43,9 @@ struct DecodeTables {
                 bucket[(size_t)r * SPK_BUCKETS + q] = (uint16_t)j;
             }
         }
+        // NOTE: the vector decoder gathers these u16 arrays 32 bits at a time (cum_pad: two entries a
+        // gather, the second past a row's sentinel at most): one spare element each
+        cum_pad.push_back(0), bucket.push_back(0);
     }
 };
 
