@@ -311,8 +311,13 @@ PyObject* py_rans_blocks(PyObject*, PyObject* args) {
     if (!PyArg_ParseTuple(args, "OLi", &ops_o, &steps, &path)) return nullptr;
     Buf ops;
     if (!get_buf(ops_o, ops, -1, "ops")) return nullptr;
-    if (steps < 1 || ops.count(4) % (steps * SPK_LANES) != 0)
+    if (steps < 1 || steps > (1LL << 24) || ops.count(4) % (steps * SPK_LANES) != 0)
         return PyErr_Format(PyExc_ValueError, "ops: %zd bytes are not whole blocks of %lld steps", ops.v.len, steps);
+    for (int64_t i = 0; i < ops.count(4); ++i) {  // coder/rans.py's op checks: the stage trusts its tables
+        const uint32_t op = ops.as<uint32_t>()[i], f = op >> 16;
+        if (f < 1 || f > SPK_PROB_SCALE || (op & 0xFFFFu) + f > SPK_PROB_SCALE)
+            return PyErr_Format(PyExc_ValueError, "ops: op %lld has start %u, freq %u", (long long)i, op & 0xFFFFu, f);
+    }
     if (path < 0 || path > 2 || (path == 1 && !spk::cpu_has_avx2()) || (path == 2 && !spk::cpu_has_avx512()))
         return PyErr_Format(PyExc_ValueError, "no rANS path %d here", path);
     const int64_t n_blocks = ops.count(4) / (steps * SPK_LANES);
@@ -368,7 +373,7 @@ PyMethodDef methods[] = {
     {"fp8_amx_pv", py_fp8_amx_pv, METH_VARARGS, "unscaled FP8-cache P @ V on AMX tiles (amx_fp8.py)"},
     {"int_softmax", py_int_softmax, METH_VARARGS, "the portable predictor's softmax numerators (int_attention.py)"},
     {"contexts", py_contexts, METH_VARARGS, "packed contexts of (mu, L) pairs (tests)"},
-    {"rans_blocks", py_rans_blocks, METH_VARARGS, "rANS blocks of ops on the scalar or AVX-512 path (tests)"},
+    {"rans_blocks", py_rans_blocks, METH_VARARGS, "rANS blocks of ops on the scalar, AVX2 or AVX-512 path (tests)"},
     {"prepare_mu", py_prepare_mu, METH_VARARGS, "mu correction (model 2) and the FP8 division, threaded"},
     {"encode", py_encode, METH_VARARGS, "code a batch of consecutive chunks"},
     {"group_costs", py_group_costs, METH_VARARGS, "exact coded cost and surprises per group (adapt.py)"},

@@ -3,7 +3,8 @@ stream (bytes flipped with the crc recomputed, structurally repacked chunks with
 grown bit sections, dropped / added / moved rANS words and changed or swapped states,
 truncated records, a zeroed block) meets the same fate on both backends: the same
 exception type (and, for value checks, the same message), or identical decoded arrays,
-also before the raw-digest check and at any thread count.
+also before the raw-digest check, at any thread count, and on every native path (there to
+the message, rANS errors included).
 
 A missing extension skips these tests on a developer's machine and fails them in
 CI (SPECKV_REQUIRE_NATIVE, tests/require.py).
@@ -32,6 +33,7 @@ from hypothesis.control import currently_in_test_context
 from native_helpers import MODELS, assert_same_kv, both_ways, realistic_pair
 
 from speckv.coder import container as ct
+from speckv.coder import native
 from speckv.coder.codec import Codec, Fp8KV
 from speckv.coder.model import BF16, E4M3
 from speckv.coder.plan import chunk_scales, chunk_shifts
@@ -191,6 +193,26 @@ def _check_corrupt(codecs, base, which: str, records: list[bytes]) -> None:
         event(f"before the checksum: {raw[0] if isinstance(raw[0], str) else raw[0].__name__}")
     cv1 = codecs("native", 16, lpc, 1, mdl)  # the thread count never changes the verdict
     _same_fate(_raw_outcome(cn, records, ids, mu), _raw_outcome(cv1, records, ids, mu))
+    _same_on_every_path(cv, records, ids, mu)
+
+
+def _same_on_every_path(cv: Codec, records: list[bytes], ids: np.ndarray, mu) -> None:
+    """The native paths' fates before the checksum, rANS errors included, are one another's to the
+    message: the scalar stages ("lookup") and, where "auto" runs the AVX-512 builds (its rANS decode
+    steps among them), the AVX2 ones ("vector")."""
+    backend = cv.backend
+    want = _raw_outcome(cv, records, ids, mu)
+    try:
+        for path in ["lookup"] + (["vector"] if native.wide_path() else []):
+            backend.path = path
+            got = _raw_outcome(cv, records, ids, mu)
+            assert got[0] == want[0], (path, got[0], want[0])
+            if want[0] == "ok":
+                assert all(np.array_equal(p, q) for p, q in zip(got[1], want[1], strict=True)), path
+            else:
+                assert got[1] == want[1], (path, got[1], want[1])
+    finally:
+        backend.path = "auto"
 
 
 @settings(max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])

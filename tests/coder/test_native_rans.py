@@ -56,9 +56,15 @@ def test_native_rans_blocks_equal_the_reference(path, kind, blocks, steps):
     assert words.tobytes() == want.words.tobytes()
 
 
-def test_native_rans_rejects_partial_blocks():
+def test_native_rans_rejects_bad_ops():
     need_native()
     with pytest.raises(ValueError, match="whole blocks"):
         native._native.rans_blocks(np.zeros(LANES * 3 - 1, np.uint32), 3, 0)
+    with pytest.raises(ValueError, match="whole blocks"):
+        native._native.rans_blocks(np.zeros(0, np.uint32), 2**59, 0)  # steps * LANES would overflow
     with pytest.raises(ValueError, match="no rANS path"):
-        native._native.rans_blocks(np.zeros(LANES * 3, np.uint32), 3, 7)
+        native._native.rans_blocks(np.full(LANES * 3, PROB_SCALE << 16, np.uint32), 3, 7)
+    with pytest.raises(ValueError, match="freq 0"):
+        native._native.rans_blocks(np.zeros(LANES * 3, np.uint32), 3, 0)
+    with pytest.raises(ValueError, match="start 1, freq 32768"):
+        native._native.rans_blocks(np.full(LANES, 1 | PROB_SCALE << 16, np.uint32), 1, 0)
