@@ -71,7 +71,7 @@ struct LowWriter {  // the container: k pending bits at the top of `top`, whole 
         std::memcpy(out, &be, 8);
         const int whole = k & ~7;
         out += whole >> 3;
-        top = whole ? top << whole : top;  // NOTE: whole < 64 (k <= 63)
+        top <<= whole;  // NOTE: whole < 64 (k <= 63)
         k -= whole;
     }
 };
@@ -165,21 +165,22 @@ SPK_AVX512 inline void rans_block_avx512(const uint32_t* __restrict ops, int64_t
     o.words.assign(words, words + count);
 }
 
-// Stage C on AVX2: the same steps for the 32 lanes as four vectors of 8, the quotient as on AVX-512
-// (AVX2 converts only signed int32: s goes to float by its 16-bit halves). The compare of s >> 17
-// (< 2^15) with freq (<= 2^15) is signed. Each vector's emitting lanes' words leave in lane order,
-// compressed by a permutation (compress_lut8).
 // Per 8-lane mask: the lanes it sets, in ascending order (the rest 0): a compress as a permutation.
-inline std::array<std::array<uint8_t, 8>, 256> compress_lut8() {
+constexpr std::array<std::array<uint8_t, 8>, 256> compress_lut8() {
     std::array<std::array<uint8_t, 8>, 256> t{};
     for (unsigned m = 0; m < 256; ++m)
         for (unsigned l = 0, k = 0; l < 8; ++l)
             if (m >> l & 1u) t[m][k++] = (uint8_t)l;
     return t;
 }
+inline constexpr auto COMPRESS_LUT8 = compress_lut8();
 
+// Stage C on AVX2: the same steps for the 32 lanes as four vectors of 8, the quotient as on AVX-512
+// (AVX2 converts only signed int32: s goes to float by its 16-bit halves). The compare of s >> 17
+// (< 2^15) with freq (<= 2^15) is signed. Each vector's emitting lanes' words leave in lane order,
+// compressed by a permutation (COMPRESS_LUT8).
 SPK_AVX2 inline void rans_block_avx2(const uint32_t* __restrict ops, int64_t steps, EncodedBlock& o) {
-    static const auto lut = compress_lut8();
+    const auto& lut = COMPRESS_LUT8;
     thread_local std::vector<uint16_t> words_buf;
     words_buf.resize((size_t)(steps * SPK_LANES) + 8);  // NOTE: each store writes 8 words
     uint16_t* __restrict words = words_buf.data();
