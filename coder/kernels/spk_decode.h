@@ -81,14 +81,15 @@ void block_classify(const DecodeJob& J, const uint32_t* __restrict js, const uin
     tally.unary_bound = unary_bound, tally.mu_bad = mu_bad;
 }
 
-// One step's rANS ops of lanes [0, live) and its renormalisation (the scalar stage 1's step);
-// false when the step's words run under lo.
+// What a rANS decode step reads of the model's tables.
 struct RansDecodeTables {
     const int32_t* toff;
     const uint16_t *cum, *freq, *cum_pad, *bucket;
     const uint32_t* op;  // cum | freq << 16 per symbol, or null
 };
 
+// One step's rANS ops of lanes [0, live) and its renormalisation (the scalar stage 1's step);
+// false when the step's words run under lo.
 inline bool rans_decode_step(const RansDecodeTables& T, const uint32_t* __restrict ctx, uint32_t live,
                              const uint16_t* words, int64_t lo, int64_t& end, uint32_t* x, uint32_t* __restrict js) {
     for (uint32_t l = 0; l < live; ++l) {  // NOTE: the lanes are independent: their loads overlap
@@ -187,24 +188,17 @@ int decode_block_rans(const DecodeJob& J, int64_t b, uint32_t* __restrict info, 
     const RansDecodeTables T{J.t.off, J.t.cum, J.t.freq, J.t.cum_pad, J.t.bucket, J.simd ? J.simd->op : nullptr};
     uint32_t x[SPK_LANES];
     std::memcpy(x, cs.states + lb * SPK_LANES, sizeof x);
-    int status = SPK_OK;
     for (int64_t s = 0, e0s = 0; s < steps; ++s, e0s += SPK_LANES) {
         const uint32_t live = (uint32_t)std::min<int64_t>(SPK_LANES, std::max<int64_t>(n - e0s, 0));
+        bool ok;
 #if SPK_HAVE_AVX2_BUILD
-        if (live == SPK_LANES && J.simd && J.simd->wide) {
-            if (!rans_decode_step_avx512(T, ctx + e0s, cs.words, lo, end, x, js + e0s)) {
-                status = SPK_ERR_WORDS_UNDERRUN;
-                break;
-            }
-            continue;
-        }
+        if (live == SPK_LANES && J.simd && J.simd->wide)
+            ok = rans_decode_step_avx512(T, ctx + e0s, cs.words, lo, end, x, js + e0s);
+        else
 #endif
-        if (!rans_decode_step(T, ctx + e0s, live, cs.words, lo, end, x, js + e0s)) {
-            status = SPK_ERR_WORDS_UNDERRUN;
-            break;
-        }
+            ok = rans_decode_step(T, ctx + e0s, live, cs.words, lo, end, x, js + e0s);
+        if (!ok) return SPK_ERR_WORDS_UNDERRUN;  // NOTE: the tallies of a block that failed here are never read
     }
-    if (status) return status;  // NOTE: the tallies of a block that failed here are never read
     block_classify<FX>(J, js, ctx, n, info, tally);
     if (end != lo) return SPK_ERR_WORDS_LEFT;
     for (uint32_t l = 0; l < SPK_LANES; ++l)
