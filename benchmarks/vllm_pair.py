@@ -254,6 +254,8 @@ def sidecar_counts(enc: Sidecar) -> dict[str, Any]:
             "transfers_ok": int(total("speckv_transfers_total", outcome="ok")),
             "stored_chunks": {r: int(total("speckv_fallbacks_total", reason=r)) for r in ("mu_mismatch",
                                                                                             "larger_than_stored")},
+            "mu_rechecks": {o: int(total("speckv_mu_rechecks_total", outcome=o))
+                            for o in ("same", "recovered", "unstable", "error")},
             "local_bytes": int(total("speckv_local_bytes_total"))}
 
 

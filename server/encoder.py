@@ -47,9 +47,9 @@ from .channels import DecoderChannels
 from .config import ServerConfig
 from .encoder_job import STORED_VERSION, TRANSFER, Job, local_part, mismatched_chunks, transfer_header, write
 from .handoff import Handoffs, parse_uids
-from .layer_mu import LayerMu
 from .metrics import Metrics
 from .mu_cache import MuCache
+from .mu_recheck import Rechecker
 from .records import code_batch, store_batch
 from .replies import Checks, first_reply, older_version, read_result, stored_fallback
 from .runtime import Runtime
@@ -78,6 +78,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
         self._per_peer: dict[str, int] = {}
         self.allow = parse_allow(config.allow)
         self.mu_cache = MuCache(config.mu_cache_bytes)
+        self.rechecks = Rechecker(runtime, self.mu_cache, metrics)
         self.active = 0
         self.handoffs = None if config.local_socket is None else Handoffs(
             config.local_socket, parse_uids(config.local_uids), config.local_handle_ttl_s,
@@ -177,16 +178,16 @@ class EncoderService(egrpc.EncoderServiceServicer):
     async def _run(self, job: Job, it: AsyncIterator, context: grpc.aio.ServicerContext,
                    t0: float) -> epb.SubmitResponse:
         job.t0 = t0
-        mu, job.mu_hit = (None, False) if job.h.model == ct.MODEL_STORED else self.mu_cache.take(
+        job.mu, job.mu_hit = (None, False) if job.h.model == ct.MODEL_STORED else self.mu_cache.take(
             self.rt, job.ids, job.fp8_attention)
-        if mu is not None:
+        if job.mu is not None:
             self.metrics.mu_cache(job.mu_hit)
         queue: asyncio.Queue[int | None] = asyncio.Queue()
         call, checks, acks = await self._start_transfer(job, context)
         sender: asyncio.Future[None] | None = None
         try:
-            call, checks, acks, mu = await self._handshake(job, context, mu, call, checks, acks)
-            sender = asyncio.ensure_future(self._send_loop(job, mu, call, queue, checks))
+            call, checks, acks = await self._handshake(job, context, call, checks, acks)
+            sender = asyncio.ensure_future(self._send_loop(job, call, queue, checks))
             watch = (acks, sender)
             await self._receive(job, it, queue, watch)
             queue.put_nowait(None)
@@ -208,11 +209,11 @@ class EncoderService(egrpc.EncoderServiceServicer):
             for f in (sender, acks):
                 if f is not None and not f.done():
                     f.cancel()
-            if mu is not None:
-                self.mu_cache.give_back(mu)  # NOTE: a pass no transfer needs stops at its next layer
+            if job.mu is not None:
+                self.mu_cache.give_back(job.mu)  # NOTE: a pass no transfer needs stops at its next layer
         self.metrics.seconds("encode", job.encode_s)
         self.metrics.seconds("wire_wait", job.wire_wait_s)
-        if mu is not None:
+        if job.h.model != ct.MODEL_STORED:
             self.metrics.seconds("mu_wait", job.mu_wait_s)
         now = time.perf_counter()
         return epb.SubmitResponse(
@@ -238,12 +239,11 @@ class EncoderService(egrpc.EncoderServiceServicer):
         self.metrics.header(*job.labels, ct.HEADER_LEN)
         return call, checks, acks
 
-    async def _handshake(self, job: Job, context: grpc.aio.ServicerContext, mu: LayerMu | None, call,
-                         checks: Checks, acks):
+    async def _handshake(self, job: Job, context: grpc.aio.ServicerContext, call, checks: Checks, acks):
         """A speckv stream waits for the decoder's first reply (``replies``): a refusal of its
         format version gets the stream again one version older, one of its predictor pin or of
         the model gets it stored (each logged once per peer); any other refusal fails the transfer."""
-        while mu is not None and (refused := await first_reply(checks, acks)) is not None:
+        while job.mu is not None and (refused := await first_reply(checks, acks)) is not None:
             call.cancel()
             if (older := older_version(refused, job.h.version)) is not None:
                 self._once(job, "version", f"reads stream format {older} at most: its streams are written so")
@@ -252,8 +252,8 @@ class EncoderService(egrpc.EncoderServiceServicer):
                 lacks = (f"another predictor than this encoder's ({self.rt.pin[:12]})" if why == "pin_mismatch"
                          else f"another model than {job.header.model_id!r}")
                 self._once(job, why, f"holds {lacks}: its transfers go stored")
-                self.mu_cache.give_back(mu)
-                mu = None
+                self.mu_cache.give_back(job.mu)
+                job.mu = None
                 h = job.h
                 stored = self.rt.codec.stream_header(h.dtype == ct.DTYPE_BF16, h.shape, job.ids, h.layers_per_chunk,
                                                      True)
@@ -262,7 +262,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
             else:
                 raise refused
             call, checks, acks = await self._start_transfer(job, context)
-        return call, checks, acks, mu
+        return call, checks, acks
 
     def _once(self, job: Job, kind: str, what: str) -> None:
         """Log a peer's handshake outcome once per peer (it is counted per chunk)."""
@@ -324,8 +324,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
         await watched(job.holding.acquire(whole), watch)
         return TokenRanges(job.header.dtype, job.h.shape)
 
-    async def _send_loop(self, job: Job, mu: LayerMu | None, call, queue: asyncio.Queue,
-                         checks: Checks) -> None:
+    async def _send_loop(self, job: Job, call, queue: asyncio.Queue, checks: Checks) -> None:
         """Code ready chunks (what queued up, ENCODE_BATCH_BYTES at most, in one pass) and write their records."""
         lb = layer_bytes(job.h.shape, dtype_of(job.header.dtype)[1].itemsize)
         # NOTE: at most ENCODE_BATCH_BYTES coded before its records go: the decoder starts on the
@@ -335,8 +334,9 @@ class EncoderService(egrpc.EncoderServiceServicer):
             start = job.h.chunk_layers(batch[0])[0]
             stop = sum(job.h.chunk_layers(batch[-1]))
             w0 = time.perf_counter()
-            mismatched = set() if mu is None else await self._mismatched(job, mu, batch, checks)
+            mismatched = set() if job.mu is None else await self._mismatched(job, batch, checks)
             job.mu_wait_s += time.perf_counter() - w0
+            mu = job.mu  # NOTE: after _mismatched, which may have replaced it (server/mu_recheck.py)
             if mu is None:
                 job.mark(batch, "ready_seconds")
             got = [job.layers.pop(k) for k in range(start, stop)]
@@ -353,20 +353,28 @@ class EncoderService(egrpc.EncoderServiceServicer):
                 reason = "" if not stored or job.h.model == ct.MODEL_STORED else \
                     "mu_mismatch" if i in mismatched else "larger_than_stored"
                 await self._send(job, call, i, rec, lb * job.h.chunk_layers(i)[1], reason)
+        mu = job.mu
+        if mu is not None and not job.fallback:
+            self.rechecks.agreed(job.header.decoder_address)
         if mu is not None and mu.count == job.h.shape[0] and not job.mu_hit:
             job.predictor_s = await mu.done()  # a cached pass cost this transfer nothing
             self.metrics.seconds("predictor", job.predictor_s)
 
-    async def _mismatched(self, job: Job, mu: LayerMu, batch: list[int], checks: Checks) -> set[int]:
-        """``mismatched_chunks``, logged once per peer (counted every time)."""
-        bad = await mismatched_chunks(job, mu, batch, checks)
+    async def _mismatched(self, job: Job, batch: list[int], checks: Checks) -> set[int]:
+        """``mismatched_chunks``, after a second pass where one is due (``mu_recheck``); logged once
+        per peer (counted every time)."""
+        assert job.mu is not None
+        bad = await mismatched_chunks(job, job.mu, batch, checks)
         peer = job.header.decoder_address
+        if bad and self.rechecks.wanted(job):
+            bad = await self.rechecks.run(job, bad, checks)
+        job.fallback = job.fallback or bool(bad)
         if bad and peer not in self._fallback_peers:
             self._fallback_peers.add(peer)
             start, count = job.h.chunk_layers(min(bad))
             logger.warning("decoder %s computes another mu than this encoder (predictor %s) on chunks %s: "
                            "they go stored; here %s", peer, self.rt.pin[:12], sorted(bad),
-                           mu.describe(start, start + count))
+                           job.mu.describe(start, start + count))
         return bad
 
     async def _send(self, job: Job, call, i: int, rec: list[memoryview], raw: int, stored_reason: str) -> None:

@@ -50,6 +50,8 @@ class Job:
     mu_wait_s: float = 0.0  # the sender waiting for mu (ours, or the decoder's check)
     wire_wait_s: float = 0.0  # inside call.write: flow control
     mu_hit: bool = False  # mu came from the cache (or a pass another transfer started)
+    mu: "LayerMu | None" = None  # the predictor pass the chunks are coded under (None: a stored stream)
+    rechecked: bool = False  # a second pass ran after a disagreement (server/mu_recheck.py)
     fp8_attention: Fp8Attention | None = None  # SubmitHeader.fp8_attention: the mu both predictors compute
     heads: HeadRange | None = None  # SubmitHeader.heads: one tensor-parallel rank's heads (None: all)
     codec: Any = None  # the runtime's codec, of those heads (coder/heads.py)
@@ -87,8 +89,8 @@ async def write(job: Job, call, req: "dpb.TransferRequest | bytes") -> None:
 
 
 async def mismatched_chunks(job: Job, mu: "LayerMu", batch: list[int], checks: "Checks") -> set[int]:
-    """The chunks of ``batch`` whose layers' mu differs between this encoder and the decoder (the
-    job marks them stored: ``fallback``); each chunk's ready time is recorded.
+    """The chunks of ``batch`` whose layers' mu differs between this encoder and the decoder; each
+    chunk's ready time is recorded.
 
     NOTE: the one wait on the predictors: chunk i waits for both sides' mu of its own layers only,
     never for the whole mu."""
@@ -98,7 +100,6 @@ async def mismatched_chunks(job: Job, mu: "LayerMu", batch: list[int], checks: "
         if await mu.digest_of(start, start + count, algorithm_of(job.h.version)) != await checks.get(i):
             bad.add(i)
         job.ready(i, mu.ready_time(start, start + count), checks.arrived[i])
-    job.fallback = job.fallback or bool(bad)
     return bad
 
 

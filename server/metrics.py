@@ -45,6 +45,7 @@ _PER_SCALAR = tuple(b / 8 for b in (0.5, 1, 1.5, 2, 2.5, 3, 4, 5, 5.5, 6, 6.5, 7
 _PROMPTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 # why a speckv chunk goes stored
 FALLBACK_REASONS = ("mu_mismatch", "larger_than_stored", "pin_mismatch", "model_mismatch")
+RECHECK_OUTCOMES = ("same", "recovered", "unstable", "error")  # server/mu_recheck.py
 
 
 class Metrics:
@@ -100,9 +101,18 @@ class Metrics:
                                           "reason (a transfer with chunks stored for two reasons counts under "
                                           "each; pin_mismatch, model_mismatch: the whole stream, encoder only).",
                                           ("role", "model", "reason"), registry=r)
+        self.mu_rechecks = Counter("speckv_mu_rechecks_total",
+                                   "Second predictor passes after the decoder's mu of a chunk disagreed "
+                                   "(encoder; server/mu_recheck.py), by outcome: same (this side repeats "
+                                   "itself: the decoder computes another mu), recovered (the first pass here "
+                                   "was wrong: the second agrees with the decoder and the transfer goes on "
+                                   "coded), unstable (the second pass differs from both), error.",
+                                   ("role", "model", "outcome"), registry=r)
         for reason in FALLBACK_REASONS:  # NOTE: known series exist at 0 from the start
             self.fallbacks.labels(role, model, reason)
             self.fallback_transfers.labels(role, model, reason)
+        for outcome in RECHECK_OUTCOMES if role == "encoder" else ():
+            self.mu_rechecks.labels(role, model, outcome)
         self.mu_cache_lookups = Counter("speckv_mu_cache_lookups_total",
                                         "Predictor passes looked up by prompt: hit (cached or shared with a "
                                         "transfer in flight) or miss (a new pass).", ("role", "model", "result"),
@@ -166,6 +176,9 @@ class Metrics:
 
     def mu_cache(self, hit: bool) -> None:
         self.mu_cache_lookups.labels(self.role, self.model, "hit" if hit else "miss").inc()
+
+    def mu_recheck(self, outcome: str) -> None:
+        self.mu_rechecks.labels(self.role, self.model, outcome).inc()
 
     def fallback(self, reason: str) -> None:
         self.fallbacks.labels(self.role, self.model, reason).inc()

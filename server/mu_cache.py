@@ -61,6 +61,12 @@ class MuCache:
         self._evict()
         return mu, hit
 
+    def discard(self, mu: LayerMu) -> None:
+        """No later ``take`` gets ``mu`` (a pass found wrong); its users keep it until they give it back."""
+        for key, cached in list(self._entries.items()):
+            if cached is mu:
+                del self._entries[key]
+
     def give_back(self, mu: LayerMu) -> None:
         n = self._users.get(id(mu), 0) - 1
         if n > 0:
@@ -69,9 +75,7 @@ class MuCache:
         self._users.pop(id(mu), None)
         if mu.count < mu.bits.shape[0] or mu.error is not None:
             mu.stop()  # NOTE: nobody waits for it any more: the pass ends at its next layer
-            for key, cached in list(self._entries.items()):
-                if cached is mu:
-                    del self._entries[key]
+            self.discard(mu)
         self._evict()
 
     @property

@@ -24,6 +24,7 @@ and fails where ``SPECKV_REQUIRE_VLLM`` is set (``make test-vllm`` sets both).
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,15 @@ def test_vllm_pair_matches_a_single_instance_token_for_token(load_script, tmp_pa
     disagree = [line for side in ("encoder", "decoder") for line in (tmp_path / f"{side}.log").read_text().splitlines()
                 if "disagree" in line or "another mu" in line]
     assert enc["stored_chunks"]["mu_mismatch"] == 0, (enc, disagree)
+    # NOTE: a first pass the encoder's second pass recovered (server/mu_recheck.py) is the open defect of
+    # benchmarks/RESULTS.md "A first pass that computed another mu": reported (its log line kept), not failed;
+    # a pass that differed again, or a decoder that disagreed after it, fails above or here
+    rechecks = enc["mu_rechecks"]
+    assert rechecks["same"] == rechecks["unstable"] == rechecks["error"] == 0, (rechecks, disagree)
+    if rechecks["recovered"]:
+        wrong = [line for line in (tmp_path / "encoder.log").read_text().splitlines() if "two different mu" in line]
+        warnings.warn(f"the encoder's first pass computed another mu and a second pass recovered it: {wrong}",
+                      stacklevel=1)
     # every prompt's whole KV went through the encoder: (30 layers, 2, 3 heads, tokens, 64 dims), 2 or 1 bytes each
     assert enc["raw_bytes"] == sum(r["kv_bytes"]) == sum(30 * 2 * 3 * n * 64 for n in r["prompt_tokens"]) * (
         1 if kv_cache_dtype == "fp8_e4m3" else 2)

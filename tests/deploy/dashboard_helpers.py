@@ -27,8 +27,10 @@ GAUGE_AT_REST = re.compile(r"\bspeckv_inflight_(transfers|bytes)\b")  # legitima
 # no fallback happens in this run (both sidecars share one predictor): the panel must still
 # evaluate to a finite value >= 0; tests/server/test_fallback.py and test_dashboard_panels.py
 # make the counters move. Likewise a method's share of calls not OK (FetchKV: none here), and the
-# bytes through the local sockets (no engine here uses one: tests/server/test_local_*.py count them).
-RARE_AT_REST = re.compile(r'\bspeckv_fallback(s|_transfers)_total\b|grpc_code!="OK"|\bspeckv_local_bytes_total\b')
+# bytes through the local sockets (no engine here uses one: tests/server/test_local_*.py count them), and
+# the encoder's second predictor passes (none without a disagreement: tests/server/test_mu_recheck.py).
+RARE_AT_REST = re.compile(r'\bspeckv_fallback(s|_transfers)_total\b|grpc_code!="OK"|\bspeckv_local_bytes_total\b'
+                          r'|\bspeckv_mu_rechecks_total\b')
 
 
 # the rows of issue 20 item 1 (their live checks: tests/deploy/test_dashboard_panels.py)

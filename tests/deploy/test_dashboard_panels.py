@@ -20,7 +20,7 @@ import time
 import grpc
 import pytest
 import torch
-from dashboard_helpers import ALL, MODEL, NAMESPACE, _panel, _series
+from dashboard_helpers import ALL, MODEL, NAMESPACE, NEW_PANELS, _panel, _series
 from prom_helpers import Prometheus, binary, finite, legend_labels, substitute, wait_until
 
 ROWS = ("Stages", "Fallbacks", "gRPC", "Per model")
@@ -44,7 +44,9 @@ def _row_panels(d: dict) -> list[dict]:
 def test_the_rows_exist(dashboard):
     titles = {p["title"] for p in dashboard["panels"] if p["type"] == "row"}
     assert set(ROWS) <= titles
-    assert len(_row_panels(dashboard)) == 15
+    # NEW_PANELS and the Fallbacks row's "Second predictor passes by outcome" (its counter moves in
+    # tests/server/test_mu_recheck.py; here it stays at 0: tests/deploy/test_dashboard.py evaluates it)
+    assert len(_row_panels(dashboard)) == len(NEW_PANELS) + 1 == 16
 
 
 def _round(pair, n: int, ids, kv, noise) -> None:
@@ -101,6 +103,8 @@ def test_new_rows_on_real_prometheus(dashboard, local_pair, embedded_session, tm
 
             results: dict[tuple[str, str], list[dict]] = {}
             for p in _row_panels(dashboard):
+                if p["title"] not in NEW_PANELS:
+                    continue  # NOTE: the second predictor passes' counter stays at 0 here (test_the_rows_exist)
                 for t in p["targets"]:
                     where = f"{p['title']}/{t['refId']}"
                     expr = substitute(t["expr"], ALL)
