@@ -209,8 +209,8 @@ class EncoderService(egrpc.EncoderServiceServicer):
             for f in (sender, acks):
                 if f is not None and not f.done():
                     f.cancel()
-            if job.mu is not None:
-                self.mu_cache.give_back(job.mu)  # NOTE: a pass no transfer needs stops at its next layer
+            if job.mu is not None:  # NOTE: a sender cancelled inside a recheck gives back its second pass itself
+                self.mu_cache.give_back(job.mu)  # a pass no transfer needs stops at its next layer
         self.metrics.seconds("encode", job.encode_s)
         self.metrics.seconds("wire_wait", job.wire_wait_s)
         if job.h.model != ct.MODEL_STORED:
@@ -367,7 +367,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
         bad = await mismatched_chunks(job, job.mu, batch, checks)
         peer = job.header.decoder_address
         if bad and self.rechecks.wanted(job):
-            bad = await self.rechecks.run(job, bad, checks)
+            bad = await self.rechecks.run(job, batch, bad, checks)
         job.fallback = job.fallback or bool(bad)
         if bad and peer not in self._fallback_peers:
             self._fallback_peers.add(peer)

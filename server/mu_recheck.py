@@ -26,6 +26,7 @@ that computed another mu").
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING
 
@@ -46,17 +47,21 @@ logger = logging.getLogger("speckv.server.encoder")
 SAME, RECOVERED, UNSTABLE, ERROR = RECHECK_OUTCOMES
 
 
-async def compare(first: "LayerMu", second: "LayerMu", job: "Job", bad: set[int], checks: "Checks") -> str:
-    """The outcome of a second pass over the disagreeing chunks ``bad`` (module docstring)."""
+async def compare(first: "LayerMu", second: "LayerMu", job: "Job", batch: list[int], bad: set[int],
+                  checks: "Checks") -> str:
+    """The outcome of a second pass over ``batch``, whose chunks ``bad`` disagree (module docstring).
+    NOTE: recovered needs the decoder's agreement on every chunk of the batch, not only on ``bad``:
+    the whole batch is coded under the pass the transfer goes on with."""
     algorithm = algorithm_of(job.h.version)
     same, agree = True, set()
-    for i in sorted(bad):
+    for i in batch:
         start, count = job.h.chunk_layers(i)
         again = await second.digest_of(start, start + count, algorithm)
-        same = same and again == await first.digest_of(start, start + count, algorithm)
+        if i in bad:
+            same = same and again == await first.digest_of(start, start + count, algorithm)
         if again == await checks.get(i):
             agree.add(i)
-    return SAME if same else RECOVERED if agree == bad else UNSTABLE
+    return SAME if same else RECOVERED if agree == set(batch) else UNSTABLE
 
 
 class Rechecker:
@@ -74,25 +79,34 @@ class Rechecker:
         """A transfer with ``peer`` agreed on every chunk: a later disagreement is worth a second pass again."""
         self._settled.discard(peer)
 
-    async def run(self, job: "Job", bad: set[int], checks: "Checks") -> set[int]:
-        """A second pass for ``job``, whose chunks ``bad`` disagree: the chunks that still do.
-        ``job.mu`` becomes the second pass where it recovered."""
+    async def run(self, job: "Job", batch: list[int], bad: set[int], checks: "Checks") -> set[int]:
+        """A second pass for ``job``, whose chunks ``bad`` of ``batch`` disagree: the chunks of the batch
+        that still do. ``job.mu`` becomes the second pass where it recovered."""
         assert job.mu is not None
         job.rechecked = True
         first = job.mu
         self.mu_cache.discard(first)  # NOTE: so that take() starts a new pass
-        second, _ = self.mu_cache.take(self.rt, job.ids, job.fp8_attention)
+        second, hit = self.mu_cache.take(self.rt, job.ids, job.fp8_attention)
         try:
-            outcome = await compare(first, second, job, bad, checks)
+            outcome = await compare(first, second, job, batch, bad, checks)
+        except asyncio.CancelledError:  # NOTE: the transfer ended; its own give_back is first's (job.mu)
+            self.mu_cache.give_back(second)
+            raise
         except Exception as e:  # noqa: BLE001 -- the second pass's own failure: the chunks go stored
             logger.warning("a second predictor pass for %s failed: %s", job.header.request_id, e)
             outcome = ERROR
         keep, drop = (second, first) if outcome == RECOVERED else (first, second)
-        if outcome != SAME:
-            self.mu_cache.discard(drop)
+        if outcome in (UNSTABLE, ERROR):
+            self.mu_cache.discard(second)  # NOTE: first left the cache above, before take()
         self.mu_cache.give_back(drop)  # NOTE: its pass stops at its next layer unless another transfer uses it
         job.mu = keep
+        if outcome == RECOVERED:
+            job.mu_hit = hit  # the predictor time this transfer reports is the second pass's
         self.metrics.mu_recheck(outcome)
+        self._log(job, outcome, bad, first, second)
+        return set() if outcome == RECOVERED else bad
+
+    def _log(self, job: "Job", outcome: str, bad: set[int], first: "LayerMu", second: "LayerMu") -> None:
         peer = job.header.decoder_address
         if outcome == SAME:
             self._settled.add(peer)
@@ -104,4 +118,3 @@ class Rechecker:
                          second.describe(start, start + count),
                          "the second agrees with the decoder: the transfer goes on coded" if outcome == RECOVERED
                          else "the chunks go stored")
-        return set() if outcome == RECOVERED else bad
