@@ -45,7 +45,7 @@ from .auth import authorize, parse_allow
 from .budget import ByteBudget
 from .channels import DecoderChannels
 from .config import ServerConfig
-from .encoder_job import STORED_VERSION, TRANSFER, Job, local_part, mismatched_chunks, transfer_header, write
+from .encoder_job import STORED_VERSION, TRANSFER, Job, local_part, transfer_header, write
 from .handoff import Handoffs, parse_uids
 from .metrics import Metrics
 from .mu_cache import MuCache
@@ -334,7 +334,7 @@ class EncoderService(egrpc.EncoderServiceServicer):
             start = job.h.chunk_layers(batch[0])[0]
             stop = sum(job.h.chunk_layers(batch[-1]))
             w0 = time.perf_counter()
-            mismatched = set() if job.mu is None else await self._mismatched(job, batch, checks)
+            mismatched = set() if job.mu is None else await self.rechecks.mismatched(job, batch, checks)
             job.mu_wait_s += time.perf_counter() - w0
             mu = job.mu  # NOTE: after _mismatched, which may have replaced it (server/mu_recheck.py)
             if mu is None:
@@ -359,23 +359,6 @@ class EncoderService(egrpc.EncoderServiceServicer):
         if mu is not None and mu.count == job.h.shape[0] and not job.mu_hit:
             job.predictor_s = await mu.done()  # a cached pass cost this transfer nothing
             self.metrics.seconds("predictor", job.predictor_s)
-
-    async def _mismatched(self, job: Job, batch: list[int], checks: Checks) -> set[int]:
-        """``mismatched_chunks``, after a second pass where one is due (``mu_recheck``); logged once
-        per peer (counted every time)."""
-        assert job.mu is not None
-        bad = await mismatched_chunks(job, job.mu, batch, checks)
-        peer = job.header.decoder_address
-        if bad and self.rechecks.wanted(job):
-            bad = await self.rechecks.run(job, batch, bad, checks)
-        job.fallback = job.fallback or bool(bad)
-        if bad and peer not in self._fallback_peers:
-            self._fallback_peers.add(peer)
-            start, count = job.h.chunk_layers(min(bad))
-            logger.warning("decoder %s computes another mu than this encoder (predictor %s) on chunks %s: "
-                           "they go stored; here %s", peer, self.rt.pin[:12], sorted(bad),
-                           job.mu.describe(start, start + count))
-        return bad
 
     async def _send(self, job: Job, call, i: int, rec: list[memoryview], raw: int, stored_reason: str) -> None:
         """Write chunk i's record (as buffers: ``ct.chunk_pieces``) in parts, each framed once."""

@@ -1,4 +1,4 @@
-"""A second predictor pass when the decoder disagrees with this encoder on a chunk's mu.
+"""The encoder's per-chunk mu check, and a second predictor pass when the decoder disagrees.
 
 Both sidecars run the pinned predictor on the same prompt, so their mu of a chunk's
 layers agree unless one side computes another mu: another machine's numerics (every
@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from speckv.digests import algorithm_of
 
+from .encoder_job import mismatched_chunks
 from .metrics import RECHECK_OUTCOMES
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -71,9 +72,24 @@ class Rechecker:
         self.rt, self.mu_cache, self.metrics = runtime, mu_cache, metrics
         self._settled: set[str] = set()  # peers a second pass found computing another mu
         self._logged: set[str] = set()  # (outcome, peer) already logged
+        self._warned: set[str] = set()  # peers whose stored chunks were logged
 
-    def wanted(self, job: "Job") -> bool:
-        return not job.rechecked and job.header.decoder_address not in self._settled
+    async def mismatched(self, job: "Job", batch: list[int], checks: "Checks") -> set[int]:
+        """The chunks of ``batch`` whose mu still disagrees with the decoder's after a second pass
+        where one is due (``job.fallback`` then set); logged once per peer (counted every time)."""
+        assert job.mu is not None
+        bad = await mismatched_chunks(job, job.mu, batch, checks)
+        peer = job.header.decoder_address
+        if bad and not job.rechecked and peer not in self._settled:
+            bad = await self.run(job, batch, bad, checks)
+        job.fallback = job.fallback or bool(bad)
+        if bad and peer not in self._warned:
+            self._warned.add(peer)
+            start, count = job.h.chunk_layers(min(bad))
+            logger.warning("decoder %s computes another mu than this encoder (predictor %s) on chunks %s: "
+                           "they go stored; here %s", peer, self.rt.pin[:12], sorted(bad),
+                           job.mu.describe(start, start + count))
+        return bad
 
     def agreed(self, peer: str) -> None:
         """A transfer with ``peer`` agreed on every chunk: a later disagreement is worth a second pass again."""
