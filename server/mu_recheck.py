@@ -30,6 +30,8 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from speckv.digests import algorithm_of
 
 from .encoder_job import mismatched_chunks
@@ -63,6 +65,19 @@ async def compare(first: "LayerMu", second: "LayerMu", job: "Job", batch: list[i
         if again == await checks.get(i):
             agree.add(i)
     return SAME if same else RECOVERED if agree == set(batch) else UNSTABLE
+
+
+def differences(a: np.ndarray, b: np.ndarray, start: int) -> str:
+    """Where two passes' mu ``(layers, 2, heads, tokens, dim)`` differ, layer by layer (layer ``start``
+    first): what tells a wrong input (some tokens' rows) from a wrong computation (everywhere)."""
+    out = []
+    for i in range(a.shape[0]):
+        ne = a[i] != b[i]
+        if ne.any():
+            kv, head, tok, _ = np.nonzero(ne)
+            out.append(f"layer {start + i}: {int(ne.sum())} of {ne.size} scalars differ (kv {sorted(set(kv.tolist()))},"
+                       f" heads {sorted(set(head.tolist()))}, {len(np.unique(tok))} tokens in {tok.min()}-{tok.max()})")
+    return "; ".join(out) or "no scalar of these layers differs"
 
 
 class Rechecker:
@@ -130,7 +145,8 @@ class Rechecker:
             self._logged.add(f"{outcome} {peer}")
             start, count = job.h.chunk_layers(min(bad))
             logger.error("this encoder's predictor computed two different mu for one prompt (chunks %s, with decoder "
-                         "%s): first %s; second %s; %s", sorted(bad), peer, first.describe(start, start + count),
+                         "%s): first %s; second %s; %s; %s", sorted(bad), peer, first.describe(start, start + count),
                          second.describe(start, start + count),
+                         differences(first.bits[start:start + count], second.bits[start:start + count], start),
                          "the second agrees with the decoder: the transfer goes on coded" if outcome == RECOVERED
                          else "the chunks go stored")

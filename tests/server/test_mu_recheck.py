@@ -78,6 +78,7 @@ def test_a_first_pass_gone_wrong_is_recovered_and_logged(embedded_session, caplo
     first_pass, second_pass = (dict(p.split(":") for p in part.split("mu layers ")[1].split(";")[0].split())
                                for part in errors[0].split("; second "))
     assert first_pass["0"] != second_pass["0"] and first_pass["1"] == second_pass["1"]
+    assert "layer 0: 1 of " in errors[0] and "layer 1:" not in errors[0]  # where they differ: one scalar
     assert not [r for r in caplog.records if "computes another mu" in r.getMessage()]  # nothing went stored
 
 
