@@ -43,6 +43,7 @@ class Runtime:
     predictor: "Predictor"
     model_id: str
     numeric_ok: bool = True  # False: the predictor's canary mu differs here; health stays NOT_SERVING
+    self_check_ok: bool | None = None  # two passes of one prompt at load agreed (None: not run)
     batcher: PredictorBatcher | None = None  # concurrent transfers' predictor passes batched; None: one by one
 
     @classmethod
@@ -67,6 +68,8 @@ class Runtime:
                              "machine that built it (run `speckv predictor check`); health stays NOT_SERVING",
                              ckpt.pin[:12])
             runtime.codec.warm()  # the reference's context table, if it is the path
+            if runtime.numeric_ok:
+                runtime.self_check_ok = predictor.self_check()  # NOTE: the first passes' set-up, before serving
         logger.info("loaded predictor %s for model %s (resident %d MiB)", ckpt.pin, runtime.model_id,
                     rss_bytes() >> 20)
         return runtime

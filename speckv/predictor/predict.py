@@ -34,7 +34,7 @@ from .fp8 import dequantize_e4m3
 from .fp32_linear import LINEAR_NAMES, replace_linears
 from .ladder import EARLY, MEANS, PORTABLE, W8A8, Rung, load_means, mean_model
 from .llama import load_config
-from .portable import build_portable_model, portable_canary, portable_pass, portable_state
+from .portable import build_portable_model, canary_ids, portable_canary, portable_pass, portable_state
 from .store import CONFIG, FP8_SUFFIX, SCALE_SUFFIX, WEIGHTS, state_digest
 from .target import LayerSink, emit_all, extract_kv, load_target, reading_fp8
 from .w8a8 import build_w8a8_model, load_smooth, w8a8_state
@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .target import Target
 
 logger = logging.getLogger(__name__)
+SELF_CHECK_TOKENS = 64  # the prompt of a sidecar's load-time self-check (two passes: ~0.2 s here)
 MuPrompt = tuple  # (ids, on_layer, fp8_attention | None): one prompt of ``Predictor.stream_batch``
 
 
@@ -174,6 +175,35 @@ class Predictor:
                          self.pin[:12], got["mu_sha256"][:16], str(want.get("mu_sha256"))[:16])
             return False
         return True
+
+    def self_check(self, tokens: int = SELF_CHECK_TOKENS) -> bool:
+        """Two passes of a fixed prompt (``canary_ids``), each on a fresh thread as a sidecar's passes
+        run, compared bit for bit. A sidecar runs it at load: the lazy set-up of a process's first pass
+        (thread pools, kernel dispatch, the weights' first page faults) then happens before any
+        transfer, and a predictor that computes two mu for one prompt is named before it serves."""
+        import threading
+
+        from speckv.digests import XXH3_128, digest
+
+        ids = canary_ids(int(self.model.config.vocab_size), tokens)
+        runs: list[list[bytes]] = []
+        for _ in range(2):
+            layers: list[bytes] = []
+
+            def sink(i: int, bits: np.ndarray, out: list[bytes] = layers) -> None:
+                out.append(digest(bits, algorithm=XXH3_128))
+            worker = threading.Thread(target=self.stream, name="speckv-self-check", args=(ids, sink))
+            worker.start()
+            worker.join()
+            runs.append(layers)
+        if len(runs[0]) != self.checkpoint.manifest["arch"]["layers"]:
+            raise RuntimeError(f"the self-check pass produced {len(runs[0])} layers")  # the thread's error
+        if runs[0] == runs[1]:
+            return True
+        differ = [i for i, (a, b) in enumerate(zip(*runs, strict=True)) if a != b]
+        logger.error("predictor %s computed two different mu for one prompt at load (layers %s of %d tokens "
+                     "differ between two passes)", self.pin[:12], differ, tokens)
+        return False
 
     def stream(self, ids: np.ndarray, on_layer: "LayerSink",
                fp8_attention: "Fp8Attention | None" = None) -> None:

@@ -48,6 +48,7 @@ def test_sidecar_health_follows_the_canary(portable_ckpts, tiny_model_dir, caplo
     with caplog.at_level(logging.ERROR, logger="speckv.server.runtime"):
         runtime = Runtime.load(config)
     assert runtime.numeric_ok is (which == 0)
+    assert runtime.self_check_ok is (True if which == 0 else None)  # two passes at load, when it may serve
     if which == 1:  # callers that ignore health are refused too
         with pytest.raises(RpcError) as ei:
             runtime.check(runtime.model_id, (2, 2, 2, 3, 16), np.zeros(3, np.int64), None)
