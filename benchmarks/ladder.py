@@ -11,7 +11,9 @@ tinyshakespeare measures:
   uses the first timed run's mu and the decoder the last run's, so the
   predictor's run-to-run determinism is checked too;
 - predictor_s and target_s: median wall time of ``--repeats`` runs each, on
-  this machine, with the sidecars' deterministic settings (2 threads);
+  this machine, with the sidecars' deterministic settings (2 threads); the
+  predictor under a sidecar's OpenMP wait policy, the target in a child process
+  under an engine's (``speckv.cli.wait_policy``);
 - predictor_cost = predictor_s / target_s, and nominal_cost =
   (k + 0.5 (L - k)) / L, an FP8 layer counted as half a BF16 layer as on an
   FP8 tensor-core GPU. On a CPU the FP8 copy is emulated (e4m3 weights
@@ -135,16 +137,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write the rows and settings here")
     args = ap.parse_args(argv)
 
+    from speckv.cli.wait_policy import TargetTimer, kv_sha, use_sidecar_policy
+
+    predictor_policy = use_sidecar_policy()  # NOTE: before torch loads; the target is timed under the engine's
+
     from speckv.predictor.calibrate import read_text
-    from speckv.predictor.target import COMPUTE_THREADS, load_target
+    from speckv.predictor.target import COMPUTE_THREADS, DEFAULT_TARGET, load_target
 
     target = load_target()
     ids = target.tokenize(read_text(args.text, chars=args.tokens * 16), args.tokens)
-    target.kv(ids[:16])  # warm-up
-    target_s, target_runs, (kv, *_) = timed(lambda: target.kv(ids), args.repeats)
+    kv = target.kv(ids)
+    with TargetTimer(str(DEFAULT_TARGET), ids, kv_sha(kv)) as timer:  # its first prefill warms it up
+        target_runs = [timer.time() for _ in range(args.repeats)]
+    target_s = statistics.median(target_runs)
     meta = {"target": target.name, "text": args.text.name, "tokens": int(len(ids)), "calib": args.calib.name,
             "calib_tokens": args.calib_tokens, "target_s": target_s, "target_runs_s": target_runs,
-            "repeats": args.repeats, "threads": COMPUTE_THREADS, "coder": args.coder}
+            "repeats": args.repeats, "threads": COMPUTE_THREADS, "coder": args.coder,
+            "predictor_policy": predictor_policy, "target_policy": timer.policy}
     print(f"target prefill: median {target_s:.2f} s of {[round(t, 2) for t in target_runs]}", file=sys.stderr)
     calib_target = CachingTarget(target)
     rows = []

@@ -112,15 +112,16 @@ def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf
 
     from .progress import steps
     from .sidecar_memory import sidecar_memory
+    from .wait_policy import policy
 
     with steps(6 if memory else 5, quiet=quiet) as step:
         step("loading target and predictor")
         sess = Session.open(target, predictor, pin)
         text, name = load_text(text_path)
         ids = sess.target.tokenize(text, tokens)
-        step(f"prefill of {len(ids)} tokens, target and predictor timed alternately x{timing_runs}")
+        step(f"prefill of {len(ids)} tokens, target (own process) and predictor timed alternately x{timing_runs}")
         fp8_copy = None if sess.predictor.checkpoint.rung.name == "fp8" else fp8_copy_forward(sess.target)
-        pre, target_s, predictor_s, fp8_s = timed_prefill(sess, ids, timing_runs, fp8_copy)
+        pre, target_s, predictor_s, fp8_s, target_policy = timed_prefill(sess, ids, timing_runs, fp8_copy, str(target))
         cfg = CodecConfig(coder=coder, model=model, **({"threads": threads} if threads else {}))
         codec = Codec.from_predictor(sess.predictor, cfg)
         # NOTE: fp8cache's static scales come from the sidecars' own KV, already computed
@@ -162,6 +163,9 @@ def run_bench(text_path: str | None = None, tokens: int = 2048, dtype: str = "bf
             "lossless": lossless, "encode_mb_s": mb / te, "decode_mb_s": mb / td,
             "predictor_s": predictor_s, "target_s": target_s, "timing_runs": timing_runs,
             "predictor_cost": predictor_s / max(target_s, 1e-12), "model": _model_name(codec.model_id),
+            # the OpenMP wait policy each ran under: the predictor as in a sidecar, the target as in an
+            # engine (its own process); wait_policy.py
+            "predictor_policy": policy(), "target_policy": target_policy,
             "fp8_copy_cost": (fp8_s if fp8_s is not None else predictor_s) / max(target_s, 1e-12),
             "rung": sess.predictor.checkpoint.rung.name, "pin": sess.pin, "peers": peer_rows,
             "coder": backend_name(codec.backend), "threads": codec.config.threads,
@@ -191,29 +195,42 @@ def _vs(enc: float, dec: float, peer_rows: list[dict[str, Any]]) -> dict[str, fl
     return None if z is None else {"encode": enc / z["encode_mb_s"], "decode": dec / z["decode_mb_s"]}
 
 
-def timed_prefill(sess: Any, ids: np.ndarray, runs: int,
-                  fp8_copy: Callable[[np.ndarray], Any] | None = None) -> tuple[Any, float, float, float | None]:
-    """The prefill, and the median seconds of the target, the predictor and (if given)
-    the FP8 copy over ``runs`` alternating timings (alternating, so a busy machine slows
-    them alike); every run's mu must agree."""
+def timed_prefill(sess: Any, ids: np.ndarray, runs: int, fp8_copy: Callable[[np.ndarray], Any] | None = None,
+                  target: str | None = None) -> tuple[Any, float, float, float | None, str]:
+    """The prefill, the median seconds of the target, the predictor and (if given) the FP8 copy
+    over ``runs`` alternating timings (alternating, so a busy machine slows them alike), and the
+    target's wait policy; every run's mu must agree. ``target``: its prefill is timed in a child
+    process under the engine's wait policy (``wait_policy.TargetTimer``), else in this one."""
+    import contextlib
+
     from speckv.coder.codec import bf16_bits
 
+    from .wait_policy import TargetTimer, kv_sha, policy
+
     pre = sess.prefill(ids)
-    target_s, predictor_s, fp8_s = [pre.target_s], [pre.predictor_s], []
-    for i in range(runs):
-        if fp8_copy is not None:
-            t0 = time.perf_counter()
-            fp8_copy(ids)
-            fp8_s.append(time.perf_counter() - t0)
-        if i == runs - 1:
-            break
-        again = sess.prefill(ids)
-        if not np.array_equal(bf16_bits(again.mu), bf16_bits(pre.mu)):
-            raise RuntimeError("the predictor's mu differs between two runs (not deterministic)")
-        target_s.append(again.target_s)
-        predictor_s.append(again.predictor_s)
+    with contextlib.ExitStack() as stack:
+        timer = None if target is None else stack.enter_context(TargetTimer(target, ids, kv_sha(pre.kv)))
+        target_s, predictor_s, fp8_s = [], [], []
+        for _ in range(runs):
+            if fp8_copy is not None:
+                t0 = time.perf_counter()
+                fp8_copy(ids)
+                fp8_s.append(time.perf_counter() - t0)
+            if timer is not None:
+                target_s.append(timer.time())
+                t0 = time.perf_counter()
+                mu = sess.predictor.mu(ids)
+                predictor_s.append(time.perf_counter() - t0)
+            else:
+                again = sess.prefill(ids)
+                target_s.append(again.target_s)
+                predictor_s.append(again.predictor_s)
+                mu = again.mu
+            if not np.array_equal(bf16_bits(mu), bf16_bits(pre.mu)):
+                raise RuntimeError("the predictor's mu differs between two runs (not deterministic)")
+        target_policy = policy() if timer is None else timer.policy
     med = float(np.median(fp8_s)) if fp8_s else None
-    return pre, float(np.median(target_s)), float(np.median(predictor_s)), med
+    return pre, float(np.median(target_s)), float(np.median(predictor_s)), med, target_policy
 
 
 def fp8_copy_forward(target: Any) -> Callable[[np.ndarray], Any]:

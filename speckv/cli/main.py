@@ -295,6 +295,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
+    from .wait_policy import use_sidecar_policy
+
+    use_sidecar_policy()  # NOTE: before the server's imports load torch (and libgomp)
     from speckv.server.app import serve
     from speckv.server.config import FIELDS, ServerConfig
 
@@ -305,6 +308,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import print_report, run_bench
+    from .wait_policy import use_sidecar_policy
+
+    use_sidecar_policy()  # the predictor runs as in a sidecar; the target's prefill is timed under the engine's
 
     rep = run_bench(args.text, args.tokens, args.dtype, args.target, args.predictor, args.pin, quiet=args.json,
                     coder=args.coder, model=args.model, timing_runs=args.timing_runs, threads=args.threads,

@@ -12,6 +12,7 @@ subprocess would load both models again, ~1 min on 2 cores.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 from require import missing
 
-from speckv.cli import bench
+from speckv.cli import bench, wait_policy
 from speckv.cli.main import main
 from speckv.coder import native
 from speckv.coder.codec import Codec, CodecConfig, Fp8KV, bf16_bits
@@ -113,7 +114,7 @@ def run_bench_in_process(slice_file: Path, dtype: str, session, pre, monkeypatch
     return rep
 
 
-def check_report(rep: dict, dtype: str, ref: dict, session, slice_file: Path) -> None:
+def check_report(rep: dict, dtype: str, ref: dict, session, slice_file: Path, own_process: bool = False) -> None:
     n = TOKENS * PER_TOKEN
     assert (rep["dtype"], rep["text"], rep["tokens"], rep["scalars"]) == (dtype, str(slice_file), TOKENS, n)
     assert rep["raw_bytes"] == n * SYMBOL_BITS[dtype] // 8
@@ -128,6 +129,12 @@ def check_report(rep: dict, dtype: str, ref: dict, session, slice_file: Path) ->
     assert rep["ratio"] == pytest.approx(rep["raw_bytes"] / rep["coded_bytes"], rel=1e-12)
     assert rep["ratio"] == pytest.approx(SYMBOL_BITS[dtype] / bits, rel=1e-12)
     assert rep["encode_mb_s"] > 0 and rep["decode_mb_s"] > 0
+    # the predictor ran under the sidecar's OpenMP wait policy (a command of its own sets it before
+    # torch loads; in-process, this one's stands), the target under this environment's (the engine's)
+    spin = os.environ.get(wait_policy.SPIN_VAR, wait_policy.SIDECAR_SPINCOUNT if own_process else None)
+    assert rep["predictor_policy"] == ("default" if spin is None else f"GOMP_SPINCOUNT={spin}")
+    assert rep["target_policy"] == wait_policy.policy(dict(os.environ)) != ""
+    assert rep["predictor_cost"] == pytest.approx(rep["predictor_s"] / rep["target_s"], rel=1e-12)
     # the coder that ran: the native extension, on the codec's default threads
     if not native.available():
         missing("NATIVE", f"the native coder is not built ({native.IMPORT_ERROR})")
@@ -161,7 +168,7 @@ def check_report(rep: dict, dtype: str, ref: dict, session, slice_file: Path) ->
 def test_bench_bf16_subprocess(bf16_bench, slice_file, reference, embedded_session):
     pre, ref = reference
     rep = bf16_bench()
-    check_report(rep, "bf16", ref["bf16"], embedded_session, slice_file)
+    check_report(rep, "bf16", ref["bf16"], embedded_session, slice_file, own_process=True)
     # 16-bit symbols: the ratio is 16 / bits
     assert rep["ratio"] == pytest.approx(16 / rep["bits_per_scalar"], rel=1e-12)
     check_memory(rep["memory"])

@@ -1,0 +1,129 @@
+"""How long a sidecar's idle OpenMP workers spin, and a target prefill timed under the engine's own.
+
+torch's OpenMP workers (libgomp) spin after each parallel op, 300,000 rounds by default, before
+they sleep. In a predictor pass torch ops alternate with the native kernels, whose own thread
+pool (coder/kernels/spk_pool.h) then shares the cores with workers that only spin. A sidecar
+therefore bounds the spin (``GOMP_SPINCOUNT``, a wait policy: it changes no bit): its pass gets
+~13% faster on the 2-core AMX Xeon, while a plain torch prefill gets ~5% slower under the same
+setting, so an engine keeps libgomp's default (``benchmarks/omp_spin.py``, RESULTS.md).
+
+NOTE: libgomp reads its environment once, when torch first loads it; ``use_sidecar_policy``
+must run before anything imports torch, and an operator's own ``GOMP_SPINCOUNT`` wins.
+
+``TargetTimer`` times the target's prefill in a child process that runs under the environment
+the command started with (the engine's), so ``speckv bench`` compares the predictor under the
+sidecar's policy with the target under the engine's, alternately, as a deployment runs them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SPIN_VAR = "GOMP_SPINCOUNT"
+SIDECAR_SPINCOUNT = "10000"  # rounds; libgomp's default is 300000 (benchmarks/omp_spin.py)
+
+_engine_env: dict[str, str] | None = None  # the environment before use_sidecar_policy changed it
+
+
+def use_sidecar_policy() -> str:
+    """Set the sidecar's spin count for this process unless the operator set one; the policy in
+    force (``policy()``). Once torch is loaded (a caller in-process, a test) libgomp has read its
+    setting already, and nothing is changed."""
+    global _engine_env
+    if _engine_env is None:
+        _engine_env = dict(os.environ)
+    if "torch" not in sys.modules:
+        os.environ.setdefault(SPIN_VAR, SIDECAR_SPINCOUNT)
+    return policy()
+
+
+def engine_env() -> dict[str, str]:
+    """The environment this process started with (an engine's: libgomp's default policy unless set)."""
+    return dict(os.environ if _engine_env is None else _engine_env)
+
+
+def policy(env: dict[str, str] | None = None) -> str:
+    """``GOMP_SPINCOUNT=N`` or ``default``, as the JSON reports name a process's policy."""
+    value = (os.environ if env is None else env).get(SPIN_VAR)
+    return "default" if value is None else f"{SPIN_VAR}={value}"
+
+
+class TargetTimer:
+    """A child process that loads ``target`` and times its prefill of ``ids`` on each ``time()``.
+
+    Lifecycle: ``start`` writes the ids, starts the child under ``engine_env()`` and waits for it
+    to load; each ``time()`` runs one prefill there and returns its seconds; ``close`` ends it.
+    The child's first prefill (at start) is a warm-up, and its KV digest must equal ``kv_sha``."""
+
+    def __init__(self, target: str, ids: np.ndarray, kv_sha: str) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="speckv-target-timer-")
+        path = Path(self._dir.name) / "ids.npy"
+        np.save(path, np.asarray(ids, dtype=np.int64))
+        self._proc = subprocess.Popen([sys.executable, "-m", __name__, target, str(path)], env=engine_env(),
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = self._read()
+        if ready.get("kv_sha") != kv_sha:
+            self.close()
+            raise RuntimeError(f"the timer's target prefill gave KV {ready.get('kv_sha')}, not {kv_sha}")
+        self.policy: str = ready["policy"]
+
+    def _read(self) -> dict[str, Any]:
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the target timer exited ({self._proc.wait()}) before it answered")
+        return json.loads(line)
+
+    def time(self) -> float:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write("go\n")
+        self._proc.stdin.flush()
+        return float(self._read()["s"])
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait()
+        self._dir.cleanup()
+
+    def __enter__(self) -> "TargetTimer":
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.close()
+
+
+def kv_sha(kv: Any) -> str:
+    """sha256 of a KV's BF16 bits (what the timer's first prefill must reproduce)."""
+    from speckv.kv import bf16_bits
+
+    return hashlib.sha256(bf16_bits(kv).tobytes()).hexdigest()
+
+
+def _child(target: str, ids_path: str) -> None:
+    import time
+
+    from speckv.predictor.target import load_target
+
+    tgt = load_target(target)
+    ids = np.load(ids_path)
+    print(json.dumps({"kv_sha": kv_sha(tgt.kv(ids)), "policy": policy()}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "go":
+            break
+        t0 = time.perf_counter()
+        tgt.kv(ids)
+        print(json.dumps({"s": time.perf_counter() - t0}), flush=True)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], sys.argv[2])

@@ -1,0 +1,83 @@
+"""The sidecar's OpenMP wait policy (``speckv.cli.wait_policy``): set before torch loads, an
+operator's own setting kept, and the target's prefill timed in a child under the engine's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from speckv.cli import wait_policy
+
+PROBE = """
+import json, os, sys
+from speckv.cli import wait_policy as w
+before = "torch" in sys.modules
+value = w.use_sidecar_policy()
+print(json.dumps({"torch_before": before, "value": value, "env": os.environ.get(w.SPIN_VAR),
+                  "engine": w.policy(w.engine_env())}))
+"""
+
+
+def probe(env_extra: dict[str, str], code: str = PROBE) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != wait_policy.SPIN_VAR} | env_extra
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_sidecar_bounds_the_spin_and_its_engine_env_keeps_the_default():
+    r = probe({})
+    assert r == {"torch_before": False, "value": "GOMP_SPINCOUNT=10000", "env": "10000", "engine": "default"}
+
+
+def test_an_operators_setting_wins():
+    r = probe({wait_policy.SPIN_VAR: "250"})
+    assert (r["value"], r["env"], r["engine"]) == ("GOMP_SPINCOUNT=250", "250", "GOMP_SPINCOUNT=250")
+
+
+def test_after_torch_nothing_changes():
+    """libgomp read its setting when torch loaded: changing the variable then would only misreport it."""
+    r = probe({}, "import torch\n" + PROBE)
+    assert (r["value"], r["env"], r["engine"]) == ("default", None, "default")
+
+
+def test_serve_sets_it_before_the_server_loads_torch():
+    """``speckv serve`` sets the policy first: the server (stubbed here, after its imports) finds it set."""
+    code = """
+import json, os, sys
+import speckv.server.app as app
+async def stub(config):
+    import torch  # noqa: F401 -- libgomp loads now, under the policy
+    print(json.dumps({"env": os.environ.get("GOMP_SPINCOUNT"), "role": config.role}))
+app.serve = stub
+from speckv.cli.main import main
+sys.exit(main(["serve", "decoder", "--listen", "127.0.0.1:0"]))
+"""
+    assert probe({}, code) == {"env": "10000", "role": "decoder"}
+
+
+@pytest.fixture(scope="module")
+def ids(embedded_session):
+    return embedded_session.target.tokenize("To be, or not to be, that is the question.", 16)
+
+
+def test_target_timer_times_the_same_prefill(embedded_session, ids):
+    sha = wait_policy.kv_sha(embedded_session.target.kv(ids))
+    with wait_policy.TargetTimer("default", ids, sha) as timer:
+        assert timer.policy == wait_policy.policy(dict(os.environ))
+        assert 0 < timer.time() and 0 < timer.time()
+
+
+def test_target_timer_refuses_another_kv(ids):
+    with pytest.raises(RuntimeError, match="the timer's target prefill gave KV"):
+        wait_policy.TargetTimer("default", ids, "0" * 64)
+
+
+def test_target_timer_reports_an_early_exit(ids, tmp_path):
+    with pytest.raises(RuntimeError, match="exited"):
+        wait_policy.TargetTimer(str(tmp_path / "no-such-model"), np.asarray(ids), "0" * 64)
