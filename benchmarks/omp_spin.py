@@ -53,7 +53,8 @@ def child(tokens: int, passes: int) -> dict[str, Any]:
     if not np.array_equal(back, bf16_bits(pre.kv)):
         raise RuntimeError("the round trip is not lossless")
     mb = bf16_bits(pre.kv).nbytes / 1e6
-    return {"predictor_s": statistics.median(pred), "target_s": statistics.median(targ),
+    return {"policy": os.environ.get("GOMP_SPINCOUNT", "default"),
+            "predictor_s": statistics.median(pred), "target_s": statistics.median(targ),
             "encode_mb_s": mb / te, "decode_mb_s": mb / td, "coder_wall_s": time.perf_counter() - t0}
 
 
@@ -66,7 +67,7 @@ def run_variant(name: str, tokens: int, passes: int) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--passes", type=int, default=3)
@@ -74,10 +75,10 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.child:
         print(json.dumps(child(a.tokens, a.passes)))
-        return
+        return 0
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in a.variants}
     for r in range(a.rounds):
         for v in a.variants:
@@ -94,7 +95,8 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"runs": runs, "medians": med, "tokens": a.tokens, "passes": a.passes}, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
