@@ -1,6 +1,6 @@
 // The int8 attention's AMX path (spk_attn.h's math): 16 query rows per pass, both products as tile
 // dot products (TDPBUSD: unsigned bytes by signed bytes, exact int32 sums), so they are the VNNI
-// path's integers; every float step is the VNNI path's own (attn_block_weights itself, the same
+// path's integers; every float step is the VNNI path's own (attn_block_weights' steps for 16 rows, the same
 // score and output expressions in the same order), so the same bits.
 //
 //   scores  C[16 rows][16 keys] += A: q8 + 128 (16 rows, D bytes)  x  B: k4 (D / 4 rows, 16 keys x 4)
@@ -18,26 +18,47 @@ namespace spk {
 constexpr int ATT_AMX_D = 64;    // the head size the tiles take: one 64-byte tile row per query row
 constexpr int ATT_AMX_ROWS = 16; // query rows per pass (a tile's rows)
 
-// The tiles (AmxTileConfig): 0 scores, then P @ V dims 0-15; 1 queries; 2 keys; 3 weights; 4 values;
-// 5-7 P @ V dims 16-63.
+// The tiles (AmxTileConfig): 0 scores, then P @ V dims 0-15; 1 queries; 2 keys; 3 weights (scores:
+// keys); 4 values; 5-7 P @ V dims 16-63 (5: scores too).
+
+// One key group's int32 scores s (16 x 16) -> x: as attn_scores4, (float(S - ksum) * c) * ks.
+SPK_AMX inline void attn_scores16_store(const AttnPacked& p, const int32_t (*s)[16], const float* c, int64_t kb,
+                                        float* x, int64_t x_stride) {
+    const __m512i ksum = _mm512_loadu_si512((const void*)(p.ksum + kb * 16));
+    const __m512 ks = _mm512_loadu_ps(p.ks + kb * 16);
+    for (int r = 0; r < 16; ++r) {
+        const __m512 sr = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512((const void*)s[r]), ksum));
+        _mm512_storeu_ps(x + r * x_stride + kb * 16, _mm512_mul_ps(_mm512_mul_ps(sr, _mm512_set1_ps(c[r])), ks));
+    }
+}
 
 // Scores x (16 rows of stride x_stride) of query rows qu (16 rows x D bytes) against keys [0, 16 groups).
+// NOTE: two key groups per step, in tiles 0 and 5 (keys in 2 and 3, free until P @ V), so one
+// product runs while the other's result is stored and converted.
 SPK_AMX inline void attn_scores16_amx(const AttnPacked& p, const uint8_t* qu, const float* c, int64_t groups,
                                       float* x, int64_t x_stride) {
-    constexpr int64_t D = ATT_AMX_D;
-    alignas(64) int32_t s[16][16];
+    constexpr int64_t D = ATT_AMX_D, KG = (D / 4) * 64;  // bytes of one key group's tile
+    alignas(64) int32_t s[2][16][16];
     _tile_loadd(1, qu, D);
-    for (int64_t kb = 0; kb < groups; ++kb) {
+    int64_t kb = 0;
+    for (; kb + 2 <= groups; kb += 2) {
         _tile_zero(0);
-        _tile_loadd(2, p.k4 + kb * (D / 4) * 64, 64);
+        _tile_zero(5);
+        _tile_loadd(2, p.k4 + kb * KG, 64);
+        _tile_loadd(3, p.k4 + (kb + 1) * KG, 64);
         _tile_dpbusd(0, 1, 2);
-        _tile_stored(0, s, 64);
-        const __m512i ksum = _mm512_loadu_si512((const void*)(p.ksum + kb * 16));
-        const __m512 ks = _mm512_loadu_ps(p.ks + kb * 16);
-        for (int r = 0; r < 16; ++r) {  // as attn_scores4: (float(S - ksum) * c) * ks
-            const __m512 sr = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512((const void*)s[r]), ksum));
-            _mm512_storeu_ps(x + r * x_stride + kb * 16, _mm512_mul_ps(_mm512_mul_ps(sr, _mm512_set1_ps(c[r])), ks));
-        }
+        _tile_dpbusd(5, 1, 3);
+        _tile_stored(0, s[0], 64);
+        _tile_stored(5, s[1], 64);
+        attn_scores16_store(p, s[0], c, kb, x, x_stride);
+        attn_scores16_store(p, s[1], c, kb + 1, x, x_stride);
+    }
+    if (kb < groups) {
+        _tile_zero(0);
+        _tile_loadd(2, p.k4 + kb * KG, 64);
+        _tile_dpbusd(0, 1, 2);
+        _tile_stored(0, s[0], 64);
+        attn_scores16_store(p, s[0], c, kb, x, x_stride);
     }
 }
 
@@ -64,6 +85,81 @@ SPK_AMX inline void attn_pv16_amx(const int8_t* vb, const uint8_t* u, int32_t* s
     _tile_stored(7, sums + 48, VS);
 }
 
+constexpr int64_t ATT_DACC_BLOCKS = 8;  // key blocks between folds of the lanes' denominator sums (tests cross it)
+
+// attn_block_weights for the 16 rows at once (rows past `rows` are left alone: zero weights): each
+// row's steps as there, except that
+// - the two divisions per row (P_MAX / bm, bm / P_MAX) run as one vector division for all 16 rows
+//   (the same IEEE quotient in each lane as the scalar division), off each row's chain of latency;
+// - the denominator's integer terms stay in per-lane int32 sums (dacc) until the caller folds them
+//   into den: integer sums, exact in any order. NOTE: a term is at most 2^20 (+1), four a lane per
+//   block, so a lane stays under 2^31 for up to 511 blocks; folding every ATT_DACC_BLOCKS keeps
+//   the fold itself on the tests' paths (1100 tokens: 17 blocks).
+SPK_AMX inline void attn_block_weights16(const AttnPacked& p, const float* x, int64_t x_stride, const float* m,
+                                         int64_t r0, int rows, int64_t b0, uint8_t (*u)[ATT_KEY_BLOCK],
+                                         int32_t (*dacc)[16], float* bs) {
+    constexpr int K = ATT_KEY_BLOCK / 16, R = ATT_AMX_ROWS;
+    alignas(64) float w[R][ATT_KEY_BLOCK];
+    alignas(64) float bm[R];
+    __mmask16 live = 0;  // rows whose block has a weight above 0
+    const __m512 den_scale = _mm512_set1_ps((float)(1 << ATT_DEN_BITS));
+    for (int r = 0; r < R; ++r) {
+        bm[r] = 1.0f;
+        if (r >= rows) continue;
+        const int64_t i = r0 + r;
+        const float* xr = x + r * x_stride;
+        const __m512 vm = _mm512_set1_ps(m[r]);
+        __mmask16 mask[K];
+        __m512 d[K];
+        __mmask16 near = 0;
+        for (int k = 0; k < K; ++k) {
+            const int64_t valid = std::max<int64_t>(0, std::min<int64_t>(16, i + 1 - (b0 + 16 * k)));
+            mask[k] = (__mmask16)((1u << valid) - 1u);
+            d[k] = _mm512_sub_ps(_mm512_loadu_ps(xr + b0 + 16 * k), vm);
+            near |= _mm512_mask_cmp_ps_mask(mask[k], d[k], _mm512_set1_ps(ATT_SKIP), _CMP_GE_OQ);
+        }
+        if (!near) continue;  // the block is skipped: no denominator term, zero weights
+        __m512 bmv = _mm512_setzero_ps();
+        __m512i dsum = _mm512_load_si512((const void*)dacc[r]);
+        for (int k = 0; k < K; ++k) {
+            const __m512 e = exp2_det_v(d[k], mask[k]);
+            dsum = _mm512_add_epi32(dsum, _mm512_cvtps_epi32(_mm512_mul_ps(e, den_scale)));
+            const __m512 wk = _mm512_mul_ps(e, _mm512_loadu_ps(p.vs + b0 + 16 * k));
+            _mm512_store_ps(w[r] + 16 * k, wk);
+            bmv = _mm512_max_ps(bmv, wk);
+        }
+        _mm512_store_si512((void*)dacc[r], dsum);
+        const float b = _mm512_reduce_max_ps(bmv);
+        if (b > 0.0f) {  // NOTE: as there, a block whose weights are all 0 (or NaN) gets none
+            bm[r] = b;
+            live = (__mmask16)(live | (1u << r));
+        }
+    }
+    const __m512 bmv = _mm512_load_ps(bm);
+    alignas(64) float inv[R];
+    _mm512_store_ps(inv, _mm512_maskz_div_ps(live, _mm512_set1_ps(ATT_P_MAX), bmv));
+    _mm512_store_ps(bs, _mm512_maskz_div_ps(live, bmv, _mm512_set1_ps(ATT_P_MAX)));
+    for (int r = 0; r < rows; ++r) {
+        if (!((live >> r) & 1u)) {
+            std::memset(u[r], 0, ATT_KEY_BLOCK);
+            continue;
+        }
+        const __m512 vi = _mm512_set1_ps(inv[r]);
+        for (int k = 0; k < K; ++k) {
+            const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(w[r] + 16 * k), vi));
+            _mm_storeu_si128((__m128i*)(u[r] + 16 * k), _mm512_cvtepi32_epi8(q));
+        }
+    }
+}
+
+// The lanes' denominator sums of each row into den (exact), the lanes zeroed.
+SPK_AMX inline void attn_fold_den(int32_t (*dacc)[16], int64_t* den, int rows) {
+    for (int r = 0; r < rows; ++r) {
+        den[r] += _mm512_reduce_add_epi32(_mm512_load_si512((const void*)dacc[r]));
+        std::memset(dacc[r], 0, sizeof(dacc[r]));
+    }
+}
+
 // Rows r0 .. r0 + rows - 1 (at most 16) from their scores: attn_rows4_pv's steps for 16 rows.
 SPK_AMX inline void attn_rows16_pv_amx(const AttnPacked& p, const float* x, int64_t x_stride, int64_t r0, int rows,
                                        uint16_t* o, int64_t o_stride) {
@@ -73,6 +169,7 @@ SPK_AMX inline void attn_rows16_pv_amx(const AttnPacked& p, const float* x, int6
     alignas(64) uint8_t u[R][ATT_KEY_BLOCK];
     alignas(64) int32_t sums[R][D];
     int64_t den[R] = {};
+    alignas(64) int32_t dacc[R][16] = {};
     for (int r = 0; r < rows; ++r) {
         m[r] = attn_row_max(x + r * x_stride, r0 + r);
         std::memset(out[r], 0, sizeof(out[r]));
@@ -80,8 +177,9 @@ SPK_AMX inline void attn_rows16_pv_amx(const AttnPacked& p, const float* x, int6
     std::memset(u, 0, sizeof(u));  // NOTE: rows past `rows` keep zero weights
     const int64_t last = r0 + rows - 1;
     for (int64_t b0 = 0; b0 <= last; b0 += ATT_KEY_BLOCK) {
-        float bs[R];
-        for (int r = 0; r < rows; ++r) bs[r] = attn_block_weights(p, x + r * x_stride, m[r], r0 + r, b0, u[r], den[r]);
+        alignas(64) float bs[R];
+        attn_block_weights16(p, x, x_stride, m, r0, rows, b0, u, dacc, bs);
+        if ((b0 / ATT_KEY_BLOCK + 1) % ATT_DACC_BLOCKS == 0) attn_fold_den(dacc, den, rows);
         attn_pv16_amx(p.v4 + (b0 / 4) * D * 4, u[0], sums[0]);
         for (int r = 0; r < rows; ++r) {
             const __m512 vs = _mm512_set1_ps(bs[r]);
@@ -91,6 +189,7 @@ SPK_AMX inline void attn_rows16_pv_amx(const AttnPacked& p, const float* x, int6
             }
         }
     }
+    attn_fold_den(dacc, den, rows);
     for (int r = 0; r < rows; ++r) {
         const __m512 denf = _mm512_set1_ps((float)den[r] * (1.0f / (float)(1 << ATT_DEN_BITS)));
         for (int c = 0; c < D / 16; ++c)
