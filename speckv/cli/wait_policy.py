@@ -60,9 +60,10 @@ def policy(env: dict[str, str] | None = None) -> str:
 class TargetTimer:
     """A child process that loads ``target`` and times its prefill of ``ids`` on each ``time()``.
 
-    Lifecycle: ``start`` writes the ids, starts the child under ``engine_env()`` and waits for it
-    to load; each ``time()`` runs one prefill there and returns its seconds; ``close`` ends it.
-    The child's first prefill (at start) is a warm-up, and its KV digest must equal ``kv_sha``."""
+    Lifecycle: the constructor writes the ids, starts the child under ``engine_env()`` and waits
+    for it to load; each ``time()`` runs one prefill there and returns its seconds; ``close`` ends
+    it. The child's first prefill (in the constructor) is a warm-up, and its KV digest must equal
+    ``kv_sha``; a child that exits or disagrees is a RuntimeError, the child and its files gone."""
 
     def __init__(self, target: str, ids: np.ndarray, kv_sha: str) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="speckv-target-timer-")
@@ -70,10 +71,13 @@ class TargetTimer:
         np.save(path, np.asarray(ids, dtype=np.int64))
         self._proc = subprocess.Popen([sys.executable, "-m", __name__, target, str(path)], env=engine_env(),
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        ready = self._read()
-        if ready.get("kv_sha") != kv_sha:
+        try:
+            ready = self._read()
+            if ready.get("kv_sha") != kv_sha:
+                raise RuntimeError(f"the timer's target prefill gave KV {ready.get('kv_sha')}, not {kv_sha}")
+        except BaseException:
             self.close()
-            raise RuntimeError(f"the timer's target prefill gave KV {ready.get('kv_sha')}, not {kv_sha}")
+            raise
         self.policy: str = ready["policy"]
 
     def _read(self) -> dict[str, Any]:

@@ -78,6 +78,10 @@ def test_target_timer_refuses_another_kv(ids):
         wait_policy.TargetTimer("default", ids, "0" * 64)
 
 
-def test_target_timer_reports_an_early_exit(ids, tmp_path):
+def test_target_timer_reports_an_early_exit(ids, tmp_path, monkeypatch):
+    made = []
+    real = wait_policy.tempfile.TemporaryDirectory
+    monkeypatch.setattr(wait_policy.tempfile, "TemporaryDirectory", lambda **kw: made.append(real(**kw)) or made[-1])
     with pytest.raises(RuntimeError, match="exited"):
         wait_policy.TargetTimer(str(tmp_path / "no-such-model"), np.asarray(ids), "0" * 64)
+    assert len(made) == 1 and not os.path.exists(made[0].name)  # its files are gone with it
