@@ -195,42 +195,32 @@ def _vs(enc: float, dec: float, peer_rows: list[dict[str, Any]]) -> dict[str, fl
     return None if z is None else {"encode": enc / z["encode_mb_s"], "decode": dec / z["decode_mb_s"]}
 
 
-def timed_prefill(sess: Any, ids: np.ndarray, runs: int, fp8_copy: Callable[[np.ndarray], Any] | None = None,
-                  target: str | None = None) -> tuple[Any, float, float, float | None, str]:
+def timed_prefill(sess: Any, ids: np.ndarray, runs: int, fp8_copy: Callable[[np.ndarray], Any] | None,
+                  target: str) -> tuple[Any, float, float, float | None, str]:
     """The prefill, the median seconds of the target, the predictor and (if given) the FP8 copy
     over ``runs`` alternating timings (alternating, so a busy machine slows them alike), and the
-    target's wait policy; every run's mu must agree. ``target``: its prefill is timed in a child
-    process under the engine's wait policy (``wait_policy.TargetTimer``), else in this one."""
-    import contextlib
-
+    target's wait policy; every run's mu must agree. The target's prefill is timed in a child
+    process under the engine's wait policy (``wait_policy.TargetTimer``), the rest in this one."""
     from speckv.coder.codec import bf16_bits
 
-    from .wait_policy import TargetTimer, kv_sha, policy
+    from .wait_policy import TargetTimer, kv_sha
 
     pre = sess.prefill(ids)
-    with contextlib.ExitStack() as stack:
-        timer = None if target is None else stack.enter_context(TargetTimer(target, ids, kv_sha(pre.kv)))
-        target_s, predictor_s, fp8_s = [], [], []
+    target_s, predictor_s, fp8_s = [], [], []
+    with TargetTimer(target, ids, kv_sha(pre.kv)) as timer:
         for _ in range(runs):
             if fp8_copy is not None:
                 t0 = time.perf_counter()
                 fp8_copy(ids)
                 fp8_s.append(time.perf_counter() - t0)
-            if timer is not None:
-                target_s.append(timer.time())
-                t0 = time.perf_counter()
-                mu = sess.predictor.mu(ids)
-                predictor_s.append(time.perf_counter() - t0)
-            else:
-                again = sess.prefill(ids)
-                target_s.append(again.target_s)
-                predictor_s.append(again.predictor_s)
-                mu = again.mu
+            target_s.append(timer.time())
+            t0 = time.perf_counter()
+            mu = sess.predictor.mu(ids)
+            predictor_s.append(time.perf_counter() - t0)
             if not np.array_equal(bf16_bits(mu), bf16_bits(pre.mu)):
                 raise RuntimeError("the predictor's mu differs between two runs (not deterministic)")
-        target_policy = policy() if timer is None else timer.policy
     med = float(np.median(fp8_s)) if fp8_s else None
-    return pre, float(np.median(target_s)), float(np.median(predictor_s)), med, target_policy
+    return pre, float(np.median(target_s)), float(np.median(predictor_s)), med, timer.policy
 
 
 def fp8_copy_forward(target: Any) -> Callable[[np.ndarray], Any]:
