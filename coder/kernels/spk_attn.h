@@ -197,10 +197,12 @@ SPK_VNNI inline float attn_row_max(const float* xr, int64_t i) {
     return m;
 }
 
-// One key block [b0, b0 + ATT_KEY_BLOCK) of row i (scores x, max m): its uint8 weights u, the
-// denominator's share (added to den) and the block's scale bm / 255 (0: no weight, u all 0).
-SPK_VNNI inline float attn_block_weights(const AttnPacked& p, const float* x, float m, int64_t i, int64_t b0,
-                                         uint8_t* u, int64_t& den) {
+// One key block [b0, b0 + ATT_KEY_BLOCK) of row i (scores x, max m) up to its quantisation: the
+// weights w (ATT_KEY_BLOCK floats), the denominator's integer terms added to the lanes of dsum, and
+// the block's largest weight bm; 0 when the block is skipped (w and dsum untouched) or has no weight
+// above 0 (the scalar reference skips it then; its terms still count).
+SPK_VNNI __attribute__((always_inline)) inline float attn_block_w(const AttnPacked& p, const float* x, float m, int64_t i, int64_t b0, float* w,
+                                   __m512i& dsum) {
     const __m512 vm = _mm512_set1_ps(m), den_scale = _mm512_set1_ps((float)(1 << ATT_DEN_BITS));
     // NOTE: the block is skipped when its best score is ATT_SKIP below m: fl(x - m) is monotonic in x, so
     // testing every key's x - m is the scalar path's test of the largest one
@@ -213,31 +215,42 @@ SPK_VNNI inline float attn_block_weights(const AttnPacked& p, const float* x, fl
         d[k] = _mm512_sub_ps(_mm512_loadu_ps(x + b0 + 16 * k), vm);
         near |= _mm512_mask_cmp_ps_mask(mask[k], d[k], _mm512_set1_ps(ATT_SKIP), _CMP_GE_OQ);
     }
-    if (!near) {
-        std::memset(u, 0, ATT_KEY_BLOCK);
-        return 0.0f;
-    }
-    __m512 w[ATT_KEY_BLOCK / 16];
+    if (!near) return 0.0f;
     __m512 bmv = _mm512_setzero_ps();
-    __m512i dsum = _mm512_setzero_si512();
     for (int k = 0; k < ATT_KEY_BLOCK / 16; ++k) {
         const __m512 e = exp2_det_v(d[k], mask[k]);
         // NOTE: cvtps rounds in the MXCSR mode, nearest even, as nearbyint does
         dsum = _mm512_add_epi32(dsum, _mm512_cvtps_epi32(_mm512_mul_ps(e, den_scale)));
-        w[k] = _mm512_mul_ps(e, _mm512_loadu_ps(p.vs + b0 + 16 * k));
-        bmv = _mm512_max_ps(bmv, w[k]);
+        const __m512 wk = _mm512_mul_ps(e, _mm512_loadu_ps(p.vs + b0 + 16 * k));
+        _mm512_storeu_ps(w + 16 * k, wk);
+        bmv = _mm512_max_ps(bmv, wk);
     }
-    den += _mm512_reduce_add_epi32(dsum);
     const float bm = _mm512_reduce_max_ps(bmv);
-    if (!(bm > 0.0f)) {  // the scalar reference skips this block; here its weights are 0
+    return bm > 0.0f ? bm : 0.0f;  // NOTE: NaN too
+}
+
+// The block's uint8 weights u = nearbyint(w * inv), inv = P_MAX / bm.
+SPK_VNNI __attribute__((always_inline)) inline void attn_block_u(const float* w, float inv, uint8_t* u) {
+    const __m512 vi = _mm512_set1_ps(inv);
+    for (int k = 0; k < ATT_KEY_BLOCK / 16; ++k) {
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(w + 16 * k), vi));
+        _mm_storeu_si128((__m128i*)(u + 16 * k), _mm512_cvtepi32_epi8(q));
+    }
+}
+
+// One key block of row i: its uint8 weights u, the denominator's share (added to den) and the
+// block's scale bm / 255 (0: no weight, u all 0).
+SPK_VNNI inline float attn_block_weights(const AttnPacked& p, const float* x, float m, int64_t i, int64_t b0,
+                                         uint8_t* u, int64_t& den) {
+    alignas(64) float w[ATT_KEY_BLOCK];
+    __m512i dsum = _mm512_setzero_si512();
+    const float bm = attn_block_w(p, x, m, i, b0, w, dsum);
+    den += _mm512_reduce_add_epi32(dsum);
+    if (bm == 0.0f) {
         std::memset(u, 0, ATT_KEY_BLOCK);
         return 0.0f;
     }
-    const __m512 inv = _mm512_set1_ps(ATT_P_MAX / bm);
-    for (int k = 0; k < ATT_KEY_BLOCK / 16; ++k) {
-        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(w[k], inv));
-        _mm_storeu_si128((__m128i*)(u + 16 * k), _mm512_cvtepi32_epi8(q));
-    }
+    attn_block_u(w, ATT_P_MAX / bm, u);
     return bm / ATT_P_MAX;
 }
 

@@ -98,39 +98,17 @@ constexpr int64_t ATT_DACC_BLOCKS = 8;  // key blocks between folds of the lanes
 SPK_AMX inline void attn_block_weights16(const AttnPacked& p, const float* x, int64_t x_stride, const float* m,
                                          int64_t r0, int rows, int64_t b0, uint8_t (*u)[ATT_KEY_BLOCK],
                                          int32_t (*dacc)[16], float* bs) {
-    constexpr int K = ATT_KEY_BLOCK / 16, R = ATT_AMX_ROWS;
+    constexpr int R = ATT_AMX_ROWS;
     alignas(64) float w[R][ATT_KEY_BLOCK];
     alignas(64) float bm[R];
     __mmask16 live = 0;  // rows whose block has a weight above 0
-    const __m512 den_scale = _mm512_set1_ps((float)(1 << ATT_DEN_BITS));
     for (int r = 0; r < R; ++r) {
         bm[r] = 1.0f;
         if (r >= rows) continue;
-        const int64_t i = r0 + r;
-        const float* xr = x + r * x_stride;
-        const __m512 vm = _mm512_set1_ps(m[r]);
-        __mmask16 mask[K];
-        __m512 d[K];
-        __mmask16 near = 0;
-        for (int k = 0; k < K; ++k) {
-            const int64_t valid = std::max<int64_t>(0, std::min<int64_t>(16, i + 1 - (b0 + 16 * k)));
-            mask[k] = (__mmask16)((1u << valid) - 1u);
-            d[k] = _mm512_sub_ps(_mm512_loadu_ps(xr + b0 + 16 * k), vm);
-            near |= _mm512_mask_cmp_ps_mask(mask[k], d[k], _mm512_set1_ps(ATT_SKIP), _CMP_GE_OQ);
-        }
-        if (!near) continue;  // the block is skipped: no denominator term, zero weights
-        __m512 bmv = _mm512_setzero_ps();
         __m512i dsum = _mm512_load_si512((const void*)dacc[r]);
-        for (int k = 0; k < K; ++k) {
-            const __m512 e = exp2_det_v(d[k], mask[k]);
-            dsum = _mm512_add_epi32(dsum, _mm512_cvtps_epi32(_mm512_mul_ps(e, den_scale)));
-            const __m512 wk = _mm512_mul_ps(e, _mm512_loadu_ps(p.vs + b0 + 16 * k));
-            _mm512_store_ps(w[r] + 16 * k, wk);
-            bmv = _mm512_max_ps(bmv, wk);
-        }
+        const float b = attn_block_w(p, x + r * x_stride, m[r], r0 + r, b0, w[r], dsum);
         _mm512_store_si512((void*)dacc[r], dsum);
-        const float b = _mm512_reduce_max_ps(bmv);
-        if (b > 0.0f) {  // NOTE: as there, a block whose weights are all 0 (or NaN) gets none
+        if (b > 0.0f) {
             bm[r] = b;
             live = (__mmask16)(live | (1u << r));
         }
@@ -140,15 +118,10 @@ SPK_AMX inline void attn_block_weights16(const AttnPacked& p, const float* x, in
     _mm512_store_ps(inv, _mm512_maskz_div_ps(live, _mm512_set1_ps(ATT_P_MAX), bmv));
     _mm512_store_ps(bs, _mm512_maskz_div_ps(live, bmv, _mm512_set1_ps(ATT_P_MAX)));
     for (int r = 0; r < rows; ++r) {
-        if (!((live >> r) & 1u)) {
+        if ((live >> r) & 1u)
+            attn_block_u(w[r], inv[r], u[r]);
+        else
             std::memset(u[r], 0, ATT_KEY_BLOCK);
-            continue;
-        }
-        const __m512 vi = _mm512_set1_ps(inv[r]);
-        for (int k = 0; k < K; ++k) {
-            const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(w[r] + 16 * k), vi));
-            _mm_storeu_si128((__m128i*)(u[r] + 16 * k), _mm512_cvtepi32_epi8(q));
-        }
     }
 }
 
