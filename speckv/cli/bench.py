@@ -203,11 +203,11 @@ def timed_prefill(sess: Any, ids: np.ndarray, runs: int, fp8_copy: Callable[[np.
     process under the engine's wait policy (``wait_policy.TargetTimer``), the rest in this one."""
     from speckv.coder.codec import bf16_bits
 
-    from .wait_policy import TargetTimer, kv_sha
+    from .wait_policy import TargetTimer, kv_digest
 
     pre = sess.prefill(ids)
     target_s, predictor_s, fp8_s = [], [], []
-    with TargetTimer(target, ids, kv_sha(pre.kv)) as timer:
+    with TargetTimer(target, ids, kv_digest(pre.kv)) as timer:
         for _ in range(runs):
             if fp8_copy is not None:
                 t0 = time.perf_counter()

@@ -17,7 +17,6 @@ sidecar's policy with the target under the engine's, alternately, as a deploymen
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -63,9 +62,9 @@ class TargetTimer:
     Lifecycle: the constructor writes the ids, starts the child under ``engine_env()`` and waits
     for it to load; each ``time()`` runs one prefill there and returns its seconds; ``close`` ends
     it. The child's first prefill (in the constructor) is a warm-up, and its KV digest must equal
-    ``kv_sha``; a child that exits or disagrees is a RuntimeError, the child and its files gone."""
+    ``kv_digest``; a child that exits or disagrees is a RuntimeError, the child and its files gone."""
 
-    def __init__(self, target: str, ids: np.ndarray, kv_sha: str) -> None:
+    def __init__(self, target: str, ids: np.ndarray, kv_digest: str) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="speckv-target-timer-")
         path = Path(self._dir.name) / "ids.npy"
         np.save(path, np.asarray(ids, dtype=np.int64))
@@ -73,8 +72,8 @@ class TargetTimer:
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             ready = self._read()
-            if ready.get("kv_sha") != kv_sha:
-                raise RuntimeError(f"the timer's target prefill gave KV {ready.get('kv_sha')}, not {kv_sha}")
+            if ready.get("kv_digest") != kv_digest:
+                raise RuntimeError(f"the timer's target prefill gave KV {ready.get('kv_digest')}, not {kv_digest}")
         except BaseException:
             self.close()
             raise
@@ -106,11 +105,12 @@ class TargetTimer:
         self.close()
 
 
-def kv_sha(kv: Any) -> str:
-    """sha256 of a KV's BF16 bits (what the timer's first prefill must reproduce)."""
+def kv_digest(kv: Any) -> str:
+    """The XXH3-128 of a KV's BF16 bits, hex (what the timer's first prefill must reproduce)."""
+    from speckv.digests import XXH3_128, digest
     from speckv.kv import bf16_bits
 
-    return hashlib.sha256(bf16_bits(kv).tobytes()).hexdigest()
+    return digest(bf16_bits(kv), algorithm=XXH3_128).hex()
 
 
 def _child(target: str, ids_path: str) -> None:
@@ -120,7 +120,7 @@ def _child(target: str, ids_path: str) -> None:
 
     tgt = load_target(target)
     ids = np.load(ids_path)
-    print(json.dumps({"kv_sha": kv_sha(tgt.kv(ids)), "policy": policy()}), flush=True)
+    print(json.dumps({"kv_digest": kv_digest(tgt.kv(ids)), "policy": policy()}), flush=True)
     for line in sys.stdin:
         if line.strip() != "go":
             break

@@ -67,7 +67,7 @@ def ids(embedded_session):
 
 
 def test_target_timer_times_the_same_prefill(embedded_session, ids):
-    sha = wait_policy.kv_sha(embedded_session.target.kv(ids))
+    sha = wait_policy.kv_digest(embedded_session.target.kv(ids))
     with wait_policy.TargetTimer("default", ids, sha) as timer:
         assert timer.policy == wait_policy.policy(dict(os.environ))
         assert 0 < timer.time() and 0 < timer.time()
