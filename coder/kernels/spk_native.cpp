@@ -359,6 +359,8 @@ PyMethodDef methods[] = {
     {"w8a8_amx_ready", py_w8a8_amx_ready, METH_NOARGS, "whether AMX int8 tiles are granted (w8a8.py)"},
     {"w8a8_amx_fits", py_w8a8_amx_fits, METH_VARARGS, "whether w8a8_amx_linear takes (k, n) (w8a8.py)"},
     {"w8a8_amx_linear", py_w8a8_amx_linear, METH_VARARGS, "the W8A8 linear: product and dequantisation on AMX tiles (w8a8.py)"},
+    {"w8a8_amx_mlp", py_w8a8_amx_mlp, METH_VARARGS, "the W8A8 MLP with speckv's SiLU on AMX tiles (w8a8_pass.py)"},
+    {"w8a8_silu_mul", py_w8a8_silu_mul, METH_VARARGS, "speckv's SiLU of the gate times the up product (w8a8.py)"},
     {"w8a8_rope", py_w8a8_rope, METH_VARARGS, "the W8A8 predictor's RoPE of float32 rows to BF16 (w8a8_pass.py)"},
     {"igemm", py_igemm, METH_VARARGS, "int8 products with exact int32 sums (integer.int_mm, CPUs without VNNI)"},
     {"int_attention", py_int_attention, METH_VARARGS, "the portable rung's integer attention (int_attention.py)"},

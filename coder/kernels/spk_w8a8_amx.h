@@ -77,19 +77,16 @@ SPK_AMX_MM inline void dequant16(const int32_t* acc, __m512 xs, const float* ws,
     _mm256_storeu_si256((__m256i*)(static_cast<uint16_t*>(out) + j), _mm512_cvtepi32_epi16(o));
 }
 
-// One 32 x 32 block: rows [i0, i0 + rows) of q (qb: its 32 rows, stride k), columns [16 c, 16 c + 32)
-// (or 16 when only one panel is left). NOTE: the tile intrinsics take immediates: one statement each.
-SPK_AMX_MM inline void amx_block(const int8_t* qb, const int8_t* panels, int64_t k, int64_t c, int64_t cols,
-                                 int64_t i0, int64_t rows, const float* xs, const float* ws, const uint16_t* add,
-                                 void* out, bool bf16_out, int64_t n) {
-    const int64_t chunks = k / AMX_MM_K, panel = chunks * AMX_MM_CHUNK;
-    const int8_t* b0 = panels + c * panel;
-    const int8_t* b1 = cols > AMX_MM_PANEL ? b0 + panel : b0;  // NOTE: a lone last panel repeats; its sums are not read
+// The int32 sums of one 32 x 32 block: 32 rows of q (qb, stride k) against two 16-column panels b0, b1
+// (each k / 64 chunks of AMX_MM_CHUNK bytes) into s (32 x 32: columns 0-15 from b0, 16-31 from b1).
+// NOTE: the tile intrinsics take immediates: one statement each.
+SPK_AMX_MM inline void amx_sums(const int8_t* qb, const int8_t* b0, const int8_t* b1, int64_t k,
+                                int32_t (*s)[AMX_MM_BLOCK]) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (int64_t ch = 0; ch < chunks; ++ch) {
+    for (int64_t ch = 0; ch < k / AMX_MM_K; ++ch) {
         _tile_loadd(4, qb + ch * AMX_MM_K, k);
         _tile_loadd(5, qb + AMX_TILE_ROWS * k + ch * AMX_MM_K, k);
         _tile_loadd(6, b0 + ch * AMX_MM_CHUNK, AMX_TILE_BYTES);
@@ -99,11 +96,22 @@ SPK_AMX_MM inline void amx_block(const int8_t* qb, const int8_t* panels, int64_t
         _tile_dpbssd(2, 5, 6);
         _tile_dpbssd(3, 5, 7);
     }
-    alignas(64) int32_t s[AMX_MM_BLOCK][AMX_MM_BLOCK];
     _tile_stored(0, &s[0][0], AMX_MM_BLOCK * 4);
     _tile_stored(1, &s[0][AMX_TILE_ROWS], AMX_MM_BLOCK * 4);
     _tile_stored(2, &s[AMX_TILE_ROWS][0], AMX_MM_BLOCK * 4);
     _tile_stored(3, &s[AMX_TILE_ROWS][AMX_TILE_ROWS], AMX_MM_BLOCK * 4);
+}
+
+// One 32 x 32 block: rows [i0, i0 + rows) of q (qb: its 32 rows, stride k), columns [16 c, 16 c + 32)
+// (or 16 when only one panel is left), sums and epilogue.
+SPK_AMX_MM inline void amx_block(const int8_t* qb, const int8_t* panels, int64_t k, int64_t c, int64_t cols,
+                                 int64_t i0, int64_t rows, const float* xs, const float* ws, const uint16_t* add,
+                                 void* out, bool bf16_out, int64_t n) {
+    const int64_t panel = k / AMX_MM_K * AMX_MM_CHUNK;
+    const int8_t* b0 = panels + c * panel;
+    const int8_t* b1 = cols > AMX_MM_PANEL ? b0 + panel : b0;  // NOTE: a lone last panel repeats; its sums are not read
+    alignas(64) int32_t s[AMX_MM_BLOCK][AMX_MM_BLOCK];
+    amx_sums(qb, b0, b1, k, s);
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r;
         const __m512 x = _mm512_set1_ps(xs[i]);

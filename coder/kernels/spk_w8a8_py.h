@@ -3,6 +3,7 @@
 #pragma once
 #include "spk_py.h"
 #include "spk_igemm.h"
+#include "spk_silu.h"
 #include "spk_w8a8.h"
 
 namespace {
@@ -145,6 +146,33 @@ PyObject* py_igemm(PyObject*, PyObject* args) {
     });
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
+}
+
+// w8a8_silu_mul(y float32 (rows, 2n), m float32 (rows, n), n, threads[, scalar[, no_avx512]]):
+// m = silu_det(y[:, :n]) * y[:, n:] (spk_silu.h); returns the path that ran (W8A8_PATH_*).
+// NOTE: the AVX-512 lanes take exp2_det_v, built for AVX-512 VNNI, so that path asks for VNNI too
+PyObject* py_w8a8_silu_mul(PyObject*, PyObject* args) {
+    PyObject *y_o, *m_o;
+    long long n;
+    int threads, scalar = 0, no_avx512 = 0;
+    if (!PyArg_ParseTuple(args, "OOLi|pp", &y_o, &m_o, &n, &threads, &scalar, &no_avx512)) return nullptr;
+    Buf y, m;
+    if (n <= 0 || !get_buf(m_o, m, -1, "m", true) || m.count(4) % n || !get_buf(y_o, y, 2 * m.v.len, "y")) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "w8a8_silu_mul: n %lld does not divide m", n);
+        return nullptr;
+    }
+    static const bool vnni = __builtin_cpu_supports("avx512vnni");
+    const int path = w8a8_quantise_path(scalar, no_avx512 || !vnni);
+    const float* Y = y.as<float>();
+    float* M = m.as<float>();
+    Py_BEGIN_ALLOW_THREADS
+    parallel_for(m.count(4) / n, threads, [&](int64_t r) {
+        if (path == W8A8_PATH_AVX512) spk::silu_mul_row_avx512(Y + 2 * n * r, n, M + n * r);
+        else if (path == W8A8_PATH_AVX2) spk::silu_mul_row_avx2(Y + 2 * n * r, n, M + n * r);
+        else spk::silu_mul_row(Y + 2 * n * r, n, M + n * r);
+    });
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(path);
 }
 
 }  // namespace

@@ -188,8 +188,9 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--rung", default="fp8",
                        help="predictor ladder rung: fp8 (FP8 copy, default), hybrid:K (the target's first K "
                             "layers in BF16, then the FP8 copy), early:K (the target's first K layers, then "
-                            "each later layer's K/V projected from layer K's hidden state), w8a8[:K] and w8a8i[:K] "
-                            "(int8 products after the first K layers), portable (the target's shape in "
+                            "each later layer's K/V projected from layer K's hidden state), w8a8[:K], w8a8i[:K] and "
+                            "w8a8x[:K] (int8 products after the first K layers; i: int8 attention; x: and "
+                            "speckv's SiLU), portable (the target's shape in "
                             "integers only: the same mu on every CPU and GPU), portable:K (its first K "
                             "layers, then early:K's exit, in the same integers) or none (per-channel "
                             "calibration means)")

@@ -34,6 +34,9 @@ manifest without the field is ``fp8``, so the shipped default keeps its pin):
 - ``w8a8i`` / ``w8a8i:k``: ``w8a8[:k]`` with attention in int8 too
   (``int8_attention.py``: per-token int8 q, k and v, uint8 softmax weights,
   exact int32 sums), 2.6-2.7x faster than float32 SDPA here at +0.03-0.04 bits.
+- ``w8a8x`` / ``w8a8x:k``: ``w8a8i[:k]`` with speckv's own SiLU (``silu.py``: exp through
+  int8_attention's exp2 polynomial, one IEEE operation a step) instead of torch's, so the whole
+  MLP runs as one native pass on AMX tiles (``coder/kernels/spk_mlp_amx.h``).
 - ``none``: no model: mu is a per-(layer, kv, head, channel) constant, the
   calibration mean of the target's KV rounded to BF16, stored in ``means.npz``.
 
@@ -67,8 +70,9 @@ MEANS = "means.npz"  # rung none: the BF16 bit patterns of the per-channel means
 MEANS_KEY = "mean_bf16"
 KINDS = {FP8: "fp8-copy", HYBRID: "hybrid-bf16-fp8", NONE: "channel-mean", EARLY: "early-exit",
          PORTABLE: "integer-portable", W8A8: "w8a8-copy"}
-_KRUNG_RE = re.compile(r"(hybrid|early|w8a8i|w8a8|portable):([0-9]{1,4})")
+_KRUNG_RE = re.compile(r"(hybrid|early|w8a8i|w8a8x|w8a8|portable):([0-9]{1,4})")
 INT_ATTENTION = "w8a8i"  # the w8a8 rungs' spelling with int8 attention
+OWN_SILU = "w8a8x"  # ... with int8 attention and speckv's own SiLU
 # early:k's later layers run only their input norm and K/V projections: per token 2*h*2*kv of a
 # decoder layer's ~2*(h*(q + 2*kv) + q*h + 3*h*i) multiply-adds (SmolLM2-135M: 221,184 of 3,538,944)
 EARLY_TAIL_COST = 0.0625
@@ -78,16 +82,18 @@ EARLY_TAIL_COST = 0.0625
 class Rung:
     """A parsed rung: ``kind`` (fp8, hybrid, early, w8a8, portable or none); ``bf16_layers`` the k of
     hybrid:k, early:k, w8a8:k and portable:k (whose first k layers are integer ones, not BF16);
-    ``int_attention``: a w8a8 rung's attention in int8 (``w8a8i``)."""
+    ``int_attention``: a w8a8 rung's attention in int8 (``w8a8i``); ``own_silu``: and speckv's SiLU
+    (``w8a8x``, which implies ``int_attention``)."""
 
     kind: str
     bf16_layers: int = 0
     int_attention: bool = False
+    own_silu: bool = False
 
     @property
     def name(self) -> str:
         k_rung = self.kind in (HYBRID, EARLY) or (self.kind in (W8A8, PORTABLE) and self.bf16_layers)
-        kind = INT_ATTENTION if self.int_attention else self.kind
+        kind = OWN_SILU if self.own_silu else INT_ATTENTION if self.int_attention else self.kind
         return f"{kind}:{self.bf16_layers}" if k_rung else kind
 
     @property
@@ -106,20 +112,20 @@ class Rung:
 
 def parse_rung(text: Any, layers: int) -> Rung:
     """``fp8``, ``none``, ``portable``, ``w8a8``, ``w8a8i``, ``hybrid:k``, ``early:k``, ``w8a8:k``,
-    ``w8a8i:k`` or ``portable:k`` with k in range; else CheckpointError."""
+    ``w8a8i:k``, ``w8a8x[:k]`` or ``portable:k`` with k in range; else CheckpointError."""
     if text in (FP8, NONE, PORTABLE, W8A8):
         return Rung(text)
-    if text == INT_ATTENTION:
-        return Rung(W8A8, int_attention=True)
+    if text in (INT_ATTENTION, OWN_SILU):
+        return Rung(W8A8, int_attention=True, own_silu=text == OWN_SILU)
     m = _KRUNG_RE.fullmatch(text) if isinstance(text, str) else None
     if m is None:
         raise CheckpointError(f"unknown predictor rung {text!r}: use fp8, hybrid:K, early:K, w8a8[:K], "
-                              "w8a8i[:K], portable[:K] or none")
+                              "w8a8i[:K], w8a8x[:K], portable[:K] or none")
     k, top = int(m.group(2)), layers if m.group(1) == HYBRID else layers - 1
     if not 1 <= k <= top or str(k) != m.group(2):
         raise CheckpointError(f"predictor rung {text!r}: K must be a plain integer in 1..{top}")
-    if m.group(1) == INT_ATTENTION:
-        return Rung(W8A8, k, int_attention=True)
+    if m.group(1) in (INT_ATTENTION, OWN_SILU):
+        return Rung(W8A8, k, int_attention=True, own_silu=m.group(1) == OWN_SILU)
     return Rung(m.group(1), k)
 
 
@@ -152,6 +158,8 @@ def weights_quant(rung: Rung) -> str:
                 "to even (q/k/v and gate/up fused); BF16 norms and embeddings")
         if rung.int_attention:
             int8 += "; attention in int8 (per-token q, k, v; uint8 softmax weights per 64 keys)"
+        if rung.own_silu:
+            int8 += "; speckv's SiLU (exp2 polynomial)"
         k = rung.bf16_layers
         return f"decoder layers < {k}: the target's BF16 weights; the others {int8}" if k else int8
     if rung.kind == HYBRID:

@@ -203,8 +203,10 @@ def _module_class() -> type:
     return W8A8KV
 
 
-def build_w8a8_model(config: Any, state: dict[str, "torch.Tensor"], k: int, int_attention: bool = False) -> Any:
-    """``w8a8:k`` (``int_attention``: ``w8a8i:k``) over ``w8a8_state``'s tensors for a model of ``config``."""
+def build_w8a8_model(config: Any, state: dict[str, "torch.Tensor"], k: int, int_attention: bool = False,
+                     own_silu: bool = False) -> Any:
+    """``w8a8:k`` (``int_attention``: ``w8a8i:k``; with ``own_silu`` too: ``w8a8x:k``) over ``w8a8_state``'s
+    tensors for a model of ``config``."""
     import torch
 
     L = config.num_hidden_layers
@@ -230,7 +232,7 @@ def build_w8a8_model(config: Any, state: dict[str, "torch.Tensor"], k: int, int_
     if len(state) != want:
         raise CheckpointError(f"w8a8:{k} weights do not fit the config: {len(state)} tensors, {want} expected")
     model = _module_class()(config, head, embed, tensors).eval()
-    model.int_attention = int_attention
+    model.int_attention, model.own_silu = int_attention, own_silu
     return model
 
 

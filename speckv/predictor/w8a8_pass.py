@@ -45,8 +45,9 @@ from . import w8a8 as stages
 from .integer import native_with
 from .llama import amx_attend, rope, rope_tables
 from .mapped import take_rows
+from .silu import silu_mul
 from .target import FP8_ATTENTION, LayerSink, deterministic_torch
-from .w8a8 import W8, WS, Scratch, linear, norm_linear, quantise_rows, scratch_buffer
+from .w8a8 import W8, WS, ActivationRangeError, Scratch, linear, norm_linear, quantise_rows, scratch_buffer
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -154,7 +155,7 @@ def w8a8_passes(model: Any, reqs: list[MuRequest]) -> None:
                         replay = amx_attend(query, key, value[None], r.fp8[0], i)  # an amx engine's (llama.py)
                     att.append(_attend(query, key, value[None], model.int_attention) if replay is None else replay)
             if att:
-                h = _block_rest(h, t, torch.cat(att) if len(att) > 1 else att[0], eps, scratch)
+                h = _block_rest(h, t, torch.cat(att) if len(att) > 1 else att[0], eps, scratch, model.own_silu)
 
 
 def _head(model: Any, r: MuRequest) -> "torch.Tensor | None":
@@ -223,16 +224,19 @@ def _attend(q: "torch.Tensor", key: "torch.Tensor", value: "torch.Tensor", int8:
 
 
 def _block_rest(h: "torch.Tensor", t: Callable[[str], "torch.Tensor"], att: "torch.Tensor", eps: float,
-                scratch: Scratch) -> "torch.Tensor":
+                scratch: Scratch, own_silu: bool = False) -> "torch.Tensor":
     """The layer after its attention: o, residual, MLP, residual; BF16 rows (T, hidden).
     NOTE: the residual stream alternates between two scratch buffers (each update reads the other).
     The MLP runs MLP_ROWS rows at a time: every step of it works row by row (the batch invariance
     above), so the bits are the same, and its widest activations, (T, 2 * intermediate) float32 and
-    their int32 sums, never exist whole (~55 MiB at 2048 tokens of the embedded model)."""
+    their int32 sums, never exist whole (~55 MiB at 2048 tokens of the embedded model). ``own_silu``:
+    the w8a8x rungs' MLP (``_mlp``)."""
     import torch
     import torch.nn.functional as F
 
     h = linear(*quantise_rows(att, t("in_o")), t("o" + W8), t("o" + WS), add=h, scratch=scratch, name="h.o")
+    if own_silu:
+        return _mlp(h, t, eps, scratch)
     out = scratch_buffer(scratch, "h.down", tuple(h.shape), torch.bfloat16, h.device)  # NOTE: on h's device (a GPU's)
     for a in range(0, h.shape[0], MLP_ROWS):
         rows = h[a:a + MLP_ROWS]
@@ -241,4 +245,34 @@ def _block_rest(h: "torch.Tensor", t: Callable[[str], "torch.Tensor"], att: "tor
         m = F.silu(g).mul_(u)
         out[a:a + rows.shape[0]] = linear(*quantise_rows(m, t("in_down")), t("down" + W8), t("down" + WS),
                                           add=rows, scratch=scratch, name=tag + ".down")
+    return out
+
+
+def _mlp(h: "torch.Tensor", t: Callable[[str], "torch.Tensor"], eps: float, scratch: Scratch) -> "torch.Tensor":
+    """The MLP of a w8a8x rung, speckv's SiLU (silu.py) in place of torch's: BF16 rows h (T, hidden) ->
+    h + down(silu_det(g) * u). On a CPU with AMX int8 tiles one native pass (``spk_mlp_amx.h``: the
+    (T, 2 * intermediate) product never exists whole), else ``MLP_ROWS`` rows at a time through the same
+    stages; the same bits either way (row-wise steps, exact integer sums)."""
+    import torch
+
+    q, xs = quantise_rows(h, t("in_gate_up"))
+    xs = xs * torch.rsqrt(h.float().pow(2).mean(1) + eps)  # NOTE: as norm_linear (the norm cancels in q)
+    w_gu, s_gu, w_d, s_d, f_d = (t(n) for n in ("gate_up" + W8, "gate_up" + WS, "down" + W8, "down" + WS, "in_down"))
+    out = scratch_buffer(scratch, "h.down", tuple(h.shape), torch.bfloat16, h.device)
+    (T, H), (n, inter) = h.shape, w_d.shape
+    nat = stages._native() if h.device.type == "cpu" and T else None
+    if nat is not None and hasattr(nat, "w8a8_amx_mlp") and stages._amx_fits(nat, H, 2 * inter) \
+            and stages._amx_fits(nat, inter, n):
+        xs2 = torch.empty(T, dtype=torch.float32)
+        c = lambda x: x.contiguous().numpy()  # noqa: E731
+        nat.w8a8_amx_mlp(c(q), c(xs), c(w_gu), c(s_gu), c(f_d), c(w_d), c(s_d), c(h.view(torch.int16)),
+                         out.view(torch.int16).numpy(), xs2.numpy(), T, inter, H, n, stages.NATIVE_THREADS)
+        if not bool(torch.isfinite(xs2).all()):
+            raise ActivationRangeError("a non-finite activation reached a w8a8 linear")
+        return out
+    for a in range(0, T, MLP_ROWS):
+        b = min(T, a + MLP_ROWS)
+        y = linear(q[a:b], xs[a:b], w_gu, s_gu, scratch=scratch, name=f"mlp{b - a}.gate_up")
+        out[a:b] = linear(*quantise_rows(silu_mul(y), f_d), w_d, s_d, add=h[a:b], scratch=scratch,
+                          name=f"mlp{b - a}.down")
     return out

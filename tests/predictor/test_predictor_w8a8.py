@@ -249,7 +249,7 @@ def test_layers_below_k_are_the_target_and_layer_k_follows_the_formula(w8a8_1, t
     assert torch.equal(bits(mu[1]), bits(torch.stack([k, v])))
 
 
-@pytest.mark.parametrize("rung", ["w8a8", "w8a8:1"])
+@pytest.mark.parametrize("rung", ["w8a8", "w8a8:1", "w8a8x:1"])
 def test_native_and_reference_forwards_agree(monkeypatch, tiny_target, tiny_text, tmp_path, rung):
     pin = build_checkpoint(tiny_target, tiny_text, tmp_path, tokens=64, segment=32, rung=rung)
     pred = Predictor.from_checkpoint(load_checkpoint(tmp_path, pin=pin))

@@ -15,7 +15,7 @@ from speckv.predictor.predict import Predictor
 from speckv.server.layer_mu import PredictorStopped
 
 
-@pytest.fixture(scope="module", params=["w8a8", "w8a8:1", "w8a8i"])
+@pytest.fixture(scope="module", params=["w8a8", "w8a8:1", "w8a8i", "w8a8x:1"])
 def tiny_pred(request, tiny_target, tiny_text, tmp_path_factory):
     d = tmp_path_factory.mktemp(request.param.replace(":", "_"))
     pin = build_checkpoint(tiny_target, tiny_text, d, tokens=64, segment=32, rung=request.param, derive_weights=True)
