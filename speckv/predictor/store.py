@@ -40,7 +40,7 @@ FP8_SUFFIX = ".weight_fp8"  # e4m3 symbols of a linear weight, stored as uint8
 SCALE_SUFFIX = ".weight_scale"  # its fp32 per-output-channel scales
 
 
-SHIPPED_RUNG = "w8a8i:4"  # the rung of the shipped default checkpoint (benchmarks/RESULTS.md says why)
+SHIPPED_RUNG = "w8a8x:4"  # the rung of the shipped default checkpoint (benchmarks/RESULTS.md says why)
 
 
 def default_checkpoint_dir() -> Path:

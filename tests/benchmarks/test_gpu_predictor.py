@@ -20,7 +20,7 @@ def test_cpu_smoke_run(corpus_file):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rep = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert rep["tokens"] == 48 and rep["device"] == "cpu" and rep["rung"] == "w8a8i:4"
+    assert rep["tokens"] == 48 and rep["device"] == "cpu" and rep["rung"] == "w8a8x:4"
     assert rep["mu_deterministic"] and rep["host_int8_attention_deterministic"]
     assert rep["mu_equal_cpu_fraction"] == 1.0 and rep["kv_equal_cpu_fraction"] == 1.0
     assert all(rep[p]["lossless"] for p in PAIRS)

@@ -34,7 +34,7 @@ def test_version():
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     pin = load_checkpoint(default_checkpoint_dir()).pin
     assert proc.stdout.splitlines() == [f"speckv {speckv.__version__}", f"stream format version {ct.FORMAT_VERSION}",
-                                        f"shipped predictor pin {pin} (w8a8i:4)"]
+                                        f"shipped predictor pin {pin} (w8a8x:4)"]
 
 
 def _commands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()):

@@ -94,9 +94,9 @@ def test_manifest_pin_round_trip(ladder_ckpts, rung):
     assert len({p for _, p in ladder_ckpts.values()}) == len(RUNGS)  # the rung changes the pin
 
 
-def test_shipped_default_is_rung_w8a8i_4_with_the_tuned_model():
+def test_shipped_default_is_rung_w8a8x_4_with_the_tuned_model():
     ck = load_checkpoint(default_checkpoint_dir())
-    assert ck.rung.name == SHIPPED_RUNG == "w8a8i:4" and ck.manifest["rung"] == "w8a8i:4" and ck.rung.int_attention
+    assert ck.rung.name == SHIPPED_RUNG == "w8a8x:4" and ck.manifest["rung"] == "w8a8x:4" and ck.rung.own_silu
     assert ck.manifest["files"]["smooth.npz"] and ck.derived_weights
     assert ck.tuned_tables is not None and ck.manifest["models"]["tuned"]["id"] == 2
 
