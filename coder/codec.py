@@ -261,7 +261,9 @@ class Codec:
             raise ct.TruncatedError("empty stream: no header record")
         header = whole_record(first, ct.unpack_header(first))
         self._check_header(header, ids)
-        chunks = [whole_record(r, ct.unpack_chunk(r, header)) for r in it]
+        # NOTE: borrowed: each chunk reads its record in place (its words are most of the stream's
+        # bytes), so the stream is not held twice while it decodes; the records outlive the chunks
+        chunks = [whole_record(r, ct.unpack_chunk(r, header, borrow=True)) for r in it]
         return self.decode_chunks(header, chunks, ids, mu)
 
     def _check_header(self, h: ct.StreamHeader, ids: np.ndarray) -> None:

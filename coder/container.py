@@ -30,7 +30,7 @@ change them) before anything is allocated. A non-bytes-like ``buf`` is a TypeErr
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Iterable, Sequence, cast
 
 import numpy as np
@@ -153,9 +153,10 @@ def _check_shape(shape: object) -> tuple[int, int, int, int, int]:
     return cast("tuple[int, int, int, int, int]", dims)  # 5 dims: zip(strict=True) over 5 names
 
 
-def _uint_array(name: str, value: object, dtype: type, ndim: int) -> np.ndarray:
+def _uint_array(name: str, value: object, dtype: type, ndim: int, borrow: bool = False) -> np.ndarray:
     """Validate ``value`` as a non-negative integer array fitting ``dtype``; return it
-    as a C-contiguous native ``dtype`` array that owns its data (copying if needed)."""
+    as a C-contiguous native ``dtype`` array that owns its data (copying if needed), or
+    with ``borrow`` such an array as it is, a view included (its values fit ``dtype``)."""
     arr = np.asarray(value)
     if arr.size == 0:
         arr = arr.astype(dtype)
@@ -163,7 +164,7 @@ def _uint_array(name: str, value: object, dtype: type, ndim: int) -> np.ndarray:
         raise FormatError(f"{name} must be an unsigned integer array, got {arr.dtype}")
     if arr.ndim != ndim:
         raise FormatError(f"{name} must have {ndim} dims, got shape {arr.shape}")
-    if arr.dtype == dtype and arr.flags.c_contiguous and arr.flags.owndata:
+    if arr.dtype == dtype and arr.flags.c_contiguous and (arr.flags.owndata or borrow):
         return arr
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) > np.iinfo(dtype).max):
         raise FormatError(f"{name} values outside [0, {np.iinfo(dtype).max}]")
@@ -177,8 +178,9 @@ class Chunk:
     arrays owning their data (copied unless already so): ``states`` uint32
     ``(n_blocks, LANES)`` (a flat block-major array is reshaped), ``word_counts``
     uint32 ``(n_blocks,)``, ``words`` uint16 ``(sum(word_counts),)``; ``aux`` and
-    ``bits`` (raw bit fields of the probability model) are normalised to ``bytes`` (``bits``
-    is a read-only memoryview in a chunk that ``unpack_chunk(..., borrow=True)`` returns)."""
+    ``bits`` (raw bit fields of the probability model) are normalised to ``bytes``. A chunk that
+    ``unpack_chunk(..., borrow=True)`` returns reads its record in place: ``bits`` is a
+    read-only memoryview and ``words`` a read-only view (``borrowed``)."""
 
     index: int
     layer_start: int
@@ -191,8 +193,9 @@ class Chunk:
     word_counts: np.ndarray
     words: np.ndarray
     bits: bytes
+    borrowed: InitVar[bool] = False  # words may stay a view of the record (unpack_chunk's borrow)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, borrowed: bool) -> None:
         s = object.__setattr__
         for name in ("index", "layer_start", "layer_count", "steps"):
             s(self, name, _uint(name, getattr(self, name), 0, _U32_MAX))
@@ -205,7 +208,7 @@ class Chunk:
         if states.ndim == 1 and states.size == self.n_blocks * LANES:
             states = states.reshape(self.n_blocks, LANES)  # flat block-major form
         s(self, "states", _uint_array("states", states, np.uint32, 2))
-        s(self, "words", _uint_array("words", self.words, np.uint16, 1))
+        s(self, "words", _uint_array("words", self.words, np.uint16, 1, borrowed))
         if self.states.shape != (self.n_blocks, LANES):
             raise FormatError(f"states shape {self.states.shape} != ({self.n_blocks}, {LANES})")
         if int(self.word_counts.sum(dtype=np.uint64)) != self.words.size:
@@ -326,8 +329,9 @@ def unpack_chunk(buf: Buffer, header: StreamHeader, *, borrow: bool = False) -> 
     """Parse a chunk record at the start of ``buf`` and validate it against
     ``header``. Returns the chunk and the number of bytes consumed.
 
-    ``borrow``: the chunk's ``bits`` is a read-only view into ``buf`` instead of an
-    owned copy (a stored chunk's bits are its raw KV: no copy of them). The caller
+    ``borrow``: the chunk's ``bits`` and ``words`` are read-only views into ``buf`` instead of
+    owned copies (a stored chunk's bits are its raw KV, a coded chunk's words most of its
+    bytes: no copy of them; on a big-endian host the words are still copied). The caller
     hands ``buf`` over: it must not change while the chunk lives."""
     rec = fr.read_record(memoryview(buf).cast("B"), MAX_CHUNK_BYTES)
     (_, record_len, index, layer_start, layer_count, n_blocks, steps, mu, raw,
@@ -347,7 +351,8 @@ def unpack_chunk(buf: Buffer, header: StreamHeader, *, borrow: bool = False) -> 
     chunk = Chunk(index=index, layer_start=layer_start, layer_count=layer_count, steps=steps,
                   mu_fingerprint=mu, raw_digest=raw, aux=bytes(rec[_CHUNK.size:s_off]),
                   states=states, word_counts=word_counts,
-                  words=fr.le_array(rec, d_off, n_words, "<u2", np.uint16), bits=b"" if borrow else bytes(bits))
+                  words=fr.le_array(rec, d_off, n_words, "<u2", np.uint16, borrow=borrow),
+                  bits=b"" if borrow else bytes(bits), borrowed=borrow)
     if borrow:  # NOTE: validated above (length rule, MAX_BITS_BYTES); Chunk would copy it to bytes
         object.__setattr__(chunk, "bits", bits.toreadonly())
     return chunk, record_len

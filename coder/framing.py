@@ -133,10 +133,14 @@ def read_record(mv: memoryview, max_record: int) -> memoryview:
 
 
 def le_array(rec: memoryview, offset: int, count: int, wire: str, native: type,
-             shape: tuple[int, ...] | None = None) -> np.ndarray:
-    """Owned native-endian copy of ``count`` little-endian items at ``offset``."""
+             shape: tuple[int, ...] | None = None, borrow: bool = False) -> np.ndarray:
+    """Owned native-endian copy of ``count`` little-endian items at ``offset``; with ``borrow``
+    a read-only view of ``rec`` where the host is little-endian (a copy elsewhere)."""
     a = np.frombuffer(rec, dtype=wire, count=count, offset=offset)
-    return a.reshape(shape if shape is not None else (count,)).astype(native)
+    out = a.reshape(shape if shape is not None else (count,)).astype(native, copy=not borrow)
+    if not out.flags.owndata:
+        out.flags.writeable = False  # NOTE: the record's bytes: nothing may write through the view
+    return out
 
 
 def read_bits(rec: memoryview, b_off: int, index: int, max_bits: int) -> memoryview:

@@ -1,7 +1,7 @@
 """Records as buffers (coder/framing.py): ``chunk_pieces`` and ``stored_pieces`` join to
 exactly ``pack_chunk``'s bytes, ``stored_record`` (the sidecar's stored chunks, straight
 from their layers) to ``pack_chunk(stored_chunk(...))``; ``unpack_chunk(borrow=True)``
-reads the same chunk with its bits a view of the record; the crc32 is zlib's whatever
+reads the same chunk with its bits and words views of the record; the crc32 is zlib's whatever
 implementation computes it."""
 from __future__ import annotations
 
@@ -56,15 +56,19 @@ def test_stored_pieces_validate_as_chunk_does(monkeypatch):
         ct.stored_pieces(0, 0, 1, bytes(16), b"", [b"ab", b"cd"])
 
 
-def test_borrowed_bits_are_a_view_of_the_record():
+def test_borrowed_bits_and_words_are_views_of_the_record():
     h, chunks = make_stream()
+    assert any(c.words.size for c in chunks)
     for c in chunks:
         rec = bytearray(ct.pack_chunk(c))
         got, used = ct.unpack_chunk(rec, h, borrow=True)
         assert got == c and used == len(rec) and isinstance(got.bits, memoryview) and got.bits.readonly
         assert np.shares_memory(np.frombuffer(got.bits, np.uint8), np.frombuffer(rec, np.uint8))
+        if c.words.size:  # this host is little-endian, as the wire
+            assert np.shares_memory(got.words, np.frombuffer(rec, np.uint8)) and not got.words.flags.writeable
         owned, _ = ct.unpack_chunk(rec, h)
-        assert type(owned.bits) is bytes and owned == c
+        assert type(owned.bits) is bytes and owned == c and owned.words.flags.owndata
+        assert not np.shares_memory(owned.words, np.frombuffer(rec, np.uint8))
         assert b"".join(ct.chunk_pieces(got)) == bytes(rec)  # a borrowed chunk packs as any other
 
 
