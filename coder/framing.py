@@ -137,7 +137,7 @@ def le_array(rec: memoryview, offset: int, count: int, wire: str, native: type,
     """Owned native-endian copy of ``count`` little-endian items at ``offset``; with ``borrow``
     a read-only view of ``rec`` where the host is little-endian (a copy elsewhere)."""
     a = np.frombuffer(rec, dtype=wire, count=count, offset=offset)
-    out = a.reshape(shape if shape is not None else (count,)).astype(native, copy=not borrow)
+    out: np.ndarray = a.reshape(shape if shape is not None else (count,)).astype(native, copy=not borrow)
     if not out.flags.owndata:
         out.flags.writeable = False  # NOTE: the record's bytes: nothing may write through the view
     return out
