@@ -254,7 +254,9 @@ class Codec:
     # -- decode -------------------------------------------------------------
     def decode(self, records: Iterable[bytes], ids: np.ndarray,
                mu: "torch.Tensor | None" = None) -> "np.ndarray | Fp8KV":
-        """KV bit patterns (uint16 for BF16) or :class:`Fp8KV`, verified bit for bit."""
+        """KV bit patterns (uint16 for BF16) or :class:`Fp8KV`, verified bit for bit.
+        NOTE: the chunks read ``records`` in place, so each record must keep its bytes until this
+        returns (a reader that refills one buffer per record must pass copies)."""
         it = iter(records)
         first = next(it, None)
         if first is None:

@@ -135,9 +135,12 @@ def read_record(mv: memoryview, max_record: int) -> memoryview:
 def le_array(rec: memoryview, offset: int, count: int, wire: str, native: type,
              shape: tuple[int, ...] | None = None, borrow: bool = False) -> np.ndarray:
     """Owned native-endian copy of ``count`` little-endian items at ``offset``; with ``borrow``
-    a read-only view of ``rec`` where the host is little-endian (a copy elsewhere)."""
+    a read-only view of ``rec`` where the host is little-endian and the items are aligned (a copy
+    elsewhere: an odd-length aux leaves a chunk's u16 words at an odd offset, and native code
+    reads them through typed pointers)."""
     a = np.frombuffer(rec, dtype=wire, count=count, offset=offset)
-    out: np.ndarray = a.reshape(shape if shape is not None else (count,)).astype(native, copy=not borrow)
+    view = borrow and a.flags.aligned
+    out: np.ndarray = a.reshape(shape if shape is not None else (count,)).astype(native, copy=not view)
     if not out.flags.owndata:
         out.flags.writeable = False  # NOTE: the record's bytes: nothing may write through the view
     return out

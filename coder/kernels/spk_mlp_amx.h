@@ -41,8 +41,9 @@ struct AmxMlp {
     int64_t k, I, n;
 };
 
+// NOTE: every size at most AMX_MM_MAX_K, so the binding's products of them cannot overflow
 inline bool amx_mlp_fits(int64_t k, int64_t I, int64_t n) {
-    return w8a8_amx_fits(k, 2 * I) && w8a8_amx_fits(I, n);
+    return w8a8_amx_fits(k, 2 * I) && w8a8_amx_fits(I, n) && n <= AMX_MM_MAX_K;
 }
 
 // m's rows [0, rows) of the task at i0 (stride I): the gate/up product and its epilogue.

@@ -1,6 +1,7 @@
 // Python binding of the W8A8 linear on AMX tiles (spk_w8a8_amx.h), included by spk_native.cpp; it must
 // equal w8a8.py's ``linear`` (torch._int_mm, then w8a8_dequant) bit for bit.
 #pragma once
+#include <algorithm>
 #include <memory>
 
 #include "spk_py.h"
@@ -82,15 +83,19 @@ PyObject* py_w8a8_amx_mlp(PyObject*, PyObject* args) {
         return nullptr;
     }
     Buf q, xs, gu, wsgu, fd, d, wsd, add, out, xs2;
-    // NOTE: k, I, n are bounded by amx_mlp_fits (<= AMX_MM_MAX_K); m by the buffer xs before any product with it
-    if (!get_buf(xs_o, xs, -1, "xs") || xs.v.len != m * 4 || !get_buf(q_o, q, m * k, "q") ||
+    // NOTE: k, I, n are bounded by amx_mlp_fits (<= AMX_MM_MAX_K); m by the buffer xs, by division, and then
+    // so that m times any of them (times 4) stays far below 2^63, before any product with it is formed
+    if (!get_buf(xs_o, xs, -1, "xs")) return nullptr;
+    if (xs.v.len % 4 || xs.v.len / 4 != m || m > (int64_t)(PY_SSIZE_T_MAX / 4) / std::max(k, n)) {
+        PyErr_Format(PyExc_ValueError, "w8a8_amx_mlp: xs %zd bytes, not m %lld floats", xs.v.len, m);
+        return nullptr;
+    }
+    if (!get_buf(q_o, q, m * k, "q") ||
         !get_buf(gu_o, gu, 2 * I * k, "gate_up") || !get_buf(wsgu_o, wsgu, 2 * I * 4, "ws_gu") ||
         !get_buf(fd_o, fd, I * 4, "f_down") || !get_buf(d_o, d, n * I, "down") || !get_buf(wsd_o, wsd, n * 4, "ws_d") ||
         !get_buf(add_o, add, m * n * 2, "add") || !get_buf(out_o, out, m * n * 2, "out", true) ||
-        !get_buf(xs2_o, xs2, m * 4, "xs2", true)) {
-        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "w8a8_amx_mlp: xs %zd bytes, not m %lld floats", xs.v.len, m);
+        !get_buf(xs2_o, xs2, m * 4, "xs2", true))
         return nullptr;
-    }
     // NOTE: packed per call, as w8a8_amx_linear's panels (no second copy of the weights stays resident)
     std::unique_ptr<int8_t[]> gp(new int8_t[(size_t)(2 * I * k)]), dp(new int8_t[(size_t)(n * I)]);
     const spk::AmxMlp a{q.as<int8_t>(), xs.as<float>(), gp.get(), wsgu.as<float>(), fd.as<float>(), dp.get(),

@@ -90,6 +90,11 @@ class Rung:
     int_attention: bool = False
     own_silu: bool = False
 
+    def __post_init__(self) -> None:
+        if self.own_silu and not (self.kind == W8A8 and self.int_attention):
+            raise ValueError(f"own_silu is a w8a8 rung with int8 attention (w8a8x), not {self.kind} "
+                             f"(int_attention={self.int_attention})")
+
     @property
     def name(self) -> str:
         k_rung = self.kind in (HYBRID, EARLY) or (self.kind in (W8A8, PORTABLE) and self.bf16_layers)

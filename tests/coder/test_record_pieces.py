@@ -88,3 +88,13 @@ def test_header_and_chunk_crcs_are_checked():
         ct.unpack_chunk(rec, h, borrow=True)
     c = make_chunk(h, 1)
     assert ct.unpack_chunk(ct.pack_chunk(c), h, borrow=True)[0] == c
+
+
+def test_borrowed_items_at_an_odd_offset_are_copied():
+    """An odd-length aux leaves a chunk's u16 words at an odd offset: borrowed, they are copied (aligned,
+    owned) rather than viewed misaligned; at an even offset they are a read-only view."""
+    buf = memoryview(bytes(range(1, 34)))
+    odd = framing.le_array(buf, 1, 8, "<u2", np.uint16, borrow=True)
+    even = framing.le_array(buf, 2, 8, "<u2", np.uint16, borrow=True)
+    assert odd.flags.aligned and odd.flags.owndata and np.array_equal(odd, np.frombuffer(buf[1:17], "<u2"))
+    assert not even.flags.owndata and not even.flags.writeable and np.array_equal(even, np.frombuffer(buf[2:18], "<u2"))

@@ -22,25 +22,35 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def gate_up(rows: int, n: int, seed: int) -> torch.Tensor:
+    """(rows, 2n) float32: gate columns then up; the special values go into the gate columns."""
     g = torch.Generator().manual_seed(seed)
     y = torch.randn(rows, 2 * n, generator=g) * torch.logspace(-3, 2, rows)[:, None]
-    flat = y.view(-1)
-    flat[: len(SPECIAL)] = torch.tensor(SPECIAL)
-    return y
+    gate = y[:, :n].contiguous()
+    k = min(gate.numel(), len(SPECIAL))
+    gate.view(-1)[:k] = torch.tensor(SPECIAL[:k])
+    return torch.cat([gate, y[:, n:]], dim=1)
+
+
+PATHS = {"avx512": 2, "avx2": 1, "scalar": 0}  # W8A8_PATH_* (spk_w8a8_py.h)
 
 
 @NATIVE
 @pytest.mark.parametrize("n", [1, 7, 16, 23, 1536])
-@pytest.mark.parametrize("scalar, no_avx512", [(False, False), (False, True), (True, False)])
-def test_native_silu_mul_has_the_reference_bits(monkeypatch, n, scalar, no_avx512):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_native_silu_mul_has_the_reference_bits(n, path):
     """Every native path (AVX-512 lanes, AVX2 lanes, the scalar loop; tails past the lanes) writes
-    the torch reference's bits, including zeros, denormals, the exp floor and infinities."""
-    y = gate_up(max(3, len(SPECIAL) // (2 * n) + 2), n, seed=n)
-    monkeypatch.setattr(w8a8, "NATIVE_SCALAR", scalar)
-    monkeypatch.setattr(w8a8, "NATIVE_NO_AVX512", no_avx512)
-    got, ref = silu.silu_mul(y), silu.silu_mul(y, native=False)
-    finite = torch.isfinite(ref)
-    assert torch.equal(bits(got)[finite], bits(ref)[finite]) and not torch.isfinite(got[~finite]).any()
+    the torch reference's bits wherever that is not NaN: zeros, denormals, the exp floor and
+    infinities included. Each path is asked for by name and must be the one that ran."""
+    nat = w8a8._native()
+    y = gate_up(max(3, len(SPECIAL) // n + 2), n, seed=n)
+    got = torch.empty(y.shape[0], n)
+    ran = nat.w8a8_silu_mul(y.numpy(), got.numpy(), n, 2, path == "scalar", path == "avx2")
+    if ran != PATHS[path]:
+        pytest.skip(f"this CPU has no {path} path for speckv's SiLU (ran path {ran})")
+    ref = silu.silu_mul(y, native=False)
+    keep = ~torch.isnan(ref)
+    assert keep.sum() > ref.numel() // 2 and torch.isinf(ref).any()
+    assert torch.equal(bits(got)[keep], bits(ref)[keep]) and torch.isnan(got[~keep]).all()
 
 
 def test_silu_det_is_a_silu():
@@ -121,8 +131,45 @@ def test_fused_mlp_refuses_arguments_that_do_not_fit():
             nat.w8a8_amx_mlp(*args, m, inter, k, n, 2)
 
 
+@NATIVE
+def test_fused_mlp_kernel_with_a_lone_last_down_panel():
+    """The kernel alone, a down product 80 wide (five 16-column panels: the last 32 x 32 block has one
+    panel), against the stages composed in torch."""
+    nat = w8a8._native()
+    if not (hasattr(nat, "w8a8_amx_ready") and nat.w8a8_amx_ready()):
+        pytest.skip("no AMX int8 tiles on this CPU: the kernel cannot run (the other tests check the fallback)")
+    m, k, inter, n = 45, 64, 64, 80
+    _, t = _mlp_case(m, k, inter, n, seed=9)
+    g = torch.Generator().manual_seed(10)
+    q = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
+    xs, add = torch.rand(m, generator=g) * 1e-2, torch.randn(m, n, generator=g).to(torch.bfloat16)
+    y = w8a8.linear(q, xs, t["gate_up.w8"], t["gate_up.ws"], native=False)
+    q2, xs2_ref = w8a8.quantise_rows(silu.silu_mul(y, native=False), t["in_down"], native=False)
+    ref = w8a8.linear(q2, xs2_ref, t["down.w8"], t["down.ws"], add=add, native=False)
+    out, xs2 = torch.empty(m, n, dtype=torch.bfloat16), torch.empty(m)
+    nat.w8a8_amx_mlp(q.numpy(), xs.numpy(), t["gate_up.w8"].numpy(), t["gate_up.ws"].numpy(), t["in_down"].numpy(),
+                     t["down.w8"].numpy(), t["down.ws"].numpy(), add.view(torch.int16).numpy(),
+                     out.view(torch.int16).numpy(), xs2.numpy(), m, inter, k, n, 2)
+    assert torch.equal(bits(out), bits(ref)) and torch.equal(bits(xs2), bits(xs2_ref))
+
+
+@NATIVE
+def test_fused_mlp_refuses_sizes_whose_products_overflow():
+    """A huge m or n with small buffers: a typed error before any product of the sizes is formed."""
+    nat = w8a8._native()
+    if not (hasattr(nat, "w8a8_amx_ready") and nat.w8a8_amx_ready()):
+        pytest.skip("no AMX int8 tiles on this CPU: the kernel cannot run (the other tests check the fallback)")
+    z = np.zeros(0, np.int8)
+    f = np.zeros(0, np.float32)
+    for m, n in [(2**62, 64), (2**61 + 1, 64), (4, 2**62), (4, 2**40 * 16)]:
+        with pytest.raises(ValueError, match="w8a8_amx_mlp"):
+            nat.w8a8_amx_mlp(z, f, z, f, f, z, f, z.view(np.uint8), z.view(np.uint8), f, m, 64, 64, n, 2)
+
+
 def test_rung_spelling():
     assert parse_rung("w8a8x", 30) == Rung("w8a8", 0, int_attention=True, own_silu=True)
     assert parse_rung("w8a8x:4", 30) == Rung("w8a8", 4, int_attention=True, own_silu=True)
     assert parse_rung("w8a8x:4", 30).name == "w8a8x:4" and parse_rung("w8a8x", 30).name == "w8a8x"
     assert parse_rung("w8a8i:4", 30).name == "w8a8i:4" and not parse_rung("w8a8i:4", 30).own_silu
+    with pytest.raises(ValueError, match="own_silu"):
+        Rung("w8a8", 4, int_attention=False, own_silu=True)  # would be named w8a8x but run float attention
