@@ -11,6 +11,9 @@ stacked, with attention per prompt::
     for r: k_r, v_r = rope(y[rows r]); emit; att_r = SDPA(q_r, k_r, v_r)   # per prompt
     h = o(cat(att_r)) + h;  h = down(silu(g) * u) + h                      # per row
 
+A ``w8a8x`` rung's MLP (``_mlp``) takes speckv's SiLU (``silu.py``) instead of torch's, which lets
+it run as one native pass per 128 rows on AMX tiles (``coder/kernels/spk_mlp_amx.h``).
+
 Batch invariance (a prompt's mu never depends on what else is in the batch) holds
 by construction: every op on stacked rows is row-wise (per-token quantisation, exact
 integer sums, elementwise dequantisation, norms over a row), and what mixes tokens
