@@ -254,17 +254,13 @@ class Codec:
     # -- decode -------------------------------------------------------------
     def decode(self, records: Iterable[bytes], ids: np.ndarray,
                mu: "torch.Tensor | None" = None) -> "np.ndarray | Fp8KV":
-        """KV bit patterns (uint16 for BF16) or :class:`Fp8KV`, verified bit for bit.
-        NOTE: the chunks read ``records`` in place, so each record must keep its bytes until this
-        returns (a reader that refills one buffer per record must pass copies)."""
+        """KV bits (uint16 for BF16) or Fp8KV, verified; NOTE: chunks read ``records`` in place until this returns."""
         it = iter(records)
         first = next(it, None)
         if first is None:
             raise ct.TruncatedError("empty stream: no header record")
         header = whole_record(first, ct.unpack_header(first))
         self._check_header(header, ids)
-        # NOTE: borrowed: each chunk reads its record in place (its words are most of the stream's
-        # bytes), so the stream is not held twice while it decodes; the records outlive the chunks
         chunks = [whole_record(r, ct.unpack_chunk(r, header, borrow=True)) for r in it]
         return self.decode_chunks(header, chunks, ids, mu)
 

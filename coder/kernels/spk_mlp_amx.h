@@ -16,7 +16,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "spk_silu.h"
@@ -49,11 +48,7 @@ inline bool amx_mlp_fits(int64_t k, int64_t I, int64_t n) {
 // m's rows [0, rows) of the task at i0 (stride I): the gate/up product and its epilogue.
 SPK_AMX_MLP inline void amx_mlp_gate(const AmxMlp& a, int64_t i0, int64_t rows, float* m) {
     thread_local std::vector<int8_t> pad;
-    const int64_t blocks = (rows + AMX_MM_BLOCK - 1) / AMX_MM_BLOCK, last = (blocks - 1) * AMX_MM_BLOCK;
-    if (rows - last < AMX_MM_BLOCK) {  // tile loads read 32 whole rows
-        pad.assign((size_t)(AMX_MM_BLOCK * a.k), 0);
-        std::memcpy(pad.data(), a.q + (i0 + last) * a.k, (size_t)((rows - last) * a.k));
-    }
+    const int64_t blocks = amx_pad_tail(a.q, a.k, i0, i0 + rows, pad);
     const int64_t panel = a.k / AMX_MM_K * AMX_MM_CHUNK, gates = a.I / AMX_MM_PANEL;
     alignas(64) int32_t s[AMX_MM_BLOCK][AMX_MM_BLOCK];
     for (int64_t c = 0; c < gates; ++c) {  // NOTE: panels outside, so the pair stays in L1 for every block

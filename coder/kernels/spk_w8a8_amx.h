@@ -121,6 +121,17 @@ SPK_AMX_MM inline void amx_block(const int8_t* qb, const int8_t* panels, int64_t
     }
 }
 
+// The 32-row blocks of q's rows [i0, i1) (stride k): how many, and, when the last one is partial, its rows
+// copied into the zero-padded ``pad`` (tile loads read 32 whole rows), which the caller reads instead.
+inline int64_t amx_pad_tail(const int8_t* q, int64_t k, int64_t i0, int64_t i1, std::vector<int8_t>& pad) {
+    const int64_t blocks = (i1 - i0 + AMX_MM_BLOCK - 1) / AMX_MM_BLOCK, last = i0 + (blocks - 1) * AMX_MM_BLOCK;
+    if (i1 - last < AMX_MM_BLOCK) {
+        pad.assign((size_t)(AMX_MM_BLOCK * k), 0);
+        std::memcpy(pad.data(), q + last * k, (size_t)((i1 - last) * k));
+    }
+    return blocks;
+}
+
 // Rows [i0, i1) of the product (at most AMX_MM_ROWS), every column: each pair of panels (in L1) against
 // every 32-row block of the rows in turn. A partial last block of rows is copied into a zero-padded
 // buffer first (tile loads read 32 whole rows).
@@ -129,12 +140,7 @@ SPK_AMX_MM inline void amx_rows(const int8_t* q, const int8_t* panels, int64_t k
     const AmxTileConfig cfg;
     _tile_loadconfig(&cfg);
     thread_local std::vector<int8_t> pad;
-    const int64_t blocks = (i1 - i0 + AMX_MM_BLOCK - 1) / AMX_MM_BLOCK, last = i0 + (blocks - 1) * AMX_MM_BLOCK;
-    const int64_t last_rows = i1 - last;
-    if (last_rows < AMX_MM_BLOCK) {
-        pad.assign((size_t)(AMX_MM_BLOCK * k), 0);
-        std::memcpy(pad.data(), q + last * k, (size_t)(last_rows * k));
-    }
+    const int64_t blocks = amx_pad_tail(q, k, i0, i1, pad);
     for (int64_t c = 0; c < n / AMX_MM_PANEL; c += 2) {
         const int64_t cols = std::min<int64_t>(AMX_MM_BLOCK, n - AMX_MM_PANEL * c);
         for (int64_t b = 0; b < blocks; ++b) {

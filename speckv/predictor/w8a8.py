@@ -334,12 +334,18 @@ def linear(q: "torch.Tensor", xs: "torch.Tensor", w8: "torch.Tensor", ws: "torch
     return out
 
 
+def norm_quantise(h: "torch.Tensor", t: Callable[[str], "torch.Tensor"], f: str,
+                  eps: float) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """RMSNorm (its gain and 2^-e in ``in_f``) of BF16 rows h (T, hidden), as linear ``f``'s int8 rows
+    and their scales."""
+    import torch
+
+    q, xs = quantise_rows(h, t("in_" + f))
+    return q, xs * torch.rsqrt(h.float().pow(2).mean(1) + eps)  # NOTE: the norm's per-row factor cancels in q
+
+
 def norm_linear(h: "torch.Tensor", t: Callable[[str], "torch.Tensor"], f: str, eps: float,
                 scratch: Scratch | None = None, tag: str = "") -> "torch.Tensor":
     """RMSNorm (its gain and 2^-e in ``in_f``) then fused linear ``f`` of BF16 rows h (T, hidden);
     the result is scratch buffer ``tag + f``."""
-    import torch
-
-    q, xs = quantise_rows(h, t("in_" + f))
-    xs = xs * torch.rsqrt(h.float().pow(2).mean(1) + eps)  # NOTE: the norm's per-row factor cancels in q
-    return linear(q, xs, t(f + W8), t(f + WS), scratch=scratch, name=tag + f)
+    return linear(*norm_quantise(h, t, f, eps), t(f + W8), t(f + WS), scratch=scratch, name=tag + f)

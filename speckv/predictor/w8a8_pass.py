@@ -228,42 +228,35 @@ def _attend(q: "torch.Tensor", key: "torch.Tensor", value: "torch.Tensor", int8:
 
 def _block_rest(h: "torch.Tensor", t: Callable[[str], "torch.Tensor"], att: "torch.Tensor", eps: float,
                 scratch: Scratch, own_silu: bool = False) -> "torch.Tensor":
-    """The layer after its attention: o, residual, MLP, residual; BF16 rows (T, hidden).
-    NOTE: the residual stream alternates between two scratch buffers (each update reads the other).
-    The MLP runs MLP_ROWS rows at a time: every step of it works row by row (the batch invariance
-    above), so the bits are the same, and its widest activations, (T, 2 * intermediate) float32 and
-    their int32 sums, never exist whole (~55 MiB at 2048 tokens of the embedded model). ``own_silu``:
-    the w8a8x rungs' MLP (``_mlp``)."""
-    import torch
+    """The layer after its attention: o, residual, MLP (``_mlp``), residual; BF16 rows (T, hidden).
+    NOTE: the residual stream alternates between two scratch buffers (each update reads the other)."""
+    h = linear(*quantise_rows(att, t("in_o")), t("o" + W8), t("o" + WS), add=h, scratch=scratch, name="h.o")
+    return _mlp(h, t, eps, scratch, own_silu)
+
+
+def _silu_mul_torch(y: "torch.Tensor") -> "torch.Tensor":
+    """float32 (T, 2n): gate, then up -> torch's silu(gate) * up (the w8a8 and w8a8i rungs')."""
     import torch.nn.functional as F
 
-    h = linear(*quantise_rows(att, t("in_o")), t("o" + W8), t("o" + WS), add=h, scratch=scratch, name="h.o")
-    if own_silu:
-        return _mlp(h, t, eps, scratch)
-    out = scratch_buffer(scratch, "h.down", tuple(h.shape), torch.bfloat16, h.device)  # NOTE: on h's device (a GPU's)
-    for a in range(0, h.shape[0], MLP_ROWS):
-        rows = h[a:a + MLP_ROWS]
-        tag = f"mlp{rows.shape[0]}"  # NOTE: at most two chunk lengths, so two sets of buffers
-        g, u = norm_linear(rows, t, "gate_up", eps, scratch, tag).chunk(2, dim=1)
-        m = F.silu(g).mul_(u)
-        out[a:a + rows.shape[0]] = linear(*quantise_rows(m, t("in_down")), t("down" + W8), t("down" + WS),
-                                          add=rows, scratch=scratch, name=tag + ".down")
-    return out
+    g, u = y.chunk(2, dim=1)
+    return F.silu(g).mul_(u)
 
 
-def _mlp(h: "torch.Tensor", t: Callable[[str], "torch.Tensor"], eps: float, scratch: Scratch) -> "torch.Tensor":
-    """The MLP of a w8a8x rung, speckv's SiLU (silu.py) in place of torch's: BF16 rows h (T, hidden) ->
-    h + down(silu_det(g) * u). On a CPU with AMX int8 tiles one native pass (``spk_mlp_amx.h``: the
-    (T, 2 * intermediate) product never exists whole), else ``MLP_ROWS`` rows at a time through the same
-    stages; the same bits either way (row-wise steps, exact integer sums)."""
+def _mlp(h: "torch.Tensor", t: Callable[[str], "torch.Tensor"], eps: float, scratch: Scratch,
+         own_silu: bool = False) -> "torch.Tensor":
+    """BF16 rows h (T, hidden) -> h + down(silu(g) * u), g and u = gate_up(norm(h)); ``own_silu``: with
+    speckv's SiLU (silu.py, the w8a8x rungs) in place of torch's, which on a CPU with AMX int8 tiles
+    runs as one native pass (``spk_mlp_amx.h``). Otherwise ``MLP_ROWS`` rows at a time: every step works
+    row by row (the batch invariance above), so the bits are the same either way, and the widest
+    activations, (T, 2 * intermediate) float32 and their int32 sums, never exist whole (~55 MiB at 2048
+    tokens of the embedded model)."""
     import torch
 
-    q, xs = quantise_rows(h, t("in_gate_up"))
-    xs = xs * torch.rsqrt(h.float().pow(2).mean(1) + eps)  # NOTE: as norm_linear (the norm cancels in q)
+    q, xs = stages.norm_quantise(h, t, "gate_up", eps)
     w_gu, s_gu, w_d, s_d, f_d = (t(n) for n in ("gate_up" + W8, "gate_up" + WS, "down" + W8, "down" + WS, "in_down"))
-    out = scratch_buffer(scratch, "h.down", tuple(h.shape), torch.bfloat16, h.device)
+    out = scratch_buffer(scratch, "h.down", tuple(h.shape), torch.bfloat16, h.device)  # NOTE: on h's device (a GPU's)
     (T, H), (n, inter) = h.shape, w_d.shape
-    nat = stages._native() if h.device.type == "cpu" and T else None
+    nat = stages._native() if own_silu and h.device.type == "cpu" and T else None
     if nat is not None and hasattr(nat, "w8a8_amx_mlp") and stages._amx_fits(nat, H, 2 * inter) \
             and stages._amx_fits(nat, inter, n):
         xs2 = torch.empty(T, dtype=torch.float32)
@@ -273,6 +266,13 @@ def _mlp(h: "torch.Tensor", t: Callable[[str], "torch.Tensor"], eps: float, scra
         if not bool(torch.isfinite(xs2).all()):
             raise ActivationRangeError("a non-finite activation reached a w8a8 linear")
         return out
+    act = silu_mul if own_silu else _silu_mul_torch
+    for a in range(0, T, MLP_ROWS):
+        b = min(T, a + MLP_ROWS)
+        tag = f"mlp{b - a}"  # NOTE: at most two chunk lengths, so two sets of buffers
+        y = linear(q[a:b], xs[a:b], w_gu, s_gu, scratch=scratch, name=tag + ".gate_up")
+        out[a:b] = linear(*quantise_rows(act(y), f_d), w_d, s_d, add=h[a:b], scratch=scratch, name=tag + ".down")
+    return out
     for a in range(0, T, MLP_ROWS):
         b = min(T, a + MLP_ROWS)
         y = linear(q[a:b], xs[a:b], w_gu, s_gu, scratch=scratch, name=f"mlp{b - a}.gate_up")

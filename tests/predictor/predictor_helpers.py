@@ -26,3 +26,18 @@ def every_path_digest(model, ids, monkeypatch) -> dict[str, str]:
     monkeypatch.setattr(target_mod, "COMPUTE_THREADS", 1)
     out["1 thread"] = mu_digest(portable_kv(model, ids))
     return out
+
+
+def w8a8_three_ways(monkeypatch, run):
+    """``run()`` as it runs here (AMX where granted), with the native stages but no AMX, and in torch
+    (``w8a8.NATIVE`` off): three results that must be the same bits."""
+    from speckv.predictor import w8a8
+
+    got = run()
+    monkeypatch.setattr(w8a8, "NATIVE_AMX", False)
+    composed = run()
+    monkeypatch.setattr(w8a8, "NATIVE", False)
+    ref = run()
+    monkeypatch.setattr(w8a8, "NATIVE", True)
+    monkeypatch.setattr(w8a8, "NATIVE_AMX", True)
+    return got, composed, ref

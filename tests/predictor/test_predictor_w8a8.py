@@ -12,6 +12,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from predictor_helpers import w8a8_three_ways
 
 from speckv.errors import CheckpointError, PinMismatchError
 from speckv.predictor import products, w8a8
@@ -99,11 +100,7 @@ def _linear_case(m: int, k: int, n: int, extreme: bool = False):
 
 def _three_ways(monkeypatch, q, xs, w8, ws, add):
     """``linear`` as it runs here (AMX where granted), without AMX, and the torch reference."""
-    got = w8a8.linear(q, xs, w8, ws, add=add)
-    monkeypatch.setattr(w8a8, "NATIVE_AMX", False)
-    two_pass, ref = w8a8.linear(q, xs, w8, ws, add=add), w8a8.linear(q, xs, w8, ws, add=add, native=False)
-    monkeypatch.setattr(w8a8, "NATIVE_AMX", True)
-    return got, two_pass, ref
+    return w8a8_three_ways(monkeypatch, lambda: w8a8.linear(q, xs, w8, ws, add=add))
 
 
 @NATIVE

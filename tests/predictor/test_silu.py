@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from predictor_helpers import w8a8_three_ways
 
 from speckv.predictor import silu, w8a8, w8a8_pass
 from speckv.predictor.ladder import Rung, parse_rung
@@ -77,15 +78,9 @@ def _mlp_case(m: int, k: int, inter: int, n: int, seed: int):
 
 
 def _mlps(monkeypatch, h, t):
-    """w8a8_pass._mlp as it runs here (AMX where granted), composed of native stages, and in torch."""
-    got = w8a8_pass._mlp(h, t.__getitem__, 1e-5, {}).clone()
-    monkeypatch.setattr(w8a8, "NATIVE_AMX", False)
-    composed = w8a8_pass._mlp(h, t.__getitem__, 1e-5, {}).clone()
-    monkeypatch.setattr(w8a8, "NATIVE", False)
-    ref = w8a8_pass._mlp(h, t.__getitem__, 1e-5, {}).clone()
-    monkeypatch.setattr(w8a8, "NATIVE", True)
-    monkeypatch.setattr(w8a8, "NATIVE_AMX", True)
-    return got, composed, ref
+    """w8a8_pass._mlp of a w8a8x rung as it runs here (AMX where granted), composed of native stages,
+    and in torch."""
+    return w8a8_three_ways(monkeypatch, lambda: w8a8_pass._mlp(h, t.__getitem__, 1e-5, {}, own_silu=True).clone())
 
 
 @NATIVE
@@ -113,7 +108,7 @@ def test_a_non_finite_row_is_a_typed_error_on_every_path(monkeypatch, where):
         monkeypatch.setattr(w8a8, "NATIVE", native)
         monkeypatch.setattr(w8a8, "NATIVE_AMX", amx)
         with pytest.raises(w8a8.ActivationRangeError):
-            w8a8_pass._mlp(h, t.__getitem__, 1e-5, {})
+            w8a8_pass._mlp(h, t.__getitem__, 1e-5, {}, own_silu=True)
 
 
 @NATIVE
