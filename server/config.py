@@ -43,7 +43,10 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"
     max_inflight_bytes: int = 1 << 30  # KV bytes buffered by all transfers together
     max_transfers: int = 64  # concurrent transfers (each also holds its predictor mu)
-    mu_cache_bytes: int = 256 << 20  # finished predictor passes kept by prompt (server/mu_cache.py); 0 = off
+    # NOTE: predictor passes kept by prompt (server/mu_cache.py; 0 = off), running ones counted: a pass's
+    # mu is as large as its KV (45 MiB at 2,048 tokens of the embedded model), so 256 MiB of distinct
+    # prompts' mu took a decoder to 709 MiB, 2.8x the target's weights (benchmarks/load.py, six prompts)
+    mu_cache_bytes: int = 64 << 20
     max_tokens: int | None = None  # prompt length limit per transfer; None = the served model's context
     message_bytes: int = PART_BYTES  # largest payload per gRPC message (parts)
     max_receive_bytes: int = MAX_MESSAGE_BYTES  # gRPC max receive message length

@@ -37,7 +37,7 @@ from speckv.v1 import decoder_pb2_grpc as dgrpc
 from speckv.wire import RecordAssembler, dtype_of, fp8_attention_of, heads_of, layer_bytes, shape_of
 
 from . import tracing
-from .aio import drain_batch, drain_requests, peer_host
+from .aio import batch_limit, drain_batch, drain_requests, peer_host
 from .auth import authorize, parse_allow
 from .budget import ByteBudget
 from .config import ServerConfig
@@ -282,9 +282,9 @@ class DecoderService(FetchService, dgrpc.DecoderServiceServicer):
 
     async def _decode_loop(self, t: DecoderTransfer, h: ct.StreamHeader, mu: LayerMu | None,
                            queue: asyncio.Queue, labels: tuple[str, str]) -> None:
-        """Decode queued chunks; whatever has queued up is decoded in one vectorised pass."""
+        """Decode queued chunks; whatever has queued up (``BATCH_BYTES`` at most) in one vectorised pass."""
         lb = layer_bytes(h.shape, dtype_of_header(h))
-        while batch := await drain_batch(queue):
+        while batch := await drain_batch(queue, batch_limit(lb * h.layers_per_chunk)):
             chunks = [c for c, _ in batch]
             for (c, wire), bits in zip(batch, await self._decode(t, h, mu, chunks), strict=True):
                 raw = lb * c.layer_count  # reserved with the record; FetchKV releases it per layer

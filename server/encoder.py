@@ -40,7 +40,7 @@ from speckv.v1 import encoder_pb2_grpc as egrpc
 from speckv.wire import LayerAssembler, bad, dtype_of, fp8_attention_of, heads_of, layer_bytes, shape_of
 
 from . import tracing
-from .aio import drain_batch, peer_host, watched
+from .aio import batch_limit, drain_batch, peer_host, watched
 from .auth import authorize, parse_allow
 from .budget import ByteBudget
 from .channels import DecoderChannels
@@ -57,7 +57,6 @@ from .token_ranges import TokenRanges
 from .transfers import check_request_id
 
 logger = logging.getLogger(__name__)
-ENCODE_BATCH_BYTES = 4 << 20  # raw KV coded in one pass at most (a chunk at least)
 
 
 # HOST:PORT: a DNS name or IPv4 address, or a bracketed IPv6 address; grpc would fail
@@ -325,11 +324,9 @@ class EncoderService(egrpc.EncoderServiceServicer):
         return TokenRanges(job.header.dtype, job.h.shape)
 
     async def _send_loop(self, job: Job, call, queue: asyncio.Queue, checks: Checks) -> None:
-        """Code ready chunks (what queued up, ENCODE_BATCH_BYTES at most, in one pass) and write their records."""
+        """Code ready chunks (what queued up, BATCH_BYTES at most, in one pass) and write their records."""
         lb = layer_bytes(job.h.shape, dtype_of(job.header.dtype)[1].itemsize)
-        # NOTE: at most ENCODE_BATCH_BYTES coded before its records go: the decoder starts on the
-        # first chunk while the later ones are coded (one whole-KV batch would serialise the two)
-        limit = max(1, ENCODE_BATCH_BYTES // max(1, lb * job.h.layers_per_chunk))
+        limit = batch_limit(lb * job.h.layers_per_chunk)  # NOTE: the decoder starts on the first meanwhile
         while batch := await drain_batch(queue, limit):
             start = job.h.chunk_layers(batch[0])[0]
             stop = sum(job.h.chunk_layers(batch[-1]))

@@ -8,6 +8,10 @@ one, finished or still computing, or a new pass) and whether it was a hit;
 transfer uses any more and that has not finished is stopped at its next layer
 and dropped; finished passes stay, least recently used first out, while their
 bytes fit ``max_bytes`` (0 disables the cache: every transfer runs its own pass).
+Running passes count toward ``max_bytes`` too: a new pass evicts finished ones
+until both fit, so a budget below two prompts' mu (the default, 64 MiB: one
+2,048-token prompt of the embedded model) keeps the last prompt for a retry but
+never beside the next prompt's pass, which would stack two prompts' mu.
 
 NOTE: keyed by the exact prompt token ids (sha256 of their int64 bytes). mu of a
 prompt's prefix is NOT reused for a longer prompt: another sequence length may

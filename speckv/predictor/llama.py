@@ -254,8 +254,9 @@ def _module_class() -> type:
                     att = amx_attend(q, key, value, fp8[0], i)
                 h = h + linear(attend(q, key, value) if att is None else att, self.w(i, "self_attn.o_proj"))
                 x = rms_norm(h, self.w(i, "post_attention_layernorm"), self.eps)
-                gate = torch.nn.functional.silu(linear(x, self.w(i, "mlp.gate_proj")))
-                h = h + linear(gate * linear(x, self.w(i, "mlp.up_proj")), self.w(i, "mlp.down_proj"))
+                # NOTE: in place, the same kernels and bits: at 2,048 tokens two fewer (T, 1536) BF16 temporaries
+                gate = torch.nn.functional.silu(linear(x, self.w(i, "mlp.gate_proj")), inplace=True)
+                h = h + linear(gate.mul_(linear(x, self.w(i, "mlp.up_proj"))), self.w(i, "mlp.down_proj"))
             return h, layers
 
     return ExactHead

@@ -80,7 +80,7 @@ def test_help_shows_every_default(argv):
 def test_serve_help_sizes_as_quantities():
     text = re.sub(r"\s+", " ", run("serve", "--help").stdout)
     assert "[SPECKV_MAX_INFLIGHT_BYTES] (default: 1Gi)" in text
-    assert "[SPECKV_MU_CACHE_BYTES] (default: 256Mi)" in text
+    assert "[SPECKV_MU_CACHE_BYTES] (default: 64Mi)" in text
     assert "[SPECKV_LISTEN] (default: 127.0.0.1:0)" in text
     assert "[SPECKV_LOG_LEVEL] (default: info)" in text
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 
@@ -142,3 +143,51 @@ def test_memprobe_decodes_a_stream_and_reports_its_peak(derived, tiny_model_dir,
     assert np.array_equal(back, kv.contiguous().view(torch.int16).numpy().view(np.uint16))
     bad = subprocess.run(enc[:-6], capture_output=True, text=True, timeout=300)  # no --out
     assert bad.returncode == 2 and "needs --kv and --out" in bad.stderr
+
+
+ARENAS_CHILD = """
+import contextlib, ctypes, sys, tempfile, threading
+import numpy as np
+from speckv.server.memory import loading_arena
+libc = ctypes.CDLL("libc.so.6")
+libc.fopen.restype = ctypes.c_void_p
+with loading_arena() if sys.argv[1] == "arena" else contextlib.nullcontext():
+    pass
+together = threading.Barrier(4)
+def work():  # four threads allocating at once, as a sidecar's predictor, coder and gRPC threads do
+    block = np.ones(1 << 20, np.uint8)
+    together.wait()
+    del block
+threads = [threading.Thread(target=work) for _ in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+with tempfile.NamedTemporaryFile() as f:  # glibc's own account: one <heap> element per arena
+    fp = ctypes.c_void_p(libc.fopen(f.name.encode(), b"w"))
+    libc.malloc_info(0, fp)
+    libc.fclose(fp)
+    print(open(f.name).read().count("<heap nr="))
+"""
+
+
+def arenas_in_child(mode: str, env: dict[str, str] | None = None) -> int:
+    out = subprocess.run([sys.executable, "-c", ARENAS_CHILD, mode], capture_output=True, text=True, timeout=60,
+                         check=True, env=None if env is None else {**os.environ, **env})
+    return int(out.stdout)
+
+
+def test_serving_threads_share_one_arena_unless_the_environment_says(monkeypatch):
+    """After ``loading_arena`` (a sidecar's load), threads allocating at once share glibc's one arena
+    (each kept its own, resident, before); an arena count in the environment is left as it is."""
+    if memory.glibc() is None:
+        pytest.skip("not glibc: loading_arena does nothing here")
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert memory.arenas_from_environment() is False
+    assert arenas_in_child("plain") >= 3
+    assert arenas_in_child("arena") == memory.SERVING_ARENAS == 1
+    assert arenas_in_child("arena", {"MALLOC_ARENA_MAX": "2"}) == 2
+    assert arenas_in_child("arena", {"GLIBC_TUNABLES": "glibc.malloc.arena_max=3"}) == 3
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=3")
+    assert memory.arenas_from_environment() is True

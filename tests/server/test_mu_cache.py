@@ -93,3 +93,27 @@ def test_lru_eviction_within_the_byte_cap_and_zero_disables():
         again, hit = off.take(rt, np.arange(4))
         assert not hit and again is not mu and len(off) == 0
     run(go())
+
+
+def test_a_running_pass_counts_so_a_finished_one_never_stays_beside_it():
+    """The byte cap holds one prompt's mu (the default's shape): the next prompt's pass, still
+    running, evicts the finished one at once, so two prompts' mu are never resident together; a
+    finished pass some transfer still uses stays until given back."""
+    async def go():
+        rt, cache = Runtime(), MuCache(nbytes(5) + nbytes(4) - 1)
+        first, _ = cache.take(rt, np.arange(4))
+        await first.done()
+        cache.give_back(first)
+        rt.predictor.gate.clear()  # the next pass stops before its first layer
+        second, hit = cache.take(rt, np.arange(5))
+        assert not hit and second.count == 0
+        assert len(cache) == 1 and cache.nbytes == nbytes(5)  # first went when second started
+        rt.predictor.gate.set()
+        await second.done()
+        third, _ = cache.take(rt, np.arange(6))  # second is still in use: it stays beside third
+        assert len(cache) == 2 and cache.nbytes == nbytes(5) + nbytes(6)
+        await third.done()
+        cache.give_back(second)  # out of use now, and it does not fit beside third
+        assert len(cache) == 1 and cache.nbytes == nbytes(6)
+        cache.give_back(third)
+    run(go())
