@@ -13,7 +13,8 @@ from speckv.errors import RpcError
 MAX_BATCH = 64  # chunks decoded (or coded) in one pass at most
 # NOTE: and at most this much raw KV (a chunk at least): the encoder's records go, and the decoder's
 # layers reach FetchKV, while the next batch is coded; a whole-KV batch would serialise the two sides
-# and hold the whole KV at once (a cached-mu transfer of 2,048 tokens: ~15 MiB more decoder peak)
+# and hold the whole KV at once (2,048 tokens, mu cached: loopback 58-64 MB/s with whole-queue decode
+# batches, 101-105 with these; benchmarks/RESULTS.md, "A serving sidecar's memory")
 BATCH_BYTES = 4 << 20
 
 T = TypeVar("T")

@@ -15,9 +15,10 @@ It also caps glibc at one arena (``SERVING_ARENAS``) for the process's life: eac
 thread that allocates (the predictor's, the coder's workers, gRPC's) otherwise gets an
 arena of its own, up to 8 per core, and each keeps the blocks freed in it resident
 for its own next use: the predictor's activations, then a decode's, then a gRPC
-message's, side by side. Measured here (``benchmarks/load.py --clients 1 --tokens
-2048``, uncached passes): decoder peak 530 MiB with glibc's default, 501-506 with one
-arena, the encoder 624-644 against 562-580, the same transfer times. A
+message's, side by side. Measured here (four uncached 2048-token transfers through
+two sidecar processes, load.py's loop with ``SPECKV_MU_CACHE_BYTES=0``): decoder peak
+530-531 MiB with glibc's default, 501-506 with one arena, the encoder 624-644 against
+562-580, the same transfer times (benchmarks/RESULTS.md, "A serving sidecar's memory"). A
 ``MALLOC_ARENA_MAX`` or ``GLIBC_TUNABLES`` arena setting in the environment wins.
 Elsewhere than glibc it does nothing.
 
