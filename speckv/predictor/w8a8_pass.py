@@ -273,9 +273,3 @@ def _mlp(h: "torch.Tensor", t: Callable[[str], "torch.Tensor"], eps: float, scra
         y = linear(q[a:b], xs[a:b], w_gu, s_gu, scratch=scratch, name=tag + ".gate_up")
         out[a:b] = linear(*quantise_rows(act(y), f_d), w_d, s_d, add=h[a:b], scratch=scratch, name=tag + ".down")
     return out
-    for a in range(0, T, MLP_ROWS):
-        b = min(T, a + MLP_ROWS)
-        y = linear(q[a:b], xs[a:b], w_gu, s_gu, scratch=scratch, name=f"mlp{b - a}.gate_up")
-        out[a:b] = linear(*quantise_rows(silu_mul(y), f_d), w_d, s_d, add=h[a:b], scratch=scratch,
-                          name=f"mlp{b - a}.down")
-    return out
