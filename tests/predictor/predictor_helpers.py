@@ -33,11 +33,12 @@ def w8a8_three_ways(monkeypatch, run):
     (``w8a8.NATIVE`` off): three results that must be the same bits."""
     from speckv.predictor import w8a8
 
+    native, amx = w8a8.NATIVE, w8a8.NATIVE_AMX
     got = run()
     monkeypatch.setattr(w8a8, "NATIVE_AMX", False)
     composed = run()
     monkeypatch.setattr(w8a8, "NATIVE", False)
     ref = run()
-    monkeypatch.setattr(w8a8, "NATIVE", True)
-    monkeypatch.setattr(w8a8, "NATIVE_AMX", True)
+    monkeypatch.setattr(w8a8, "NATIVE", native)  # NOTE: as they were (False where nothing is built)
+    monkeypatch.setattr(w8a8, "NATIVE_AMX", amx)
     return got, composed, ref
