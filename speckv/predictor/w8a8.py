@@ -66,6 +66,10 @@ Q_MAX = 127.0  # int8 range of weights and activations, symmetric
 SMOOTH_ALPHA = 0.6  # SmoothQuant's migration strength: s = amax_x^a / amax_w^(1 - a)
 SMOOTH_LIMIT = 24  # |e| bound: 2^e stays far from float32 under- and overflow
 NORMS = ("input_layernorm", "post_attention_layernorm")
+# RMSNorm's FP32 mean of squares runs over blocks of this many token rows (two (T, hidden) FP32
+# temporaries, 9.4 MB at 2,048 tokens, become a block's). A row's sum does not depend on the rows
+# beside it (torch reduces each row alone, blocks of 1 to 4,096 rows checked bit for bit).
+NORM_ROWS = 512
 FUSED: dict[str, tuple[str, ...]] = {
     "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
     "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
@@ -341,7 +345,9 @@ def norm_quantise(h: "torch.Tensor", t: Callable[[str], "torch.Tensor"], f: str,
     import torch
 
     q, xs = quantise_rows(h, t("in_" + f))
-    return q, xs * torch.rsqrt(h.float().pow(2).mean(1) + eps)  # NOTE: the norm's per-row factor cancels in q
+    for a in range(0, h.shape[0], NORM_ROWS):  # NOTE: the norm's per-row factor cancels in q
+        xs[a:a + NORM_ROWS] *= torch.rsqrt(h[a:a + NORM_ROWS].float().pow(2).mean(1) + eps)
+    return q, xs
 
 
 def norm_linear(h: "torch.Tensor", t: Callable[[str], "torch.Tensor"], f: str, eps: float,

@@ -61,6 +61,19 @@ def test_tiny_head_is_the_target_bit_for_bit(tiny_target, tokens, k):
     assert_same(tiny_target, k, ids)
 
 
+@pytest.mark.parametrize("tokens, rows, blocks", [(300, 128, [128, 172]), (256, 128, [128, 128]),
+                                                  (255, 128, [255]), (300, 512, [300])])
+def test_tiny_head_runs_its_mlp_in_row_blocks(tiny_target, monkeypatch, tokens, rows, blocks):
+    """Blocks of ``MLP_ROWS`` rows, the last one taking the rest (never a short block), the same bits."""
+    monkeypatch.setattr(llama, "MLP_ROWS", rows)
+    seen: list[int] = []
+    real = llama.linear
+    monkeypatch.setattr(llama, "linear", lambda x, w: seen.append(x.shape[0]) or real(x, w))
+    ids = np.random.default_rng(tokens).integers(0, tiny_target.config.vocab_size, tokens)
+    assert_same(tiny_target, 1, ids)
+    assert seen == [tokens] * 4 + [n for n in blocks for _ in range(3)]  # q, k, v, o; then gate, up, down
+
+
 @pytest.mark.parametrize("toward_zero", [False, True])
 def test_tiny_head_reads_fp8_as_the_engine(tiny_target, toward_zero):
     ids = np.random.default_rng(5).integers(0, tiny_target.config.vocab_size, 64)
@@ -73,7 +86,7 @@ def test_tiny_head_reads_fp8_as_the_engine(tiny_target, toward_zero):
     assert not torch.equal(bits(h_plain), bits(h_fp8))  # the rounding reached the attention
 
 
-@pytest.mark.parametrize("tokens", [1, 97, 2048])
+@pytest.mark.parametrize("tokens", [1, 97, 1100, 2048])  # MLP row blocks: none, none, 512 + 588, 4 x 512
 def test_embedded_head_is_the_target_bit_for_bit(embedded_target, corpus_file, tokens):
     text = corpus_file("tinyshakespeare.txt").read_text()[:40000]
     ids = embedded_target.tokenize(text, tokens)
