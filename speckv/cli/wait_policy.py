@@ -1,4 +1,5 @@
-"""How long a sidecar's idle OpenMP workers spin, and a target prefill timed under the engine's own.
+"""How long a sidecar's idle OpenMP workers spin, whether MKL caches its buffers, and a target
+prefill timed under the engine's own.
 
 torch's OpenMP workers (libgomp) spin after each parallel op, 300,000 rounds by default, before
 they sleep. In a predictor pass torch ops alternate with the native kernels, whose own thread
@@ -7,8 +8,16 @@ therefore bounds the spin (``GOMP_SPINCOUNT``, a wait policy: it changes no bit)
 ~13% faster on the 2-core AMX Xeon, while a plain torch prefill gets ~5% slower under the same
 setting, so an engine keeps libgomp's default (``benchmarks/omp_spin.py``, RESULTS.md).
 
-NOTE: libgomp reads its environment once, when torch first loads it; ``use_sidecar_policy``
-must run before anything imports torch, and an operator's own ``GOMP_SPINCOUNT`` wins.
+A sidecar also turns off MKL's own memory manager (``MKL_DISABLE_FAST_MM=1``), which keeps
+the buffers of the FP32 GEMMs it served (the exact head's linears) for the next call of that
+size. It changes no bit and no transfer time within noise; four uncached 2,048-token prompts in
+a loop (``benchmarks/load.py --clients 1 --tokens 2048,2040,...``) peaked at 497-498 MiB in the
+decoder with it and 503-509 without, the encoder at 539-542 against 553-558.
+
+NOTE: libgomp and MKL read their environment once, when torch first loads them;
+``use_sidecar_policy`` must run before anything imports torch, and an operator's own
+``GOMP_SPINCOUNT`` or ``MKL_DISABLE_FAST_MM`` is kept (MKL reads that one's presence: any value
+turns its manager off).
 
 ``TargetTimer`` times the target's prefill in a child process that runs under the environment
 the command started with (the engine's), so ``speckv bench`` compares the predictor under the
@@ -29,19 +38,22 @@ import numpy as np
 
 SPIN_VAR = "GOMP_SPINCOUNT"
 SIDECAR_SPINCOUNT = "10000"  # rounds; libgomp's default is 300000 (benchmarks/omp_spin.py)
+MKL_FAST_MM_VAR = "MKL_DISABLE_FAST_MM"
+SIDECAR_MKL_FAST_MM = "1"  # MKL frees its buffers as the sidecar's allocator does (module docstring)
 
 _engine_env: dict[str, str] | None = None  # the environment before use_sidecar_policy changed it
 
 
 def use_sidecar_policy() -> str:
-    """Set the sidecar's spin count for this process unless the operator set one; the policy in
-    force (``policy()``). Once torch is loaded (a caller in-process, a test) libgomp has read its
-    setting already, and nothing is changed."""
+    """Set the sidecar's spin count and MKL's buffer policy for this process where the operator set
+    none; the spin policy in force (``policy()``). Once torch is loaded (a caller in-process, a
+    test) libgomp and MKL have read their settings already, and nothing is changed."""
     global _engine_env
     if _engine_env is None:
         _engine_env = dict(os.environ)
     if "torch" not in sys.modules:
         os.environ.setdefault(SPIN_VAR, SIDECAR_SPINCOUNT)
+        os.environ.setdefault(MKL_FAST_MM_VAR, SIDECAR_MKL_FAST_MM)
     return policy()
 
 

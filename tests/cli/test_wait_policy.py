@@ -24,7 +24,8 @@ print(json.dumps({"torch_before": before, "value": value, "env": os.environ.get(
 
 
 def probe(env_extra: dict[str, str], code: str = PROBE) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != wait_policy.SPIN_VAR} | env_extra
+    unset = (wait_policy.SPIN_VAR, wait_policy.MKL_FAST_MM_VAR)
+    env = {k: v for k, v in os.environ.items() if k not in unset} | env_extra
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -46,6 +47,34 @@ def test_after_torch_nothing_changes():
     assert (r["value"], r["env"], r["engine"]) == ("default", None, "default")
 
 
+MKL_PROBE = """
+import ctypes, json, os, sys
+from speckv.cli import wait_policy as w
+if sys.argv[1] == "sidecar":
+    w.use_sidecar_policy()
+import torch
+x = torch.ones(256, 256)
+x @ x  # an FP32 GEMM through MKL (torch's BLAS on x86)
+lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+print(json.dumps({"env": os.environ.get(w.MKL_FAST_MM_VAR), "fast_mm_off": lib.mkl_serv_get_fast_mm_status()}))
+"""
+
+
+@pytest.mark.parametrize("role, extra, want", [
+    ("sidecar", {}, {"env": "1", "fast_mm_off": 1}),
+    ("engine", {}, {"env": None, "fast_mm_off": 0}),  # a plain process keeps MKL's default
+    ("sidecar", {"MKL_DISABLE_FAST_MM": "yes"}, {"env": "yes", "fast_mm_off": 1}),  # kept; MKL reads presence
+])
+def test_a_sidecar_turns_mkls_buffer_cache_off(role, extra, want):
+    """MKL (linked into torch's CPU library) reports its own memory manager off, as it read the
+    variable when torch loaded it."""
+    env = {k: v for k, v in os.environ.items() if k not in (wait_policy.SPIN_VAR, wait_policy.MKL_FAST_MM_VAR)}
+    out = subprocess.run([sys.executable, "-c", MKL_PROBE, role], env=env | extra, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == want
+
+
 def test_serve_sets_it_before_the_server_loads_torch():
     """``speckv serve`` sets the policy first: the server (stubbed here, after its imports) finds it set."""
     code = """
@@ -53,12 +82,13 @@ import json, os, sys
 import speckv.server.app as app
 async def stub(config):
     import torch  # noqa: F401 -- libgomp loads now, under the policy
-    print(json.dumps({"env": os.environ.get("GOMP_SPINCOUNT"), "role": config.role}))
+    print(json.dumps({"env": os.environ.get("GOMP_SPINCOUNT"), "mkl": os.environ.get("MKL_DISABLE_FAST_MM"),
+                      "role": config.role}))
 app.serve = stub
 from speckv.cli.main import main
 sys.exit(main(["serve", "decoder", "--listen", "127.0.0.1:0"]))
 """
-    assert probe({}, code) == {"env": "10000", "role": "decoder"}
+    assert probe({}, code) == {"env": "10000", "mkl": "1", "role": "decoder"}
 
 
 @pytest.fixture(scope="module")
