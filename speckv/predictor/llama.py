@@ -61,6 +61,10 @@ CONFIG_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num
 # reduction, not the output, across threads (two threads, down_proj's K = 1536, under ~256
 # rows) or runs a GEMV (one row), and bits change; so no block is under MLP_ROWS.
 # tests/predictor/test_llama.py checks blocked prompts against the target bit for bit.
+# NOTE: blocks quadruple the MLP's GEMM calls. Beside another busy process on the same core
+# (a prefill engine), each call's OpenMP barrier can wait out that process's time slice. The head
+# then runs 20% slower (0.82 -> 0.99 s at 2,048 tokens, one core, a BF16 GEMM loop beside it;
+# 3.5% alone). So an encoder sidecar sets ``mlp_rows = None`` (server/runtime.py).
 MLP_ROWS = 512
 
 Emit = Callable[[int, "torch.Tensor"], None]  # (layer, its K/V (2, kv_heads, T, head_dim) BF16)
@@ -232,6 +236,7 @@ def _module_class() -> type:
             if any(getattr(config, b, False) for b in ("attention_bias", "mlp_bias")):
                 raise CheckpointError(f"{rung}: biased linears are not supported yet")
             self.embed = torch.nn.Parameter(state[EMBED], requires_grad=False)
+            self.mlp_rows: int | None = MLP_ROWS  # None: the MLP over the whole prompt (the same bits)
             self.slots = {n: f"w{j}" for j, n in enumerate(names[1:])}
             for n, slot in self.slots.items():
                 self.register_buffer(slot, state[n], persistent=False)
@@ -263,7 +268,8 @@ def _module_class() -> type:
                     att = amx_attend(q, key, value, fp8[0], i)
                 h = h + linear(attend(q, key, value) if att is None else att, self.w(i, "self_attn.o_proj"))
                 x = rms_norm(h, self.w(i, "post_attention_layernorm"), self.eps)
-                cuts = [j * MLP_ROWS for j in range(max(1, T // MLP_ROWS))] + [T]  # the last block takes the rest
+                rows = self.mlp_rows or T
+                cuts = [j * rows for j in range(max(1, T // rows))] + [T]  # the last block takes the rest
                 for a, b in zip(cuts[:-1], cuts[1:], strict=True):  # h is this layer's own sum: add in place
                     h[a:b] += self.mlp(i, x[a:b])
             return h, layers
