@@ -84,7 +84,6 @@ class Runtime:
         batcher = PredictorBatcher(predictor, config.predictor_batch_tokens) \
             if config.predictor_batch_tokens and getattr(predictor, "batches", False) else None
         model_id = config.model_id or predictor.checkpoint.manifest["target"]["name"]
-        fit_head(predictor, config.role)
         runtime = cls(codec, predictor, model_id, batcher=batcher)
         check_max_tokens(config, runtime.context, runtime.model_id)
         return runtime
@@ -175,14 +174,3 @@ def check_max_tokens(config: "ServerConfig", context: int | None, model: str) ->
                          f"of {model}: {context} tokens (max_position_embeddings); leave it unset to take the "
                          "context")
 
-
-def fit_head(predictor: "Predictor", role: str) -> None:
-    """The exact head's MLP as this role runs it (the same bits either way): in row blocks on a
-    decoder, whose peak they keep under twice the target's weights while it decodes beside its pass
-    (issue 16's bar); over the whole prompt on an encoder, which shares its node's cores with the
-    prefill engine, where blocks slow the head (``speckv.predictor.llama.MLP_ROWS``)."""
-    from speckv.predictor.llama import MLP_ROWS
-
-    head: Any = getattr(getattr(predictor, "model", None), "head", None)
-    if hasattr(head, "mlp_rows"):
-        head.mlp_rows = None if role == "encoder" else MLP_ROWS

@@ -10,10 +10,10 @@ setting, so an engine keeps libgomp's default (``benchmarks/omp_spin.py``, RESUL
 
 A sidecar also turns off MKL's own memory manager (``MKL_DISABLE_FAST_MM=1``), which keeps
 the buffers of the FP32 GEMMs it served (the exact head's linears) for the next call of that
-size. It changes no bit and no transfer time within noise; four uncached 2,048-token prompts in
-a loop (``benchmarks/load.py --clients 1 --tokens 2048,2040,...``) peaked at 497-498 MiB in the
-decoder with it and 503-509 without, the encoder at 539-542 against 553-558 (both sidecars then
-ran the exact head's MLP in row blocks; an encoder now runs it whole, server/runtime.py).
+size. It changes no bit and no transfer time within noise; six distinct prompts of 2,000-2,048
+tokens in a loop (``benchmarks/load.py --clients 1 --seconds 40 --tokens 2048,2040,...``, two runs
+each) peaked at 497-498 MiB in the decoder with it and 503-509 without, the encoder at 539-542
+against 553-558.
 
 NOTE: libgomp and MKL read their environment once, when torch first loads them;
 ``use_sidecar_policy`` must run before anything imports torch, and an operator's own

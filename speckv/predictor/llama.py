@@ -60,12 +60,17 @@ CONFIG_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num
 # result depends on the rows beside it when the block is small: the BLAS then splits the
 # reduction, not the output, across threads (two threads, down_proj's K = 1536, under ~256
 # rows) or runs a GEMV (one row), and bits change; so no block is under MLP_ROWS.
-# tests/predictor/test_llama.py checks blocked prompts against the target bit for bit.
-# NOTE: blocks quadruple the MLP's GEMM calls. Beside another busy process on the same core
-# (a prefill engine), each call's OpenMP barrier can wait out that process's time slice. The head
-# then runs 20% slower (0.82 -> 0.99 s at 2,048 tokens, one core, a BF16 GEMM loop beside it;
-# 3.5% alone). So an encoder sidecar sets ``mlp_rows = None`` (server/runtime.py).
+# Wider MLPs are not so lucky: with K = 4096 or 8192 (a 1B Llama's down_proj), 512-row blocks
+# changed 186-747 of a (T, 2048) product's elements at 1100 and 2048 tokens. So a head uses blocks
+# only where ``blocks_keep_bits`` finds them equal to the whole prompt for its own weights, on
+# the CPU, and both sidecars run the same plan (NOTE: never blocks on one side and the whole
+# prompt on the other: their mu would then rest on the BLAS giving a row the same bits in any
+# block, which it does not promise). tests/predictor/test_llama.py checks blocked prompts
+# against the target bit for bit. Cost: blocks quadruple the MLP's GEMM calls; beside a busy
+# process on the same core (a prefill engine) each call's OpenMP barrier can wait out that
+# process's time slice, and the head ran 20% slower (0.82 -> 0.99 s at 2,048 tokens; 4% alone).
 MLP_ROWS = 512
+MLP_PROBE_ROWS = (3 * MLP_ROWS - 1, 4 * MLP_ROWS)  # a 2-block plan with a long tail, and 4 full blocks
 
 Emit = Callable[[int, "torch.Tensor"], None]  # (layer, its K/V (2, kv_heads, T, head_dim) BF16)
 
@@ -236,10 +241,10 @@ def _module_class() -> type:
             if any(getattr(config, b, False) for b in ("attention_bias", "mlp_bias")):
                 raise CheckpointError(f"{rung}: biased linears are not supported yet")
             self.embed = torch.nn.Parameter(state[EMBED], requires_grad=False)
-            self.mlp_rows: int | None = MLP_ROWS  # None: the MLP over the whole prompt (the same bits)
             self.slots = {n: f"w{j}" for j, n in enumerate(names[1:])}
             for n, slot in self.slots.items():
                 self.register_buffer(slot, state[n], persistent=False)
+            self.mlp_rows: int | None = MLP_ROWS if self.blocks_keep_bits() else None  # None: whole prompts
 
         def w(self, i: int, name: str) -> "torch.Tensor":
             return getattr(self, self.slots[f"model.layers.{i}.{name}.weight"])
@@ -268,11 +273,28 @@ def _module_class() -> type:
                     att = amx_attend(q, key, value, fp8[0], i)
                 h = h + linear(attend(q, key, value) if att is None else att, self.w(i, "self_attn.o_proj"))
                 x = rms_norm(h, self.w(i, "post_attention_layernorm"), self.eps)
-                rows = self.mlp_rows or T
-                cuts = [j * rows for j in range(max(1, T // rows))] + [T]  # the last block takes the rest
-                for a, b in zip(cuts[:-1], cuts[1:], strict=True):  # h is this layer's own sum: add in place
+                rows = self.mlp_rows if h.device.type == "cpu" and self.mlp_rows else T
+                for a, b in row_blocks(T, rows):  # h is this layer's own sum: add in place
                     h[a:b] += self.mlp(i, x[a:b])
             return h, layers
+
+        def blocks_keep_bits(self) -> bool:
+            """Whether layer 0's MLP gives seeded rows the same bits in blocks as whole (``MLP_ROWS``),
+            at each of ``MLP_PROBE_ROWS``, under the forward passes' thread count; CPU weights only.
+            NOTE: at construction, outside any forward (``deterministic_torch``'s lock is not re-entrant)."""
+            from .target import deterministic_torch
+
+            if self.embed.device.type != "cpu" or self.k == 0:
+                return False
+            gen = torch.Generator().manual_seed(0)
+            with deterministic_torch():
+                for T in MLP_PROBE_ROWS:
+                    x = torch.randn(T, self.config.hidden_size, generator=gen).to(torch.bfloat16)
+                    whole = self.mlp(0, x)
+                    parts = torch.cat([self.mlp(0, x[a:b]) for a, b in row_blocks(T, MLP_ROWS)])
+                    if not torch.equal(whole.view(torch.int16), parts.view(torch.int16)):
+                        return False
+            return True
 
         def mlp(self, i: int, x: "torch.Tensor") -> "torch.Tensor":
             """down(silu(gate(x)) * up(x)) of rows x (rows, hidden) BF16."""
@@ -281,6 +303,13 @@ def _module_class() -> type:
             return linear(gate.mul_(linear(x, self.w(i, "mlp.up_proj"))), self.w(i, "mlp.down_proj"))
 
     return ExactHead
+
+
+def row_blocks(T: int, rows: int) -> list[tuple[int, int]]:
+    """[a, b) row blocks of T rows: ``rows`` each, the last taking the rest (none shorter than ``rows``
+    unless T is)."""
+    cuts = [j * rows for j in range(max(1, T // max(rows, 1)))] + [T]
+    return list(zip(cuts[:-1], cuts[1:], strict=True))
 
 
 def exact_head(config: Any, state: dict[str, "torch.Tensor"], k: int, rung: str) -> Any:

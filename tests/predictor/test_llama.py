@@ -71,7 +71,27 @@ def test_tiny_head_runs_its_mlp_in_row_blocks(tiny_target, monkeypatch, tokens, 
     monkeypatch.setattr(llama, "linear", lambda x, w: seen.append(x.shape[0]) or real(x, w))
     ids = np.random.default_rng(tokens).integers(0, tiny_target.config.vocab_size, tokens)
     assert_same(tiny_target, 1, ids)
-    assert seen == [tokens] * 4 + [n for n in blocks for _ in range(3)]  # q, k, v, o; then gate, up, down
+    probe = sum(3 * (len(llama.row_blocks(T, rows)) + 1) for T in llama.MLP_PROBE_ROWS)  # at construction
+    assert seen[probe:] == [tokens] * 4 + [n for n in blocks for _ in range(3)]  # q, k, v, o; gate, up, down
+
+
+def test_a_head_whose_blocks_change_bits_runs_whole_prompts(tiny_target, monkeypatch):
+    """``blocks_keep_bits``: where a block's product differs from the whole prompt's (a wide MLP's
+    BLAS reduction; here a linear whose result depends on its row count), the head runs whole."""
+    monkeypatch.setattr(llama, "MLP_ROWS", 128)
+    assert llama.exact_head(tiny_target.config, dict(tiny_target.state), 1, "test").mlp_rows == 128
+    real = llama.linear
+    monkeypatch.setattr(llama, "linear", lambda x, w: real(x, w) + (x.shape[0] % 2))
+    head = llama.exact_head(tiny_target.config, dict(tiny_target.state), 1, "test")
+    assert head.mlp_rows is None
+    assert [(a, b) for a, b in llama.row_blocks(300, head.mlp_rows or 300)] == [(0, 300)]
+
+
+def test_row_blocks():
+    assert llama.row_blocks(0, 512) == [(0, 0)] and llama.row_blocks(1, 512) == [(0, 1)]
+    assert llama.row_blocks(1023, 512) == [(0, 1023)] and llama.row_blocks(1024, 512) == [(0, 512), (512, 1024)]
+    assert llama.row_blocks(2049, 512) == [(0, 512), (512, 1024), (1024, 1536), (1536, 2049)]
+    assert llama.row_blocks(0, 0) == [(0, 0)]  # a whole empty prompt (rows = T = 0)
 
 
 @pytest.mark.parametrize("toward_zero", [False, True])
@@ -88,6 +108,7 @@ def test_tiny_head_reads_fp8_as_the_engine(tiny_target, toward_zero):
 
 @pytest.mark.parametrize("tokens", [1, 97, 1100, 2048])  # MLP row blocks: none, none, 512 + 588, 4 x 512
 def test_embedded_head_is_the_target_bit_for_bit(embedded_target, corpus_file, tokens):
+    assert llama.exact_head(embedded_target.config, dict(embedded_target.state), 4, "test").mlp_rows == 512
     text = corpus_file("tinyshakespeare.txt").read_text()[:40000]
     ids = embedded_target.tokenize(text, tokens)
     assert len(ids) == tokens
