@@ -70,7 +70,10 @@ CONFIG_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num
 # process on the same core (a prefill engine) each call's OpenMP barrier can wait out that
 # process's time slice, and the head ran 20% slower (0.82 -> 0.99 s at 2,048 tokens; 4% alone).
 MLP_ROWS = 512
-MLP_PROBE_ROWS = (3 * MLP_ROWS - 1, 4 * MLP_ROWS)  # a 2-block plan with a long tail, and 4 full blocks
+# prompt lengths ``blocks_keep_bits`` checks: two full blocks, two with the longest tail, four full
+# blocks. NOTE: a sample, not a proof: both sidecars agree because they run the same plan, and the
+# check keeps a model's exact layers exact where it finds blocks change bits.
+MLP_PROBE_ROWS = (2 * MLP_ROWS, 3 * MLP_ROWS - 1, 4 * MLP_ROWS)
 
 Emit = Callable[[int, "torch.Tensor"], None]  # (layer, its K/V (2, kv_heads, T, head_dim) BF16)
 

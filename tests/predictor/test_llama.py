@@ -84,7 +84,11 @@ def test_a_head_whose_blocks_change_bits_runs_whole_prompts(tiny_target, monkeyp
     monkeypatch.setattr(llama, "linear", lambda x, w: real(x, w) + (x.shape[0] % 2))
     head = llama.exact_head(tiny_target.config, dict(tiny_target.state), 1, "test")
     assert head.mlp_rows is None
-    assert [(a, b) for a, b in llama.row_blocks(300, head.mlp_rows or 300)] == [(0, 300)]
+    seen: list[int] = []
+    monkeypatch.setattr(llama, "linear", lambda x, w: seen.append(x.shape[0]) or real(x, w))
+    with deterministic_torch():
+        head.run(torch.as_tensor(np.arange(300) % tiny_target.config.vocab_size))
+    assert seen == [300] * 7  # q, k, v, o, then gate, up and down over the whole prompt
 
 
 def test_row_blocks():
