@@ -54,12 +54,12 @@ CONFIG_DEFAULTS: dict[str, Any] = {
     "rope_theta": 10000.0, "rope_scaling": None, "rope_parameters": None}
 CONFIG_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
-# The MLP runs over blocks of MLP_ROWS to 2 * MLP_ROWS - 1 token rows (the last block takes
+# The MLP runs over blocks of HEAD_MLP_ROWS to 2 * HEAD_MLP_ROWS - 1 token rows (the last block takes
 # the rest): at 2,048 tokens its FP32 products and BF16 temporaries (T, intermediate) shrink
 # fourfold, and a lone pass's live peak (memray) fell from 113.8 to 99.0 MB. NOTE: a row's FP32 GEMM
 # result depends on the rows beside it when the block is small: the BLAS then splits the
 # reduction, not the output, across threads (two threads, down_proj's K = 1536, under ~256
-# rows) or runs a GEMV (one row), and bits change; so no block is under MLP_ROWS.
+# rows) or runs a GEMV (one row), and bits change; so no block is under HEAD_MLP_ROWS.
 # Wider MLPs are not so lucky: with K = 4096 or 8192 (a 1B Llama's down_proj), 512-row blocks
 # changed 186-747 of a (T, 2048) product's elements at 1100 and 2048 tokens. So a head uses blocks
 # only where ``blocks_keep_bits`` finds them equal to the whole prompt for its own weights, on
@@ -69,11 +69,11 @@ CONFIG_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num
 # against the target bit for bit. Cost: blocks quadruple the MLP's GEMM calls; beside a busy
 # process on the same core (a prefill engine) each call's OpenMP barrier can wait out that
 # process's time slice, and the head ran 20% slower (0.82 -> 0.99 s at 2,048 tokens; 4% alone).
-MLP_ROWS = 512
+HEAD_MLP_ROWS = 512  # NOTE: not w8a8_pass.MLP_ROWS (the integer layers' blocks, exact at any size)
 # prompt lengths ``blocks_keep_bits`` checks: two full blocks, two with the longest tail, four full
 # blocks. NOTE: a sample, not a proof: both sidecars agree because they run the same plan, and the
 # check keeps a model's exact layers exact where it finds blocks change bits.
-MLP_PROBE_ROWS = (2 * MLP_ROWS, 3 * MLP_ROWS - 1, 4 * MLP_ROWS)
+HEAD_PROBE_ROWS = (2 * HEAD_MLP_ROWS, 3 * HEAD_MLP_ROWS - 1, 4 * HEAD_MLP_ROWS)
 
 Emit = Callable[[int, "torch.Tensor"], None]  # (layer, its K/V (2, kv_heads, T, head_dim) BF16)
 
@@ -247,7 +247,7 @@ def _module_class() -> type:
             self.slots = {n: f"w{j}" for j, n in enumerate(names[1:])}
             for n, slot in self.slots.items():
                 self.register_buffer(slot, state[n], persistent=False)
-            self.mlp_rows: int | None = MLP_ROWS if self.blocks_keep_bits() else None  # None: whole prompts
+            self.mlp_rows: int | None = HEAD_MLP_ROWS if self.blocks_keep_bits() else None  # None: whole prompts
 
         def w(self, i: int, name: str) -> "torch.Tensor":
             return getattr(self, self.slots[f"model.layers.{i}.{name}.weight"])
@@ -282,8 +282,8 @@ def _module_class() -> type:
             return h, layers
 
         def blocks_keep_bits(self) -> bool:
-            """Whether layer 0's MLP gives seeded rows the same bits in blocks as whole (``MLP_ROWS``),
-            at each of ``MLP_PROBE_ROWS``, under the forward passes' thread count; CPU weights only.
+            """Whether layer 0's MLP gives seeded rows the same bits in blocks as whole (``HEAD_MLP_ROWS``),
+            at each of ``HEAD_PROBE_ROWS``, under the forward passes' thread count; CPU weights only.
             NOTE: at construction, outside any forward (``deterministic_torch``'s lock is not re-entrant)."""
             from .target import deterministic_torch
 
@@ -291,10 +291,10 @@ def _module_class() -> type:
                 return False
             gen = torch.Generator().manual_seed(0)
             with deterministic_torch():
-                for T in MLP_PROBE_ROWS:
+                for T in HEAD_PROBE_ROWS:
                     x = torch.randn(T, self.config.hidden_size, generator=gen).to(torch.bfloat16)
                     whole = self.mlp(0, x)
-                    parts = torch.cat([self.mlp(0, x[a:b]) for a, b in row_blocks(T, MLP_ROWS)])
+                    parts = torch.cat([self.mlp(0, x[a:b]) for a, b in row_blocks(T, HEAD_MLP_ROWS)])
                     if not torch.equal(whole.view(torch.int16), parts.view(torch.int16)):
                         return False
             return True

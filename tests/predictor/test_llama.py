@@ -64,21 +64,21 @@ def test_tiny_head_is_the_target_bit_for_bit(tiny_target, tokens, k):
 @pytest.mark.parametrize("tokens, rows, blocks", [(300, 128, [128, 172]), (256, 128, [128, 128]),
                                                   (255, 128, [255]), (300, 512, [300])])
 def test_tiny_head_runs_its_mlp_in_row_blocks(tiny_target, monkeypatch, tokens, rows, blocks):
-    """Blocks of ``MLP_ROWS`` rows, the last one taking the rest (never a short block), the same bits."""
-    monkeypatch.setattr(llama, "MLP_ROWS", rows)
+    """Blocks of ``HEAD_MLP_ROWS`` rows, the last one taking the rest (never a short block), the same bits."""
+    monkeypatch.setattr(llama, "HEAD_MLP_ROWS", rows)
     seen: list[int] = []
     real = llama.linear
     monkeypatch.setattr(llama, "linear", lambda x, w: seen.append(x.shape[0]) or real(x, w))
     ids = np.random.default_rng(tokens).integers(0, tiny_target.config.vocab_size, tokens)
     assert_same(tiny_target, 1, ids)
-    probe = sum(3 * (len(llama.row_blocks(T, rows)) + 1) for T in llama.MLP_PROBE_ROWS)  # at construction
+    probe = sum(3 * (len(llama.row_blocks(T, rows)) + 1) for T in llama.HEAD_PROBE_ROWS)  # at construction
     assert seen[probe:] == [tokens] * 4 + [n for n in blocks for _ in range(3)]  # q, k, v, o; gate, up, down
 
 
 def test_a_head_whose_blocks_change_bits_runs_whole_prompts(tiny_target, monkeypatch):
     """``blocks_keep_bits``: where a block's product differs from the whole prompt's (a wide MLP's
     BLAS reduction; here a linear whose result depends on its row count), the head runs whole."""
-    monkeypatch.setattr(llama, "MLP_ROWS", 128)
+    monkeypatch.setattr(llama, "HEAD_MLP_ROWS", 128)
     assert llama.exact_head(tiny_target.config, dict(tiny_target.state), 1, "test").mlp_rows == 128
     real = llama.linear
     monkeypatch.setattr(llama, "linear", lambda x, w: real(x, w) + (x.shape[0] % 2))
