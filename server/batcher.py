@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from speckv.heap import release_free
+from speckv.heap import predictor_pass, release_free
 
 if TYPE_CHECKING:  # pragma: no cover
     from speckv.kv import Fp8Attention
@@ -109,7 +109,8 @@ class PredictorBatcher:
             self.passes, self.prompts = self.passes + 1, self.prompts + len(batch)
             if self.on_pass is not None:
                 self.on_pass(len(batch))
-            errors = list(self.predictor.stream_batch([(p.ids, p.on_layer, p.fp8_attention) for p in batch]))
+            with predictor_pass():
+                errors = list(self.predictor.stream_batch([(p.ids, p.on_layer, p.fp8_attention) for p in batch]))
             if len(errors) != len(batch):
                 raise RuntimeError(f"the predictor answered {len(errors)} of {len(batch)} prompts")
         except BaseException as e:  # noqa: BLE001 -- every prompt of the pass learns of it

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from speckv.digests import XXH3_128, digest, prompt_digest
-from speckv.heap import release_free
+from speckv.heap import predictor_pass, release_free
 
 if TYPE_CHECKING:  # pragma: no cover
     from speckv.kv import Fp8Attention
@@ -78,7 +78,8 @@ class LayerMu:
     def _run(self, predictor: "Predictor", ids: np.ndarray, fp8_attention: "Fp8Attention | None") -> None:
         t0 = time.perf_counter()
         try:
-            predictor.stream(ids, self._on_layer, fp8_attention=fp8_attention)  # bits holds them: the pass keeps none
+            with predictor_pass():  # bits holds the layers: the pass keeps none
+                predictor.stream(ids, self._on_layer, fp8_attention=fp8_attention)
         finally:
             release_free()  # the pass's freed activations (server/memory.py)
         self.seconds = time.perf_counter() - t0

@@ -7,9 +7,12 @@ Elsewhere than glibc every verb here does nothing.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
+import threading
+from collections.abc import Iterator
 
 
 @functools.cache
@@ -31,3 +34,36 @@ def release_free() -> None:
     libc = glibc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+_passes = 0  # predictor passes running in this process (predictor_pass)
+_passes_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def predictor_pass() -> Iterator[None]:
+    """Marks a predictor pass running in this process (its thread enters this around the pass)."""
+    global _passes
+    with _passes_lock:
+        _passes += 1
+    try:
+        yield
+    finally:
+        with _passes_lock:
+            _passes -= 1
+
+
+def passes_running() -> int:
+    """How many predictor passes run in this process now."""
+    return _passes
+
+
+def release_free_beside_pass() -> None:
+    """``release_free`` only while a predictor pass runs in this process. Beside a pass, a decode's
+    freed scratch would otherwise stay resident under the pass's activations (their working sets
+    stack at the sidecar's peak). Without a pass the freed blocks are the next buffers' (the next
+    chunk's decode, FetchKV's messages): trimmed, every page of them faults in afresh, a fifth of a
+    warm transfer's decoder CPU here (benchmarks/RESULTS.md, "Trimming the heap only beside a pass").
+    NOTE: a pass that ends trims the heap itself (its own ``release_free``)."""
+    if passes_running():
+        release_free()

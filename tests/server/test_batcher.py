@@ -74,6 +74,22 @@ def test_queued_prompts_share_the_next_pass_up_to_max_tokens():
     assert workers() == 0
 
 
+def test_a_batched_pass_is_marked_running():
+    from speckv import heap
+
+    seen: list[int] = []
+
+    class Counting(Recording):
+        def stream_batch(self, reqs):
+            seen.append(heap.passes_running())
+            return super().stream_batch(reqs)
+
+    rec = Counting()
+    rec.gate.set()
+    assert PredictorBatcher(rec).submit(np.zeros(3), lambda i, x: None).result(30) is None
+    assert seen == [1] and heap.passes_running() == 0
+
+
 def test_cancelled_prompts_are_skipped_and_a_broken_hook_fails_only_its_pass():
     rec = Recording()
     b = PredictorBatcher(rec)

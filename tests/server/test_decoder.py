@@ -368,3 +368,20 @@ def test_max_transfers_per_peer(sidecars, prompts, embedded_session):
         assert out[-1].result.status.code == pb.STATUS_CODE_OK  # the first one is unharmed
     finally:
         p.stop()
+
+
+def test_a_decode_trims_the_heap_only_beside_a_predictor_pass(monkeypatch):
+    from speckv import heap
+    from speckv.server.decoder import _decode_run
+
+    class Codec:
+        def decode_run(self, h, chunks, mu):
+            return np.zeros(1, np.uint16)
+
+    trims: list[int] = []
+    monkeypatch.setattr(heap, "release_free", lambda: trims.append(heap.passes_running()))
+    _decode_run(Codec(), None, [], None)
+    assert trims == []  # a warm transfer's decode keeps its freed blocks for the next buffers
+    with heap.predictor_pass():
+        _decode_run(Codec(), None, [], None)
+    assert trims == [1]

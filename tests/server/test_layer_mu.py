@@ -101,3 +101,21 @@ def test_stop_ends_the_pass_at_its_next_layer():
         await asyncio.wait([mu.task], timeout=10)
         assert isinstance(mu.task.exception(), PredictorStopped) and p.emitted == 1
     run(go())
+
+
+def test_a_pass_is_marked_running_while_it_streams():
+    from speckv import heap
+
+    seen: list[int] = []
+
+    class Counting(Stepped):
+        def stream(self, ids, on_layer, fp8_attention=None):
+            seen.append(heap.passes_running())
+            return super().stream(ids, on_layer, fp8_attention)
+
+    async def go():
+        mu = released(Counting())
+        await mu.done()
+
+    run(go())
+    assert seen == [1] and heap.passes_running() == 0
