@@ -91,6 +91,9 @@ def test_loopback_and_break_even(report):
     assert lb["stored_raw_MBps"] > 0 and lb["speckv_raw_MBps"] > 0 and lb["stored_lossless"] and lb["speckv_lossless"]
     # the warm transfer ran no predictor on either side; the cold one ran both
     assert lb["speckv_mu_cached"] is True and lb["speckv_cold_mu_cached"] is False and lb["speckv_cold_lossless"]
+    for key in ("stored", "speckv", "speckv_cold"):  # each figure the median of its three transfers
+        runs = lb[f"{key}_raw_MBps_runs"]
+        assert len(runs) == 3 and lb[f"{key}_raw_MBps"] == sorted(runs)[1]
     assert report["break_even_mbit"] is None or report["break_even_mbit"] > 0
 
 
