@@ -269,12 +269,12 @@ class LocalLayers:
     over the bytes the caller keeps."""
 
     def __init__(self, mailbox: LocalMailbox, part: Any, whole: bool) -> None:
-        from speckv.wire import dtype_of, shape_of
+        from speckv.wire import dtype_of, layer_bytes, shape_of
 
         self.shape, self.dtype, self.whole = shape_of(part.shape), part.dtype, whole
         self.dt = dtype_of(part.dtype)[1]
         self.id, self.size = part.memfd_id, int(part.memfd_bytes)
-        self.layer_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dt.itemsize
+        self.layer_bytes = layer_bytes(self.shape, self.dt.itemsize)
         if self.size != self.shape[0] * self.layer_bytes:
             raise ValueError(f"a memfd of {self.size} bytes for KV of shape {self.shape}")
         self.fd = mailbox.take(self.id, self.size)

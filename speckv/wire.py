@@ -12,7 +12,8 @@ Assemblers are used by both sides (sidecars and clients) and raise
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, cast
 
 import grpc
@@ -114,7 +115,7 @@ def kv_shape(shape: tuple[int, ...]) -> pb.KVShape:
 
 
 def layer_bytes(shape: tuple[int, ...], itemsize: int) -> int:
-    return int(np.prod(shape[1:], dtype=np.int64)) * itemsize
+    return math.prod(int(v) for v in shape[1:]) * itemsize  # NOTE: Python ints: exact, and no numpy call per part
 
 
 def parts(n: int, part_bytes: int) -> Iterator[tuple[int, int]]:
@@ -196,15 +197,13 @@ class LayerAssembler:
     _filled: int = 0
     borrow: bool = False
     out: np.ndarray | None = None
+    layer_size: int = field(init=False)  # bytes of one layer (read for every part)
 
     def __post_init__(self) -> None:
+        self.layer_size = layer_bytes(self.shape, dtype_of(self.dtype)[1].itemsize)
         want = (self.shape, dtype_of(self.dtype)[1])
         if self.out is not None and (self.out.shape, self.out.dtype) != want:
             raise ValueError(f"out must be {want}, not {(self.out.shape, self.out.dtype)}")
-
-    @property
-    def layer_size(self) -> int:
-        return layer_bytes(self.shape, dtype_of(self.dtype)[1].itemsize)
 
     @property
     def done(self) -> bool:
