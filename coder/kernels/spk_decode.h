@@ -261,23 +261,22 @@ void decode_block_values_vector(const DecodeJob& J, int64_t b, const uint32_t* i
                                 BlockFlags& f) {
     const Geometry& g = J.g;
     const int64_t lb = b - g.chunk_b0[g.block_chunk[b]], e0 = g.block_e0[b], n = g.block_n[b];
-    thread_local std::vector<uint32_t> wk_buf, pos_buf, zi_buf;
-    wk_buf.resize((size_t)n), pos_buf.resize((size_t)n), zi_buf.resize((size_t)n);
-    uint32_t* __restrict wk = wk_buf.data();
+    thread_local std::vector<uint32_t> pos_buf, zi_buf;
+    pos_buf.resize((size_t)n), zi_buf.resize((size_t)n);
     uint32_t* __restrict pos = pos_buf.data();
     uint32_t* __restrict zi = zi_buf.data();
-    field_widths_vec<FX>(*J.simd, info, n, wk);
-    // C2: each field's start, a running sum per section (selects, not branches)
+    // C2: each field's start, a running sum per section (selects, not branches); kind and width
+    // come from info (classify_body packed the width)
     uint32_t low = (uint32_t)cs.low[lb], zman = (uint32_t)cs.zman[lb], esc = (uint32_t)cs.esc[lb];
     uint32_t z = (uint32_t)cs.zero0[lb];
     for (int64_t e = 0; e < n; ++e) {
-        const uint32_t kind = wk[e] >> 8, w = wk[e] & 0xFFu;
+        const uint32_t kind = info[e] >> 22 & 3u, w = info[e] >> INFO_WIDTH_SHIFT & 31u;
         const uint32_t normal = kind == SPK_KIND_NORMAL, zero = kind == SPK_KIND_ZERO;
         pos[e] = normal ? low : zero ? zman : esc;
         zi[e] = z;
         low += normal ? w : 0, zman += zero ? w : 0, esc += kind == SPK_KIND_ESC ? w : 0, z += zero;
     }
-    compose_vec<FX>(*J.simd, info, wk, pos, zi, n, cs.padded.data(), cs.deltas.data(),
+    compose_vec<FX>(*J.simd, info, pos, zi, n, cs.padded.data(), cs.deltas.data(),
                     static_cast<uint8_t*>(J.out) + e0 * (FX::bits / 8), f.normal_bad, f.zero_bad);
 }
 

@@ -197,7 +197,11 @@ SPK_INLINE void contexts_body(const typename Io<FX>::Mu* __restrict mus, const i
 
 // Decoder stage 2: each element's packed info (pack_info) from its symbol j and packed
 // context, as spk_classify does, and the block's tallies (uint32: a block holds at most
-// 2^21 elements, each adding at most 254 to a tally).
+// 2^21 elements, each adding at most 254 to a tally). The vector path also packs the width
+// of the element's raw field (LOW, ZMAN or the whole pattern) above pack_info's bits, for
+// stage C, which then reads kind and width from info alone.
+// NOTE: only this path's info carries the width: stage C's vector path runs only after it (J.simd).
+constexpr int INFO_WIDTH_SHIFT = 25;  // bits 25-29: a width of 0-16 bits
 struct Tallies32 {
     uint32_t low_bits = 0, n_zero = 0, n_esc = 0, unary_bound = 0, mu_bad = 0;
 };
@@ -215,8 +219,10 @@ SPK_INLINE void classify_body(const uint32_t* __restrict js, const uint32_t* __r
         const int32_t c = c_mu + j - R, mag = c ^ (c >> 31);
         const int32_t esc = j == 2 * R + 1, zero = !esc & (mag == 0), normal = !esc & (mag != 0);
         const int32_t kind = sel(esc, SPK_KIND_ESC, sel(zero, SPK_KIND_ZERO, SPK_KIND_NORMAL));
-        info[e] = (uint32_t)(c + 8192) | (uint32_t)(k + 128) << 14 | (uint32_t)kind << 22 | (uint32_t)!mu_ok << 24;
-        low_bits += (uint32_t)(normal * low_width<FX>(mag));
+        const int32_t lw = low_width<FX>(mag), w = sel(esc, FX::bits, sel(zero, FX::mant, lw));
+        info[e] = (uint32_t)(c + 8192) | (uint32_t)(k + 128) << 14 | (uint32_t)kind << 22 | (uint32_t)!mu_ok << 24 |
+                  (uint32_t)w << INFO_WIDTH_SHIFT;
+        low_bits += (uint32_t)(normal * lw);
         n_zero += (uint32_t)zero, n_esc += (uint32_t)esc;
         unary_bound += (uint32_t)(zero * (k + FX::bias));
         mu_bad += (uint32_t)(!mu_ok & !esc);
@@ -265,9 +271,9 @@ void contexts_vec(const SimdTables& T, const void* mus, const int32_t* lev, int6
 }
 
 // -- decoder stage C: bit patterns from bins and raw fields (decode_block_values) ---------
-// C1 (vector): each element's raw field width and kind; C2 (scalar scan): where its field
-// starts in its section; C3 (vector): the fields read (gathers) and the values composed as
-// spk_normal_value / spk_zero_value do, with their checks.
+// Each element's raw field width and kind come from info (classify_body packed them). C2
+// (scalar scan): where its field starts in its section; C3 (vector): the fields read
+// (gathers) and the values composed as spk_normal_value / spk_zero_value do, with their checks.
 // NOTE: bit positions are uint32 here: the caller takes this path only for chunks whose
 // bit sections hold fewer than 2^31 bits.
 template <class FX> SPK_INLINE int32_t flog2_bin(int32_t m) {  // floor(log2 m), 1 <= m <= MAX_BIN
@@ -277,25 +283,13 @@ template <class FX> SPK_INLINE int32_t flog2_bin(int32_t m) {  // floor(log2 m),
 }
 
 template <class FX>
-SPK_INLINE void field_widths_body(const uint32_t* __restrict info, int64_t n, uint32_t* __restrict wk) {
-#pragma GCC ivdep
-    for (int64_t e = 0; e < n; ++e) {
-        const int32_t kind = (int32_t)(info[e] >> 22 & 3u), c = (int32_t)(info[e] & 0x3FFFu) - 8192;
-        const int32_t w = sel(kind == SPK_KIND_NORMAL, low_width<FX>(c ^ (c >> 31)),
-                              sel(kind == SPK_KIND_ZERO, FX::mant, FX::bits));
-        wk[e] = (uint32_t)w | (uint32_t)kind << 8;
-    }
-}
-
-template <class FX>
-SPK_INLINE void compose_body(const uint32_t* __restrict info, const uint32_t* __restrict wk,
-                             const uint32_t* __restrict pos, const uint32_t* __restrict zi, int64_t n,
+SPK_INLINE void compose_body(const uint32_t* __restrict info, const uint32_t* __restrict pos, const uint32_t* __restrict zi, int64_t n,
                              const uint8_t* __restrict buf, const uint32_t* __restrict deltas,
                              typename Io<FX>::X* __restrict out, uint32_t& normal_bad, uint32_t& zero_bad) {
     uint32_t nbad = 0, zbad = 0;
 #pragma GCC ivdep
     for (int64_t e = 0; e < n; ++e) {
-        const int32_t kind = (int32_t)(wk[e] >> 8), w = (int32_t)(wk[e] & 0xFFu);
+        const int32_t kind = (int32_t)(info[e] >> 22 & 3u), w = (int32_t)(info[e] >> INFO_WIDTH_SHIFT & 31u);
         uint32_t raw;
         std::memcpy(&raw, buf + (pos[e] >> 3), 4);  // NOTE: MSB first: a big-endian load (read_bits)
         raw = __builtin_bswap32(raw) << (pos[e] & 7u);
@@ -324,29 +318,20 @@ SPK_INLINE void compose_body(const uint32_t* __restrict info, const uint32_t* __
 
 #define SPK_VALUE_STAGES(ISA, ATTR)                                                                                    \
     template <class FX>                                                                                                \
-    ATTR void field_widths_##ISA(const uint32_t* info, int64_t n, uint32_t* wk) { field_widths_body<FX>(info, n, wk); } \
-    template <class FX>                                                                                                \
-    ATTR void compose_##ISA(const uint32_t* info, const uint32_t* wk, const uint32_t* pos, const uint32_t* zi,         \
-                            int64_t n, const uint8_t* buf, const uint32_t* deltas, void* out, uint32_t& normal_bad,    \
+    ATTR void compose_##ISA(const uint32_t* info, const uint32_t* pos, const uint32_t* zi, int64_t n,                \
+                            const uint8_t* buf, const uint32_t* deltas, void* out, uint32_t& normal_bad,               \
                             uint32_t& zero_bad) {                                                                      \
-        compose_body<FX>(info, wk, pos, zi, n, buf, deltas, static_cast<typename Io<FX>::X*>(out), normal_bad,        \
+        compose_body<FX>(info, pos, zi, n, buf, deltas, static_cast<typename Io<FX>::X*>(out), normal_bad,            \
                          zero_bad);                                                                                    \
     }
 SPK_VALUE_STAGES(avx2, SPK_AVX2)
 SPK_VALUE_STAGES(avx512, SPK_AVX512)
 
 template <class FX>
-void field_widths_vec(const SimdTables& T, const uint32_t* info, int64_t n, uint32_t* wk) {
-    if (T.wide) field_widths_avx512<FX>(info, n, wk);
-    else field_widths_avx2<FX>(info, n, wk);
-}
-
-template <class FX>
-void compose_vec(const SimdTables& T, const uint32_t* info, const uint32_t* wk, const uint32_t* pos,
-                 const uint32_t* zi, int64_t n, const uint8_t* buf, const uint32_t* deltas, void* out,
-                 uint32_t& normal_bad, uint32_t& zero_bad) {
-    if (T.wide) compose_avx512<FX>(info, wk, pos, zi, n, buf, deltas, out, normal_bad, zero_bad);
-    else compose_avx2<FX>(info, wk, pos, zi, n, buf, deltas, out, normal_bad, zero_bad);
+void compose_vec(const SimdTables& T, const uint32_t* info, const uint32_t* pos, const uint32_t* zi, int64_t n,
+                 const uint8_t* buf, const uint32_t* deltas, void* out, uint32_t& normal_bad, uint32_t& zero_bad) {
+    if (T.wide) compose_avx512<FX>(info, pos, zi, n, buf, deltas, out, normal_bad, zero_bad);
+    else compose_avx2<FX>(info, pos, zi, n, buf, deltas, out, normal_bad, zero_bad);
 }
 
 // -- mu correction (spk_affine_bf16, spk_fp8_mu) over a row of tokens -------------------
