@@ -44,7 +44,8 @@ NOTE: a kernel without sch_netem (minimal VM kernels) gets tbf alone: the report
 
 loopback: the same veth with its qdiscs removed (unshaped, in-kernel), the prefilled KV
 submitted whole; raw MB/s = raw bytes / (Submit start -> verified at the fetch engine), the median
-of ``--loopback-repeats`` transfers (each one's in ``<key>_raw_MBps_runs``).
+of ``--loopback-repeats`` transfers (each one's in ``<key>_raw_MBps_runs``); ``<key>_lossless``: all of
+them; ``<key>_mu_cached``: every transfer of the warm prompt found both caches hit, any cold one did.
 ``speckv``: a prompt whose mu both sidecars have cached (--mu-cache-bytes; the service's own
 throughput), ``speckv_cold``: a new prompt (both predictors' passes included).
 ``--local-handoff`` adds ``stored_local`` and ``speckv_local``: the same, with the KV handed
@@ -368,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
            "layout": "prefill node = ns a on core 0 (taskset -c 0), decode node = ns b on core 1 (taskset -c 1)",
            "logs": str(logdir)}
     lb = rep["loopback"]
-    ok = matches and all(r["lossless"] for r in rep["rows"]) and lb["stored_lossless"] and lb["speckv_lossless"]
+    ok = matches and all(r["lossless"] for r in rep["rows"]) and \
+        all(v for k, v in lb.items() if k.endswith("_lossless"))
     if ok and not args.keep_logs:  # NOTE: a failed or interrupted run keeps them (errors name its files)
         shutil.rmtree(logdir, ignore_errors=True)
         rep["logs"] = None

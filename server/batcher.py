@@ -109,7 +109,7 @@ class PredictorBatcher:
             self.passes, self.prompts = self.passes + 1, self.prompts + len(batch)
             if self.on_pass is not None:
                 self.on_pass(len(batch))
-            with predictor_pass():
+            with predictor_pass(getattr(self.predictor, "device", "cpu")):
                 errors = list(self.predictor.stream_batch([(p.ids, p.on_layer, p.fp8_attention) for p in batch]))
             if len(errors) != len(batch):
                 raise RuntimeError(f"the predictor answered {len(errors)} of {len(batch)} prompts")

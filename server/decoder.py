@@ -28,7 +28,7 @@ from speckv.coder.plan import chunk_aux
 from speckv.coder.stored import unstored_chunk
 from speckv.digests import algorithm_of
 from speckv.errors import RpcError, TransferDigestError
-from speckv.heap import release_free_beside_pass
+from speckv.heap import trimmed_beside_pass
 from speckv.kv import HeadRange, some_heads
 from speckv.status import abort, in_band, integrity_kind, outcome, to_status
 from speckv.v1 import common_pb2 as pb
@@ -353,12 +353,10 @@ DRAIN_S = 2.0  # after a failure, how long the rest of the sender's messages are
 
 
 def _decode_run(codec: Any, h: ct.StreamHeader, chunks: list[ct.Chunk], mu: Any) -> np.ndarray:
-    """``codec.decode_run`` on a worker thread, whose arena then gives its freed scratch back while a
-    predictor pass runs (their working sets would otherwise stack; ``release_free_beside_pass``)."""
-    try:
+    """``codec.decode_run`` on a worker thread, whose arena then gives its freed scratch back when a
+    predictor pass ran beside it (their working sets would otherwise stack; ``trimmed_beside_pass``)."""
+    with trimmed_beside_pass():
         return codec.decode_run(h, chunks, mu)
-    finally:
-        release_free_beside_pass()
 
 
 def dtype_of_header(h: ct.StreamHeader) -> int:

@@ -78,7 +78,7 @@ class LayerMu:
     def _run(self, predictor: "Predictor", ids: np.ndarray, fp8_attention: "Fp8Attention | None") -> None:
         t0 = time.perf_counter()
         try:
-            with predictor_pass():  # bits holds the layers: the pass keeps none
+            with predictor_pass(getattr(predictor, "device", "cpu")):  # bits holds the layers: the pass keeps none
                 predictor.stream(ids, self._on_layer, fp8_attention=fp8_attention)
         finally:
             release_free()  # the pass's freed activations (server/memory.py)

@@ -41,29 +41,40 @@ _passes_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def predictor_pass() -> Iterator[None]:
-    """Marks a predictor pass running in this process (its thread enters this around the pass)."""
+def predictor_pass(device: str = "cpu") -> Iterator[None]:
+    """Marks a predictor pass running in this process while the body runs (its thread enters this
+    around the pass). A pass on another device (``device`` not "cpu": its activations are the
+    device's) leaves this heap alone and is not counted."""
     global _passes
-    with _passes_lock:
-        _passes += 1
+    counted = device == "cpu"
+    if counted:
+        with _passes_lock:
+            _passes += 1
     try:
         yield
     finally:
-        with _passes_lock:
-            _passes -= 1
+        if counted:
+            with _passes_lock:
+                _passes -= 1
 
 
 def passes_running() -> int:
     """How many predictor passes run in this process now."""
-    return _passes
+    return _passes  # NOTE: one read of an int: stale by the time it is used either way
 
 
-def release_free_beside_pass() -> None:
-    """``release_free`` only while a predictor pass runs in this process. Beside a pass, a decode's
-    freed scratch would otherwise stay resident under the pass's activations (their working sets
-    stack at the sidecar's peak). Without a pass the freed blocks are the next buffers' (the next
-    chunk's decode, FetchKV's messages): trimmed, every page of them faults in afresh, a fifth of a
-    warm transfer's decoder CPU here (benchmarks/RESULTS.md, "Trimming the heap only beside a pass").
-    NOTE: a pass that ends trims the heap itself (its own ``release_free``)."""
-    if passes_running():
-        release_free()
+@contextlib.contextmanager
+def trimmed_beside_pass() -> Iterator[None]:
+    """Runs the body (a decode), then ``release_free`` if a predictor pass ran when it began or runs
+    when it ends. Beside a pass, the body's freed scratch would otherwise stay resident under the
+    pass's activations (their working sets stack at the sidecar's peak). Without a pass the freed
+    blocks are the next buffers' (the next decode's, FetchKV's messages): trimmed, every page of them
+    faults in afresh, a fifth of a warm transfer's decoder CPU here (benchmarks/RESULTS.md,
+    "Trimming the heap only beside a pass").
+    NOTE: a lone pass trims the heap when it ends, the batcher when its queue runs dry."""
+    beside = passes_running()
+    try:
+        yield
+    finally:
+        if beside or passes_running():
+            release_free()

@@ -339,7 +339,9 @@ SPK_HD uint32_t spk_zero_value(int32_t k, int32_t c, uint32_t man, uint32_t delt
 }
 
 // Decoder: an element between the rANS pass and the value pass, packed in 32 bits:
-// bin + 8192 (14 bits) | k + 128 (8) | kind (2) | mu not finite (1)
+// bin + 8192 (14 bits) | k + 128 (8) | kind (2) | mu not finite (1). The CPU's vector classify
+// (spk_simd.h, classify_body) also packs the raw field's width in bits 25-29 (INFO_WIDTH_SHIFT),
+// which only its vector stage C reads; this scalar packing leaves them 0.
 SPK_HD uint32_t pack_info(int32_t c, int32_t k, uint32_t kind, uint32_t mu_bad) {
     return (uint32_t)(c + 8192) | (uint32_t)(k + 128) << 14 | kind << 22 | mu_bad << 24;
 }

@@ -4,9 +4,9 @@
 // table reads). Each loop is compiled twice, for AVX2 and for AVX-512 (F, BW, VL, DQ: mask
 // registers and three-input logic, at the compiler's preferred vector width), and a block
 // runs one of them (SimdTables::wide), chosen at run time; both write the same integers. They compute the very integers of spk_context_bf16, spk_symbolize and
-// spk_classify: tests/coder/test_native_simd.py checks every BF16 mu pattern at every
-// level, every x pattern at every grid exponent, and whole streams against the scalar
-// path (which stays the fallback on CPUs without AVX2, chosen at run time).
+// spk_classify: tests/coder/test_native_contexts.py checks every BF16 mu pattern at every
+// level, and tests/coder/test_native_identity.py whole streams against the scalar path
+// (which stays the fallback on CPUs without AVX2, chosen at run time).
 // NOTE: no floating point here: a vectorised float loop could round differently only
 // through contraction, but integers need no such care.
 #pragma once
