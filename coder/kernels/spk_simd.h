@@ -283,9 +283,10 @@ template <class FX> SPK_INLINE int32_t flog2_bin(int32_t m) {  // floor(log2 m),
 }
 
 template <class FX>
-SPK_INLINE void compose_body(const uint32_t* __restrict info, const uint32_t* __restrict pos, const uint32_t* __restrict zi, int64_t n,
-                             const uint8_t* __restrict buf, const uint32_t* __restrict deltas,
-                             typename Io<FX>::X* __restrict out, uint32_t& normal_bad, uint32_t& zero_bad) {
+SPK_INLINE void compose_body(const uint32_t* __restrict info, const uint32_t* __restrict pos,
+                             const uint32_t* __restrict zi, int64_t n, const uint8_t* __restrict buf,
+                             const uint32_t* __restrict deltas, typename Io<FX>::X* __restrict out,
+                             uint32_t& normal_bad, uint32_t& zero_bad) {
     uint32_t nbad = 0, zbad = 0;
 #pragma GCC ivdep
     for (int64_t e = 0; e < n; ++e) {
