@@ -123,17 +123,20 @@ def choose_shifts(fx: FloatFormat, fm: FloatFormat, tab: CodingTables, x: np.nda
     xs, ms, lg = xs[hot], ms[hot], lg[hot]
     best, best_cost = np.zeros(len(hot), np.int64), cost0[hot]
 
-    def consider(cand: np.ndarray) -> None:
+    def consider(cands: list[np.ndarray]) -> None:
+        """The candidates in order, priced in one call (each a copy of the sample: one call
+        wakes the threads once, not once per candidate)."""
         nonlocal best, best_cost
-        cost, _ = _group_costs(fx, fm, tab, xs, ms, lg, cand, backend)
-        better = cost < best_cost  # NOTE: strict: ties keep the earlier candidate
-        best, best_cost = np.where(better, cand, best), np.where(better, cost, best_cost)
+        k = len(cands)
+        costs, _ = _group_costs(fx, fm, tab, np.concatenate([xs] * k), np.concatenate([ms] * k),
+                                np.concatenate([lg] * k), np.concatenate(cands), backend)
+        for cand, cost in zip(cands, costs.reshape(k, -1), strict=True):
+            better = cost < best_cost  # NOTE: strict: ties keep the earlier candidate
+            best, best_cost = np.where(better, cand, best), np.where(better, cost, best_cost)
 
-    for s in SEARCH_SHIFTS:
-        consider(np.full(len(hot), s, np.int64))
+    consider([np.full(len(hot), s, np.int64) for s in SEARCH_SHIFTS])
     coarse = best.copy()
-    for r in (-REFINE, REFINE):
-        consider(np.where(coarse != 0, coarse + r, 0))
+    consider([np.where(coarse != 0, coarse + r, 0) for r in (-REFINE, REFINE)])
     out.reshape(-1)[hot] = best
     return out
 

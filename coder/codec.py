@@ -18,6 +18,7 @@ bytes, ``stored``): on request, or when coded it would be larger.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import TYPE_CHECKING, Collection, Iterable, Iterator, Sequence, cast
 
 import numpy as np
@@ -31,7 +32,7 @@ from . import reference
 from .adapt import choose_rounding, choose_shifts
 from .backends import select_backend
 from .config import MAX_ELEMS_PER_LANE, CodecConfig
-from .integrity import verified
+from .integrity import Sums, chunk_sums, digests_ahead, verified
 from .interfaces import CheckpointLike, MuSource
 from .model import BF16, E4M3, Context, ContextTable, FloatFormat
 from .plan import (
@@ -188,13 +189,14 @@ class Codec:
             return []
         if self.backend is not None:  # the same bytes (tests/coder/test_native.py)
             assert plan.x is not None  # an encoding plan
+            sums = digests_ahead(self.config.threads, [partial(chunk_sums, plan, h, i) for i in idx])
             coded = []
             for run in (idx[r] for r in runs(idx)):
                 sl = slice(plan.chunk_slice(h, run[0]).start, plan.chunk_slice(h, run[-1]).stop)
                 coded += self.backend.encode(plan.x[sl], plan.mu[sl], plan.log2_sigma[sl],
                                              [h.chunk_layers(i)[1] for i in run], h.elems_per_lane, plan.model.tables)
-            return self._map(lambda a: self._chunk_record(plan, h, a[0], a[1].blocks, a[1].bits),
-                             list(zip(idx, coded, strict=True)))
+            return self._map(lambda a: self._chunk_record(plan, h, a[0], a[1].blocks, a[1].bits, a[2]),
+                             list(zip(idx, coded, sums(), strict=True)))
         coded_np = reference.encode_chunks(plan, h, idx, self._context, self.config.threads)
         return [self._chunk_record(plan, h, i, rb, bits) for i, (rb, bits) in zip(idx, coded_np, strict=True)]
 
@@ -202,16 +204,17 @@ class Codec:
         return reference.thread_map(self.config.threads, fn, items)
 
     def _chunk_record(self, plan: Plan, h: ct.StreamHeader, i: int, rb: RansBlocks,
-                      bits: bytes) -> ct.Chunk:
+                      bits: bytes, sums: Sums | None = None) -> ct.Chunk:
         sl = plan.chunk_slice(h, i)
         assert plan.x is not None  # an encoding plan
-        aux = plan.aux(sl, blocks=len(rb.word_counts) > 0)
+        # NOTE: a chunk has rANS blocks iff it has elements: the aux that chunk_sums digested
+        assert (len(rb.word_counts) > 0) == (h.chunk_blocks(i) > 0)
+        mu_fingerprint, raw_digest = chunk_sums(plan, h, i) if sums is None else sums
         start, count = h.chunk_layers(i)
-        algorithm = algorithm_of(h.version)  # the stream version's digest (FORMAT.md)
         c = ct.Chunk(index=i, layer_start=start, layer_count=count,
                      steps=h.elems_per_lane if len(rb.word_counts) else 0,
-                     mu_fingerprint=digest(plan.mu_predicted[sl], algorithm=algorithm),
-                     raw_digest=digest(aux, plan.x[sl], algorithm=algorithm), aux=aux,
+                     mu_fingerprint=mu_fingerprint, raw_digest=raw_digest,
+                     aux=plan.aux(sl, blocks=len(rb.word_counts) > 0),
                      states=rb.states, word_counts=rb.word_counts, words=rb.words, bits=bits)
         if h.version >= 3 and c.record_len > stored_record_len(h, i):  # the size guard (FORMAT.md)
             return stored_chunk(h, i, plan.x[sl], None if plan.scales is None else plan.scales[sl])

@@ -6,7 +6,9 @@ version 2, XXH3-128 in version 3; the digests themselves are ``speckv.digests``)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -14,9 +16,13 @@ from speckv.digests import algorithm_of, digest
 from speckv.errors import IntegrityError
 
 from . import container as ct
+from .plan import Plan
 
 if TYPE_CHECKING:
     from numpy.typing import DTypeLike
+
+Sums = tuple[bytes, bytes]  # a coded chunk's (mu_fingerprint, raw_digest)
+_helper: tuple[int, ThreadPoolExecutor] | None = None  # (pid, the digest thread): see digests_ahead
 
 
 def verified(c: ct.Chunk, bits: np.ndarray, version: int, dtype: DTypeLike | None = None) -> np.ndarray:
@@ -27,3 +33,33 @@ def verified(c: ct.Chunk, bits: np.ndarray, version: int, dtype: DTypeLike | Non
     if c.raw_digest != digest(c.aux, bits, algorithm=algorithm_of(version)):
         raise IntegrityError(f"chunk {c.index}: decoded KV fails its checksum")
     return bits
+
+
+def chunk_sums(plan: Plan, h: ct.StreamHeader, i: int) -> Sums:
+    """Coded chunk ``i``'s (mu_fingerprint, raw_digest): the stream version's digest
+    (FORMAT.md) of its mu and of its aux then raw bit patterns (the aux of a chunk with rANS
+    blocks, which every chunk with elements has)."""
+    sl, algorithm = plan.chunk_slice(h, i), algorithm_of(h.version)
+    assert plan.x is not None  # an encoding plan
+    return (digest(plan.mu_predicted[sl], algorithm=algorithm),
+            digest(plan.aux(sl, blocks=h.chunk_blocks(i) > 0), plan.x[sl], algorithm=algorithm))
+
+
+def _digest_thread() -> ThreadPoolExecutor:
+    """The process's one digest thread, started on first use.
+    NOTE: keyed by pid: a forked child inherits the executor but not its thread, and a job
+    submitted there would never run, so the child starts its own."""
+    global _helper
+    if _helper is None or _helper[0] != os.getpid():
+        _helper = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="speckv-digest"))
+    return _helper[1]
+
+
+def digests_ahead(threads: int, jobs: list[Callable[[], Sums]]) -> Callable[[], list[Sums]]:
+    """Each job's digests; with ``threads`` > 1 computed on the digest thread while the caller
+    goes on (the backend's encode: XXH3 releases the GIL, so the digests stop being a serial
+    step of every chunk), with 1 thread when the returned call asks for them."""
+    if threads < 2:
+        return lambda: [j() for j in jobs]
+    job: Future[list[Sums]] = _digest_thread().submit(lambda: [j() for j in jobs])
+    return job.result
