@@ -189,7 +189,8 @@ def test_a_changed_memfd_is_data_loss(local, prompts, monkeypatch):
     def flip(self, offset, arr):
         write(self, offset, arr)
         if offset == 0:
-            self.mm[5] ^= 1
+            b = os.pread(self.fd, 1, 5)
+            os.pwrite(self.fd, bytes([b[0] ^ 1]), 5)
 
     monkeypatch.setattr(mailbox.LocalKV, "write", flip)
     ids, kv = prompts("short")
@@ -238,3 +239,25 @@ def test_a_restarted_decoder_gets_a_new_mailbox(tmp_path):
     finally:
         box.close()
         first.stop()
+
+
+@pytest.mark.parametrize("short", [False, True])
+def test_localkv_writes_any_strides_in_c_order(monkeypatch, short):
+    """``LocalKV.write`` puts an array's C-order bytes at its offset: a contiguous one, a token
+    range (one piece per (kv, head)) and a transposed one, also when every pwritev is short."""
+    if short:
+        pwritev = os.pwritev
+        monkeypatch.setattr(mailbox.os, "pwritev", lambda fd, bufs, off: pwritev(fd, [bytes(bufs[0][:7])], off))
+    rng = np.random.default_rng(1)
+    a = rng.integers(0, 1 << 16, (2, 3, 9, 8), dtype=np.uint16)
+    parts = [a, a[:, :, 2:7], a.transpose(0, 1, 3, 2), a[:, :, :0]]
+    kv = mailbox.LocalKV(sum(p.nbytes for p in parts))
+    try:
+        at = 0
+        for p in parts:
+            kv.write(at, p)
+            at += p.nbytes
+        kv.seal()
+        assert os.pread(kv.fd, kv.size, 0) == b"".join(np.ascontiguousarray(p).tobytes() for p in parts)
+    finally:
+        kv.close()
