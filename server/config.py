@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 
 from speckv.coder.backends import CODERS
 from speckv.quantity import format_size, parse_size
-from speckv.wire import MAX_MESSAGE_BYTES, PART_BYTES
+from speckv.wire import FRAMING_BYTES, MAX_MESSAGE_BYTES, SIDECAR_PART_BYTES
 
 from .batcher import DEFAULT_BATCH_TOKENS
 
@@ -48,7 +48,7 @@ class ServerConfig:
     # prompts' mu took a decoder to 709 MiB, 2.8x the target's weights (benchmarks/load.py, six prompts)
     mu_cache_bytes: int = 64 << 20
     max_tokens: int | None = None  # prompt length limit per transfer; None = the served model's context
-    message_bytes: int = PART_BYTES  # largest payload per gRPC message (parts)
+    message_bytes: int = SIDECAR_PART_BYTES  # largest payload per gRPC message (parts)
     max_receive_bytes: int = MAX_MESSAGE_BYTES  # gRPC max receive message length
     grace_s: float = 10.0  # SIGTERM: time for in-flight transfers before they are cancelled
     fetch_wait_s: float = 30.0  # FetchKV's default wait for a transfer to arrive
@@ -86,7 +86,7 @@ class ServerConfig:
             raise ValueError(f"mu_cache_bytes must be >= 0, not {self.mu_cache_bytes}")
         if self.predictor_batch_tokens < 0:
             raise ValueError(f"predictor_batch_tokens must be >= 0 (0 = off), not {self.predictor_batch_tokens}")
-        if not 64 * 1024 <= self.message_bytes <= self.max_receive_bytes - 64 * 1024:
+        if not 64 * 1024 <= self.message_bytes <= self.max_receive_bytes - FRAMING_BYTES:
             raise ValueError("message_bytes must be >= 64 KiB and leave 64 KiB of max_receive_bytes "
                              "for framing")
         if self.max_inflight_bytes < self.message_bytes:

@@ -32,8 +32,14 @@ if TYPE_CHECKING:
 DTYPES: dict[int, tuple[str, np.dtype[Any]]] = {pb.DTYPE_BF16: ("bf16", np.dtype("<u2")),
                                                  pb.DTYPE_FP8_E4M3: ("fp8", np.dtype("u1"))}
 MAX_DIM = 1 << 24  # any one dimension; products are checked against the caller's limits
-PART_BYTES = 2 << 20  # default payload per message (parts of layers and records)
+PART_BYTES = 2 << 20  # a client's default payload per message (parts of layers)
 MAX_MESSAGE_BYTES = 4 << 20  # gRPC's default message limit, which every message stays under
+FRAMING_BYTES = 64 << 10  # room a message keeps under the limit for everything but its payload
+# A sidecar's default payload per message: as large as the limit allows, so that a record fits one
+# message (a stored 2-layer record of 2048 tokens is 3 MiB) and the receiver checks it where gRPC
+# put it, instead of reassembling it (a copy of every byte). NOTE: a client keeps PART_BYTES: a
+# sidecar may run with a smaller max_receive_bytes than a client can know of.
+SIDECAR_PART_BYTES = MAX_MESSAGE_BYTES - FRAMING_BYTES
 
 
 def fresh_buffer(n: int) -> memoryview:

@@ -16,7 +16,8 @@ PIN = "ab" * 32
 
 def test_defaults():
     c = ServerConfig(role="decoder")
-    assert (c.listen, c.metrics_port, c.max_inflight_bytes, c.message_bytes) == ("127.0.0.1:0", -1, 1 << 30, 2 * MIB)
+    assert (c.listen, c.metrics_port, c.max_inflight_bytes, c.message_bytes) == ("127.0.0.1:0", -1, 1 << 30,
+                                                                                 4 * MIB - 64 * 1024)
     assert (c.max_transfers, c.layers_per_chunk, c.pin, c.predictor) == (64, 2, None, None)
 
 
