@@ -267,9 +267,13 @@ void decode_block_values_vector(const DecodeJob& J, int64_t b, const uint32_t* i
     uint32_t* __restrict zi = zi_buf.data();
     // C2: each field's start, a running sum per section (selects, not branches); kind and width
     // come from info (classify_body packed the width)
-    uint32_t low = (uint32_t)cs.low[lb], zman = (uint32_t)cs.zman[lb], esc = (uint32_t)cs.esc[lb];
-    uint32_t z = (uint32_t)cs.zero0[lb];
-    for (int64_t e = 0; e < n; ++e) {
+    uint32_t sums[4] = {(uint32_t)cs.low[lb], (uint32_t)cs.zman[lb], (uint32_t)cs.esc[lb], (uint32_t)cs.zero0[lb]};
+    int64_t e = 0;
+#if SPK_HAVE_AVX2_BUILD
+    if (J.simd->wide) e = positions_avx512(info, n, sums, pos, zi);  // whole groups of 16; the rest below
+#endif
+    uint32_t low = sums[0], zman = sums[1], esc = sums[2], z = sums[3];
+    for (; e < n; ++e) {
         const uint32_t kind = info[e] >> 22 & 3u, w = info[e] >> INFO_WIDTH_SHIFT & 31u;
         const uint32_t normal = kind == SPK_KIND_NORMAL, zero = kind == SPK_KIND_ZERO;
         pos[e] = normal ? low : zero ? zman : esc;
