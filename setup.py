@@ -18,7 +18,8 @@ HEADERS = ("spk_simd.h", "spk_block.h", "spk_encode.h", "spk_decode.h", "spk_mod
            "rans_lane.cuh", "spk_consts.h", "spk_portable.h", "spk_portable_py.h", "spk_py.h",
            "spk_w8a8.h", "spk_w8a8_py.h", "spk_attn.h", "spk_attn_py.h", "spk_wide.h", "spk_iattn.h", "spk_igemm.h",
            "spk_attn_avx2.h", "spk_amx.h", "spk_attn_amx.h", "spk_fp8_amx.h", "spk_fp8_amx_py.h", "spk_pool.h",
-           "spk_w8a8_amx.h", "spk_w8a8_amx_py.h", "spk_silu.h", "spk_mlp_amx.h")
+           "spk_w8a8_amx.h", "spk_w8a8_amx_py.h", "spk_silu.h", "spk_mlp_amx.h", "spk_rans_step.h",
+           "spk_fields.h")
 FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fvisibility=hidden", "-pthread"]
 
 

@@ -7,6 +7,8 @@
 #endif
 
 #include "spk_block.h"
+#include "spk_fields.h"
+#include "spk_rans_step.h"
 
 namespace spk {
 
@@ -81,129 +83,80 @@ void block_classify(const DecodeJob& J, const uint32_t* __restrict js, const uin
     tally.unary_bound = unary_bound, tally.mu_bad = mu_bad;
 }
 
-// What a rANS decode step reads of the model's tables.
-struct RansDecodeTables {
-    const int32_t* toff;
-    const uint16_t *cum, *freq, *cum_pad, *bucket;
-    const uint32_t* op;  // cum | freq << 16 per symbol, or null
+// One block's rANS decode in progress (stage 1 between the two above).
+struct RansRun {
+    const ChunkStream* cs;
+    int64_t b, n, lo, end;
+    uint32_t* ctx;  // the block's packed contexts (stage 0)
+    uint32_t* js;   // each element's bin
+    uint32_t x[SPK_LANES];
+    bool failed = false;  // its words ran out (SPK_ERR_WORDS_UNDERRUN)
 };
 
-// One step's rANS ops of lanes [0, live) and its renormalisation (the scalar stage 1's step);
-// false when the step's words run under lo.
-inline bool rans_decode_step(const RansDecodeTables& T, const uint32_t* __restrict ctx, uint32_t live,
-                             const uint16_t* words, int64_t lo, int64_t& end, uint32_t* x, uint32_t* __restrict js) {
-    for (uint32_t l = 0; l < live; ++l) {  // NOTE: the lanes are independent: their loads overlap
-        const int32_t t = (int32_t)(ctx[l] & 0x3FFu), off = T.toff[t];
-        const uint32_t j = dec_find_bucketed(T.cum_pad + off + t, T.bucket + (size_t)t * SPK_BUCKETS, dec_get(x[l]));
-        if (T.op) dec_advance(&x[l], T.op[off + j] & 0xFFFFu, T.op[off + j] >> 16);  // one load for both
-        else dec_advance(&x[l], T.cum[off + j], T.freq[off + j]);
-        js[l] = j;
-    }  // padding lanes (l >= live): the no-op leaves the state as it is
-    uint32_t ballot = 0;
-    for (uint32_t l = 0; l < SPK_LANES; ++l) ballot |= dec_needs(x[l]) << l;
-    if (!ballot) return true;
-    end -= popcount32(ballot);  // NOTE: read backward: this step's words sit at the end
-    if (end < lo) return false;
-    // the lane of rank r (among the ballot's lanes, ascending) reads word end + r
-    const uint16_t* w = words + end;
-    for (uint32_t bits = ballot; bits; bits &= bits - 1u, ++w) {
-        const uint32_t l = (uint32_t)__builtin_ctz(bits);
-        x[l] = dec_put_word(x[l], *w);
-    }
-    return true;
-}
+// Scratch of a run: one per block a thread decodes at once. NOTE: kept across calls (fresh pages
+// would fault every call)
+struct RansScratch {
+    std::vector<uint32_t> ctx, js;
+};
 
-#if SPK_HAVE_AVX2_BUILD
-// rans_decode_step on AVX-512 for a whole step (every lane live): 16 lanes at a time, the tables
-// gathered (the u16 ones 32 bits at a time, the low half kept: DecodeTables leaves a spare element),
-// the symbol search stepping only the lanes still below their slot, and the words of the lanes that
-// renormalise expanded into them in lane order (a masked load: nothing read past the step's words).
-SPK_AVX512 inline bool rans_decode_step_avx512(const RansDecodeTables& T, const uint32_t* __restrict ctx,
-                                               const uint16_t* words, int64_t lo, int64_t& end, uint32_t* x,
-                                               uint32_t* __restrict js) {
-    const __m512i low16 = _mm512_set1_epi32(0xFFFF), one = _mm512_set1_epi32(1);
-    __m512i xv[2];
-    __mmask16 need[2];
-    for (int h = 0; h < 2; ++h) {
-        const __m512i t = _mm512_and_si512(_mm512_loadu_si512((const void*)(ctx + 16 * h)), _mm512_set1_epi32(0x3FF));
-        const __m512i off = _mm512_i32gather_epi32(t, (const void*)T.toff, 4);
-        __m512i v = _mm512_loadu_si512((const void*)(x + 16 * h));
-        const __m512i slot = _mm512_and_si512(v, _mm512_set1_epi32((int)SPK_PROB_MASK));
-        const __m512i row = _mm512_add_epi32(off, t);  // the row's first entry in cum_pad
-        const __m512i q = _mm512_add_epi32(_mm512_mullo_epi32(t, _mm512_set1_epi32((int)SPK_BUCKETS)),
-                                           _mm512_srli_epi32(slot, SPK_BUCKET_SHIFT));
-        __m512i j = _mm512_and_si512(_mm512_i32gather_epi32(q, (const void*)T.bucket, 2), low16);
-        // dec_find_bucketed: step up while cum[j + 1] <= slot, two entries a gather (cum[j + 1] in the
-        // low half, cum[j + 2] in the high): a lane goes on only after two steps
-        for (__mmask16 m = 0xFFFF; m;) {
-            const __m512i at = _mm512_add_epi32(_mm512_add_epi32(row, j), one);
-            const __m512i c = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, at, (const void*)T.cum_pad, 2);
-            const __mmask16 s1 = _mm512_mask_cmple_epu32_mask(m, _mm512_and_si512(c, low16), slot);
-            m = _mm512_mask_cmple_epu32_mask(s1, _mm512_srli_epi32(c, 16), slot);
-            j = _mm512_mask_add_epi32(_mm512_mask_add_epi32(j, s1, j, one), m, j, _mm512_set1_epi32(2));
-        }
-        const __m512i opv = _mm512_i32gather_epi32(_mm512_add_epi32(off, j), (const void*)T.op, 4);
-        // dec_advance: freq * (x >> PROB_BITS) + slot - start
-        v = _mm512_sub_epi32(_mm512_add_epi32(_mm512_mullo_epi32(_mm512_srli_epi32(opv, 16),
-                                                                  _mm512_srli_epi32(v, SPK_PROB_BITS)), slot),
-                             _mm512_and_si512(opv, low16));
-        _mm512_storeu_si512((void*)(js + 16 * h), j);
-        xv[h] = v;
-        need[h] = _mm512_cmplt_epu32_mask(v, _mm512_set1_epi32((int)SPK_RANS_L));
-    }
-    const uint32_t n0 = (uint32_t)__builtin_popcount(need[0]), n1 = (uint32_t)__builtin_popcount(need[1]);
-    if (n0 + n1) {
-        end -= n0 + n1;  // NOTE: read backward: this step's words sit at the end
-        if (end < lo) return false;
-        const uint16_t* w = words + end;
-        for (int h = 0; h < 2; ++h) {
-            const __mmask16 m = need[h];
-            const __m512i wv = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16((__mmask16)((1u << __builtin_popcount(m)) - 1u),
-                                                                           (const void*)(h ? w + n0 : w)));
-            xv[h] = _mm512_mask_or_epi32(xv[h], m, _mm512_slli_epi32(xv[h], SPK_WORD_BITS), _mm512_maskz_expand_epi32(m, wv));
-        }
-    }
-    _mm512_storeu_si512((void*)x, xv[0]);
-    _mm512_storeu_si512((void*)(x + 16), xv[1]);
-    return true;
-}
-#endif
-
-// The rANS steps of one block (stage 1 between the two above): each element's packed
-// info and the block's tallies; status SPK_ERR_WORDS_* or FINAL_STATE.
 template <class FX, class FM, bool TAB>
-int decode_block_rans(const DecodeJob& J, int64_t b, uint32_t* __restrict info, BlockTally& tally) {
+void rans_begin(const DecodeJob& J, int64_t b, RansScratch& scratch, RansRun& r) {
     const Geometry& g = J.g;
-    const int64_t c = g.block_chunk[b], e0 = g.block_e0[b], n = g.block_n[b], steps = g.epl;
-    const ChunkStream& cs = J.streams[(size_t)c];
-    const int64_t lb = b - g.chunk_b0[c];
-    int64_t lo = 0;
-    for (int64_t i = 0; i < lb; ++i) lo += cs.counts[i];
-    int64_t end = lo + cs.counts[lb];
-    thread_local std::vector<uint32_t> ctx_buf, j_buf;
-    ctx_buf.resize((size_t)n), j_buf.resize((size_t)n);
-    uint32_t* __restrict ctx = ctx_buf.data();
-    uint32_t* __restrict js = j_buf.data();
-    block_contexts<FX, FM, TAB>(J, e0, n, ctx);
-    const RansDecodeTables T{J.t.off, J.t.cum, J.t.freq, J.t.cum_pad, J.t.bucket, J.simd ? J.simd->op : nullptr};
-    uint32_t x[SPK_LANES];
-    std::memcpy(x, cs.states + lb * SPK_LANES, sizeof x);
-    for (int64_t s = 0, e0s = 0; s < steps; ++s, e0s += SPK_LANES) {
-        const uint32_t live = (uint32_t)std::min<int64_t>(SPK_LANES, std::max<int64_t>(n - e0s, 0));
-        bool ok;
+    const int64_t c = g.block_chunk[b], lb = b - g.chunk_b0[c];
+    r.cs = &J.streams[(size_t)c], r.b = b, r.n = g.block_n[b], r.lo = 0;
+    for (int64_t i = 0; i < lb; ++i) r.lo += r.cs->counts[i];
+    r.end = r.lo + r.cs->counts[lb];
+    scratch.ctx.resize((size_t)r.n), scratch.js.resize((size_t)r.n);
+    r.ctx = scratch.ctx.data(), r.js = scratch.js.data();
+    block_contexts<FX, FM, TAB>(J, g.block_e0[b], r.n, r.ctx);
+    std::memcpy(r.x, r.cs->states + lb * SPK_LANES, sizeof r.x);
+}
+
+// Step s of a run (every lane's op, then the renormalisation); marks the run failed when its words run out.
+inline void rans_step(const DecodeJob& J, const RansDecodeTables& T, int64_t s, RansRun& r) {
+    const int64_t e0s = s * SPK_LANES;
+    const uint32_t live = (uint32_t)std::min<int64_t>(SPK_LANES, std::max<int64_t>(r.n - e0s, 0));
+    bool ok;
 #if SPK_HAVE_AVX2_BUILD
-        if (live == SPK_LANES && J.simd && J.simd->wide)
-            ok = rans_decode_step_avx512(T, ctx + e0s, cs.words, lo, end, x, js + e0s);
-        else
+    if (live == SPK_LANES && J.simd && J.simd->wide)
+        ok = rans_decode_step_avx512(T, r.ctx + e0s, r.cs->words, r.lo, r.end, r.x, r.js + e0s);
+    else
 #endif
-            ok = rans_decode_step(T, ctx + e0s, live, cs.words, lo, end, x, js + e0s);
-        if (!ok) return SPK_ERR_WORDS_UNDERRUN;  // NOTE: the tallies of a block that failed here are never read
-    }
-    block_classify<FX>(J, js, ctx, n, info, tally);
-    if (end != lo) return SPK_ERR_WORDS_LEFT;
+        ok = rans_decode_step(T, r.ctx + e0s, live, r.cs->words, r.lo, r.end, r.x, r.js + e0s);
+    r.failed = !ok;
+}
+
+// A finished run: each element's packed info and the block's tallies; status SPK_ERR_WORDS_* or FINAL_STATE.
+template <class FX>
+int rans_finish(const DecodeJob& J, const RansRun& r, uint32_t* __restrict info, BlockTally& tally) {
+    if (r.failed) return SPK_ERR_WORDS_UNDERRUN;  // NOTE: the tallies of a block that failed are never read
+    block_classify<FX>(J, r.js, r.ctx, r.n, info, tally);
+    if (r.end != r.lo) return SPK_ERR_WORDS_LEFT;
     for (uint32_t l = 0; l < SPK_LANES; ++l)
-        if (x[l] != SPK_RANS_L) return SPK_ERR_FINAL_STATE;
+        if (r.x[l] != SPK_RANS_L) return SPK_ERR_FINAL_STATE;
     return SPK_OK;
+}
+
+inline RansDecodeTables rans_tables(const DecodeJob& J) {
+    return RansDecodeTables{J.t.off, J.t.cum, J.t.freq, J.t.cum_pad, J.t.bucket, J.simd ? J.simd->op : nullptr};
+}
+
+constexpr int RANS_INTERLEAVE = 2;  // blocks a thread decodes at once (decode_blocks_rans)
+
+// The rANS steps of blocks b .. b + count - 1 (count <= RANS_INTERLEAVE), their steps interleaved: each block's
+// step is a chain of dependent gathers, and two independent chains keep the core busier than one.
+// Each block's info at info + its block_e0, its tally and status as decoding it alone gives.
+template <class FX, class FM, bool TAB>
+void decode_blocks_rans(const DecodeJob& J, int64_t b, int count, uint32_t* info, BlockTally* tally, int* status) {
+    thread_local RansScratch scratch[RANS_INTERLEAVE];
+    RansRun run[RANS_INTERLEAVE];
+    for (int i = 0; i < count; ++i) rans_begin<FX, FM, TAB>(J, b + i, scratch[i], run[i]);
+    const RansDecodeTables T = rans_tables(J);
+    for (int64_t s = 0; s < J.g.epl; ++s)
+        for (int i = 0; i < count; ++i)
+            if (!run[i].failed) rans_step(J, T, s, run[i]);
+    for (int i = 0; i < count; ++i)
+        status[b + i] = rans_finish<FX>(J, run[i], info + J.g.block_e0[b + i], tally[b + i]);
 }
 
 struct ChunkSections {  // where each block's raw fields start (bits), the unary codes, the checks
@@ -265,21 +218,11 @@ void decode_block_values_vector(const DecodeJob& J, int64_t b, const uint32_t* i
     pos_buf.resize((size_t)n), zi_buf.resize((size_t)n);
     uint32_t* __restrict pos = pos_buf.data();
     uint32_t* __restrict zi = zi_buf.data();
-    // C2: each field's start, a running sum per section (selects, not branches); kind and width
-    // come from info (classify_body packed the width)
-    uint32_t sums[4] = {(uint32_t)cs.low[lb], (uint32_t)cs.zman[lb], (uint32_t)cs.esc[lb], (uint32_t)cs.zero0[lb]};
-    int64_t e = 0;
-#if SPK_HAVE_AVX2_BUILD
-    if (J.simd->wide) e = positions_avx512(info, n, sums, pos, zi);  // whole groups of 16; the rest below
-#endif
-    uint32_t low = sums[0], zman = sums[1], esc = sums[2], z = sums[3];
-    for (; e < n; ++e) {
-        const uint32_t kind = info[e] >> 22 & 3u, w = info[e] >> INFO_WIDTH_SHIFT & 31u;
-        const uint32_t normal = kind == SPK_KIND_NORMAL, zero = kind == SPK_KIND_ZERO;
-        pos[e] = normal ? low : zero ? zman : esc;
-        zi[e] = z;
-        low += normal ? w : 0, zman += zero ? w : 0, esc += kind == SPK_KIND_ESC ? w : 0, z += zero;
-    }
+    // C2: each field's start, a running sum per section (spk_fields.h); kind and width come from
+    // info (classify_body packed the width)
+    const std::array<uint32_t, 4> start{(uint32_t)cs.low[lb], (uint32_t)cs.zman[lb], (uint32_t)cs.esc[lb],
+                                        (uint32_t)cs.zero0[lb]};
+    field_positions(info, n, start, J.simd->wide, pos, zi);
     compose_vec<FX>(*J.simd, info, pos, zi, n, cs.padded.data(), cs.deltas.data(),
                     static_cast<uint8_t*>(J.out) + e0 * (FX::bits / 8), f.normal_bad, f.zero_bad);
 }
@@ -309,8 +252,11 @@ struct Decoder {
         uint32_t* const info = scratch.data();
         std::vector<BlockTally> tally((size_t)g.n_blocks);
         std::vector<int> status((size_t)g.n_blocks, SPK_OK);
-        pfor(g.n_blocks, threads, [&](int64_t b) {
-            status[b] = decode_block_rans<FX, FM, TAB>(J, b, info + g.block_e0[b], tally[b]);
+        const int64_t groups = (g.n_blocks + RANS_INTERLEAVE - 1) / RANS_INTERLEAVE;
+        pfor(groups, threads, [&](int64_t i) {  // RANS_INTERLEAVE blocks a task (decode_blocks_rans)
+            const int64_t b = i * RANS_INTERLEAVE;
+            const int count = (int)std::min<int64_t>(RANS_INTERLEAVE, g.n_blocks - b);
+            decode_blocks_rans<FX, FM, TAB>(J, b, count, info, tally.data(), status.data());
         });
         for (size_t b = 0; b < status.size(); ++b)
             if (status[b]) {

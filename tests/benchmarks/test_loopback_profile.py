@@ -20,7 +20,7 @@ def lp(load_script):
     ("[kernel.kallsyms] clear_page_erms", "copies"),
     ("[kernel.kallsyms] _copy_from_iter", "kernel net"),
     ("cygrpc.cpython-311-x86_64-linux-gnu.so 0x00000000005664f8", "grpc"),
-    ("_native.cpython-311-x86_64-linux-gnu.so spk::decode_block_rans<...>", "coding"),
+    ("_native.cpython-311-x86_64-linux-gnu.so spk::decode_blocks_rans<...>", "coding"),
     ("libpython3.11.so.1.0 _PyEval_EvalFrameDefault", "python"),
     ("[kernel.kallsyms] finish_task_switch.isra.0", "kernel other"),
 ])
