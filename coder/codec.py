@@ -32,7 +32,7 @@ from . import reference
 from .adapt import choose_rounding, choose_shifts
 from .backends import select_backend
 from .config import MAX_ELEMS_PER_LANE, CodecConfig
-from .integrity import Sums, chunk_sums, digests_ahead, verified
+from .integrity import Ahead, Sums, chunk_sums, verified
 from .interfaces import CheckpointLike, MuSource
 from .model import BF16, E4M3, Context, ContextTable, FloatFormat
 from .plan import (
@@ -189,14 +189,17 @@ class Codec:
             return []
         if self.backend is not None:  # the same bytes (tests/coder/test_native.py)
             assert plan.x is not None  # an encoding plan
-            sums = digests_ahead(self.config.threads, [partial(chunk_sums, plan, h, i) for i in idx])
-            coded = []
-            for run in (idx[r] for r in runs(idx)):
-                sl = slice(plan.chunk_slice(h, run[0]).start, plan.chunk_slice(h, run[-1]).stop)
-                coded += self.backend.encode(plan.x[sl], plan.mu[sl], plan.log2_sigma[sl],
-                                             [h.chunk_layers(i)[1] for i in run], h.elems_per_lane, plan.model.tables)
+            sums, coded = Ahead(self.config.threads, [partial(chunk_sums, plan, h, i) for i in idx]), []
+            try:
+                for run in (idx[r] for r in runs(idx)):
+                    sl = slice(plan.chunk_slice(h, run[0]).start, plan.chunk_slice(h, run[-1]).stop)
+                    coded += self.backend.encode(plan.x[sl], plan.mu[sl], plan.log2_sigma[sl], [h.chunk_layers(i)[1]
+                                                 for i in run], h.elems_per_lane, plan.model.tables)
+            except BaseException:
+                sums.cancel()
+                raise
             return self._map(lambda a: self._chunk_record(plan, h, a[0], a[1].blocks, a[1].bits, a[2]),
-                             list(zip(idx, coded, sums(), strict=True)))
+                             list(zip(idx, coded, sums.result(), strict=True)))
         coded_np = reference.encode_chunks(plan, h, idx, self._context, self.config.threads)
         return [self._chunk_record(plan, h, i, rb, bits) for i, (rb, bits) in zip(idx, coded_np, strict=True)]
 
@@ -205,16 +208,12 @@ class Codec:
 
     def _chunk_record(self, plan: Plan, h: ct.StreamHeader, i: int, rb: RansBlocks,
                       bits: bytes, sums: Sums | None = None) -> ct.Chunk:
-        sl = plan.chunk_slice(h, i)
-        assert plan.x is not None  # an encoding plan
-        # NOTE: a chunk has rANS blocks iff it has elements: the aux that chunk_sums digested
-        assert (len(rb.word_counts) > 0) == (h.chunk_blocks(i) > 0)
+        sl, blocks = plan.chunk_slice(h, i), h.chunk_blocks(i) > 0  # NOTE: rb's blocks, as chunk_sums assumes
+        assert plan.x is not None and blocks == (len(rb.word_counts) > 0)  # an encoding plan
         mu_fingerprint, raw_digest = chunk_sums(plan, h, i) if sums is None else sums
         start, count = h.chunk_layers(i)
-        c = ct.Chunk(index=i, layer_start=start, layer_count=count,
-                     steps=h.elems_per_lane if len(rb.word_counts) else 0,
-                     mu_fingerprint=mu_fingerprint, raw_digest=raw_digest,
-                     aux=plan.aux(sl, blocks=len(rb.word_counts) > 0),
+        c = ct.Chunk(index=i, layer_start=start, layer_count=count, steps=h.elems_per_lane if blocks else 0,
+                     mu_fingerprint=mu_fingerprint, raw_digest=raw_digest, aux=plan.aux(sl, blocks=blocks),
                      states=rb.states, word_counts=rb.word_counts, words=rb.words, bits=bits)
         if h.version >= 3 and c.record_len > stored_record_len(h, i):  # the size guard (FORMAT.md)
             return stored_chunk(h, i, plan.x[sl], None if plan.scales is None else plan.scales[sl])

@@ -7,6 +7,7 @@ version 2, XXH3-128 in version 3; the digests themselves are ``speckv.digests``)
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable
 
@@ -16,13 +17,15 @@ from speckv.digests import algorithm_of, digest
 from speckv.errors import IntegrityError
 
 from . import container as ct
-from .plan import Plan
 
 if TYPE_CHECKING:
     from numpy.typing import DTypeLike
 
+    from .plan import Plan
+
 Sums = tuple[bytes, bytes]  # a coded chunk's (mu_fingerprint, raw_digest)
-_helper: tuple[int, ThreadPoolExecutor] | None = None  # (pid, the digest thread): see digests_ahead
+_helper: tuple[int, ThreadPoolExecutor] | None = None  # (pid, the digest thread): see Ahead
+_helper_lock = threading.Lock()
 
 
 def verified(c: ct.Chunk, bits: np.ndarray, version: int, dtype: DTypeLike | None = None) -> np.ndarray:
@@ -46,20 +49,33 @@ def chunk_sums(plan: Plan, h: ct.StreamHeader, i: int) -> Sums:
 
 
 def _digest_thread() -> ThreadPoolExecutor:
-    """The process's one digest thread, started on first use.
+    """The process's one digest thread, started on first use. Every encode in the process queues
+    its digests there (XXH3 hashes several GB/s: one thread keeps up with the backends).
     NOTE: keyed by pid: a forked child inherits the executor but not its thread, and a job
     submitted there would never run, so the child starts its own."""
     global _helper
-    if _helper is None or _helper[0] != os.getpid():
-        _helper = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="speckv-digest"))
-    return _helper[1]
+    with _helper_lock:
+        if _helper is None or _helper[0] != os.getpid():
+            _helper = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="speckv-digest"))
+        return _helper[1]
 
 
-def digests_ahead(threads: int, jobs: list[Callable[[], Sums]]) -> Callable[[], list[Sums]]:
-    """Each job's digests; with ``threads`` > 1 computed on the digest thread while the caller
-    goes on (the backend's encode: XXH3 releases the GIL, so the digests stop being a serial
-    step of every chunk), with 1 thread when the returned call asks for them."""
-    if threads < 2:
-        return lambda: [j() for j in jobs]
-    job: Future[list[Sums]] = _digest_thread().submit(lambda: [j() for j in jobs])
-    return job.result
+class Ahead:
+    """Each job's digests: with ``threads`` > 1 computed on the digest thread while the caller goes
+    on (the backend's encode: XXH3 releases the GIL, so the digests stop being a serial step of
+    every chunk); with 1 thread on the caller, when ``result`` asks for them."""
+
+    def __init__(self, threads: int, jobs: list[Callable[[], Sums]]) -> None:
+        self._jobs = jobs
+        self._job: Future[list[Sums]] | None = None
+        if threads > 1:
+            self._job = _digest_thread().submit(lambda: [j() for j in jobs])
+
+    def result(self) -> list[Sums]:
+        """The digests, in the jobs' order (a job's exception raised here)."""
+        return [j() for j in self._jobs] if self._job is None else self._job.result()
+
+    def cancel(self) -> None:
+        """Drop the digests (the encode failed): not started, they never run."""
+        if self._job is not None:
+            self._job.cancel()

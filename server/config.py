@@ -48,7 +48,9 @@ class ServerConfig:
     # prompts' mu took a decoder to 709 MiB, 2.8x the target's weights (benchmarks/load.py, six prompts)
     mu_cache_bytes: int = 64 << 20
     max_tokens: int | None = None  # prompt length limit per transfer; None = the served model's context
-    message_bytes: int = SIDECAR_PART_BYTES  # largest payload per gRPC message (parts)
+    # largest payload per gRPC message (parts); 0 = SIDECAR_PART_BYTES, or less where max_receive_bytes or
+    # max_inflight_bytes are smaller. NOTE: an encoder's parts must fit its decoder's max_receive_bytes
+    message_bytes: int = 0
     max_receive_bytes: int = MAX_MESSAGE_BYTES  # gRPC max receive message length
     grace_s: float = 10.0  # SIGTERM: time for in-flight transfers before they are cancelled
     fetch_wait_s: float = 30.0  # FetchKV's default wait for a transfer to arrive
@@ -86,6 +88,9 @@ class ServerConfig:
             raise ValueError(f"mu_cache_bytes must be >= 0, not {self.mu_cache_bytes}")
         if self.predictor_batch_tokens < 0:
             raise ValueError(f"predictor_batch_tokens must be >= 0 (0 = off), not {self.predictor_batch_tokens}")
+        if self.message_bytes == 0:  # NOTE: a limit set lower than the default's still holds alone
+            object.__setattr__(self, "message_bytes", max(64 * 1024, min(
+                SIDECAR_PART_BYTES, self.max_receive_bytes - FRAMING_BYTES, self.max_inflight_bytes)))
         if not 64 * 1024 <= self.message_bytes <= self.max_receive_bytes - FRAMING_BYTES:
             raise ValueError("message_bytes must be >= 64 KiB and leave 64 KiB of max_receive_bytes "
                              "for framing")
@@ -180,7 +185,9 @@ FIELDS = (
                                      "256Mi; 0 = off)"),
     _field("max_tokens", int, "prompt length limit per transfer, at most the model's context "
                               "(default: the context, its config's max_position_embeddings)"),
-    _field("message_bytes", _bytes, "largest payload per gRPC message"),
+    _field("message_bytes", _bytes, "largest payload per gRPC message (0: 4 MiB - 64 KiB, or less to fit "
+                                    "max_receive_bytes and max_inflight_bytes; a decoder's max_receive_bytes must "
+                                    "take its encoder's)"),
     _field("max_receive_bytes", _bytes, "gRPC max receive message length"),
     _field("grace_s", float, "SIGTERM grace period, seconds"),
     _field("fetch_wait_s", float, "FetchKV default wait, seconds"),

@@ -23,7 +23,6 @@ decode engine copies the layers into its own cache and lets go at once.
 from __future__ import annotations
 
 import fcntl
-import logging
 import os
 import secrets
 import socket
@@ -36,8 +35,6 @@ from speckv import handoff as proto
 from speckv.errors import RpcError
 
 from .local_socket import LocalListener, Refused
-
-logger = logging.getLogger(__name__)
 
 
 class Mailboxes(LocalListener):
@@ -103,6 +100,10 @@ class Mailboxes(LocalListener):
                 os.close(ro)
 
 
+IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024  # buffers a pwritev takes
+MIN_PIECE_BYTES = 64 << 10  # smaller contiguous pieces of a layer are gathered into one first (LocalKV.write)
+
+
 class LocalKV:
     """One local fetch's memfd, written by the decoder (module docstring)."""
 
@@ -117,10 +118,12 @@ class LocalKV:
             raise
 
     def write(self, offset: int, arr: np.ndarray) -> None:
-        """``arr``'s bytes (C order) at ``offset``: one copy, by the kernel, whatever its strides.
+        """``arr``'s bytes (C order) at ``offset``: one copy, by the kernel (two where ``arr``'s
+        contiguous pieces are small: ``_contiguous``).
         NOTE: pwritev, not a mapping: a mapping's page faults and its unmapping cost the decoder
         more than the copy itself (a 47 MB fetch maps 11,500 pages)."""
-        assert offset + arr.nbytes <= self.size
+        if offset < 0 or offset + arr.nbytes > self.size:  # NOTE: a write past the end would grow the memfd
+            raise ValueError(f"local memfd {self.id}: {arr.nbytes} bytes at {offset} overrun its {self.size}")
         views = _contiguous(arr)
         for i in range(0, len(views), IOV_MAX):
             batch = views[i:i + IOV_MAX]
@@ -145,13 +148,12 @@ class LocalKV:
             self.fd = -1
 
 
-IOV_MAX = 1024  # Linux's limit on the buffers of one pwritev
-
-
 def _contiguous(arr: np.ndarray) -> list[memoryview]:
-    """``arr``'s bytes in C order as contiguous pieces: the whole array when it is contiguous,
-    else its sub-arrays along the first axis, recursively (a token range of a layer: one piece
-    per (kv, head))."""
+    """``arr``'s bytes in C order as contiguous pieces: the whole array when it is contiguous, else
+    its sub-arrays along the first axis, recursively (a token range of a layer: one piece per (kv,
+    head)); a sub-array whose pieces would be smaller than MIN_PIECE_BYTES is copied into one."""
     if arr.flags.c_contiguous:
         return [memoryview(arr.data).cast("B")] if arr.nbytes else []
+    if arr.ndim < 2 or arr[0].nbytes < MIN_PIECE_BYTES or arr.strides[-1] != arr.itemsize:
+        return [memoryview(np.ascontiguousarray(arr).data).cast("B")]  # NOTE: one copy, not a syscall per row
     return [v for sub in arr for v in _contiguous(sub)]

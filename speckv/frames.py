@@ -1,6 +1,6 @@
 """Pre-serialised messages for the bulk streams: each payload byte is copied once.
 
-Building a message with a large bytes field (a 2 MiB part of a layer or a record)
+Building a message with a large bytes field (a part of a layer or a record, up to 4 MiB)
 makes upb copy the payload into the message, and serialising it copies it again,
 after the sender has already cut it out of its buffer (a third copy). Here the
 serialised message is written directly: the fields before the payload as upb

@@ -252,10 +252,11 @@ struct Decoder {
         uint32_t* const info = scratch.data();
         std::vector<BlockTally> tally((size_t)g.n_blocks);
         std::vector<int> status((size_t)g.n_blocks, SPK_OK);
-        const int64_t groups = (g.n_blocks + RANS_INTERLEAVE - 1) / RANS_INTERLEAVE;
-        pfor(groups, threads, [&](int64_t i) {  // RANS_INTERLEAVE blocks a task (decode_blocks_rans)
-            const int64_t b = i * RANS_INTERLEAVE;
-            const int count = (int)std::min<int64_t>(RANS_INTERLEAVE, g.n_blocks - b);
+        // NOTE: blocks one at a time where pairs would leave threads idle (fewer blocks than tasks)
+        const int per = g.n_blocks >= (int64_t)RANS_INTERLEAVE * threads ? RANS_INTERLEAVE : 1;
+        pfor((g.n_blocks + per - 1) / per, threads, [&](int64_t i) {  // per blocks a task (decode_blocks_rans)
+            const int64_t b = i * per;
+            const int count = (int)std::min<int64_t>(per, g.n_blocks - b);
             decode_blocks_rans<FX, FM, TAB>(J, b, count, info, tally.data(), status.data());
         });
         for (size_t b = 0; b < status.size(); ++b)

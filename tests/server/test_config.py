@@ -121,7 +121,7 @@ def test_invalid_values_name_the_setting(env, words):
     ({"metrics_port": -2}, "metrics_port"),
     ({"message_bytes": 64 * 1024 - 1}, "message_bytes"),
     ({"message_bytes": 4 * MIB - 64 * 1024 + 1}, "message_bytes"),
-    ({"max_inflight_bytes": 2 * MIB - 1}, "max_inflight_bytes"),
+    ({"max_inflight_bytes": 2 * MIB - 1, "message_bytes": 2 * MIB}, "max_inflight_bytes"),
     ({"layers_per_chunk": 0}, "layers_per_chunk"),
     ({"threads": 0}, "threads"),
     ({"lease_s": -1.0}, "lease_s"),
@@ -137,3 +137,16 @@ def test_smallest_valid_limits():
     c = ServerConfig(role="encoder", message_bytes=64 * 1024, max_inflight_bytes=64 * 1024,
                      max_receive_bytes=128 * 1024)
     assert c.max_inflight_bytes == c.message_bytes == 64 * 1024
+
+
+@pytest.mark.parametrize("kw,want", [
+    ({}, 4 * MIB - 64 * 1024),  # a 3 MiB stored record fits one message
+    ({"max_receive_bytes": 3 * MIB}, 3 * MIB - 64 * 1024),
+    ({"max_inflight_bytes": MIB}, MIB),
+    ({"max_receive_bytes": 128 * 1024, "max_inflight_bytes": 64 * 1024}, 64 * 1024),
+    ({"message_bytes": MIB, "max_receive_bytes": 3 * MIB}, MIB),  # given: kept
+])
+def test_message_bytes_default_fits_the_other_limits(kw, want):
+    """Unset (0), message_bytes is the sidecar's default where the other limits allow it, else the
+    most they allow: lowering max_receive_bytes or max_inflight_bytes alone stays a valid config."""
+    assert ServerConfig(role="decoder", **kw).message_bytes == want

@@ -245,12 +245,14 @@ def test_a_restarted_decoder_gets_a_new_mailbox(tmp_path):
 def test_localkv_writes_any_strides_in_c_order(monkeypatch, short):
     """``LocalKV.write`` puts an array's C-order bytes at its offset: a contiguous one, a token
     range (one piece per (kv, head)) and a transposed one, also when every pwritev is short."""
-    if short:
+    if short:  # and at most 5 buffers a call
         pwritev = os.pwritev
         monkeypatch.setattr(mailbox.os, "pwritev", lambda fd, bufs, off: pwritev(fd, [bytes(bufs[0][:7])], off))
+        monkeypatch.setattr(mailbox, "IOV_MAX", 5)
+    monkeypatch.setattr(mailbox, "MIN_PIECE_BYTES", 16)  # pieces of a few rows: the recursion runs
     rng = np.random.default_rng(1)
     a = rng.integers(0, 1 << 16, (2, 3, 9, 8), dtype=np.uint16)
-    parts = [a, a[:, :, 2:7], a.transpose(0, 1, 3, 2), a[:, :, :0]]
+    parts = [a, a[:, :, 2:7], a.transpose(0, 1, 3, 2), a[:, :, :0], a[:, :, :1]]
     kv = mailbox.LocalKV(sum(p.nbytes for p in parts))
     try:
         at = 0
@@ -259,5 +261,7 @@ def test_localkv_writes_any_strides_in_c_order(monkeypatch, short):
             at += p.nbytes
         kv.seal()
         assert os.pread(kv.fd, kv.size, 0) == b"".join(np.ascontiguousarray(p).tobytes() for p in parts)
+        with pytest.raises(ValueError, match="overrun"):  # never past the end: it would grow the memfd
+            mailbox.LocalKV.write(kv, kv.size - 1, a)
     finally:
         kv.close()
