@@ -189,15 +189,12 @@ class Codec:
             return []
         if self.backend is not None:  # the same bytes (tests/coder/test_native.py)
             assert plan.x is not None  # an encoding plan
-            sums, coded = Ahead(self.config.threads, [partial(chunk_sums, plan, h, i) for i in idx]), []
-            try:
+            with Ahead(self.config.threads, [partial(chunk_sums, plan, h, i) for i in idx]) as sums:
+                coded = []  # NOTE: the digests run meanwhile, cancelled if this raises
                 for run in (idx[r] for r in runs(idx)):
                     sl = slice(plan.chunk_slice(h, run[0]).start, plan.chunk_slice(h, run[-1]).stop)
                     coded += self.backend.encode(plan.x[sl], plan.mu[sl], plan.log2_sigma[sl], [h.chunk_layers(i)[1]
                                                  for i in run], h.elems_per_lane, plan.model.tables)
-            except BaseException:
-                sums.cancel()
-                raise
             return self._map(lambda a: self._chunk_record(plan, h, a[0], a[1].blocks, a[1].bits, a[2]),
                              list(zip(idx, coded, sums.result(), strict=True)))
         coded_np = reference.encode_chunks(plan, h, idx, self._context, self.config.threads)

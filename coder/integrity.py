@@ -79,3 +79,10 @@ class Ahead:
         """Drop the digests (the encode failed): not started, they never run."""
         if self._job is not None:
             self._job.cancel()
+
+    def __enter__(self) -> "Ahead":
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        if exc_type is not None:  # NOTE: the encode failed: its digests are not wanted
+            self.cancel()

@@ -73,3 +73,15 @@ def test_cancel_drops_digests_not_yet_started():
     first.result()
     Ahead(2, [lambda: (b"", b"")]).result()  # the thread went past the cancelled job
     assert ran == []
+
+
+def test_a_failed_block_cancels_its_digests():
+    """``with Ahead(...)``: an exception in the block cancels digests not yet started."""
+    gate, ran = threading.Event(), []
+    first = Ahead(2, [lambda: (gate.wait(30), (b"", b""))[1]])
+    with pytest.raises(RuntimeError), Ahead(2, [lambda: ran.append(1) or (b"", b"")]):
+        raise RuntimeError("the backend failed")
+    gate.set()
+    first.result()
+    Ahead(2, [lambda: (b"", b"")]).result()
+    assert ran == []
