@@ -9,6 +9,13 @@
 //   q_j  = nearbyint(y_j * inv)           round half to even, |q_j| <= 127
 //   xs   = amax / 127
 //
+// The low part of a 14-bit activation (``kv_activation_bits`` 14: a w8a8 rung's K/V projections read
+// q + lo / 2^W8A8_LO_SHIFT, two int8 products):
+//
+//   lo_j = nearbyint((y_j * inv - q_j) * 2^W8A8_LO_SHIFT)   |lo_j| <= 64
+//
+// y_j * inv - q_j is exact (a float less its nearest integer), and so is the power-of-two scaling.
+//
 // Dequantisation of one row of int32 sums: y_j = (float(acc_j) * xs) * ws_j, then either float32 out,
 // or BF16 out = bf16(float(add_j) + float(bf16(y_j))) (torch's ``add + y.to(bf16)``).
 //
@@ -62,6 +69,19 @@ inline void scaled_round(const X* x, const float* f, int64_t j0, int64_t k, floa
 }
 
 inline float row_inv(float amax) { return amax > 0.0f ? W8A8_QMAX / amax : 0.0f; }
+
+constexpr int W8A8_LO_SHIFT = 7;  // lo's weight: 2^-7 of q's, so |lo| <= 64 fits int8
+
+// The low parts lo[0..k) of a row whose q and amax the quantisation gave (scalar: a second pass is
+// ~1% of a w8a8 layer, and the compiler vectorises it).
+template <class X>
+inline void w8a8_low_row(const X* x, const float* f, int64_t k, float amax, const int8_t* q, int8_t* lo) {
+    const float inv = row_inv(amax), scale = (float)(1 << W8A8_LO_SHIFT);
+    for (int64_t j = 0; j < k; ++j) {
+        const float t = (widen(x[j]) * f[j]) * inv;
+        lo[j] = (int8_t)std::nearbyint((t - (float)q[j]) * scale);
+    }
+}
 
 // Scalar row, the reference loop. Returns amax.
 // NOTE: a row with a non-finite y returns NaN (its q is garbage): torch's amax gives NaN or inf there,

@@ -35,17 +35,21 @@ float w8a8_quantise_row_on(int path, const X* x, const float* f, int64_t k, int8
 }
 
 // w8a8_quantise(x float32 or BF16 bits (rows, k), bf16, f float32 (k), q int8 (rows, k), xs float32 (rows),
-//               threads[, scalar[, no_avx512]]): the AVX-512 rows, else AVX2, else (scalar) the scalar loops;
-//               returns the path that ran (W8A8_PATH_*)
+//               threads[, scalar[, no_avx512[, lo int8 (rows, k) or None]]]): the AVX-512 rows, else AVX2,
+//               else (scalar) the scalar loops; with ``lo``, each row's low parts too (spk_w8a8.h); returns
+//               the path that ran (W8A8_PATH_*)
 PyObject* py_w8a8_quantise(PyObject*, PyObject* args) {
-    PyObject *x_o, *f_o, *q_o, *xs_o;
+    PyObject *x_o, *f_o, *q_o, *xs_o, *lo_o = Py_None;
     int bf16, threads, scalar = 0, no_avx512 = 0;
-    if (!PyArg_ParseTuple(args, "OpOOOi|pp", &x_o, &bf16, &f_o, &q_o, &xs_o, &threads, &scalar, &no_avx512))
+    if (!PyArg_ParseTuple(args, "OpOOOi|ppO", &x_o, &bf16, &f_o, &q_o, &xs_o, &threads, &scalar, &no_avx512,
+                          &lo_o))
         return nullptr;
-    Buf x, f, q, xs;
+    Buf x, f, q, xs, lo;
     if (!get_buf(xs_o, xs, -1, "xs", true) || !get_buf(f_o, f, -1, "f")) return nullptr;
     const int64_t rows = xs.count(4), k = f.count(4);
     if (!get_buf(x_o, x, rows * k * (bf16 ? 2 : 4), "x") || !get_buf(q_o, q, rows * k, "q", true)) return nullptr;
+    const bool low = lo_o != Py_None;
+    if (low && !get_buf(lo_o, lo, rows * k, "lo", true)) return nullptr;
     const int path = w8a8_quantise_path(scalar, no_avx512);
     Py_BEGIN_ALLOW_THREADS
     parallel_for(rows, threads, [&](int64_t r) {
@@ -53,6 +57,11 @@ PyObject* py_w8a8_quantise(PyObject*, PyObject* args) {
         const float amax = bf16 ? w8a8_quantise_row_on(path, x.as<uint16_t>() + r * k, f.as<float>(), k, qr)
                                 : w8a8_quantise_row_on(path, x.as<float>() + r * k, f.as<float>(), k, qr);
         xs.as<float>()[r] = amax / spk::W8A8_QMAX;
+        if (low && std::isfinite(amax)) {
+            int8_t* lr = lo.as<int8_t>() + r * k;
+            if (bf16) spk::w8a8_low_row(x.as<uint16_t>() + r * k, f.as<float>(), k, amax, qr, lr);
+            else spk::w8a8_low_row(x.as<float>() + r * k, f.as<float>(), k, amax, qr, lr);
+        }
     });
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(path);

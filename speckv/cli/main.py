@@ -194,6 +194,9 @@ def _parser() -> argparse.ArgumentParser:
                             "integers only: the same mu on every CPU and GPU), portable:K (its first K "
                             "layers, then early:K's exit, in the same integers) or none (per-channel "
                             "calibration means)")
+    build.add_argument("--kv-activation-bits", type=int, choices=(8, 14), default=14,
+                       help="w8a8 rungs: the K/V projections' activations, 14 bits as two int8 products or 8 "
+                            "(one product, as checkpoints built before 2026-12-05)")
     info = psub.add_parser("info", help="verify a checkpoint and print its pin")
     info.add_argument("dir", help="checkpoint directory")
     info.add_argument("--pin", default=None, help="expected sha256 pin")
@@ -273,7 +276,8 @@ def cmd_predictor(args: argparse.Namespace) -> int:
         step(f"calibrating on {tokens} tokens of {args.calib}")
         source = "embedded" if args.target == DEFAULT_TARGET else "path"
         pin = build_checkpoint(target, Path(args.calib), Path(args.out), tokens=tokens,
-                               derive_weights=args.derive_weights, source=source, rung=args.rung)
+                               derive_weights=args.derive_weights, source=source, rung=args.rung,
+                               kv_activation_bits=args.kv_activation_bits)
     print(pin)
     return 0
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
@@ -170,9 +170,14 @@ def read_text(path: str | Path, chars: int | None = None) -> str:
 def build_checkpoint(target: "Target", calib_text: Path, out: Path, *, tokens: int = DEFAULT_CALIB_TOKENS,
                      segment: int = DEFAULT_SEGMENT, derive_weights: bool = False,
                      source: str = "path", progress: Callable[[int], None] | None = None,
-                     rung: str = "fp8") -> str:
-    """Write a predictor checkpoint for ``target`` into ``out``; returns the pin."""
+                     rung: str = "fp8", kv_activation_bits: int = 14) -> str:
+    """Write a predictor checkpoint for ``target`` into ``out``; returns the pin. ``kv_activation_bits``: a
+    w8a8 rung's K/V projections' activations, 14 (two int8 products) or 8 (one, as built before)."""
     ladder = parse_rung(rung, target.config.num_hidden_layers)
+    if kv_activation_bits not in (8, 14):
+        raise ValueError(f"kv_activation_bits {kv_activation_bits}: 8 or 14")
+    if ladder.kind == W8A8:
+        ladder = replace(ladder, kv_low=kv_activation_bits == 14)
     out.mkdir(parents=True, exist_ok=True)
     config = target.config.to_dict()
     for volatile in VOLATILE_CONFIG_KEYS:  # where the model was loaded from is not what it is

@@ -37,6 +37,9 @@ manifest without the field is ``fp8``, so the shipped default keeps its pin):
 - ``w8a8x`` / ``w8a8x:k``: ``w8a8i[:k]`` with speckv's own SiLU (``silu.py``: exp through
   int8_attention's exp2 polynomial, one IEEE operation a step) instead of torch's, so the whole
   MLP runs as one native pass on AMX tiles (``coder/kernels/spk_mlp_amx.h``).
+- Any w8a8 rung built now has ``kv_activation_bits: 14`` in its manifest: its K/V projections, whose
+  outputs are mu, read 14-bit activations (``w8a8.py``), 0.12-0.16 bits/scalar less for a few
+  percent of the pass; a manifest without the field (built before it existed) means 8.
 - ``none``: no model: mu is a per-(layer, kv, head, channel) constant, the
   calibration mean of the target's KV rounded to BF16, stored in ``means.npz``.
 
@@ -50,7 +53,7 @@ linear, as one BF16 product on int8 tensor cores) and ``portable:k`` as ``early:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +76,7 @@ KINDS = {FP8: "fp8-copy", HYBRID: "hybrid-bf16-fp8", NONE: "channel-mean", EARLY
 _KRUNG_RE = re.compile(r"(hybrid|early|w8a8i|w8a8x|w8a8|portable):([0-9]{1,4})")
 INT_ATTENTION = "w8a8i"  # the w8a8 rungs' spelling with int8 attention
 OWN_SILU = "w8a8x"  # ... with int8 attention and speckv's own SiLU
+KV_BITS_FIELD = "kv_activation_bits"  # a w8a8 rung's K/V projections' activations: 8 or 14 bits
 # early:k's later layers run only their input norm and K/V projections: per token 2*h*2*kv of a
 # decoder layer's ~2*(h*(q + 2*kv) + q*h + 3*h*i) multiply-adds (SmolLM2-135M: 221,184 of 3,538,944)
 EARLY_TAIL_COST = 0.0625
@@ -83,14 +87,18 @@ class Rung:
     """A parsed rung: ``kind`` (fp8, hybrid, early, w8a8, portable or none); ``bf16_layers`` the k of
     hybrid:k, early:k, w8a8:k and portable:k (whose first k layers are integer ones, not BF16);
     ``int_attention``: a w8a8 rung's attention in int8 (``w8a8i``); ``own_silu``: and speckv's SiLU
-    (``w8a8x``, which implies ``int_attention``)."""
+    (``w8a8x``, which implies ``int_attention``); ``kv_low``: a w8a8 rung's K/V projections read 14-bit
+    activations (the manifest's ``kv_activation_bits``; not part of the name)."""
 
     kind: str
     bf16_layers: int = 0
     int_attention: bool = False
     own_silu: bool = False
+    kv_low: bool = False
 
     def __post_init__(self) -> None:
+        if self.kv_low and self.kind != W8A8:
+            raise ValueError(f"kv_low is a w8a8 rung's, not {self.kind}'s")
         if self.own_silu and not (self.kind == W8A8 and self.int_attention):
             raise ValueError(f"own_silu is a w8a8 rung with int8 attention (w8a8x), not {self.kind} "
                              f"(int_attention={self.int_attention})")
@@ -135,12 +143,19 @@ def parse_rung(text: Any, layers: int) -> Rung:
 
 
 def manifest_rung(manifest: dict[str, Any]) -> Rung:
-    """The rung a manifest pins (no ``rung`` field: fp8, the format's first rung)."""
+    """The rung a manifest pins (no ``rung`` field: fp8, the format's first rung; a w8a8 rung without
+    ``kv_activation_bits``: 8, as before the field existed)."""
     try:
         layers = int(manifest["arch"]["layers"])
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"manifest has no usable arch.layers: {e}") from e
-    return parse_rung(manifest.get("rung", FP8), layers)
+    rung = parse_rung(manifest.get("rung", FP8), layers)
+    bits = manifest.get(KV_BITS_FIELD)
+    if bits is None:
+        return rung
+    if rung.kind != W8A8 or isinstance(bits, bool) or bits not in (8, 14):
+        raise CheckpointError(f"manifest {KV_BITS_FIELD} {bits!r}: 8 or 14, and only for a w8a8 rung")
+    return replace(rung, kv_low=bits == 14)
 
 
 def manifest_fields(rung: Rung) -> dict[str, Any]:
@@ -148,6 +163,8 @@ def manifest_fields(rung: Rung) -> dict[str, Any]:
     out: dict[str, Any] = {"kind": KINDS[rung.kind]}
     if rung.kind != FP8:
         out["rung"] = rung.name
+    if rung.kind == W8A8:
+        out[KV_BITS_FIELD] = 14 if rung.kv_low else 8
     return out
 
 
@@ -165,6 +182,8 @@ def weights_quant(rung: Rung) -> str:
             int8 += "; attention in int8 (per-token q, k, v; uint8 softmax weights per 64 keys)"
         if rung.own_silu:
             int8 += "; speckv's SiLU (exp2 polynomial)"
+        if rung.kv_low:
+            int8 += "; K/V projections of 14-bit activations (two int8 products)"
         k = rung.bf16_layers
         return f"decoder layers < {k}: the target's BF16 weights; the others {int8}" if k else int8
     if rung.kind == HYBRID:

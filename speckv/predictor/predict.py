@@ -77,7 +77,7 @@ def build_model(config: Any, state: dict[str, "torch.Tensor"], rung: Rung | None
     if rung is not None and rung.kind == PORTABLE:
         return build_portable_model(config, state, rung.bf16_layers)
     if rung is not None and rung.kind == W8A8:
-        return build_w8a8_model(config, state, rung.bf16_layers, rung.int_attention, rung.own_silu)
+        return build_w8a8_model(config, state, rung.bf16_layers, rung.int_attention, rung.own_silu, rung.kv_low)
 
     from transformers import AutoModelForCausalLM  # NOTE: here: the rungs above need none of transformers
 

@@ -21,6 +21,8 @@ derives the int8 weights from the target's BF16 ones and the exponents
         xs    *= rsqrt(mean(x^2) + eps)           # RMSNorm folds into the row scale
         y      = float(q8 @ w8^T) * xs * ws       # int32 sums, exact; w8 = round(W 2^e / ws)
         q, k, v = y; rope; mu_l = bf16(k), bf16(v)
+        # kv_activation_bits 14 (the manifest's; 8 without it): K and V read 14-bit activations,
+        #   lo = round((x * g * 2^-e / xs' - q8) * 2^7), k, v += float(lo @ w8^T) * (xs 2^-7) * ws
         h += bf16(o(SDPA(q, k, v)));  h += bf16(down(silu(g) * u)),  g, u = gate_up(norm(h))
 
 On a CPU with AMX int8 tiles, ``linear`` runs the product and the dequantisation in one native pass
@@ -63,6 +65,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .target import Target
 
 Q_MAX = 127.0  # int8 range of weights and activations, symmetric
+LO_SHIFT = 7  # spk_w8a8.h W8A8_LO_SHIFT: a 14-bit activation's low part weighs 2^-7 of its int8 part
+KV_ACTIVATION_BITS = (8, 14)  # the manifest's kv_activation_bits: K/V projections' activations
 SMOOTH_ALPHA = 0.6  # SmoothQuant's migration strength: s = amax_x^a / amax_w^(1 - a)
 SMOOTH_LIMIT = 24  # |e| bound: 2^e stays far from float32 under- and overflow
 NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -208,9 +212,9 @@ def _module_class() -> type:
 
 
 def build_w8a8_model(config: Any, state: dict[str, "torch.Tensor"], k: int, int_attention: bool = False,
-                     own_silu: bool = False) -> Any:
+                     own_silu: bool = False, kv_low: bool = False) -> Any:
     """``w8a8:k`` (``int_attention``: ``w8a8i:k``; with ``own_silu`` too: ``w8a8x:k``) over ``w8a8_state``'s
-    tensors for a model of ``config``."""
+    tensors for a model of ``config``; ``kv_low``: its K/V projections read 14-bit activations."""
     import torch
 
     L = config.num_hidden_layers
@@ -236,7 +240,7 @@ def build_w8a8_model(config: Any, state: dict[str, "torch.Tensor"], k: int, int_
     if len(state) != want:
         raise CheckpointError(f"w8a8:{k} weights do not fit the config: {len(state)} tensors, {want} expected")
     model = _module_class()(config, head, embed, tensors).eval()
-    model.int_attention, model.own_silu = int_attention, own_silu
+    model.int_attention, model.own_silu, model.kv_low = int_attention, own_silu, kv_low
     return model
 
 
@@ -274,24 +278,46 @@ def quantise_rows(x: "torch.Tensor", factor: "torch.Tensor",
                   native: bool = True) -> tuple["torch.Tensor", "torch.Tensor"]:
     """float32 or BF16 rows x (T, in) times float32 ``factor`` (in,) -> int8 round(y * 127 / amax),
     float32 amax / 127 per row (``spk_w8a8.h``: the same operations in one pass)."""
+    q, xs, _ = _quantise(x, factor, native, False)
+    return q, xs
+
+
+def quantise_rows_split(x: "torch.Tensor", factor: "torch.Tensor",
+                        native: bool = True) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
+    """``quantise_rows`` and each element's low part, int8 round((y * 127 / amax - q) * 2^LO_SHIFT): the
+    14-bit activation q + lo * 2^-LO_SHIFT (``spk_w8a8.h`` ``w8a8_low_row``)."""
+    q, xs, lo = _quantise(x, factor, native, True)
+    assert lo is not None
+    return q, xs, lo
+
+
+def _quantise(x: "torch.Tensor", factor: "torch.Tensor", native: bool,
+              low: bool) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor | None"]:
     import torch
 
     nat = _native() if native else None
+    lo = None
     if nat is None or x.device.type != "cpu":
         y = x.float() * factor
         amax = y.abs().amax(1)
         # NOTE: a true division: ``Q_MAX / amax`` is reciprocal-then-multiply in torch (another rounding)
         inv = torch.where(amax > 0, torch.full_like(amax, Q_MAX) / amax, torch.zeros_like(amax))
-        q, xs = torch.round(y * inv[:, None]).to(torch.int8), amax / Q_MAX
+        t = y * inv[:, None]
+        q, xs = torch.round(t), amax / Q_MAX
+        if low:  # NOTE: t - q is exact (a float less its nearest integer), and so is the scaling
+            lo = torch.round((t - q) * float(1 << LO_SHIFT)).to(torch.int8)
+        q = q.to(torch.int8)
     else:
         x = x.contiguous()
         q, xs = torch.empty(x.shape, dtype=torch.int8), torch.empty(x.shape[0], dtype=torch.float32)
+        lo = torch.empty(x.shape, dtype=torch.int8) if low else None
         bf16 = x.dtype == torch.bfloat16
         nat.w8a8_quantise((x.view(torch.int16) if bf16 else x.float()).numpy(), bf16, factor.contiguous().numpy(),
-                          q.numpy(), xs.numpy(), NATIVE_THREADS, NATIVE_SCALAR, NATIVE_NO_AVX512)
+                          q.numpy(), xs.numpy(), NATIVE_THREADS, NATIVE_SCALAR, NATIVE_NO_AVX512,
+                          None if lo is None else lo.numpy())
     if not bool(torch.isfinite(xs).all()):
         raise ActivationRangeError("a non-finite activation reached a w8a8 linear")
-    return q, xs
+    return q, xs, lo
 
 
 Scratch = dict  # name -> a buffer reused by every layer of one forward (fresh large buffers page-fault)
@@ -342,16 +368,33 @@ def norm_quantise(h: "torch.Tensor", t: Callable[[str], "torch.Tensor"], f: str,
                   eps: float) -> tuple["torch.Tensor", "torch.Tensor"]:
     """RMSNorm (its gain and 2^-e in ``in_f``) of BF16 rows h (T, hidden), as linear ``f``'s int8 rows
     and their scales."""
-    import torch
-
-    q, xs = quantise_rows(h, t("in_" + f))
-    for a in range(0, h.shape[0], NORM_ROWS):  # NOTE: the norm's per-row factor cancels in q
-        xs[a:a + NORM_ROWS] *= torch.rsqrt(h[a:a + NORM_ROWS].float().pow(2).mean(1) + eps)
+    q, xs, _ = _norm_quantise(h, t, f, eps, False)
     return q, xs
 
 
+def _norm_quantise(h: "torch.Tensor", t: Callable[[str], "torch.Tensor"], f: str, eps: float,
+                   low: bool) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor | None"]:
+    """``norm_quantise`` (``low``: and the rows' low parts, as ``quantise_rows_split``)."""
+    import torch
+
+    q, xs, lo = _quantise(h, t("in_" + f), True, low)
+    for a in range(0, h.shape[0], NORM_ROWS):  # NOTE: the norm's per-row factor cancels in q
+        xs[a:a + NORM_ROWS] *= torch.rsqrt(h[a:a + NORM_ROWS].float().pow(2).mean(1) + eps)
+    return q, xs, lo
+
+
 def norm_linear(h: "torch.Tensor", t: Callable[[str], "torch.Tensor"], f: str, eps: float,
-                scratch: Scratch | None = None, tag: str = "") -> "torch.Tensor":
+                scratch: Scratch | None = None, tag: str = "", low_cols: int = 0) -> "torch.Tensor":
     """RMSNorm (its gain and 2^-e in ``in_f``) then fused linear ``f`` of BF16 rows h (T, hidden);
-    the result is scratch buffer ``tag + f``."""
-    return linear(*norm_quantise(h, t, f, eps), t(f + W8), t(f + WS), scratch=scratch, name=tag + f)
+    the result is scratch buffer ``tag + f``. ``low_cols``: its last that many columns (a layer's K
+    and V) read 14-bit activations: y += float(lo @ w8^T) * (xs * 2^-LO_SHIFT) * ws over them."""
+    if not low_cols:
+        return linear(*norm_quantise(h, t, f, eps), t(f + W8), t(f + WS), scratch=scratch, name=tag + f)
+    q, xs, lo = _norm_quantise(h, t, f, eps, True)
+    assert lo is not None
+    w8, ws = t(f + W8), t(f + WS)
+    y = linear(q, xs, w8, ws, scratch=scratch, name=tag + f)
+    c = w8.shape[0] - low_cols
+    # NOTE: xs * 2^-7 is exact for normal xs, and the sum one IEEE add (no alpha: torch may fuse that)
+    y[:, c:] += linear(lo, xs * (1.0 / (1 << LO_SHIFT)), w8[c:], ws[c:], scratch=scratch, name=tag + f + ".lo")
+    return y

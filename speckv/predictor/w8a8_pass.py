@@ -144,7 +144,7 @@ def w8a8_passes(model: Any, reqs: list[MuRequest]) -> None:
                 rows = np.cumsum([0] + [len(r.ids) for r in reqs])
             t = functools.partial(model.t, i)
             last = i == L - 1
-            y = norm_linear(h, t, "kv" if last else "qkv", eps, scratch)
+            y = norm_linear(h, t, "kv" if last else "qkv", eps, scratch, low_cols=2 * Hk * D if model.kv_low else 0)
             att = []
             for r, (cos, sin), a, b in zip(reqs, tables, rows[:-1], rows[1:], strict=True):
                 k0 = 0 if last else H * D  # y's columns: [q,] k, v

@@ -37,8 +37,9 @@ PER_TOKEN = 30 * 2 * 3 * 64  # scalars per token of the embedded model's KV
 SYMBOL_BITS = {"bf16": 16, "fp8": 8}
 # speckv's wire bits/scalar on that slice, measured with
 #   .venv/bin/speckv bench --text <slice> --tokens 256 --timing-runs 1 --json [--dtype fp8]
-# (2024201 and 810471 coded bytes under w8a8x:4; 2022702 and 810244 under w8a8i:4); held within 2%
-BENCH_BITS = {"bf16": 5.490996636284722, "fp8": 2.1985432942708334}
+# (1949566 and 752335 coded bytes under w8a8x:4 with 14-bit K/V activations; 2024201 and 810471 with
+# 8-bit ones); held within 2%
+BENCH_BITS = {"bf16": 5.288536241319444, "fp8": 2.0408393012152777}
 PEERS = {"bf16": ["zstd-3", "zstd-19", "byte-split+zstd-3", "lz4", "order0-bound"],
          "fp8": ["zstd-3", "zstd-19", "lz4", "order0-bound"]}
 

@@ -46,34 +46,34 @@ def rel(engine: str) -> float:
 # (dtype, engine, format version) -> wire bits per scalar, default CodecConfig; dtype fp8z: FP8 codes
 # rounded toward zero (vLLM's CPU cache writer), which version 5's rounding byte models
 WIRE_BITS = {
-    ("bf16", "sdpa", 5): 5.45059814453125,
-    ("bf16", "sdpa", 3): 5.45059814453125,
-    ("bf16", "eager", 5): 5.7881483289930555,
-    ("bf16", "eager", 3): 6.815205891927083,
-    ("fp8", "sdpa", 5): 2.1660875108506943,
-    ("fp8", "sdpa", 3): 2.1660875108506943,
-    ("fp8", "eager", 5): 2.2362874348958335,
-    ("fp8", "eager", 3): 2.3423570421006943,
-    ("bf16", "fp32", 5): 5.849391004774305,
-    ("bf16", "bf16", 5): 5.677278645833334,
-    ("bf16", "threads1", 5): 5.45059814453125,  # this CPU's kernels: the same bits as sdpa
-    ("bf16", "avx2", 5): 5.4488538953993055,
-    ("bf16", "batch2", 5): 5.45059814453125,  # the same bits as sdpa here
-    ("fp8", "fp32", 5): 2.241745334201389,
-    ("fp8", "bf16", 5): 2.206720648871528,
-    ("fp8", "threads1", 5): 2.1660875108506943,
-    ("fp8", "avx2", 5): 2.1651611328125,
-    ("fp8", "batch2", 5): 2.1660875108506943,
-    ("fp8z", "sdpa", 5): 2.2283827039930557,
-    ("fp8z", "eager", 5): 2.2701727973090278,
-    ("fp8z", "fp32", 5): 2.265966796875,
-    ("fp8z", "bf16", 5): 2.2504787868923612,
-    ("fp8z", "threads1", 5): 2.2283827039930557,
-    ("fp8z", "avx2", 5): 2.2272203233506946,
-    ("fp8z", "batch2", 5): 2.2283827039930557,
-    ("fp8z", "sdpa", 4): 2.786538357204861,
-    ("fp8z", "eager", 4): 2.8027886284722223,
-    ("fp8", "fp8cache", 5): 2.765974934895833,  # over the bar under plain mu: test_fp8_cache_engine
+    ("bf16", "sdpa", 5): 5.2407470703125,
+    ("bf16", "sdpa", 3): 5.2407470703125,
+    ("bf16", "eager", 5): 5.598026529947917,
+    ("bf16", "eager", 3): 6.624348958333333,
+    ("fp8", "sdpa", 5): 1.99971923828125,
+    ("fp8", "sdpa", 3): 1.99971923828125,
+    ("fp8", "eager", 5): 2.079629177517361,
+    ("fp8", "eager", 3): 2.185186089409722,
+    ("bf16", "fp32", 5): 5.651109483506945,
+    ("bf16", "bf16", 5): 5.4281602647569445,
+    ("bf16", "threads1", 5): 5.2407470703125,  # this CPU's kernels: the same bits as sdpa
+    ("bf16", "avx2", 5): 5.2690619574652775,
+    ("bf16", "batch2", 5): 5.2407470703125,  # the same bits as sdpa here
+    ("fp8", "fp32", 5): 2.0807698567708335,
+    ("fp8", "bf16", 5): 2.03394775390625,
+    ("fp8", "threads1", 5): 1.99971923828125,
+    ("fp8", "avx2", 5): 2.00247802734375,
+    ("fp8", "batch2", 5): 1.99971923828125,
+    ("fp8z", "sdpa", 5): 2.0728190104166666,
+    ("fp8z", "eager", 5): 2.1215955946180554,
+    ("fp8z", "fp32", 5): 2.1132459852430556,
+    ("fp8z", "bf16", 5): 2.0877400716145833,
+    ("fp8z", "threads1", 5): 2.0728190104166666,
+    ("fp8z", "avx2", 5): 2.0729356553819445,
+    ("fp8z", "batch2", 5): 2.0728190104166666,
+    ("fp8z", "sdpa", 4): 2.680868869357639,
+    ("fp8z", "eager", 4): 2.705558268229167,
+    ("fp8", "fp8cache", 5): 2.687929958767361,  # over the bar under plain mu: test_fp8_cache_engine
 }
 
 
@@ -139,11 +139,12 @@ def test_same_kernel_kv_is_never_worse(wire_bits, dtype):
 
 def test_other_engine_kv_gains(wire_bits):
     """Eager KV: version 5 (sigma shifts since version 4) saves ~1 bit a BF16 scalar (0.1 an FP8
-    element) over version 3 (measured 1.027 and 0.106), and stays within 0.34 bits (BF16) of
-    same-kernel KV; the issue's bar: BF16 <= 6.2, FP8 <= 2.5."""
+    element) over version 3 (measured 1.026 and 0.106), and stays within 0.37 bits (BF16) of
+    same-kernel KV (0.357; 0.337 before the K/V projections read 14-bit activations, which gain more on
+    same-kernel KV); the issue's bar: BF16 <= 6.2, FP8 <= 2.5."""
     assert wire_bits("bf16", "eager", 5) <= wire_bits("bf16", "eager", 3) - 0.95
     assert wire_bits("fp8", "eager", 5) <= wire_bits("fp8", "eager", 3) - 0.09
-    assert wire_bits("bf16", "eager", 5) <= wire_bits("bf16", "sdpa", 5) + 0.36
+    assert wire_bits("bf16", "eager", 5) <= wire_bits("bf16", "sdpa", 5) + 0.37
     assert wire_bits("bf16", "eager", 5) <= 6.2 and wire_bits("fp8", "eager", 5) <= 2.5
 
 
@@ -166,8 +167,8 @@ def test_bits_per_scalar_on_other_engines(wire_bits, engine_kv, dtype, engine):
 
 def test_worst_engine_meets_the_bar(wire_bits):
     """The issue's bar, judged by the worst engine stand-in with a BF16 cache: BF16 <= 6.2, FP8 <= 2.5
-    bits; the worst (fp32 compute here) within 0.43 / 0.09 bits of same-kernel KV (measured 0.396 /
-    0.073). An FP8 cache that attention reads misses it: test_fp8_cache_engine."""
+    bits; the worst (fp32 compute here) within 0.43 / 0.09 bits of same-kernel KV (measured 0.410 /
+    0.081). An FP8 cache that attention reads misses it: test_fp8_cache_engine."""
     worst = {dt: max(wire_bits(dt, e, 5) for e in BF16_CACHE) for dt in ("bf16", "fp8")}
     assert worst["bf16"] <= min(6.2, wire_bits("bf16", "sdpa", 5) + 0.43)
     assert worst["fp8"] <= min(2.5, wire_bits("fp8", "sdpa", 5) + 0.09)
@@ -176,8 +177,8 @@ def test_worst_engine_meets_the_bar(wire_bits):
 @pytest.mark.parametrize("engine", BF16_CACHE)
 def test_fp8_rounded_toward_zero(wire_bits, engine):
     """FP8 codes rounded toward zero (vLLM's CPU cache writer): version 5's rounding byte codes them
-    within 0.1 bits of codes rounded to nearest, where version 4 lost ~0.6 (measured on sdpa: 2.187
-    vs 2.124, version 4 2.763); the FP8 bar (<= 2.5) holds on every engine."""
+    within 0.1 bits of codes rounded to nearest, where version 4 lost ~0.6 (measured on sdpa: 2.073
+    vs 2.000, version 4 2.681); the FP8 bar (<= 2.5) holds on every engine."""
     bits = wire_bits("fp8z", engine, 5)
     assert bits == pytest.approx(WIRE_BITS["fp8z", engine, 5], rel=rel(engine))
     assert bits <= min(2.5, wire_bits("fp8", engine, 5) + 0.1)

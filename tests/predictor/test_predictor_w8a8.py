@@ -18,7 +18,7 @@ from speckv.errors import CheckpointError, PinMismatchError
 from speckv.predictor import products, w8a8
 from speckv.predictor.calibrate import build_checkpoint
 from speckv.predictor.checkpoint import load_checkpoint
-from speckv.predictor.ladder import Rung, parse_rung
+from speckv.predictor.ladder import Rung, manifest_fields, manifest_rung, parse_rung
 from speckv.predictor.predict import Predictor
 from speckv.predictor.store import MANIFEST, SMOOTH_FILE
 from speckv.predictor.target import deterministic_torch
@@ -40,6 +40,21 @@ def test_parse_and_cost():
             parse_rung(bad, 30)
     assert parse_rung("w8a8", 30).nominal_cost(30) == 0.5
     assert parse_rung("w8a8:6", 30).nominal_cost(30) == pytest.approx((6 + 24 / 2) / 30)
+
+
+def test_manifest_kv_activation_bits():
+    arch = {"arch": {"layers": 30}}
+    assert manifest_rung({**arch, "rung": "w8a8x:4"}) == Rung("w8a8", 4, True, True)  # built before the field
+    assert manifest_rung({**arch, "rung": "w8a8:4", "kv_activation_bits": 14}) == Rung("w8a8", 4, kv_low=True)
+    assert manifest_rung({**arch, "rung": "w8a8", "kv_activation_bits": 8}) == Rung("w8a8")
+    for bad in ({"rung": "w8a8", "kv_activation_bits": 12}, {"rung": "w8a8", "kv_activation_bits": True},
+                {"rung": "hybrid:4", "kv_activation_bits": 8}, {"kv_activation_bits": 14}):
+        with pytest.raises(CheckpointError):
+            manifest_rung({**arch, **bad})
+    with pytest.raises(ValueError):
+        Rung("fp8", kv_low=True)
+    assert manifest_fields(Rung("w8a8", 4, kv_low=True))["kv_activation_bits"] == 14
+    assert "kv_activation_bits" not in manifest_fields(Rung("hybrid", 4))
 
 
 def rows(dtype: torch.dtype, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,6 +87,10 @@ def test_native_stages_equal_the_torch_reference(monkeypatch, path, dtype, k):
     q, xs = w8a8.quantise_rows(x, f)
     assert torch.equal(q, q_ref) and torch.equal(xs.view(torch.int32), xs_ref.view(torch.int32))
     assert int(q_ref.abs().max()) == 127 and not q_ref[3].any()
+    split_ref, split = w8a8.quantise_rows_split(x, f, native=False), w8a8.quantise_rows_split(x, f)
+    assert torch.equal(split[0], q) and torch.equal(split_ref[0], q) and torch.equal(split[2], split_ref[2])
+    assert torch.equal(split[1].view(torch.int32), xs.view(torch.int32))
+    assert int(split[2].abs().max()) <= 64 and not split[2][3].any() and (k < 8 or split[2].any())
     g = torch.Generator().manual_seed(k + 1)
     n = 19 + k  # output widths 20 to 595: every vector path's tail
     w8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
@@ -218,8 +237,20 @@ def w8a8_1(tiny_target, tiny_text, tmp_path_factory):
     return d, pin
 
 
-def test_layers_below_k_are_the_target_and_layer_k_follows_the_formula(w8a8_1, tiny_target):
-    d, pin = w8a8_1
+@pytest.fixture(scope="module")
+def w8a8_1_kv8(tiny_target, tiny_text, tmp_path_factory):
+    d = tmp_path_factory.mktemp("w8a8_1_kv8")
+    pin = build_checkpoint(tiny_target, tiny_text, d, tokens=64, segment=32, rung="w8a8:1", derive_weights=True,
+                           kv_activation_bits=8)
+    return d, pin
+
+
+@pytest.mark.parametrize("kv_bits", [14, 8])
+def test_layers_below_k_are_the_target_and_layer_k_follows_the_formula(w8a8_1, w8a8_1_kv8, tiny_target, kv_bits):
+    """Layer k (the tiny model's last: K and V only) as w8a8.py's docstring writes it, with int64
+    products: its activations as int8 q, and (``kv_activation_bits`` 14) their low parts lo too."""
+    d, pin = w8a8_1 if kv_bits == 14 else w8a8_1_kv8
+    assert json.loads((d / MANIFEST).read_text())["kv_activation_bits"] == kv_bits
     pred = Predictor.from_checkpoint(load_checkpoint(d, pin=pin), tiny_target)
     ids = tiny_target.tokenize(PROMPT)
     kv, mu = tiny_target.kv(ids), pred.mu(ids)
@@ -233,10 +264,15 @@ def test_layers_below_k_are_the_target_and_layer_k_follows_the_formula(w8a8_1, t
     x = h.float()
     y = x * t("in_kv")  # the norm's gain times 2^-e
     amax = y.abs().amax(1)
-    q = torch.round(y * torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0)[:, None])
+    scaled = y * torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0)[:, None]
+    q = torch.round(scaled)
     xs = (amax / 127) * torch.rsqrt(x.pow(2).mean(1) + cfg.rms_norm_eps)
     acc = torch.mm(q.long(), t("kv.w8").long().t())  # exact int64 sums
     kvf = acc.float() * xs[:, None] * t("kv.ws")
+    if kv_bits == 14:  # the activations' next 7 bits, |lo| <= 64, weighing 2^-7
+        lo = torch.round((scaled - q) * 128)
+        assert 0 < int(lo.abs().max()) <= 64
+        kvf = kvf + torch.mm(lo.long(), t("kv.w8").long().t()).float() * (xs / 128)[:, None] * t("kv.ws")
     hk, dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
