@@ -63,35 +63,31 @@ inline float scaled_amax(const X* x, const float* f, int64_t j0, int64_t k, floa
     return amax;
 }
 
+constexpr int W8A8_LO_SHIFT = 7;  // lo's weight: 2^-7 of q's, so |lo| <= 64 fits int8
+constexpr float W8A8_LO_SCALE = (float)(1 << W8A8_LO_SHIFT);
+
+// q[j0..k), and with ``lo`` the low parts too.
 template <class X>
-inline void scaled_round(const X* x, const float* f, int64_t j0, int64_t k, float inv, int8_t* q) {
-    for (int64_t j = j0; j < k; ++j) q[j] = (int8_t)std::nearbyint((widen(x[j]) * f[j]) * inv);
+inline void scaled_round(const X* x, const float* f, int64_t j0, int64_t k, float inv, int8_t* q,
+                         int8_t* lo = nullptr) {
+    for (int64_t j = j0; j < k; ++j) {
+        const float t = (widen(x[j]) * f[j]) * inv, r = std::nearbyint(t);
+        q[j] = (int8_t)r;
+        if (lo) lo[j] = (int8_t)std::nearbyint((t - r) * W8A8_LO_SCALE);
+    }
 }
 
 inline float row_inv(float amax) { return amax > 0.0f ? W8A8_QMAX / amax : 0.0f; }
-
-constexpr int W8A8_LO_SHIFT = 7;  // lo's weight: 2^-7 of q's, so |lo| <= 64 fits int8
-
-// The low parts lo[0..k) of a row whose q and amax the quantisation gave (scalar: a second pass is
-// ~1% of a w8a8 layer, and the compiler vectorises it).
-template <class X>
-inline void w8a8_low_row(const X* x, const float* f, int64_t k, float amax, const int8_t* q, int8_t* lo) {
-    const float inv = row_inv(amax), scale = (float)(1 << W8A8_LO_SHIFT);
-    for (int64_t j = 0; j < k; ++j) {
-        const float t = (widen(x[j]) * f[j]) * inv;
-        lo[j] = (int8_t)std::nearbyint((t - (float)q[j]) * scale);
-    }
-}
 
 // Scalar row, the reference loop. Returns amax.
 // NOTE: a row with a non-finite y returns NaN (its q is garbage): torch's amax gives NaN or inf there,
 // and w8a8.py refuses either, so both paths fail the same way.
 template <class X>
-inline float w8a8_quantise_row(const X* x, const float* f, int64_t k, int8_t* q) {
+inline float w8a8_quantise_row(const X* x, const float* f, int64_t k, int8_t* q, int8_t* lo = nullptr) {
     bool bad = false;
     const float amax = scaled_amax(x, f, 0, k, 0.0f, bad);
     if (bad) return NAN;
-    scaled_round(x, f, 0, k, row_inv(amax), q);
+    scaled_round(x, f, 0, k, row_inv(amax), q, lo);
     return amax;
 }
 
@@ -104,7 +100,7 @@ template <> __attribute__((target("avx2"))) inline __m256 load8<uint16_t>(const 
 
 template <class X>
 __attribute__((target("avx2"))) inline float w8a8_quantise_row_avx2(const X* x, const float* f, int64_t k,
-                                                                      int8_t* q) {
+                                                                      int8_t* q, int8_t* lo = nullptr) {
     const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
     __m256 m = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
     int64_t j = 0;
@@ -121,14 +117,22 @@ __attribute__((target("avx2"))) inline float w8a8_quantise_row_avx2(const X* x, 
     amax = scaled_amax(x, f, j, k, amax, nonfinite);
     if (nonfinite) return NAN;
     const float inv = row_inv(amax);
-    const __m256 vi = _mm256_set1_ps(inv);
+    const __m256 vi = _mm256_set1_ps(inv), vs = _mm256_set1_ps(W8A8_LO_SCALE);
     for (j = 0; j + 8 <= k; j += 8) {
         const __m256 y = _mm256_mul_ps(_mm256_mul_ps(load8(x + j), _mm256_loadu_ps(f + j)), vi);
-        const __m256i r = _mm256_cvtps_epi32(_mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        const __m256 rf = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i r = _mm256_cvtps_epi32(rf);
         const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
         _mm_storel_epi64((__m128i*)(q + j), _mm_packs_epi16(w, w));
+        if (lo) {
+            const __m256 l = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(y, rf), vs),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m256i li = _mm256_cvtps_epi32(l);
+            const __m128i lw = _mm_packs_epi32(_mm256_castsi256_si128(li), _mm256_extracti128_si256(li, 1));
+            _mm_storel_epi64((__m128i*)(lo + j), _mm_packs_epi16(lw, lw));
+        }
     }
-    scaled_round(x, f, j, k, inv, q);
+    scaled_round(x, f, j, k, inv, q, lo);
     return amax;
 }
 
@@ -169,7 +173,8 @@ template <> SPK_W8A8_512 inline __m512 load16<uint16_t>(const uint16_t* x) {
 }
 
 template <class X>
-SPK_W8A8_512 inline float w8a8_quantise_row_avx512(const X* x, const float* f, int64_t k, int8_t* q) {
+SPK_W8A8_512 inline float w8a8_quantise_row_avx512(const X* x, const float* f, int64_t k, int8_t* q,
+                                                   int8_t* lo = nullptr) {
     const __m512 inf = _mm512_set1_ps(INFINITY);
     __m512 m = _mm512_setzero_ps();
     __mmask16 bad = 0;
@@ -183,13 +188,18 @@ SPK_W8A8_512 inline float w8a8_quantise_row_avx512(const X* x, const float* f, i
     const float amax = scaled_amax(x, f, j, k, _mm512_reduce_max_ps(m), nonfinite);
     if (nonfinite) return NAN;
     const float inv = row_inv(amax);
-    const __m512 vi = _mm512_set1_ps(inv);
+    const __m512 vi = _mm512_set1_ps(inv), vs = _mm512_set1_ps(W8A8_LO_SCALE);
     for (j = 0; j + 16 <= k; j += 16) {
         const __m512 y = _mm512_mul_ps(_mm512_mul_ps(load16(x + j), _mm512_loadu_ps(f + j)), vi);
-        const __m512i r = _mm512_cvtps_epi32(_mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        _mm_storeu_si128((__m128i*)(q + j), _mm512_cvtsepi32_epi8(r));
+        const __m512 rf = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128((__m128i*)(q + j), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(rf)));
+        if (lo) {
+            const __m512 l = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(y, rf), vs),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            _mm_storeu_si128((__m128i*)(lo + j), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(l)));
+        }
     }
-    scaled_round(x, f, j, k, inv, q);
+    scaled_round(x, f, j, k, inv, q, lo);
     return amax;
 }
 

@@ -28,10 +28,10 @@ int w8a8_quantise_path(int scalar, int no_avx512) {
 
 // One row of the quantisation on ``path`` (w8a8_quantise_path); returns amax.
 template <class X>
-float w8a8_quantise_row_on(int path, const X* x, const float* f, int64_t k, int8_t* q) {
-    return path == W8A8_PATH_AVX512 ? spk::w8a8_quantise_row_avx512(x, f, k, q)
-         : path == W8A8_PATH_AVX2   ? spk::w8a8_quantise_row_avx2(x, f, k, q)
-                                    : spk::w8a8_quantise_row(x, f, k, q);
+float w8a8_quantise_row_on(int path, const X* x, const float* f, int64_t k, int8_t* q, int8_t* lo = nullptr) {
+    return path == W8A8_PATH_AVX512 ? spk::w8a8_quantise_row_avx512(x, f, k, q, lo)
+         : path == W8A8_PATH_AVX2   ? spk::w8a8_quantise_row_avx2(x, f, k, q, lo)
+                                    : spk::w8a8_quantise_row(x, f, k, q, lo);
 }
 
 // w8a8_quantise(x float32 or BF16 bits (rows, k), bf16, f float32 (k), q int8 (rows, k), xs float32 (rows),
@@ -53,15 +53,10 @@ PyObject* py_w8a8_quantise(PyObject*, PyObject* args) {
     const int path = w8a8_quantise_path(scalar, no_avx512);
     Py_BEGIN_ALLOW_THREADS
     parallel_for(rows, threads, [&](int64_t r) {
-        int8_t* qr = q.as<int8_t>() + r * k;
-        const float amax = bf16 ? w8a8_quantise_row_on(path, x.as<uint16_t>() + r * k, f.as<float>(), k, qr)
-                                : w8a8_quantise_row_on(path, x.as<float>() + r * k, f.as<float>(), k, qr);
+        int8_t *qr = q.as<int8_t>() + r * k, *lr = low ? lo.as<int8_t>() + r * k : nullptr;
+        const float amax = bf16 ? w8a8_quantise_row_on(path, x.as<uint16_t>() + r * k, f.as<float>(), k, qr, lr)
+                                : w8a8_quantise_row_on(path, x.as<float>() + r * k, f.as<float>(), k, qr, lr);
         xs.as<float>()[r] = amax / spk::W8A8_QMAX;
-        if (low && std::isfinite(amax)) {
-            int8_t* lr = lo.as<int8_t>() + r * k;
-            if (bf16) spk::w8a8_low_row(x.as<uint16_t>() + r * k, f.as<float>(), k, amax, qr, lr);
-            else spk::w8a8_low_row(x.as<float>() + r * k, f.as<float>(), k, amax, qr, lr);
-        }
     });
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(path);

@@ -26,6 +26,7 @@ from speckv.errors import CalibrationError
 
 from .fp8 import kv_to_fp8
 from .ladder import (
+    KV_ACTIVATION_BITS,
     MEANS,
     PORTABLE,
     W8A8,
@@ -174,7 +175,7 @@ def build_checkpoint(target: "Target", calib_text: Path, out: Path, *, tokens: i
     """Write a predictor checkpoint for ``target`` into ``out``; returns the pin. ``kv_activation_bits``: a
     w8a8 rung's K/V projections' activations, 14 (two int8 products) or 8 (one, as built before)."""
     ladder = parse_rung(rung, target.config.num_hidden_layers)
-    if kv_activation_bits not in (8, 14):
+    if kv_activation_bits not in KV_ACTIVATION_BITS:
         raise ValueError(f"kv_activation_bits {kv_activation_bits}: 8 or 14")
     if ladder.kind == W8A8:
         ladder = replace(ladder, kv_low=kv_activation_bits == 14)

@@ -76,7 +76,8 @@ KINDS = {FP8: "fp8-copy", HYBRID: "hybrid-bf16-fp8", NONE: "channel-mean", EARLY
 _KRUNG_RE = re.compile(r"(hybrid|early|w8a8i|w8a8x|w8a8|portable):([0-9]{1,4})")
 INT_ATTENTION = "w8a8i"  # the w8a8 rungs' spelling with int8 attention
 OWN_SILU = "w8a8x"  # ... with int8 attention and speckv's own SiLU
-KV_BITS_FIELD = "kv_activation_bits"  # a w8a8 rung's K/V projections' activations: 8 or 14 bits
+KV_BITS_FIELD = "kv_activation_bits"  # a w8a8 rung's K/V projections' activations, bits:
+KV_ACTIVATION_BITS = (8, 14)  # one int8 product, or two (w8a8.py ``norm_linear``'s low_cols)
 # early:k's later layers run only their input norm and K/V projections: per token 2*h*2*kv of a
 # decoder layer's ~2*(h*(q + 2*kv) + q*h + 3*h*i) multiply-adds (SmolLM2-135M: 221,184 of 3,538,944)
 EARLY_TAIL_COST = 0.0625
@@ -153,7 +154,7 @@ def manifest_rung(manifest: dict[str, Any]) -> Rung:
     bits = manifest.get(KV_BITS_FIELD)
     if bits is None:
         return rung
-    if rung.kind != W8A8 or isinstance(bits, bool) or bits not in (8, 14):
+    if rung.kind != W8A8 or isinstance(bits, bool) or bits not in KV_ACTIVATION_BITS:
         raise CheckpointError(f"manifest {KV_BITS_FIELD} {bits!r}: 8 or 14, and only for a w8a8 rung")
     return replace(rung, kv_low=bits == 14)
 

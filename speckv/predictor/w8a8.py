@@ -66,7 +66,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 Q_MAX = 127.0  # int8 range of weights and activations, symmetric
 LO_SHIFT = 7  # spk_w8a8.h W8A8_LO_SHIFT: a 14-bit activation's low part weighs 2^-7 of its int8 part
-KV_ACTIVATION_BITS = (8, 14)  # the manifest's kv_activation_bits: K/V projections' activations
 SMOOTH_ALPHA = 0.6  # SmoothQuant's migration strength: s = amax_x^a / amax_w^(1 - a)
 SMOOTH_LIMIT = 24  # |e| bound: 2^e stays far from float32 under- and overflow
 NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -285,7 +284,7 @@ def quantise_rows(x: "torch.Tensor", factor: "torch.Tensor",
 def quantise_rows_split(x: "torch.Tensor", factor: "torch.Tensor",
                         native: bool = True) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
     """``quantise_rows`` and each element's low part, int8 round((y * 127 / amax - q) * 2^LO_SHIFT): the
-    14-bit activation q + lo * 2^-LO_SHIFT (``spk_w8a8.h`` ``w8a8_low_row``)."""
+    14-bit activation q + lo * 2^-LO_SHIFT (``spk_w8a8.h``: in the same pass as q)."""
     q, xs, lo = _quantise(x, factor, native, True)
     assert lo is not None
     return q, xs, lo
