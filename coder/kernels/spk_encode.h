@@ -62,8 +62,8 @@ struct LowWriter {  // the container: k pending bits at the top of `top`, whole 
     int k;
     uint8_t* out;
 
-    void put(uint32_t field, int w) {  // field < 2^w, w <= FX::mant; NOTE: two shifts: w = 0 at k = 0
-        top |= (uint64_t)field << (63 - k - w) << 1;
+    void put(uint64_t field, int w) {  // field < 2^w, k + w <= 63; NOTE: two shifts: w = 0 at k = 0
+        top |= field << (63 - k - w) << 1;
         k += w;
     }
     void store() {  // the whole bytes out (8 written: the buffer has room), at most 7 bits stay
@@ -75,6 +75,17 @@ struct LowWriter {  // the container: k pending bits at the top of `top`, whole 
         k -= whole;
     }
 };
+
+// A rare kind's bits (ZERO: ZMAN and UNARY; ESC), to its own sections.
+template <class FX>
+inline void put_rare(uint32_t d, const void* x, int64_t e, EncodedBlock& o) {
+    const uint32_t kind = d >> 21 & 3u;
+    o.sec[kind].put(d & 0xFFFFu, (int)(d >> 16 & 31u));
+    if (kind == SPK_KIND_ZERO) {  // unary exponent distance below the grid: k + bias - 1 - e
+        const int32_t kk = (int32_t)(d >> 23) - 128;
+        o.sec[3].put_unary((uint32_t)(kk + FX::bias - 1 - (int32_t)((load<FX>(x, e) >> FX::mant) & FX::exp_mask)));
+    }
+}
 
 template <class FX>
 void put_bits(const uint32_t* __restrict desc, const void* x, int64_t e0, int64_t n, EncodedBlock& o) {
@@ -93,11 +104,7 @@ void put_bits(const uint32_t* __restrict desc, const void* x, int64_t e0, int64_
             if (++batch == low_batch<FX>()) lw.store(), batch = 0;  // NOTE: periodic: predicted
             continue;
         }
-        o.sec[kind].put(d & 0xFFFFu, (int)w);
-        if (kind == SPK_KIND_ZERO) {  // unary exponent distance below the grid: k + bias - 1 - e
-            const int32_t kk = (int32_t)(d >> 23) - 128;
-            o.sec[3].put_unary((uint32_t)(kk + FX::bias - 1 - (int32_t)((load<FX>(x, e0 + e) >> FX::mant) & FX::exp_mask)));
-        }
+        put_rare<FX>(d, x, e0 + e, o);
     }
     lw.store();
     // NOTE: the LOW bits written, from where the container ends (no running sum in the loop)
@@ -220,6 +227,54 @@ SPK_AVX2 inline void rans_block_avx2(const uint32_t* __restrict ops, int64_t ste
 }
 #endif
 
+#if SPK_HAVE_AVX2_BUILD
+// Stage B on AVX-512, eight elements a step, the same bits as put_bits. A step's LOW fields (a
+// rare kind's: width 0) become one value, MSB first: with s_i the inclusive prefix sum of the
+// widths and W = s_7, field i sits at bit W - s_i; W <= 8 FX::mant <= 56, so one put and one store
+// a step keep LowWriter's invariant. The rare kinds follow, in element order, to their sections.
+template <class FX>
+SPK_AVX512 void put_bits_avx512(const uint32_t* __restrict desc, const void* x, int64_t e0, int64_t n,
+                                EncodedBlock& o) {
+    static_assert(8 * FX::mant <= 56, "a step's LOW bits fit one put");
+    BitWriter& low = o.sec[SPK_KIND_NORMAL];
+    low.bytes.resize(low.len + (size_t)(n * FX::mant / 8 + 16));
+    uint8_t* const start = low.bytes.data() + low.len;
+    LowWriter lw{low.nacc ? low.acc << (64 - low.nacc) : 0, low.nacc, start};
+    lw.store();
+    const __m512i three = _mm512_set1_epi64(3), w31 = _mm512_set1_epi64(31), f16 = _mm512_set1_epi64(0xFFFF);
+    const __m512i up1 = _mm512_set_epi64(6, 5, 4, 3, 2, 1, 0, 0), up2 = _mm512_set_epi64(5, 4, 3, 2, 1, 0, 0, 0);
+    const __m512i up4 = _mm512_set_epi64(3, 2, 1, 0, 0, 0, 0, 0), last = _mm512_set1_epi64(7);
+    int64_t e = 0;
+    for (; e + 8 <= n; e += 8) {
+        const __m512i d = _mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i*)(desc + e)));
+        const __mmask8 normal = _mm512_testn_epi64_mask(_mm512_srli_epi64(d, 21), three);  // kind 0
+        const __m512i w = _mm512_maskz_and_epi64(normal, _mm512_srli_epi64(d, 16), w31);
+        __m512i s = w;  // inclusive prefix sums over the 8 lanes
+        s = _mm512_add_epi64(s, _mm512_maskz_permutexvar_epi64(0xFE, up1, s));
+        s = _mm512_add_epi64(s, _mm512_maskz_permutexvar_epi64(0xFC, up2, s));
+        s = _mm512_add_epi64(s, _mm512_maskz_permutexvar_epi64(0xF0, up4, s));
+        const __m512i total = _mm512_permutexvar_epi64(last, s);
+        const __m512i fields = _mm512_sllv_epi64(_mm512_maskz_and_epi64(normal, d, f16), _mm512_sub_epi64(total, s));
+        lw.put((uint64_t)_mm512_reduce_or_epi64(fields), (int)_mm_cvtsi128_si64(_mm512_castsi512_si128(total)));
+        lw.store();
+        for (unsigned m = ~(unsigned)normal & 0xFFu; m; m &= m - 1) {
+            const int i = __builtin_ctz(m);
+            put_rare<FX>(desc[e + i], x, e0 + e + i, o);
+        }
+    }
+    for (; e < n; ++e) {  // the tail: under 8 fields, at most 49 bits on the <= 7 a store leaves
+        const uint32_t d = desc[e];
+        if ((d >> 21 & 3u) == SPK_KIND_NORMAL) lw.put(d & 0xFFFFu, (int)(d >> 16 & 31u));
+        else put_rare<FX>(d, x, e0 + e, o);
+    }
+    lw.store();
+    low.nbits += (uint64_t)(8 * (lw.out - start) + lw.k - low.nacc);
+    low.acc = lw.k ? lw.top >> (64 - lw.k) : 0, low.nacc = lw.k;
+    low.len = (size_t)(lw.out - low.bytes.data());
+    for (auto& sec : o.sec) sec.finish();
+}
+#endif
+
 template <class FX, class FM, bool TAB>
 void encode_block_t(const EncodeJob& J, int64_t b, EncodedBlock& o) {
     const int64_t e0 = J.g.block_e0[b], n = J.g.block_n[b], steps = J.g.epl;
@@ -235,7 +290,12 @@ void encode_block_t(const EncodeJob& J, int64_t b, EncodedBlock& o) {
                          ops_buf.data(), desc_buf.data());
     else
         symbols_scalar<FX, FM, TAB>(J, e0, n, lev_buf.data(), ops_buf.data(), desc_buf.data());
+#if SPK_HAVE_AVX2_BUILD
+    if (J.simd && J.simd->wide) put_bits_avx512<FX>(desc_buf.data(), J.x, e0, n, o);
+    else put_bits<FX>(desc_buf.data(), J.x, e0, n, o);
+#else
     put_bits<FX>(desc_buf.data(), J.x, e0, n, o);
+#endif
 #if SPK_HAVE_AVX2_BUILD
     if (J.simd) return J.simd->wide ? rans_block_avx512(ops_buf.data(), steps, o)
                                     : rans_block_avx2(ops_buf.data(), steps, o);
