@@ -43,7 +43,9 @@ PROMPTS = 3
 # _get_attn_isa). There (2-core Intel Xeon, the same command) BF16 gives 2.7477; FP8 e4m3 gave 2.1573 while
 # the predictors modelled only the "vec" kernel's FP32 attention, and 2.9576 (2026-12-04) since the connector
 # sends Fp8Attention.amx_tiles and the predictors replay that kernel on AMX tiles (speckv/predictor/amx_fp8.py).
-MIN_RATIO = {("auto", "vec"): 2.69, ("fp8_e4m3", "vec"): 2.96, ("auto", "amx"): 2.69, ("fp8_e4m3", "amx"): 2.89}
+# With the shipped checkpoint's K/V projections on 14-bit activations (2026-12-05, the AMX Xeon): BF16 2.8182,
+# FP8 3.0085; the "vec" floors stay those of the 8-bit checkpoint (no Zen 4 here to measure them again).
+MIN_RATIO = {("auto", "vec"): 2.69, ("fp8_e4m3", "vec"): 2.96, ("auto", "amx"): 2.76, ("fp8_e4m3", "amx"): 2.95}
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
