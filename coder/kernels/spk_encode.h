@@ -76,6 +76,28 @@ struct LowWriter {  // the container: k pending bits at the top of `top`, whole 
     }
 };
 
+// The LOW section's container, opened over its BitWriter's bytes with room for n more fields.
+template <class FX>
+inline LowWriter open_low(BitWriter& low, int64_t n) {
+    // room for the pending bits (< 32), every LOW field, and the last 8-byte store
+    low.bytes.resize(low.len + (size_t)(n * FX::mant / 8 + 16));
+    // the writer's pending bits (its acc's low nacc) at the container's top
+    LowWriter lw{low.nacc ? low.acc << (64 - low.nacc) : 0, low.nacc, low.bytes.data() + low.len};
+    lw.store();
+    return lw;
+}
+
+// ... and closed: its bits back into the BitWriter, every section finished.
+inline void close_low(LowWriter& lw, EncodedBlock& o) {
+    BitWriter& low = o.sec[SPK_KIND_NORMAL];
+    lw.store();
+    // NOTE: the LOW bits written, from where the container ends (no running sum in the loop)
+    low.nbits += (uint64_t)(8 * (lw.out - (low.bytes.data() + low.len)) + lw.k - low.nacc);
+    low.acc = lw.k ? lw.top >> (64 - lw.k) : 0, low.nacc = lw.k;
+    low.len = (size_t)(lw.out - low.bytes.data());
+    for (auto& s : o.sec) s.finish();
+}
+
 // A rare kind's bits (ZERO: ZMAN and UNARY; ESC), to its own sections.
 template <class FX>
 inline void put_rare(uint32_t d, const void* x, int64_t e, EncodedBlock& o) {
@@ -89,13 +111,7 @@ inline void put_rare(uint32_t d, const void* x, int64_t e, EncodedBlock& o) {
 
 template <class FX>
 void put_bits(const uint32_t* __restrict desc, const void* x, int64_t e0, int64_t n, EncodedBlock& o) {
-    BitWriter& low = o.sec[SPK_KIND_NORMAL];
-    // room for the pending bits (< 32), every LOW field, and the last 8-byte store
-    low.bytes.resize(low.len + (size_t)(n * FX::mant / 8 + 16));
-    // the writer's pending bits (its acc's low nacc) at the container's top
-    uint8_t* const start = low.bytes.data() + low.len;
-    LowWriter lw{low.nacc ? low.acc << (64 - low.nacc) : 0, low.nacc, start};
-    lw.store();
+    LowWriter lw = open_low<FX>(o.sec[SPK_KIND_NORMAL], n);
     int batch = 0;
     for (int64_t e = 0; e < n; ++e) {
         const uint32_t d = desc[e], kind = d >> 21 & 3u, w = d >> 16 & 31u;
@@ -106,12 +122,7 @@ void put_bits(const uint32_t* __restrict desc, const void* x, int64_t e0, int64_
         }
         put_rare<FX>(d, x, e0 + e, o);
     }
-    lw.store();
-    // NOTE: the LOW bits written, from where the container ends (no running sum in the loop)
-    low.nbits += (uint64_t)(8 * (lw.out - start) + lw.k - low.nacc);
-    low.acc = lw.k ? lw.top >> (64 - lw.k) : 0, low.nacc = lw.k;
-    low.len = (size_t)(lw.out - low.bytes.data());
-    for (auto& s : o.sec) s.finish();
+    close_low(lw, o);
 }
 
 // Stage C: the block's 32 lanes' rANS steps, last op first.
@@ -236,11 +247,7 @@ template <class FX>
 SPK_AVX512 void put_bits_avx512(const uint32_t* __restrict desc, const void* x, int64_t e0, int64_t n,
                                 EncodedBlock& o) {
     static_assert(8 * FX::mant <= 56, "a step's LOW bits fit one put");
-    BitWriter& low = o.sec[SPK_KIND_NORMAL];
-    low.bytes.resize(low.len + (size_t)(n * FX::mant / 8 + 16));
-    uint8_t* const start = low.bytes.data() + low.len;
-    LowWriter lw{low.nacc ? low.acc << (64 - low.nacc) : 0, low.nacc, start};
-    lw.store();
+    LowWriter lw = open_low<FX>(o.sec[SPK_KIND_NORMAL], n);
     const __m512i three = _mm512_set1_epi64(3), w31 = _mm512_set1_epi64(31), f16 = _mm512_set1_epi64(0xFFFF);
     const __m512i up1 = _mm512_set_epi64(6, 5, 4, 3, 2, 1, 0, 0), up2 = _mm512_set_epi64(5, 4, 3, 2, 1, 0, 0, 0);
     const __m512i up4 = _mm512_set_epi64(3, 2, 1, 0, 0, 0, 0, 0), last = _mm512_set1_epi64(7);
@@ -267,11 +274,7 @@ SPK_AVX512 void put_bits_avx512(const uint32_t* __restrict desc, const void* x, 
         if ((d >> 21 & 3u) == SPK_KIND_NORMAL) lw.put(d & 0xFFFFu, (int)(d >> 16 & 31u));
         else put_rare<FX>(d, x, e0 + e, o);
     }
-    lw.store();
-    low.nbits += (uint64_t)(8 * (lw.out - start) + lw.k - low.nacc);
-    low.acc = lw.k ? lw.top >> (64 - lw.k) : 0, low.nacc = lw.k;
-    low.len = (size_t)(lw.out - low.bytes.data());
-    for (auto& sec : o.sec) sec.finish();
+    close_low(lw, o);
 }
 #endif
 
