@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 from speckv import logs
 from speckv.coder.backends import CODERS
 from speckv.predictor.engines import ENGINES, SAME
-from speckv.predictor.ladder import KV_ACTIVATION_BITS
+from speckv.predictor.ladder import KV_ACTIVATION_BITS, KV_BITS_SPLIT
 
 logger = logging.getLogger(__name__)
 DEFAULT_LEVEL = {"serve": "info"}  # other commands: warning (their progress goes to stderr)
@@ -195,7 +195,7 @@ def _parser() -> argparse.ArgumentParser:
                             "integers only: the same mu on every CPU and GPU), portable:K (its first K "
                             "layers, then early:K's exit, in the same integers) or none (per-channel "
                             "calibration means)")
-    build.add_argument("--kv-activation-bits", type=int, choices=KV_ACTIVATION_BITS, default=14,
+    build.add_argument("--kv-activation-bits", type=int, choices=KV_ACTIVATION_BITS, default=KV_BITS_SPLIT,
                        help="w8a8 rungs: the K/V projections' activations, 14 bits as two int8 products or 8 "
                             "(one product, as checkpoints built before 2026-12-05)")
     info = psub.add_parser("info", help="verify a checkpoint and print its pin")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
@@ -26,7 +26,7 @@ from speckv.errors import CalibrationError
 
 from .fp8 import kv_to_fp8
 from .ladder import (
-    KV_ACTIVATION_BITS,
+    KV_BITS_SPLIT,
     MEANS,
     PORTABLE,
     W8A8,
@@ -38,6 +38,7 @@ from .ladder import (
     parse_rung,
     save_means,
     weights_quant,
+    with_kv_bits,
 )
 from .portable import portable_canary
 from .predict import build_model, predictor_kv, rung_state
@@ -171,14 +172,10 @@ def read_text(path: str | Path, chars: int | None = None) -> str:
 def build_checkpoint(target: "Target", calib_text: Path, out: Path, *, tokens: int = DEFAULT_CALIB_TOKENS,
                      segment: int = DEFAULT_SEGMENT, derive_weights: bool = False,
                      source: str = "path", progress: Callable[[int], None] | None = None,
-                     rung: str = "fp8", kv_activation_bits: int = 14) -> str:
+                     rung: str = "fp8", kv_activation_bits: int = KV_BITS_SPLIT) -> str:
     """Write a predictor checkpoint for ``target`` into ``out``; returns the pin. ``kv_activation_bits``: a
     w8a8 rung's K/V projections' activations, 14 (two int8 products) or 8 (one, as built before)."""
-    ladder = parse_rung(rung, target.config.num_hidden_layers)
-    if kv_activation_bits not in KV_ACTIVATION_BITS:
-        raise ValueError(f"kv_activation_bits {kv_activation_bits}: 8 or 14")
-    if ladder.kind == W8A8:
-        ladder = replace(ladder, kv_low=kv_activation_bits == 14)
+    ladder = with_kv_bits(parse_rung(rung, target.config.num_hidden_layers), kv_activation_bits)
     out.mkdir(parents=True, exist_ok=True)
     config = target.config.to_dict()
     for volatile in VOLATILE_CONFIG_KEYS:  # where the model was loaded from is not what it is

@@ -78,6 +78,7 @@ INT_ATTENTION = "w8a8i"  # the w8a8 rungs' spelling with int8 attention
 OWN_SILU = "w8a8x"  # ... with int8 attention and speckv's own SiLU
 KV_BITS_FIELD = "kv_activation_bits"  # a w8a8 rung's K/V projections' activations, bits:
 KV_ACTIVATION_BITS = (8, 14)  # one int8 product, or two (w8a8.py ``norm_linear``'s low_cols)
+KV_BITS_SPLIT = KV_ACTIVATION_BITS[1]  # two products: what a w8a8 rung is built with now
 # early:k's later layers run only their input norm and K/V projections: per token 2*h*2*kv of a
 # decoder layer's ~2*(h*(q + 2*kv) + q*h + 3*h*i) multiply-adds (SmolLM2-135M: 221,184 of 3,538,944)
 EARLY_TAIL_COST = 0.0625
@@ -154,9 +155,17 @@ def manifest_rung(manifest: dict[str, Any]) -> Rung:
     bits = manifest.get(KV_BITS_FIELD)
     if bits is None:
         return rung
-    if rung.kind != W8A8 or isinstance(bits, bool) or bits not in KV_ACTIVATION_BITS:
-        raise CheckpointError(f"manifest {KV_BITS_FIELD} {bits!r}: 8 or 14, and only for a w8a8 rung")
-    return replace(rung, kv_low=bits == 14)
+    if rung.kind != W8A8:
+        raise CheckpointError(f"manifest {KV_BITS_FIELD} {bits!r}: only for a w8a8 rung, not {rung.name}")
+    return with_kv_bits(rung, bits)
+
+
+def with_kv_bits(rung: Rung, bits: Any) -> Rung:
+    """A w8a8 rung whose K/V projections read ``bits``-bit activations (other rungs: as they are);
+    bits not in KV_ACTIVATION_BITS: CheckpointError."""
+    if isinstance(bits, bool) or bits not in KV_ACTIVATION_BITS:
+        raise CheckpointError(f"{KV_BITS_FIELD} {bits!r}: one of {KV_ACTIVATION_BITS}")
+    return replace(rung, kv_low=bits == KV_BITS_SPLIT) if rung.kind == W8A8 else rung
 
 
 def manifest_fields(rung: Rung) -> dict[str, Any]:
@@ -165,7 +174,7 @@ def manifest_fields(rung: Rung) -> dict[str, Any]:
     if rung.kind != FP8:
         out["rung"] = rung.name
     if rung.kind == W8A8:
-        out[KV_BITS_FIELD] = 14 if rung.kv_low else 8
+        out[KV_BITS_FIELD] = KV_BITS_SPLIT if rung.kv_low else KV_ACTIVATION_BITS[0]
     return out
 
 
