@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import TYPE_CHECKING, Collection, Iterable, Iterator, Sequence, cast
+from typing import TYPE_CHECKING, Any, Collection, Iterable, Iterator, Sequence, cast
 
 import numpy as np
 
@@ -34,9 +34,11 @@ from .backends import select_backend
 from .config import MAX_ELEMS_PER_LANE, CodecConfig
 from .integrity import Ahead, Sums, chunk_sums, verified
 from .interfaces import CheckpointLike, MuSource
+from .lookahead import Lookahead
 from .model import BF16, E4M3, Context, ContextTable, FloatFormat
 from .plan import (
     Plan,
+    Prepared,
     bf16_context_table,
     build_plan,
     chunk_rounding,
@@ -128,11 +130,24 @@ class Codec:
         header = self.stream_header(scales is None, mu_bits.shape, ids)
         yield ct.pack_header(header)
         every = range(header.n_chunks)
-        for g in element_groups(header, every, GROUP_ELEMENTS):
+        groups = element_groups(header, every, GROUP_ELEMENTS)
+
+        # NOTE: group g + 1 is prepared on a helper thread while g is coded (``lookahead.py``), its
+        # native calls on one thread: with the rANS pass holding the extension's pool, they would
+        # start threads of their own at each call (measured: slower than preparing in series).
+        # Not on the CUDA coder, whose device work stays on the caller's thread.
+        ahead = self.config.threads > 1 and hasattr(self.backend, "with_threads")
+        backend = self.backend.with_threads(1) if ahead else self.backend
+
+        def prepare(g: slice) -> Prepared:
             a, b = header.chunk_layers(every[g][0])[0], sum(header.chunk_layers(every[g][-1]))
-            for chunk in self.encode_chunks(header, every[g], x[a:b], mu_bits,
-                                            None if scales is None else scales[a:b]):
-                yield ct.pack_chunk(chunk)
+            return self._prepare(header, every[g], x[a:b], mu_bits, None if scales is None else scales[a:b],
+                                 backend=backend)
+
+        with Lookahead(prepare, groups, ahead) as prepared:
+            for g, p in zip(groups, prepared, strict=True):
+                for chunk in self._code(p, header, every[g]):
+                    yield ct.pack_chunk(chunk)
 
     def stream_header(self, bf16: bool, shape: Sequence[int], ids: np.ndarray,
                       layers_per_chunk: int | None = None, stored: bool = False) -> ct.StreamHeader:
@@ -160,6 +175,13 @@ class Codec:
         and ``scales`` hold exactly their layers. Chunks of ``idx`` in ``stored`` (every chunk of a
         stored stream) are written stored, never coded: their mu is not read, and ``mu`` may be
         None when no chunk is coded. A coded chunk larger than its stored form goes stored too."""
+        return self._code(self._prepare(h, idx, x, mu, scales, stored), h, idx)
+
+    def _prepare(self, h: ct.StreamHeader, idx: range, x: np.ndarray, mu: "torch.Tensor | np.ndarray | None",
+                 scales: np.ndarray | None = None, stored: Collection[int] = (), backend: Any = None) -> Prepared:
+        """``encode_chunks`` up to the rANS pass: the stored chunks written, the coded ones' plan
+        built and adapted (``_code`` codes it) on ``backend`` (default: the codec's)."""
+        backend = self.backend if backend is None else backend
         start, stop = h.chunk_layers(idx[0])[0], sum(h.chunk_layers(idx[-1]))
         want = (stop - start,) + h.shape[1:]
         if tuple(x.shape) != want:
@@ -172,15 +194,21 @@ class Codec:
             raise ValueError(f"stored chunks in a coded stream need format version 3, not {h.version}")
         out = stored_chunks(h, sorted(keep), x, scales, start)
         coded = [i for i in idx if i not in keep]
-        if coded:
-            if mu is None:
-                raise ValueError(f"chunks {coded} are coded: they need mu")
-            part = slice(h.chunk_layers(coded[0])[0] - start, sum(h.chunk_layers(coded[-1])) - start)
-            kv = Fp8KV(x[part], scales[part]) if fp8 and scales is not None else x[part]  # fp8: checked above
-            plan = self._plan(kv, None, mu, layers=slice(part.start + start, part.stop + start), model_id=h.model)
-            plan = self._adapted(plan, h)
-            out.update((c.index, c) for c in self._encode_chunks(plan, h, coded))
-        return [out[i] for i in idx]
+        if not coded:
+            return Prepared(out, coded, None)
+        if mu is None:
+            raise ValueError(f"chunks {coded} are coded: they need mu")
+        part = slice(h.chunk_layers(coded[0])[0] - start, sum(h.chunk_layers(coded[-1])) - start)
+        kv = Fp8KV(x[part], scales[part]) if fp8 and scales is not None else x[part]  # fp8: checked above
+        plan = self._plan(kv, None, mu, layers=slice(part.start + start, part.stop + start), model_id=h.model,
+                          backend=backend)
+        return Prepared(out, coded, self._adapted(plan, h, backend))
+
+    def _code(self, p: Prepared, h: ct.StreamHeader, idx: range) -> list[ct.Chunk]:
+        """The chunks of a ``_prepare``: its plan coded, in ``idx``'s order."""
+        if p.plan is not None:
+            p.out.update((c.index, c) for c in self._encode_chunks(p.plan, h, p.coded))
+        return [p.out[i] for i in idx]
 
     def _encode_chunks(self, plan: Plan, h: ct.StreamHeader, idx: Sequence[int]) -> list[ct.Chunk]:
         """Chunks ``idx`` coded in one vectorised rANS pass (blocks never span chunks; a backend
@@ -216,7 +244,7 @@ class Codec:
             return stored_chunk(h, i, plan.x[sl], None if plan.scales is None else plan.scales[sl])
         return c
 
-    def _adapted(self, plan: Plan, h: ct.StreamHeader) -> Plan:
+    def _adapted(self, plan: Plan, h: ct.StreamHeader, backend: Any) -> Plan:
         """An encoding plan with a version 5 FP8 stream's rounding per chunk
         (``adapt.choose_rounding``) and a version 4+ stream's sigma shifts
         (``adapt.choose_shifts``, on the rounded mu), their costs priced by the native backend
@@ -226,7 +254,7 @@ class Codec:
             return plan
         x = plan.x
         assert x is not None  # an encoding plan
-        coster = self.backend if hasattr(self.backend, "group_costs") else None
+        coster = backend if hasattr(backend, "group_costs") else None
         base: list[tuple[np.ndarray, np.ndarray]] = []  # the rounding's costs at shift 0: choose_shifts's first
         if h.version >= 5 and plan.fmt is E4M3:
             plan = plan.rounded(choose_rounding(plan.fmt, plan.fmt_mu, plan.model.tables, x, plan.mu,
@@ -241,14 +269,14 @@ class Codec:
         return self.predictor.mu(np.asarray(ids))
 
     def _plan(self, kv, ids, mu, fmt: FloatFormat | None = None, scales=None,
-              layers: slice | None = None, model_id: int | None = None) -> Plan:
+              layers: slice | None = None, model_id: int | None = None, backend: Any = None) -> Plan:
         """``plan.build_plan`` under ``model_id`` (default: the one this codec encodes with);
         mu from ``ids`` when None."""
         mu = self._predicted(ids) if mu is None else mu
         # NOTE: uint16 bits stay as given, a view too (a rank's heads): build_plan copies only its layers
         mu = mu if isinstance(mu, np.ndarray) and mu.dtype == np.uint16 else bf16_bits(mu)
         model = self.models[self.model_id if model_id is None else model_id]
-        return build_plan(model, self.backend, kv, mu, fmt, scales, layers)
+        return build_plan(model, self.backend if backend is None else backend, kv, mu, fmt, scales, layers)
 
     # -- decode -------------------------------------------------------------
     def decode(self, records: Iterable[bytes], ids: np.ndarray,

@@ -144,6 +144,12 @@ class NativeCoder:
         self.path = path
         self._flat: dict[int, FlatTables] = {}
 
+    def with_threads(self, threads: int) -> "NativeCoder":
+        """This coder on ``threads`` threads, sharing its flattened tables."""
+        other = NativeCoder(threads, self.path)
+        other._flat = self._flat  # NOTE: one dict: a table flattened by either is the other's too
+        return other
+
     @property
     def simd(self) -> str:
         """The instruction set of the per-element stages this coder runs: "avx512", "avx2" or "none"."""

@@ -103,6 +103,16 @@ ROUND_TOWARD_ZERO = 1  # the rounding byte of a version 5 FP8 chunk (FORMAT.md);
 E4M3_MIN_EXP, E4M3_MANT = -6, 3  # e4m3: smallest normal binade 2^-6, 3 mantissa bits
 
 
+@dataclass
+class Prepared:
+    """Chunks of ``Codec.encode_chunks`` before their rANS pass: the stored ones already written
+    (by index), the coded ones' indices and their adapted plan (None when none is coded)."""
+
+    out: dict[int, ct.Chunk]
+    coded: list[int]
+    plan: Plan | None
+
+
 def toward_zero_mu(mu: np.ndarray) -> np.ndarray:
     """FP32 mu bit patterns (uint32, in e4m3 units: mu / scale) moved half an e4m3 step toward
     zero: ``sign(mu) max(|mu| - 2^(E - 4), 0)``, E = max(exponent of |mu|, -6) (the e4m3 step in

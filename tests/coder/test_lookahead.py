@@ -1,0 +1,121 @@
+"""Lookahead (coder/lookahead.py): results in order and equal to the series, the next item
+prepared while the caller holds the current one, errors at their item, nothing left running
+after an early exit; and a whole-stream encode on two threads prepares on the helper."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from codec_helpers import bf16_tensor, ids_for
+from native_helpers import assert_same_records, realistic_pair
+from require import missing
+
+from speckv.coder import codec as codec_mod
+from speckv.coder import native
+from speckv.coder.codec import Codec
+from speckv.coder.lookahead import Lookahead
+
+WAIT_S = 30.0  # NOTE: a bound on a hang, never a timing: every wait below ends on an event
+
+
+@pytest.fixture
+def built():
+    if not native.available():
+        missing("NATIVE", f"the native coder is not built ({native.IMPORT_ERROR})")
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_results_in_order(ahead):
+    with Lookahead(lambda i: i * i, range(7), ahead) as out:
+        assert list(out) == [i * i for i in range(7)]
+    with Lookahead(lambda i: i, [], ahead) as out:
+        assert list(out) == []
+
+
+def test_next_item_is_prepared_while_the_caller_holds_this_one():
+    started = threading.Event()
+
+    def fn(i: int) -> int:
+        if i == 1:
+            started.set()
+        return i
+
+    with Lookahead(fn, range(3), True) as out:
+        it = iter(out)
+        assert next(it) == 0
+        assert started.wait(WAIT_S), "item 1 was not prepared while item 0 was held"
+        assert list(it) == [1, 2]
+
+
+def test_in_series_nothing_runs_ahead():
+    calls: list[int] = []
+    with Lookahead(lambda i: calls.append(i) or i, range(3), False) as out:
+        it = iter(out)
+        assert next(it) == 0 and calls == [0]
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_an_error_is_raised_at_its_item(ahead):
+    def fn(i: int) -> int:
+        if i == 2:
+            raise ValueError("item 2")
+        return i
+
+    got: list[int] = []
+    with pytest.raises(ValueError, match="item 2"), Lookahead(fn, range(5), ahead) as out:
+        for r in out:
+            got.append(r)
+    assert got == [0, 1]
+
+
+def test_an_early_exit_leaves_nothing_running():
+    calls: list[int] = []
+    release = threading.Event()
+
+    def fn(i: int) -> int:
+        calls.append(i)
+        if i == 1:
+            release.wait(WAIT_S)  # item 1 is running when the caller leaves
+        return i
+
+    la = Lookahead(fn, range(10), True)
+    with la as out:
+        for r in out:
+            assert r == 0
+            threading.Timer(0.05, release.set).start()
+            break
+    assert calls == [0, 1]  # the exit waited for item 1; item 2 never started
+    assert la._pool is not None and la._pool._shutdown  # noqa: SLF001 -- the helper is gone
+
+
+def test_whole_stream_encode_prepares_on_the_helper(ckpt, monkeypatch, built):
+    """Two threads on the native coder: later groups prepared on the helper with a one-thread
+    coder sharing the codec's tables, the same records as one thread in series."""
+    x, mu = realistic_pair(40, 7)
+    kv, mu, ids = bf16_tensor(x), bf16_tensor(mu), ids_for(40)
+    monkeypatch.setattr(codec_mod, "GROUP_ELEMENTS", 1)  # every chunk its own group
+    seen: list[tuple[str, int]] = []
+    prepare = Codec._prepare
+
+    def spy(self, *a, backend=None, **k):
+        seen.append((threading.current_thread().name, (backend or self.backend).threads))
+        return prepare(self, *a, backend=backend, **k)
+
+    monkeypatch.setattr(Codec, "_prepare", spy)
+    cfg = codec_mod.CodecConfig(elems_per_lane=64, layers_per_chunk=2, coder="native")
+    two = Codec.from_checkpoint(ckpt, cfg)
+    one = Codec.from_checkpoint(ckpt, codec_mod.CodecConfig(elems_per_lane=64, layers_per_chunk=2,
+                                                            coder="native", threads=1))
+    assert two.config.threads == 2
+    records = list(two.encode(kv, ids, mu))
+    assert len(seen) == 15 and all(name.startswith("speckv-lookahead") and t == 1 for name, t in seen), seen
+    seen.clear()
+    assert_same_records(records, list(one.encode(kv, ids, mu)))
+    assert len(seen) == 15 and all(name == threading.main_thread().name and t == 1 for name, t in seen), seen
+
+
+def test_with_threads_shares_the_flattened_tables(built):
+    c = native.NativeCoder(2, "lookup")
+    one = c.with_threads(1)
+    assert (one.threads, one.path, one._flat is c._flat) == (1, "lookup", True)  # noqa: SLF001
