@@ -86,9 +86,11 @@ def element_bits(fmt: Any, tables: Any, ctx: Any, x: np.ndarray) -> np.ndarray:
 
 def stream_bits(codec: Any, kv: Any, ids: np.ndarray, mu: Any) -> tuple[float, float, float]:
     """(K, V, total) bits/scalar of a whole stream under the codec's encode model."""
+    from speckv.coder.plan import adapted_plan
+
     plan = codec._plan(kv, ids, mu)
-    plan = codec._adapted(plan, codec.stream_header(plan.fmt.name == "bf16", plan.mu.shape, ids),  # format 4 shifts
-                          codec.backend)
+    plan = adapted_plan(plan, codec.stream_header(plan.fmt.name == "bf16", plan.mu.shape, ids),  # format 4 shifts
+                        codec.backend)
     layers = plan.mu.shape[0]
     ctx = codec._context(plan, slice(0, layers))
     per = element_bits(plan.fmt, plan.model.tables, ctx, plan.x.ravel()).reshape(plan.x.shape)

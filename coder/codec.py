@@ -29,7 +29,6 @@ from speckv.kv import Fp8KV, bf16_bits
 
 from . import container as ct
 from . import reference
-from .adapt import choose_rounding, choose_shifts
 from .backends import select_backend
 from .config import MAX_ELEMS_PER_LANE, CodecConfig
 from .integrity import Ahead, Sums, chunk_sums, verified
@@ -39,6 +38,7 @@ from .model import BF16, E4M3, Context, ContextTable, FloatFormat
 from .plan import (
     Plan,
     Prepared,
+    adapted_plan,
     bf16_context_table,
     build_plan,
     chunk_rounding,
@@ -47,7 +47,6 @@ from .plan import (
     element_groups,
     plan_context,
     runs,
-    toward_zero_mu,
     whole_record,
 )
 from .rans import RansBlocks, concat_blocks, split_blocks
@@ -202,7 +201,7 @@ class Codec:
         kv = Fp8KV(x[part], scales[part]) if fp8 and scales is not None else x[part]  # fp8: checked above
         plan = self._plan(kv, None, mu, layers=slice(part.start + start, part.stop + start), model_id=h.model,
                           backend=backend)
-        return Prepared(out, coded, self._adapted(plan, h, backend))
+        return Prepared(out, coded, adapted_plan(plan, h, backend))
 
     def _code(self, p: Prepared, h: ct.StreamHeader, idx: range) -> list[ct.Chunk]:
         """The chunks of a ``_prepare``: its plan coded, in ``idx``'s order."""
@@ -243,25 +242,6 @@ class Codec:
         if h.version >= 3 and c.record_len > stored_record_len(h, i):  # the size guard (FORMAT.md)
             return stored_chunk(h, i, plan.x[sl], None if plan.scales is None else plan.scales[sl])
         return c
-
-    def _adapted(self, plan: Plan, h: ct.StreamHeader, backend: Any) -> Plan:
-        """An encoding plan with a version 5 FP8 stream's rounding per chunk
-        (``adapt.choose_rounding``) and a version 4+ stream's sigma shifts
-        (``adapt.choose_shifts``, on the rounded mu), their costs priced by the native backend
-        where it runs (the same integers as numpy's, so the same choices and bytes on every
-        backend)."""
-        if h.version < 4:
-            return plan
-        x = plan.x
-        assert x is not None  # an encoding plan
-        coster = backend if hasattr(backend, "group_costs") else None
-        base: list[tuple[np.ndarray, np.ndarray]] = []  # the rounding's costs at shift 0: choose_shifts's first
-        if h.version >= 5 and plan.fmt is E4M3:
-            plan = plan.rounded(choose_rounding(plan.fmt, plan.fmt_mu, plan.model.tables, x, plan.mu,
-                                                toward_zero_mu, plan.log2_sigma, plan.chunk_counts(h),
-                                                coster, base_out=base))
-        return plan.shifted(choose_shifts(plan.fmt, plan.fmt_mu, plan.model.tables, x, plan.mu,
-                                          plan.log2_sigma, coster, base=base[0] if base else None))
 
     def _predicted(self, ids: np.ndarray) -> "torch.Tensor | np.ndarray":
         if self.predictor is None:

@@ -20,6 +20,7 @@ from speckv.digests import XXH3_128, digest
 from speckv.errors import IntegrityError
 
 from . import container as ct
+from .adapt import choose_rounding, choose_shifts
 from .model import BF16, E4M3, FP32, Context, ContextTable, FloatFormat, context, fp8_log2_sigma
 from .residual import ResidualModel
 from .tables import SHIFT_MAX
@@ -262,6 +263,26 @@ def element_groups(h: ct.StreamHeader, indices: Sequence[int], limit: int) -> li
         size += n
     bounds.append(len(indices))
     return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+
+
+def adapted_plan(plan: Plan, h: ct.StreamHeader, backend: Any) -> Plan:
+    """An encoding plan with a version 5 FP8 stream's rounding per chunk
+    (``adapt.choose_rounding``) and a version 4+ stream's sigma shifts
+    (``adapt.choose_shifts``, on the rounded mu), their costs priced by the native backend
+    where it runs (the same integers as numpy's, so the same choices and bytes on every
+    backend)."""
+    if h.version < 4:
+        return plan
+    x = plan.x
+    assert x is not None  # an encoding plan
+    coster = backend if hasattr(backend, "group_costs") else None
+    base: list[tuple[np.ndarray, np.ndarray]] = []  # the rounding's costs at shift 0: choose_shifts's first
+    if h.version >= 5 and plan.fmt is E4M3:
+        plan = plan.rounded(choose_rounding(plan.fmt, plan.fmt_mu, plan.model.tables, x, plan.mu,
+                                            toward_zero_mu, plan.log2_sigma, plan.chunk_counts(h),
+                                            coster, base_out=base))
+    return plan.shifted(choose_shifts(plan.fmt, plan.fmt_mu, plan.model.tables, x, plan.mu,
+                                      plan.log2_sigma, coster, base=base[0] if base else None))
 
 
 def build_plan(model: ResidualModel, backend: Any, kv: Any, mu: np.ndarray, fmt: FloatFormat | None = None,

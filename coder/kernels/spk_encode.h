@@ -354,27 +354,51 @@ inline void encode_block(const EncodeJob& J, int64_t b, EncodedBlock& o) {
     else encode_block_t<SpkBF16, SpkBF16, false>(J, b, o);
 }
 
-struct EncodedChunk {
-    std::vector<uint32_t> states, counts;
-    std::vector<uint16_t> words;
-    std::vector<uint8_t> bits;  // LOW | ZMAN | ESC | UNARY, each byte-padded
+// Stage B: a chunk's four strings (states, word counts, words, raw sections: the container's
+// order) written in place. Their sizes first (chunk_layout), then each block's states, count and
+// words at its offsets (place_block) and each chunk's raw sections (place_bits), all independent
+// tasks over the caller's threads. NOTE: no intermediate copy of a chunk: py_encode allocates
+// the strings and the tasks write straight into them.
+struct ChunkLayout {
+    int64_t b0 = 0, nb = 0;        // the chunk's blocks
+    size_t words = 0;              // its u16 words
+    size_t bits_bytes = 0;         // its four sections, each padded to a byte
+    std::vector<size_t> word_off;  // each block's first word within the chunk
 };
 
-inline void assemble_chunk(const Geometry& g, int64_t c, const std::vector<EncodedBlock>& blocks, EncodedChunk& o) {
-    const int64_t b0 = g.chunk_b0[c], b1 = b0 + g.chunk_blocks[c];
-    size_t nw = 0;
-    for (int64_t b = b0; b < b1; ++b) nw += blocks[b].words.size();
-    o.words.reserve(nw);
-    for (int64_t b = b0; b < b1; ++b) {
-        o.states.insert(o.states.end(), blocks[b].states, blocks[b].states + SPK_LANES);
-        o.counts.push_back((uint32_t)blocks[b].words.size());
-        o.words.insert(o.words.end(), blocks[b].words.begin(), blocks[b].words.end());
+inline ChunkLayout chunk_layout(const Geometry& g, int64_t c, const std::vector<EncodedBlock>& blocks) {
+    ChunkLayout L;
+    L.b0 = g.chunk_b0[c], L.nb = g.chunk_blocks[c];
+    L.word_off.resize((size_t)L.nb);
+    for (int64_t k = 0; k < L.nb; ++k) L.word_off[k] = L.words, L.words += blocks[L.b0 + k].words.size();
+    for (int s = 0; s < 4; ++s) {
+        uint64_t n = 0;
+        for (int64_t k = 0; k < L.nb; ++k) n += blocks[L.b0 + k].sec[s].nbits;
+        L.bits_bytes += (size_t)((n + 7) / 8);
     }
+    return L;
+}
+
+struct ChunkDst {
+    uint8_t *states, *counts, *words, *bits;
+};
+
+// block k of its chunk: its lane states, its word count (u32) and its words at their offsets
+inline void place_block(const EncodedBlock& e, int64_t k, const ChunkLayout& L, const ChunkDst& d) {
+    std::memcpy(d.states + 4 * SPK_LANES * k, e.states, 4 * SPK_LANES);
+    const uint32_t n = (uint32_t)e.words.size();
+    std::memcpy(d.counts + 4 * k, &n, 4);
+    if (n) std::memcpy(d.words + 2 * L.word_off[k], e.words.data(), 2 * (size_t)n);
+}
+
+// the chunk's raw sections LOW | ZMAN | ESC | UNARY, each its blocks' bits in order, byte-padded
+inline void place_bits(const std::vector<EncodedBlock>& blocks, const ChunkLayout& L, uint8_t* dst) {
     for (int s = 0; s < 4; ++s) {
         BitWriter w;
-        for (int64_t b = b0; b < b1; ++b) w.append(blocks[b].sec[s]);
+        for (int64_t k = 0; k < L.nb; ++k) w.append(blocks[L.b0 + k].sec[s]);
         w.finish();
-        o.bits.insert(o.bits.end(), w.bytes.begin(), w.bytes.end());
+        if (!w.bytes.empty()) std::memcpy(dst, w.bytes.data(), w.bytes.size());
+        dst += w.bytes.size();
     }
 }
 

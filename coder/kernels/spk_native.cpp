@@ -118,6 +118,26 @@ struct Batch {
 
 PyObject* bytes_of(const void* p, size_t n) { return PyBytes_FromStringAndSize((const char*)p, (Py_ssize_t)n); }
 
+// [(states, word_counts, words, bits) per chunk]: strings of the sizes `lay` gives, not yet written
+// (dst: where each one's bytes go), or null with the exception set
+PyObject* chunk_strings(const std::vector<spk::ChunkLayout>& lay, std::vector<spk::ChunkDst>& dst) {
+    PyObject* out = PyList_New((Py_ssize_t)lay.size());
+    if (!out) return nullptr;
+    for (size_t c = 0; c < lay.size(); ++c) {
+        const spk::ChunkLayout& L = lay[c];
+        PyObject* item = Py_BuildValue("(NNNN)", PyBytes_FromStringAndSize(nullptr, 4 * SPK_LANES * L.nb),
+                                       PyBytes_FromStringAndSize(nullptr, 4 * L.nb),
+                                       PyBytes_FromStringAndSize(nullptr, (Py_ssize_t)(2 * L.words)),
+                                       PyBytes_FromStringAndSize(nullptr, (Py_ssize_t)L.bits_bytes));
+        if (!item) { Py_DECREF(out); return nullptr; }
+        PyList_SET_ITEM(out, (Py_ssize_t)c, item);
+        uint8_t* p[4];
+        for (int j = 0; j < 4; ++j) p[j] = (uint8_t*)PyBytes_AS_STRING(PyTuple_GET_ITEM(item, j));
+        dst[c] = {p[0], p[1], p[2], p[3]};
+    }
+    return out;
+}
+
 // prepare_mu(fp8, mu, a|None, b|None, scales|None, layers, heads, tokens, dim, out, threads[, path])
 PyObject* py_prepare_mu(PyObject*, PyObject* args) {
     int fp8, threads, path = PATH_AUTO;
@@ -161,23 +181,26 @@ PyObject* py_encode(PyObject*, PyObject* args) {
         return nullptr;
     const spk::Geometry& g = B.g;
     spk::EncodeJob job{g, B.t, x.v.buf, B.mu.v.buf, B.L.as<int32_t>(), fp8 != 0, B.table, B.vector_tables()};
+    const int64_t nc = (int64_t)g.chunk_layers.size();
     std::vector<spk::EncodedBlock> blocks(g.n_blocks);
-    std::vector<spk::EncodedChunk> chunks(g.chunk_layers.size());
+    std::vector<spk::ChunkLayout> lay(nc);
     Py_BEGIN_ALLOW_THREADS
     parallel_for(g.n_blocks, threads, [&](int64_t b) { spk::encode_block(job, b, blocks[b]); });
-    parallel_for((int64_t)chunks.size(), threads, [&](int64_t c) { spk::assemble_chunk(g, c, blocks, chunks[c]); });
+    for (int64_t c = 0; c < nc; ++c) lay[c] = spk::chunk_layout(g, c, blocks);
     Py_END_ALLOW_THREADS
-    PyObject* out = PyList_New((Py_ssize_t)chunks.size());
+    std::vector<spk::ChunkDst> dst(nc);
+    PyObject* out = chunk_strings(lay, dst);
     if (!out) return nullptr;
-    for (size_t c = 0; c < chunks.size(); ++c) {
-        const spk::EncodedChunk& e = chunks[c];
-        PyObject* item = Py_BuildValue("(NNNN)", bytes_of(e.states.data(), 4 * e.states.size()),
-                                       bytes_of(e.counts.data(), 4 * e.counts.size()),
-                                       bytes_of(e.words.data(), 2 * e.words.size()),
-                                       bytes_of(e.bits.data(), e.bits.size()));
-        if (!item) { Py_DECREF(out); return nullptr; }
-        PyList_SET_ITEM(out, (Py_ssize_t)c, item);
-    }
+    std::vector<int64_t> chunk_of(g.n_blocks);
+    for (int64_t c = 0; c < nc; ++c)
+        for (int64_t k = 0; k < lay[c].nb; ++k) chunk_of[lay[c].b0 + k] = c;
+    Py_BEGIN_ALLOW_THREADS  // NOTE: `out` is this call's alone until it returns: writing its strings is safe
+    parallel_for(nc + g.n_blocks, threads, [&](int64_t t) {  // the chunks' sections first: the longest tasks
+        if (t < nc) return spk::place_bits(blocks, lay[t], dst[t].bits);
+        const int64_t b = t - nc, c = chunk_of[b];
+        spk::place_block(blocks[b], b - lay[c].b0, lay[c], dst[c]);
+    });
+    Py_END_ALLOW_THREADS
     return out;
 }
 
