@@ -8,7 +8,9 @@
 //
 // Encode, per batch:  A. per block (threads): contexts, symbols, the block's own
 //                        bit sections, then its 32 lanes' rANS steps (last first)
-//                     B. per chunk (threads): words and sections concatenated
+//                     B. (threads) the chunks' strings sized and allocated, then each
+//                        block's states, count and words and each chunk's raw sections
+//                        written straight into them
 // Decode, per batch:  A. per block (threads): rANS steps, each element's bin and kind
 //                     B. per chunk: section sizes checked, unary codes read
 //                     C. per block (threads): bit patterns from bins and raw fields
