@@ -47,6 +47,7 @@ from .plan import (
     element_groups,
     plan_context,
     runs,
+    stored_of,
     whole_record,
 )
 from .rans import RansBlocks, concat_blocks, split_blocks
@@ -181,16 +182,8 @@ class Codec:
         """``encode_chunks`` up to the rANS pass: the stored chunks written, the coded ones' plan
         built and adapted (``_code`` codes it) on ``backend`` (default: the codec's)."""
         backend = self.backend if backend is None else backend
-        start, stop = h.chunk_layers(idx[0])[0], sum(h.chunk_layers(idx[-1]))
-        want = (stop - start,) + h.shape[1:]
-        if tuple(x.shape) != want:
-            raise ValueError(f"chunks {idx.start}..{idx.stop - 1} need KV of shape {want}, not {tuple(x.shape)}")
-        fp8 = h.dtype == ct.DTYPE_FP8
-        if fp8 and (scales is None or np.shape(scales) != (stop - start, 2)):
-            raise ValueError(f"chunks {idx.start}..{idx.stop - 1} need FP8 scales of shape ({stop - start}, 2)")
-        keep = set(idx) if h.model == ct.MODEL_STORED else set(idx).intersection(stored)
-        if keep and h.model != ct.MODEL_STORED and h.version < 3:
-            raise ValueError(f"stored chunks in a coded stream need format version 3, not {h.version}")
+        start = h.chunk_layers(idx[0])[0]
+        keep = stored_of(h, idx, x, scales, stored)
         out = stored_chunks(h, sorted(keep), x, scales, start)
         coded = [i for i in idx if i not in keep]
         if not coded:
@@ -198,7 +191,7 @@ class Codec:
         if mu is None:
             raise ValueError(f"chunks {coded} are coded: they need mu")
         part = slice(h.chunk_layers(coded[0])[0] - start, sum(h.chunk_layers(coded[-1])) - start)
-        kv = Fp8KV(x[part], scales[part]) if fp8 and scales is not None else x[part]  # fp8: checked above
+        kv = Fp8KV(x[part], scales[part]) if scales is not None and h.dtype == ct.DTYPE_FP8 else x[part]
         plan = self._plan(kv, None, mu, layers=slice(part.start + start, part.stop + start), model_id=h.model,
                           backend=backend)
         return Prepared(out, coded, adapted_plan(plan, h, backend))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import numpy as np
 
@@ -263,6 +263,24 @@ def element_groups(h: ct.StreamHeader, indices: Sequence[int], limit: int) -> li
         size += n
     bounds.append(len(indices))
     return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+
+
+def stored_of(h: ct.StreamHeader, idx: range, x: np.ndarray, scales: np.ndarray | None,
+              stored: Collection[int]) -> set[int]:
+    """Which of consecutive chunks ``idx`` a ``Codec.encode_chunks`` call writes stored (all of a
+    stored stream's, else those in ``stored``), once its inputs are checked: ``x`` holds exactly
+    their layers, FP8 KV has a ``(layers, 2)`` scale each, a coded stream stores chunks only from
+    format version 3 (ValueError otherwise)."""
+    start, stop = h.chunk_layers(idx[0])[0], sum(h.chunk_layers(idx[-1]))
+    want = (stop - start,) + h.shape[1:]
+    if tuple(x.shape) != want:
+        raise ValueError(f"chunks {idx.start}..{idx.stop - 1} need KV of shape {want}, not {tuple(x.shape)}")
+    if h.dtype == ct.DTYPE_FP8 and (scales is None or np.shape(scales) != (stop - start, 2)):
+        raise ValueError(f"chunks {idx.start}..{idx.stop - 1} need FP8 scales of shape ({stop - start}, 2)")
+    keep = set(idx) if h.model == ct.MODEL_STORED else set(idx).intersection(stored)
+    if keep and h.model != ct.MODEL_STORED and h.version < 3:
+        raise ValueError(f"stored chunks in a coded stream need format version 3, not {h.version}")
+    return keep
 
 
 def adapted_plan(plan: Plan, h: ct.StreamHeader, backend: Any) -> Plan:
