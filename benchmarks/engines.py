@@ -27,7 +27,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))  # ladder.py sits next to this script
 CORPUS = REPO.parent / "shared" / "corpus"
-DEFAULT_RUNGS = ["fp8", "hybrid:4", "w8a8", "w8a8:4", "early:12", "early:16", "portable"]
+DEFAULT_RUNGS = ["fp8", "hybrid:4", "w8a8", "w8a8:4", "w8a8x:4", "portable"]
 REFERENCE = "fp8"  # the published method's rung: every rung is held to it on the same KV
 DTYPES = ("bf16", "fp8")
 

@@ -188,12 +188,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="do not write the FP8 weights; derive them from the target at load time")
     build.add_argument("--rung", default="fp8",
                        help="predictor ladder rung: fp8 (FP8 copy, default), hybrid:K (the target's first K "
-                            "layers in BF16, then the FP8 copy), early:K (the target's first K layers, then "
-                            "each later layer's K/V projected from layer K's hidden state), w8a8[:K], w8a8i[:K] and "
+                            "layers in BF16, then the FP8 copy), w8a8[:K], w8a8i[:K] and "
                             "w8a8x[:K] (int8 products after the first K layers; i: int8 attention; x: and "
                             "speckv's SiLU), portable (the target's shape in "
                             "integers only: the same mu on every CPU and GPU), portable:K (its first K "
-                            "layers, then early:K's exit, in the same integers) or none (per-channel "
+                            "layers, then each later layer's K/V projected from layer K's input, in the "
+                            "same integers) or none (per-channel "
                             "calibration means)")
     build.add_argument("--kv-activation-bits", type=int, choices=KV_ACTIVATION_BITS, default=KV_BITS_SPLIT,
                        help="w8a8 rungs: the K/V projections' activations, 14 bits as two int8 products or 8 "

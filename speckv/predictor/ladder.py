@@ -12,19 +12,13 @@ manifest without the field is ``fp8``, so the shipped default keeps its pin):
   The predictor weights hold those layers' BF16 linears instead of e4m3 ones,
   so the manifest's weight digest covers them. ``hybrid:L`` (L = all layers) is
   the target itself (0 residual, twice the prefill).
-- ``early:k``: the target's own first ``k`` decoder layers in BF16 (exactly as
-  ``target.py`` runs them), then, for every later layer l, only its input norm,
-  K/V projections and RoPE applied to the hidden state after layer ``k``
-  (``early.py``): an early exit. Layers ``<= k`` of mu equal the target's KV bit
-  for bit on the same machine (layer k's input is that hidden state); the later
-  layers' mu is what layer l would hold if the layers between did nothing. Weights: the target's BF16 tensors it uses.
 - ``portable``: the target's shape computed in integers only (``portable.py``):
   int8 weights (one scale per output channel), 14-bit activations as two int8
   products with exact int32 sums, integer attention and tables for exp, SiLU and
   RoPE; mu is the same bits on every CPU and GPU.
 - ``portable:k``: ``portable``'s first ``k`` decoder layers, then, for every later
   layer, only its input norm, K/V projections and RoPE of the hidden state after
-  layer ``k - 1``, in the same integers: ``early:k``'s exit from the portable
+  layer ``k - 1``, in the same integers: an early exit from the portable
   rung. Its mu is the same bits on every machine too, so no layer is exact and
   none is fragile when the engine's kernels differ.
 - ``w8a8`` / ``w8a8:k``: the FP8 copy's shape (after the target's own first
@@ -44,10 +38,15 @@ manifest without the field is ``fp8``, so the shipped default keeps its pin):
   calibration mean of the target's KV rounded to BF16, stored in ``means.npz``.
 
 Nominal cost, in BF16 prefills, counts an FP8 layer as half a BF16 layer (as
-on an FP8 tensor-core GPU), and so an int8 one of ``w8a8:k``: ``(k + (L - k) / 2) / L``; ``early:k``
-``(k + EARLY_TAIL_COST (L - k)) / L``; ``portable`` 1 (two int8 products per
-linear, as one BF16 product on int8 tensor cores) and ``portable:k`` as ``early:k``;
-``none`` costs 0.
+on an FP8 tensor-core GPU), and so an int8 one of ``w8a8:k``: ``(k + (L - k) / 2) / L``; ``portable``
+1 (two int8 products per linear, as one BF16 product on int8 tensor cores), ``portable:k``
+``(k + EXIT_TAIL_COST (L - k)) / L``; ``none`` costs 0.
+
+NOTE: there is no ``early:k`` rung any more (the target's first k BF16 layers, then the same exit):
+it coded better than the FP8 copy only through its exact layers, and on another engine's KV, whose
+rounding differs, it coded up to 0.81 bits (BF16) and 1.20 bits (FP8) a scalar worse than the FP8
+copy (benchmarks/RESULTS.md, "Every rung on every engine"). ``parse_rung`` says so and names the
+rungs to use instead.
 """
 
 from __future__ import annotations
@@ -68,26 +67,27 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .target import Target
 
-FP8, NONE, HYBRID, EARLY, PORTABLE, W8A8 = "fp8", "none", "hybrid", "early", "portable", "w8a8"
+FP8, NONE, HYBRID, PORTABLE, W8A8 = "fp8", "none", "hybrid", "portable", "w8a8"
+REMOVED_EARLY = "early"  # the early-exit rung, removed (module docstring)
 MEANS = "means.npz"  # rung none: the BF16 bit patterns of the per-channel means
 MEANS_KEY = "mean_bf16"
-KINDS = {FP8: "fp8-copy", HYBRID: "hybrid-bf16-fp8", NONE: "channel-mean", EARLY: "early-exit",
+KINDS = {FP8: "fp8-copy", HYBRID: "hybrid-bf16-fp8", NONE: "channel-mean",
          PORTABLE: "integer-portable", W8A8: "w8a8-copy"}
-_KRUNG_RE = re.compile(r"(hybrid|early|w8a8i|w8a8x|w8a8|portable):([0-9]{1,4})")
+_KRUNG_RE = re.compile(r"(hybrid|w8a8i|w8a8x|w8a8|portable):([0-9]{1,4})")
 INT_ATTENTION = "w8a8i"  # the w8a8 rungs' spelling with int8 attention
 OWN_SILU = "w8a8x"  # ... with int8 attention and speckv's own SiLU
 KV_BITS_FIELD = "kv_activation_bits"  # a w8a8 rung's K/V projections' activations, bits:
 KV_ACTIVATION_BITS = (8, 14)  # one int8 product, or two (w8a8.py ``norm_linear``'s low_cols)
 KV_BITS_SPLIT = KV_ACTIVATION_BITS[1]  # two products: what a w8a8 rung is built with now
-# early:k's later layers run only their input norm and K/V projections: per token 2*h*2*kv of a
+# portable:k's later layers run only their input norm and K/V projections: per token 2*h*2*kv of a
 # decoder layer's ~2*(h*(q + 2*kv) + q*h + 3*h*i) multiply-adds (SmolLM2-135M: 221,184 of 3,538,944)
-EARLY_TAIL_COST = 0.0625
+EXIT_TAIL_COST = 0.0625
 
 
 @dataclass(frozen=True)
 class Rung:
-    """A parsed rung: ``kind`` (fp8, hybrid, early, w8a8, portable or none); ``bf16_layers`` the k of
-    hybrid:k, early:k, w8a8:k and portable:k (whose first k layers are integer ones, not BF16);
+    """A parsed rung: ``kind`` (fp8, hybrid, w8a8, portable or none); ``bf16_layers`` the k of
+    hybrid:k, w8a8:k and portable:k (whose first k layers are integer ones, not BF16);
     ``int_attention``: a w8a8 rung's attention in int8 (``w8a8i``); ``own_silu``: and speckv's SiLU
     (``w8a8x``, which implies ``int_attention``); ``kv_low``: a w8a8 rung's K/V projections read 14-bit
     activations (the manifest's ``kv_activation_bits``; not part of the name)."""
@@ -107,7 +107,7 @@ class Rung:
 
     @property
     def name(self) -> str:
-        k_rung = self.kind in (HYBRID, EARLY) or (self.kind in (W8A8, PORTABLE) and self.bf16_layers)
+        k_rung = self.kind == HYBRID or (self.kind in (W8A8, PORTABLE) and self.bf16_layers)
         kind = OWN_SILU if self.own_silu else INT_ATTENTION if self.int_attention else self.kind
         return f"{kind}:{self.bf16_layers}" if k_rung else kind
 
@@ -121,20 +121,25 @@ class Rung:
             return 0.0
         if self.kind == PORTABLE and not self.bf16_layers:
             return 1.0
-        tail = EARLY_TAIL_COST if self.kind in (EARLY, PORTABLE) else 0.5
+        tail = EXIT_TAIL_COST if self.kind == PORTABLE else 0.5
         return (self.bf16_layers + tail * (layers - self.bf16_layers)) / layers
 
 
 def parse_rung(text: Any, layers: int) -> Rung:
-    """``fp8``, ``none``, ``portable``, ``w8a8``, ``w8a8i``, ``hybrid:k``, ``early:k``, ``w8a8:k``,
+    """``fp8``, ``none``, ``portable``, ``w8a8``, ``w8a8i``, ``hybrid:k``, ``w8a8:k``,
     ``w8a8i:k``, ``w8a8x[:k]`` or ``portable:k`` with k in range; else CheckpointError."""
     if text in (FP8, NONE, PORTABLE, W8A8):
         return Rung(text)
     if text in (INT_ATTENTION, OWN_SILU):
         return Rung(W8A8, int_attention=True, own_silu=text == OWN_SILU)
     m = _KRUNG_RE.fullmatch(text) if isinstance(text, str) else None
+    if m is None and isinstance(text, str) and text.split(":")[0] == REMOVED_EARLY:
+        raise CheckpointError(f"predictor rung {text!r}: the early-exit rungs were removed; on other engines' "
+                              "KV they coded worse than fp8 (benchmarks/RESULTS.md, 'Every rung on every "
+                              "engine'); use hybrid:K or w8a8x:K for exact first layers, portable:K for a "
+                              "cheap exit")
     if m is None:
-        raise CheckpointError(f"unknown predictor rung {text!r}: use fp8, hybrid:K, early:K, w8a8[:K], "
+        raise CheckpointError(f"unknown predictor rung {text!r}: use fp8, hybrid:K, w8a8[:K], "
                               "w8a8i[:K], w8a8x[:K], portable[:K] or none")
     k, top = int(m.group(2)), layers if m.group(1) == HYBRID else layers - 1
     if not 1 <= k <= top or str(k) != m.group(2):
@@ -198,9 +203,6 @@ def weights_quant(rung: Rung) -> str:
         return f"decoder layers < {k}: the target's BF16 weights; the others {int8}" if k else int8
     if rung.kind == HYBRID:
         return f"decoder layers < {rung.bf16_layers}: the target's BF16 weights; the others {fp8}"
-    if rung.kind == EARLY:
-        return (f"decoder layers < {rung.bf16_layers}: the target's BF16 weights; the others: only their "
-                "input norm and K/V projections, the target's BF16 weights")
     return fp8
 
 
@@ -215,7 +217,7 @@ def layer_index(name: str) -> int | None:
 def is_bf16_layer(name: str, rung: Rung) -> bool:
     """Whether a ``model.layers.N.*`` parameter stays BF16 under ``rung``."""
     index = layer_index(name)
-    return rung.kind in (HYBRID, EARLY, W8A8) and index is not None and index < rung.bf16_layers
+    return rung.kind in (HYBRID, W8A8) and index is not None and index < rung.bf16_layers
 
 
 # ------------------------------------------------------------------ rung none

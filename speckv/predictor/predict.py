@@ -29,10 +29,9 @@ from speckv.errors import CheckpointError, PinMismatchError
 from speckv.kv import Fp8Attention
 
 from .checkpoint import Checkpoint, fp8_state
-from .early import build_early_model, early_kv, early_state
 from .fp8 import dequantize_e4m3
 from .fp32_linear import LINEAR_NAMES, replace_linears
-from .ladder import EARLY, MEANS, PORTABLE, W8A8, Rung, load_means, mean_model
+from .ladder import MEANS, PORTABLE, W8A8, Rung, load_means, mean_model
 from .llama import load_config
 from .portable import build_portable_model, canary_ids, portable_canary, portable_pass, portable_state
 from .store import CONFIG, FP8_SUFFIX, SCALE_SUFFIX, WEIGHTS, state_digest
@@ -53,7 +52,7 @@ MuPrompt = tuple  # (ids, on_layer, fp8_attention | None): one prompt of ``Predi
 
 def rung_state(target_state: Mapping[str, "torch.Tensor"], rung: Rung, config: Any = None,
                smooth: dict[str, np.ndarray] | None = None) -> dict[str, "torch.Tensor"]:
-    """The weights ``rung`` computes with, from the target's (fp8, hybrid:k, early:k, portable:
+    """The weights ``rung`` computes with, from the target's (fp8, hybrid:k, portable:
     which needs the target's ``config`` for its tables; w8a8:k: and the smoothing exponents)."""
     if rung.kind == PORTABLE:
         return portable_state(target_state, config, rung.bf16_layers)
@@ -61,19 +60,17 @@ def rung_state(target_state: Mapping[str, "torch.Tensor"], rung: Rung, config: A
         if smooth is None:
             raise CheckpointError("a w8a8 checkpoint needs its smoothing exponents (smooth.npz)")
         return w8a8_state(target_state, config, rung.bf16_layers, smooth)
-    return early_state(target_state, rung) if rung.kind == EARLY else fp8_state(target_state, rung)
+    return fp8_state(target_state, rung)
 
 
 def build_model(config: Any, state: dict[str, "torch.Tensor"], rung: Rung | None = None) -> Any:
     """The rung's model over ``state``: for fp8 and hybrid:k an emulated-BF16 causal LM
     whose linears use the FP8 weights in ``state`` (a linear with BF16 weights in
     ``state`` instead, the first layers of a ``hybrid:k`` rung, runs exactly as
-    ``target.load_target`` runs it); for early:k an ``early.EarlyExitKV``.
+    ``target.load_target`` runs it); for portable[:k] and w8a8[:k] their own models.
     """
     import torch
 
-    if rung is not None and rung.kind == EARLY:
-        return build_early_model(config, state, rung.bf16_layers)
     if rung is not None and rung.kind == PORTABLE:
         return build_portable_model(config, state, rung.bf16_layers)
     if rung is not None and rung.kind == W8A8:
@@ -219,7 +216,7 @@ class Predictor:
         (optional) gets each layer's BF16 bits as soon as it exists (see ``extract_kv``).
         ``fp8_attention``: the engine's attention reads its FP8 cache so; the attention of this
         pass then reads its K/V rounded the same way: in the layers this rung computes exactly (the
-        target's own first K of ``hybrid:K``, ``w8a8:K``, ``early:K``), whose mu is then the
+        target's own first K of ``hybrid:K``, ``w8a8:K``), whose mu is then the
         engine's rounded value itself, and, for rounding toward zero, in every layer (whose mu
         stays unrounded: an approximate value tells the coder more than its rounding).
         NOTE: rounding toward zero shrinks every K/V by half a step on average, a bias every later
@@ -325,8 +322,6 @@ def rung_pass(model: Any, ids: np.ndarray, on_layer: "LayerSink | None", keep: b
         mu = model.mean_kv(len(ids))
         emit_all(mu, on_layer)
         return mu
-    if hasattr(model, "tail"):  # early:k
-        return early_kv(model, ids, on_layer)
     if hasattr(model, "names"):  # portable, portable:k
         return portable_pass(model, ids, on_layer, keep=keep)
     if getattr(model, "rung_kind", None) == "w8a8":  # w8a8:k

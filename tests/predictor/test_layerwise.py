@@ -36,6 +36,6 @@ def test_the_callback_can_abort_the_pass(embedded_session):
         embedded_session.predictor.mu(ids, on_layer)
     assert seen == [0, 1, 2]
     model = embedded_session.predictor.model
-    exact = getattr(model, "head", None) or model  # early:k hooks its exact head's layers
+    exact = getattr(model, "head", None) or model  # w8a8:k's exact head runs the first layers
     mods = exact.model.layers if hasattr(exact, "model") else [exact]  # w8a8:k's llama.ExactHead emits itself
     assert not any(m._forward_hooks for m in mods)

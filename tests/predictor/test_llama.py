@@ -5,6 +5,7 @@ embedded SmolLM2; its RoPE tables and rotation equal transformers' own; a sideca
 never imports transformers, and a Llama's config.json reads as AutoConfig reads it."""
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 
@@ -14,7 +15,9 @@ import torch
 
 from speckv.errors import CheckpointError
 from speckv.kv import Fp8Attention
-from speckv.predictor import early, llama
+from speckv.predictor import llama
+from speckv.predictor.fp32_linear import replace_linears
+from speckv.predictor.ladder import layer_index
 from speckv.predictor.target import cache_layer, deterministic_torch, hooked_forward, output_cache, reading_fp8
 
 
@@ -22,9 +25,30 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16)
 
 
+def transformers_head(config, state: dict[str, torch.Tensor], k: int):
+    """The target's first k decoder layers as transformers runs them (what target.py runs): a
+    truncated causal LM whose ``last_hidden_state`` is h after layer k - 1 (no final norm)."""
+    from transformers import AutoModelForCausalLM
+
+    head = copy.deepcopy(config)
+    head.num_hidden_layers = k
+    head._attn_implementation = "sdpa"
+    with torch.device("meta"):  # no weights allocated: the state's own tensors are assigned below
+        model = AutoModelForCausalLM.from_config(head, dtype=torch.bfloat16)
+    first = {n: t for n, t in state.items() if n == llama.EMBED or (layer_index(n) or 0) < k}
+    missing, unexpected = model.load_state_dict(first, strict=False, assign=True)
+    assert not unexpected and set(missing) <= {"lm_head.weight", "model.norm.weight"}, (missing, unexpected)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=head)  # its buffers were made on meta
+    model.model.norm = torch.nn.Identity()  # last_hidden_state is then h after layer k - 1
+    model.lm_head = None
+    replace_linears(model, lambda _name, w: w.float())  # exactly as the target runs them
+    assert not [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    return model
+
+
 def reference(target, k: int, ids: np.ndarray, fp8: tuple[Fp8Attention, int] | None):
-    """h and K/V of the transformers head ``early.exact_head`` (as target.py runs the target)."""
-    model = early.exact_head(target.config, dict(target.state), k, "test")
+    """h and K/V of ``transformers_head`` (as target.py runs the target)."""
+    model = transformers_head(target.config, dict(target.state), k)
     with deterministic_torch(), reading_fp8(*(fp8 or (None, 0))):
         out = hooked_forward(model, ids, None)
     return out.last_hidden_state[0], [cache_layer(output_cache(out), i) for i in range(k)]

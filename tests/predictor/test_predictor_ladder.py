@@ -35,7 +35,7 @@ from speckv.predictor.store import (
 
 TOKENS, SEGMENT = 64, 32
 PROMPT = "Every bit the coder spends is the mismatch."
-RUNGS = ("fp8", "hybrid:1", "hybrid:2", "early:1", "none")
+RUNGS = ("fp8", "hybrid:1", "hybrid:2", "none")
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -71,6 +71,13 @@ def test_parse_rung_and_nominal_cost():
     assert parse_rung("fp8", 30).nominal_cost(30) == 0.5
     assert parse_rung("hybrid:6", 30).nominal_cost(30) == pytest.approx((6 + 12) / 30)
     assert parse_rung("hybrid:30", 30).nominal_cost(30) == 1.0 and parse_rung("none", 30).nominal_cost(30) == 0
+
+
+@pytest.mark.parametrize("text", ["early:4", "early:12", "early"])
+def test_early_exit_rungs_are_refused_with_the_reason(text):
+    """early:K left the ladder (issue 17): a checkpoint or a build naming it gets why and what instead."""
+    with pytest.raises(CheckpointError, match=r"early-exit rungs were removed.*worse than fp8.*hybrid:K or w8a8x:K"):
+        parse_rung(text, 30)
 
 
 # ------------------------------------------------------------------ manifest and pin

@@ -12,7 +12,7 @@ from speckv.errors import CheckpointError
 from speckv.kv import bf16_bits
 from speckv.predictor.calibrate import build_checkpoint
 from speckv.predictor.checkpoint import load_checkpoint
-from speckv.predictor.ladder import EARLY_TAIL_COST, Rung, parse_rung
+from speckv.predictor.ladder import EXIT_TAIL_COST, Rung, parse_rung
 from speckv.predictor.portable import build_portable_model, portable_kv, portable_state
 from speckv.predictor.predict import Predictor
 
@@ -22,7 +22,7 @@ EXIT = 20  # the k measured in benchmarks/RESULTS.md
 def test_parse_name_and_cost():
     r = parse_rung("portable:20", 30)
     assert r == Rung("portable", 20) and r.name == "portable:20"
-    assert r.nominal_cost(30) == pytest.approx((20 + EARLY_TAIL_COST * 10) / 30)
+    assert r.nominal_cost(30) == pytest.approx((20 + EXIT_TAIL_COST * 10) / 30)
     for bad in ("portable:0", "portable:30", "portable:020", "portable:x"):
         with pytest.raises(CheckpointError, match="K must be|unknown"):
             parse_rung(bad, 30)
