@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write the rows and settings here")
     args = ap.parse_args(argv)
 
-    from speckv.cli.wait_policy import TargetTimer, kv_digest, use_sidecar_policy
+    from speckv.cli.wait_policy import agreed_timer, use_sidecar_policy
 
     predictor_policy = use_sidecar_policy()  # NOTE: before torch loads; the target is timed under the engine's
 
@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
 
     target = load_target()
     ids = target.tokenize(read_text(args.text, chars=args.tokens * 16), args.tokens)
-    kv = target.kv(ids)
-    with TargetTimer(str(DEFAULT_TARGET), ids, kv_digest(kv)) as timer:  # its first prefill warms it up
+    timer, kv = agreed_timer(str(DEFAULT_TARGET), ids, target.kv(ids), lambda: target.kv(ids))
+    with timer:  # its first prefill warms it up
         target_runs = [timer.time() for _ in range(args.repeats)]
     target_s = statistics.median(target_runs)
     meta = {"target": target.name, "text": args.text.name, "tokens": int(len(ids)), "calib": args.calib.name,

@@ -203,11 +203,12 @@ def timed_prefill(sess: Any, ids: np.ndarray, runs: int, fp8_copy: Callable[[np.
     process under the engine's wait policy (``wait_policy.TargetTimer``), the rest in this one."""
     from speckv.coder.codec import bf16_bits
 
-    from .wait_policy import TargetTimer, kv_digest
+    from .wait_policy import agreed_timer
 
     pre = sess.prefill(ids)
     target_s, predictor_s, fp8_s = [], [], []
-    with TargetTimer(target, ids, kv_digest(pre.kv)) as timer:
+    timer, pre.kv = agreed_timer(target, ids, pre.kv, lambda: sess.target.kv(ids))
+    with timer:
         for _ in range(runs):
             if fp8_copy is not None:
                 t0 = time.perf_counter()

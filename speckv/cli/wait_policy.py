@@ -23,17 +23,28 @@ turns its manager off).
 ``TargetTimer`` times the target's prefill in a child process that runs under the environment
 the command started with (the engine's), so ``speckv bench`` compares the predictor under the
 sidecar's policy with the target under the engine's, alternately, as a deployment runs them.
+Every prefill the child runs must give the KV this process computed (its digest), so it times the
+same computation.
+
+NOTE: on this machine a process's first target prefill of a prompt has, rarely and only in some
+runs of the test suite, given KV that differs from every later one (never reproduced on demand;
+RESULTS.md, "A first pass that computed another mu"). So a disagreement is looked at once more
+before it counts: a child whose first prefill disagrees runs one more (``TargetTimer``), and a
+child whose two prefills agree with each other but not with this process's KV has this process
+compute its KV again (``agreed_timer``). Either recovery is logged as a warning; a second
+disagreement raises.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -42,6 +53,7 @@ SIDECAR_SPINCOUNT = "10000"  # rounds; libgomp's default is 300000 (benchmarks/o
 MKL_FAST_MM_VAR = "MKL_DISABLE_FAST_MM"
 SIDECAR_MKL_FAST_MM = "1"  # MKL frees its buffers as the sidecar's allocator does (module docstring)
 
+logger = logging.getLogger(__name__)
 _engine_env: dict[str, str] | None = None  # the environment before use_sidecar_policy changed it
 
 
@@ -83,14 +95,25 @@ class TargetTimer:
         np.save(path, np.asarray(ids, dtype=np.int64))
         self._proc = subprocess.Popen([sys.executable, "-m", __name__, target, str(path)], env=engine_env(),
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.kv_digest = kv_digest
         try:
             ready = self._read()
+            self.policy: str = ready["policy"]
             if ready.get("kv_digest") != kv_digest:
-                raise RuntimeError(f"the timer's target prefill gave KV {ready.get('kv_digest')}, not {kv_digest}")
+                again = self._run()["kv_digest"]  # NOTE: a first prefill may differ (module docstring)
+                if again != kv_digest:
+                    raise TimerDisagrees(ready.get("kv_digest"), again, kv_digest)
+                logger.warning("the timer's first target prefill gave KV %s, its second %s as expected",
+                               ready.get("kv_digest"), kv_digest)
         except BaseException:
             self.close()
             raise
-        self.policy: str = ready["policy"]
+
+    def _run(self) -> dict[str, Any]:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write("go\n")
+        self._proc.stdin.flush()
+        return self._read()
 
     def _read(self) -> dict[str, Any]:
         assert self._proc.stdout is not None
@@ -100,10 +123,11 @@ class TargetTimer:
         return json.loads(line)
 
     def time(self) -> float:
-        assert self._proc.stdin is not None
-        self._proc.stdin.write("go\n")
-        self._proc.stdin.flush()
-        return float(self._read()["s"])
+        """Seconds of one more prefill in the child; its KV must be the expected one."""
+        out = self._run()
+        if out["kv_digest"] != self.kv_digest:
+            raise RuntimeError(f"the timer's target prefill gave KV {out['kv_digest']}, not {self.kv_digest}")
+        return float(out["s"])
 
     def close(self) -> None:
         if self._proc.poll() is None:
@@ -126,6 +150,31 @@ def kv_digest(kv: Any) -> str:
     return digest(bf16_bits(kv), algorithm=XXH3_128).hex()
 
 
+class TimerDisagrees(RuntimeError):
+    """The timer's first two prefills both gave KV other than the expected ``want``."""
+
+    def __init__(self, first: str | None, second: str, want: str) -> None:
+        super().__init__(f"the timer's target prefill gave KV {first}, then {second}, not {want}")
+        self.first, self.second, self.want = first, second, want
+
+
+def agreed_timer(target: str, ids: np.ndarray, kv: Any, recompute: Callable[[], Any]) -> tuple[TargetTimer, Any]:
+    """A ``TargetTimer`` that agrees with ``kv``, and the KV it agrees with: where the child's two
+    prefills agree with each other and not with ``kv``, this process's pass was the odd one, and
+    ``recompute()`` gives its KV once more (module docstring); any other disagreement raises."""
+    try:
+        return TargetTimer(target, ids, kv_digest(kv)), kv
+    except TimerDisagrees as e:
+        if e.first != e.second:
+            raise
+        again = recompute()
+        if kv_digest(again) != e.second:
+            raise RuntimeError(f"this process's target prefill gave KV {e.want}, then {kv_digest(again)}; "
+                               f"the timer's gave {e.second} twice") from e
+        logger.warning("this process's first target prefill gave KV %s, its second %s as the timer's", e.want, e.second)
+        return TargetTimer(target, ids, e.second), again
+
+
 def _child(target: str, ids_path: str) -> None:
     import time
 
@@ -138,8 +187,9 @@ def _child(target: str, ids_path: str) -> None:
         if line.strip() != "go":
             break
         t0 = time.perf_counter()
-        tgt.kv(ids)
-        print(json.dumps({"s": time.perf_counter() - t0}), flush=True)
+        kv = tgt.kv(ids)
+        s = time.perf_counter() - t0
+        print(json.dumps({"s": s, "kv_digest": kv_digest(kv)}), flush=True)
 
 
 if __name__ == "__main__":

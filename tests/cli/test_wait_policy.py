@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from speckv.cli import wait_policy
 
@@ -104,8 +105,33 @@ def test_target_timer_times_the_same_prefill(embedded_session, ids):
 
 
 def test_target_timer_refuses_another_kv(ids):
-    with pytest.raises(RuntimeError, match="the timer's target prefill gave KV"):
+    """Its first prefill disagrees, so it runs a second; that one disagrees too: TimerDisagrees."""
+    with pytest.raises(wait_policy.TimerDisagrees, match="the timer's target prefill gave KV") as e:
         wait_policy.TargetTimer("default", ids, "0" * 64)
+    assert e.value.first == e.value.second != e.value.want == "0" * 64
+
+
+def odd(kv: torch.Tensor) -> torch.Tensor:
+    """``kv`` with one bit of one scalar flipped: a pass that computed something else."""
+    bits = kv.contiguous().view(torch.int16).clone()
+    bits.view(-1)[7] ^= 1
+    return bits.view(torch.bfloat16)
+
+
+def test_agreed_timer_recomputes_an_odd_pass_of_this_process(embedded_session, ids, caplog):
+    kv = embedded_session.target.kv(ids)
+    calls = []
+    timer, got = wait_policy.agreed_timer("default", ids, odd(kv), lambda: calls.append(1) or kv.clone())
+    with timer:
+        assert 0 < timer.time()
+    assert calls == [1] and torch.equal(got.view(torch.int16), kv.view(torch.int16))
+    assert "this process's first target prefill gave KV" in caplog.text
+
+
+def test_agreed_timer_raises_when_this_process_disagrees_twice(embedded_session, ids):
+    kv = embedded_session.target.kv(ids)
+    with pytest.raises(RuntimeError, match="this process's target prefill gave KV .* then .*twice"):
+        wait_policy.agreed_timer("default", ids, odd(kv), lambda: odd(kv))
 
 
 def test_target_timer_reports_an_early_exit(ids, tmp_path, monkeypatch):
