@@ -174,34 +174,41 @@ class Predictor:
         return True
 
     def self_check(self, tokens: int = SELF_CHECK_TOKENS) -> bool:
-        """Two passes of a fixed prompt (``canary_ids``), each on a fresh thread as a sidecar's passes
+        """Passes of a fixed prompt (``canary_ids``), each on a fresh thread as a sidecar's passes
         run, compared bit for bit. A sidecar runs it at load: the lazy set-up of a process's first pass
         (thread pools, kernel dispatch, the weights' first page faults) then happens before any
-        transfer, and a predictor that computes two mu for one prompt is named before it serves."""
+        transfer, and a predictor that computes two mu for one prompt is named before it serves.
+        NOTE: where the first two passes differ, a third decides: if it agrees with the second, the
+        first pass was the set-up's (RESULTS.md, "A first pass that computed another mu"), logged as
+        a warning, and the check passes; else the error names the layers and the check fails."""
+        ids = canary_ids(int(self.model.config.vocab_size), tokens)
+        runs = [self._check_pass(ids), self._check_pass(ids)]
+        if runs[0] == runs[1]:
+            return True
+        runs.append(self._check_pass(ids))
+        if runs[1] == runs[2]:
+            logger.warning("predictor %s: its first pass at load computed another mu (layers %s of %d tokens); "
+                           "the next two agree", self.pin[:12], _differ(runs[0], runs[1]), tokens)
+            return True
+        logger.error("predictor %s computed two different mu for one prompt at load (layers %s of %d tokens "
+                     "differ between two passes)", self.pin[:12], _differ(runs[1], runs[2]), tokens)
+        return False
+
+    def _check_pass(self, ids: np.ndarray) -> list[bytes]:
+        """One self-check pass on a fresh thread: each layer's digest."""
         import threading
 
         from speckv.digests import XXH3_128, digest
 
-        ids = canary_ids(int(self.model.config.vocab_size), tokens)
-        runs: list[list[bytes]] = []
-        for _ in range(2):
-            layers: list[bytes] = []
-
-            def sink(i: int, bits: np.ndarray, out: list[bytes] = layers) -> None:
-                out.append(digest(bits, algorithm=XXH3_128))
-            worker = threading.Thread(target=self.stream, name="speckv-self-check", args=(ids, sink))
-            worker.start()
-            worker.join()
-            runs.append(layers)
+        layers: list[bytes] = []
+        worker = threading.Thread(target=self.stream, name="speckv-self-check",
+                                  args=(ids, lambda i, bits: layers.append(digest(bits, algorithm=XXH3_128))))
+        worker.start()
+        worker.join()
         want = self.checkpoint.manifest["arch"]["layers"]
-        if any(len(r) != want for r in runs):  # NOTE: a pass that failed on its thread left fewer
-            raise RuntimeError(f"the self-check passes produced {[len(r) for r in runs]} of {want} layers")
-        if runs[0] == runs[1]:
-            return True
-        differ = [i for i, (a, b) in enumerate(zip(*runs, strict=True)) if a != b]
-        logger.error("predictor %s computed two different mu for one prompt at load (layers %s of %d tokens "
-                     "differ between two passes)", self.pin[:12], differ, tokens)
-        return False
+        if len(layers) != want:  # NOTE: a pass that failed on its thread left fewer
+            raise RuntimeError(f"a self-check pass produced {len(layers)} of {want} layers")
+        return layers
 
     def stream(self, ids: np.ndarray, on_layer: "LayerSink",
                fp8_attention: "Fp8Attention | None" = None) -> None:
@@ -313,6 +320,10 @@ def predictor_kv(model: Any, ids: np.ndarray, on_layer: "LayerSink | None" = Non
     mu = rung_pass(model, ids, on_layer, keep=True)
     assert mu is not None
     return mu
+
+
+def _differ(a: list[bytes], b: list[bytes]) -> list[int]:
+    return [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
 
 
 def rung_pass(model: Any, ids: np.ndarray, on_layer: "LayerSink | None", keep: bool) -> "torch.Tensor | None":

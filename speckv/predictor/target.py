@@ -68,6 +68,14 @@ def embedded_gguf_path() -> Path:
 
 
 _FORWARD_LOCK = threading.Lock()  # the settings below are process-global
+# NOTE: a process's first cos over a (1, 64, 64) RoPE table has, about once in 40 fresh sidecar
+# processes under load, come out of torch's CPU kernel (MKL's vector math, split over threads) less
+# exact in one thread's half: 20 BF16 table entries one step off, so every K of that pass moved from
+# layer 0 on, and sin, computed next, was right (benchmarks/RESULTS.md, "The first cos of a
+# process"). So the first forward pass of a process is preceded by one untimed call of each
+# transcendental a pass uses, on a tensor large enough to be split over the threads as a pass's are.
+WARM_ELEMENTS = 1 << 16
+_warmed = False
 # NOTE: set (per thread) only by ``reading_fp8``, around a predictor's pass or an engine stand-in's:
 # the attention of layers < n then reads its K/V rounded as the engine's does
 FP8_ATTENTION: contextvars.ContextVar[tuple[Fp8Attention, int] | None] = contextvars.ContextVar(
@@ -103,6 +111,7 @@ def _deterministic_settings() -> Iterator[None]:
     flags = (cuda.allow_tf32, torch.backends.cudnn.allow_tf32, cuda.allow_bf16_reduced_precision_reduction)
     torch.set_num_threads(COMPUTE_THREADS)
     _set_deterministic(True)
+    _warm_math()
     # NOTE: deterministic mode also fills every fresh ``torch.empty`` with NaN (~1,900 fills, 4% of a
     # w8a8 pass); every buffer a pass allocates is written before it is read, so no bit depends on it
     tud.fill_uninitialized_memory = False  # type: ignore[attr-defined]
@@ -115,6 +124,21 @@ def _deterministic_settings() -> Iterator[None]:
         _set_deterministic(det)
         tud.fill_uninitialized_memory = fill  # type: ignore[attr-defined]
         cuda.allow_tf32, torch.backends.cudnn.allow_tf32, cuda.allow_bf16_reduced_precision_reduction = flags
+
+
+def _warm_math() -> None:
+    """Once per process, under ``_FORWARD_LOCK``: each elementwise transcendental a pass calls, once
+    (NOTE at ``_FORWARD_LOCK``); its results are dropped."""
+    global _warmed
+    if _warmed:
+        return
+    import torch
+
+    x = torch.linspace(-8.0, 8.0, WARM_ELEMENTS)
+    for f in (torch.cos, torch.sin, torch.exp, torch.sigmoid, torch.tanh, torch.rsqrt, torch.sqrt, torch.log,
+              torch.nn.functional.silu):
+        f(x)
+    _warmed = True
 
 
 def _set_deterministic(mode: bool) -> None:
