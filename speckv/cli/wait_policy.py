@@ -26,9 +26,10 @@ sidecar's policy with the target under the engine's, alternately, as a deploymen
 Every prefill the child runs must give the KV this process computed (its digest), so it times the
 same computation.
 
-NOTE: on this machine a process's first target prefill of a prompt has, rarely and only in some
-runs of the test suite, given KV that differs from every later one (never reproduced on demand;
-RESULTS.md, "A first pass that computed another mu"). So a disagreement is looked at once more
+NOTE: on this machine a process's first target prefill has, about once in 50 processes under
+load, given KV that differs from every later one: its first cos came out less exact (RESULTS.md, "The
+first cos of a process"; ``target.deterministic_torch`` now warms it up). Against whatever else a
+first pass may set up, a disagreement is looked at once more
 before it counts: a child whose first prefill disagrees runs one more (``TargetTimer``), and a
 child whose two prefills agree with each other but not with this process's KV has this process
 compute its KV again (``agreed_timer``). Either recovery is logged as a warning; a second

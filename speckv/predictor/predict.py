@@ -179,7 +179,8 @@ class Predictor:
         (thread pools, kernel dispatch, the weights' first page faults) then happens before any
         transfer, and a predictor that computes two mu for one prompt is named before it serves.
         NOTE: where the first two passes differ, a third decides: if it agrees with the second, the
-        first pass was the set-up's (RESULTS.md, "A first pass that computed another mu"), logged as
+        first pass was the set-up's (RESULTS.md, "A first pass that computed another mu" and "The first
+        cos of a process"), logged as
         a warning, and the check passes; else the error names the layers and the check fails."""
         ids = canary_ids(int(self.model.config.vocab_size), tokens)
         runs = [self._check_pass(ids), self._check_pass(ids)]
