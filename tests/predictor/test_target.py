@@ -62,6 +62,36 @@ def test_deterministic_settings_leave_empty_unfilled_and_restore():
     assert settings() == before
 
 
+WARM_PROBE = """
+import json, torch
+seen = []
+for name in ("cos", "sin", "exp"):
+    real = getattr(torch, name)
+    setattr(torch, name, lambda x, _f=real, _n=name: seen.append((_n, x.numel(), torch.get_num_threads())) or _f(x))
+from speckv.predictor.target import WARM_ELEMENTS, deterministic_torch
+with deterministic_torch():
+    first = list(seen)
+with deterministic_torch():
+    pass
+print(json.dumps({"first": first, "after": seen[len(first):], "n": WARM_ELEMENTS}))
+"""
+
+
+def test_a_process_warms_its_transcendentals_once_before_its_first_pass():
+    """NOTE at target._FORWARD_LOCK: a process's first cos came out less exact in one thread's half; the
+    first deterministic_torch of a process calls each transcendental once, on the pass's thread count,
+    on a tensor large enough to be split over the threads, and the later ones do not (a fresh process)."""
+    import subprocess
+    import sys
+
+    out = json.loads(subprocess.run([sys.executable, "-c", WARM_PROBE], capture_output=True, text=True,
+                                    check=True, timeout=120).stdout)
+    from speckv.predictor.target import COMPUTE_THREADS
+
+    assert out["first"] == [[f, out["n"], COMPUTE_THREADS] for f in ("cos", "sin", "exp")] and out["after"] == []
+    assert out["n"] >= 1 << 16
+
+
 def test_embedded_empty_prompt(embedded_target):
     ids = embedded_target.tokenize("")
     assert ids.shape == (0,)
