@@ -71,21 +71,25 @@ def test_an_error_is_raised_at_its_item(ahead):
 
 def test_an_early_exit_leaves_nothing_running():
     calls: list[int] = []
-    release = threading.Event()
+    finished: list[int] = []
+    started, release = threading.Event(), threading.Event()
 
     def fn(i: int) -> int:
         calls.append(i)
         if i == 1:
+            started.set()
             release.wait(WAIT_S)  # item 1 is running when the caller leaves
+        finished.append(i)
         return i
 
     la = Lookahead(fn, range(10), True)
     with la as out:
         for r in out:
             assert r == 0
+            assert started.wait(WAIT_S)  # NOTE: item 1 has begun on the helper (not a timing)
             threading.Timer(0.05, release.set).start()
             break
-    assert calls == [0, 1]  # the exit waited for item 1; item 2 never started
+    assert calls == [0, 1] and finished == [0, 1]  # the exit waited for item 1; item 2 never started
     assert la._pool is not None and la._pool._shutdown  # noqa: SLF001 -- the helper is gone
 
 
