@@ -312,46 +312,61 @@ class Codec:
         each group of at most ``GROUP_ELEMENTS`` elements decoded in one pass."""
         if mu is None and ids is not None and not all(ct.is_stored_chunk(h, c) for c in chunks):
             mu = self._predicted(ids)
+        groups = element_groups(h, [c.index for c in chunks], GROUP_ELEMENTS)
+        # NOTE: as in encode, group g + 1's plan (prepare_mu, its mu check) is built on a helper
+        # thread, its native calls on one thread, while group g decodes on the pool
+        ahead = self.config.threads > 1 and hasattr(self.backend, "with_threads")
+        backend = self.backend.with_threads(1) if ahead else self.backend
         out, at = None, 0
-        for g in element_groups(h, [c.index for c in chunks], GROUP_ELEMENTS):
-            for part in self._decode_group(h, chunks[g], mu):  # each chunk's layers, copied once
-                if out is None:  # NOTE: not before a group has checked the header's shape against real bytes
-                    out = np.empty((sum(c.layer_count for c in chunks),) + part.shape[1:], part.dtype)
-                out[at:at + len(part)], at = part, at + len(part)
+        with Lookahead(lambda g: self._decode_prepare(h, chunks[g], mu, backend, ahead), groups, ahead) as prepared:
+            for g, p in zip(groups, prepared, strict=True):
+                for part in self._decode_group(h, chunks[g], p):  # each chunk's layers, copied once
+                    if out is None:  # NOTE: not before a group has checked the header's shape against real bytes
+                        out = np.empty((sum(c.layer_count for c in chunks),) + part.shape[1:], part.dtype)
+                    out[at:at + len(part)], at = part, at + len(part)
         empty = (0,) + h.shape[1:]
         return out if out is not None else np.empty(empty, np.uint16 if h.dtype == ct.DTYPE_BF16 else np.uint8)
 
-    def _decode_group(self, h: ct.StreamHeader, chunks: Sequence[ct.Chunk],
-                      mu: "torch.Tensor | np.ndarray | None") -> list[np.ndarray]:
-        """Each chunk's layers: stored chunks from their raw bytes, the coded ones checked against
-        their mu and decoded in one pass."""
+    def _decode_prepare(self, h: ct.StreamHeader, chunks: Sequence[ct.Chunk], mu: "torch.Tensor | np.ndarray | None",
+                        backend: Any, serial: bool) -> tuple[dict[int, np.ndarray], list[ct.Chunk], Plan | None]:
+        """A group before its rANS pass: the stored chunks' layers, the coded chunks and their
+        plan, checked against their mu (None when none is coded)."""
         out = {c.index: unstored_chunk(h, c) for c in chunks if ct.is_stored_chunk(h, c)}
         coded = [c for c in chunks if c.index not in out]
-        if coded:
-            if mu is None:
-                raise ValueError(f"chunks {[c.index for c in coded]} are coded: decoding them needs mu")
-            fmt = BF16 if h.dtype == ct.DTYPE_BF16 else E4M3
-            span = [c for c in chunks if coded[0].index <= c.index <= coded[-1].index]
-            scales = chunk_scales(h, span) if fmt is E4M3 else None
-            shifts = chunk_shifts(h, span)  # checked before anything is decoded
-            layers = slice(h.chunk_layers(coded[0].index)[0], sum(h.chunk_layers(coded[-1].index)))
-            plan = self._plan(None, None, mu, fmt, scales, layers=layers, model_id=h.model)
-            if fmt is E4M3 and h.version >= 5:
-                plan = plan.rounded(chunk_rounding(h, span))
-            if shifts is not None:
-                plan = plan.shifted(shifts)
-            self._check_mu(plan, h, coded)
+        if not coded:
+            return out, coded, None
+        if mu is None:
+            raise ValueError(f"chunks {[c.index for c in coded]} are coded: decoding them needs mu")
+        fmt = BF16 if h.dtype == ct.DTYPE_BF16 else E4M3
+        span = [c for c in chunks if coded[0].index <= c.index <= coded[-1].index]
+        scales = chunk_scales(h, span) if fmt is E4M3 else None
+        shifts = chunk_shifts(h, span)  # checked before anything is decoded
+        layers = slice(h.chunk_layers(coded[0].index)[0], sum(h.chunk_layers(coded[-1].index)))
+        plan = self._plan(None, None, mu, fmt, scales, layers=layers, model_id=h.model, backend=backend)
+        if fmt is E4M3 and h.version >= 5:
+            plan = plan.rounded(chunk_rounding(h, span))
+        if shifts is not None:
+            plan = plan.shifted(shifts)
+        self._check_mu(plan, h, coded, 1 if serial else self.config.threads)
+        return out, coded, plan
+
+    def _decode_group(self, h: ct.StreamHeader, chunks: Sequence[ct.Chunk],
+                      p: tuple[dict[int, np.ndarray], list[ct.Chunk], Plan | None]) -> list[np.ndarray]:
+        """Each chunk's layers: stored chunks from their raw bytes, the coded ones (``p``, from
+        ``_decode_prepare``) decoded in one pass and verified."""
+        out, coded, plan = p
+        if plan is not None:
             out.update(zip([c.index for c in coded], self._verified(h, coded, self._decode_batch(plan, h, coded)),
                            strict=True))
         return [out[c.index] for c in chunks]
 
     check_header = _check_header  # public name for streaming decoders
 
-    def _check_mu(self, plan: Plan, h: ct.StreamHeader, chunks: Sequence[ct.Chunk]) -> None:
-        # NOTE: digests on the codec's threads (hashlib releases the GIL); the first bad chunk raises
+    def _check_mu(self, plan: Plan, h: ct.StreamHeader, chunks: Sequence[ct.Chunk], threads: int) -> None:
+        # NOTE: digests on ``threads`` threads (XXH3 releases the GIL); the first bad chunk raises
         algorithm = algorithm_of(h.version)
-        same = self._map(lambda c: c.mu_fingerprint == digest(plan.mu_predicted[plan.chunk_slice(h, c.index)],
-                                                              algorithm=algorithm), chunks)
+        same = reference.thread_map(threads, lambda c: c.mu_fingerprint == digest(
+            plan.mu_predicted[plan.chunk_slice(h, c.index)], algorithm=algorithm), chunks)
         for c, ok in zip(chunks, same, strict=True):
             if not ok:
                 raise MuMismatchError(f"chunk {c.index}: the decoder's mu differs from the encoder's "

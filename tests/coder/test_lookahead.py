@@ -123,3 +123,48 @@ def test_with_threads_shares_the_flattened_tables(built):
     c = native.NativeCoder(2, "lookup")
     one = c.with_threads(1)
     assert (one.threads, one.path, one._flat is c._flat) == (1, "lookup", True)  # noqa: SLF001
+
+
+def test_whole_stream_decode_prepares_on_the_helper(ckpt, monkeypatch, built):
+    """Two threads: later groups' plans (prepare_mu, their mu check) built on the helper with a
+    one-thread coder, the same KV as one thread; with a corrupt chunk before a chunk whose mu
+    differs, the corrupt chunk's error is raised, as in series."""
+    import dataclasses
+
+    from speckv.coder import container as ct
+    from speckv.coder.codec import bf16_bits
+    from speckv.errors import IntegrityError, MuMismatchError
+
+    x, mu = realistic_pair(40, 7)
+    kv, mu, ids = bf16_tensor(x), bf16_tensor(mu), ids_for(40)
+    monkeypatch.setattr(codec_mod, "GROUP_ELEMENTS", 1)  # every chunk its own group
+    seen: list[tuple[str, int]] = []
+    prepare = Codec._decode_prepare
+
+    def spy(self, h, chunks, mu, backend, serial):
+        seen.append((threading.current_thread().name, backend.threads))
+        return prepare(self, h, chunks, mu, backend, serial)
+
+    monkeypatch.setattr(Codec, "_decode_prepare", spy)
+    cfg = dict(elems_per_lane=64, layers_per_chunk=2, coder="native")
+    two = Codec.from_checkpoint(ckpt, codec_mod.CodecConfig(**cfg))
+    one = Codec.from_checkpoint(ckpt, codec_mod.CodecConfig(**cfg, threads=1))
+    records = list(two.encode(kv, ids, mu))
+    want = bf16_bits(kv).tobytes()
+    assert two.decode(records, ids, mu).tobytes() == want
+    assert len(seen) == 15 and all(name.startswith("speckv-lookahead") and t == 1 for name, t in seen), seen
+    seen.clear()
+    assert one.decode(records, ids, mu).tobytes() == want
+    assert len(seen) == 15 and all(name == threading.main_thread().name for name, _ in seen), seen
+
+    h = ct.unpack_header(records[0])[0]
+    c3 = ct.unpack_chunk(records[4], h)[0]
+    bad = ct.pack_chunk(dataclasses.replace(c3, raw_digest=bytes(len(c3.raw_digest))))  # decodes, then fails
+    other = bf16_bits(mu).copy()
+    other[h.chunk_layers(5)[0]] ^= 1  # chunk 5's mu: another value in its first layer
+    corrupt = records[:4] + [bad] + records[5:]
+    with pytest.raises(MuMismatchError, match="chunk 5"):
+        two.decode(records, ids, bf16_tensor(other))
+    for codec in (one, two):
+        with pytest.raises(IntegrityError, match="chunk 3: decoded KV fails its checksum"):
+            codec.decode(corrupt, ids, bf16_tensor(other))
