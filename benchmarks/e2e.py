@@ -18,24 +18,33 @@ and ``recompute`` (the decode node runs the prefill itself; nothing moves).
   decode_node_cpu_s  utime+stime deltas (/proc/<pid>/stat) of the decoder sidecar + fetch engine
   critical_path_s  the cost model below at the link's calibrated goodput (stored and speckv rows)
 
-Cost model (a pipeline lower bound; stage times from this row): with P the prefill,
-mu = max(encoder predictor_seconds, decoder predictor seconds from its /metrics) (both start
-at the header and run alongside the prefill, layer by layer; chunk i is coded once its
-layers and both sides' mu of those layers exist; 0 for stored), E = encode_seconds, D = the
-decoder's decode seconds, W = wire_bytes / goodput, n = chunks. A = max(P, mu) feeds a
-linear pipeline A -> E -> W -> D of n equal chunks:
-critical_path = max(A, E, W, D) + (A + E + W + D - max(A, E, W, D)) / n.
-NOTE: P is the prefill as this row measured it; the encoder's predictor shares core 0 with
-it, so a speckv row's P includes that contention (stored's does not).
+Cost model (a lower bound; per-chunk costs from this run): each node has one core, and each
+stage handles the chunks in order. Chunk k costs, on the prefill node's core, P_k (the engine's
+layers of chunk k, from the same link's stored row: the engine with no predictor beside it), M_k
+(the predictor's mu of those layers: the decoder's per-chunk mu times on its own core, scaled to
+its predictor_seconds; 0 for stored) and E_k (encode_seconds / n); on the link B_k / goodput
+(chunk k's record bytes); on the decode node's core M_k again (the decoder's own predictor) and
+D_k (the decoder's decode seconds / n). The engine and the encoder's predictor share core 0, so
+their work adds up; the link and the other node overlap with it:
+  c_k = sum_{j<=k} (P_j + M_j + E_j)              chunk k coded, at the earliest
+  w_k = max(c_k, w_{k-1}) + B_k / goodput          on the decode node
+  d_k = max(w_k, d_{k-1}, sum_{j<=k} M_j + sum_{j<k} D_j) + D_k
+critical_path_s = d_{n-1}. It leaves out RPCs, RTTs, hashing and the fetch engine's work.
+even_path_s: the earlier, looser model (stages spread evenly over n equal chunks, the engine and
+the encoder's predictor overlapping): with A = max(P, mu), P this row's prefill, mu = max(both
+sides' predictor seconds), W = wire_bytes / goodput: max(A, E, W, D) + (A + E + W + D -
+max(A, E, W, D)) / n. NOTE: a rung whose first layers are exact computes them at a prefill's cost
+and sends them nearly free, so its chunks are neither even in cost nor in bytes; that model put a
+25 Mbit/s row's bound ~0.5 s under what any schedule on one shared core can reach (RESULTS.md).
 paced_path_s: the same pipeline fed at the pace the chunks' inputs really came (the encoder's
 per-chunk timings, SubmitResponse.chunk_timings: chunk k's inputs exist at r_k, once its layers
 are in and both sides' mu of them exist, however busy the sender was), each stage FIFO:
 e_k = max(r_k, e_{k-1}) + E/n, w_k = max(e_k, w_{k-1}) + bytes_k / goodput, d_k = max(w_k,
 d_{k-1}) + D/n; paced_path_s = d_{n-1}. Against total_s it is what the transport and coding add
-beyond their inputs; against critical_path_s, what an uneven pace of those inputs costs (on one
-core shared by the engine and the predictor, mu runs slower until the prefill ends).
-break_even_mbit: per encoding, the stages are the medians over its rows and an offset
-(median of total_s - critical_path: RPCs, RTTs, hashing) is added; the nominal rate where
+beyond their inputs; against critical_path_s, what the order in which core 0 ran the engine and
+the predictor cost (the engine runs ahead of the predictor there, taking the core's time first).
+break_even_mbit: per encoding, the per-chunk costs are the medians over its rows and an offset
+(median of total_s - critical_path_s: RPCs, RTTs, hashing) is added; the nominal rate where
 the speckv and stored models cross (goodput = nominal x the median calibration ratio),
 found on a log grid from 1 Mbit/s to 1 Tbit/s and bisected; null when they never cross.
 
@@ -88,10 +97,47 @@ ENGINES = ("sdpa", "eager", "bf16")  # speckv.predictor.engines.STREAM_ENGINES (
 ROW_TIMEOUT = 600.0
 
 
-def critical_path(st: dict[str, float], goodput_Bps: float) -> float:
-    """The cost model of the module docstring for one row's stages."""
+def even_path(st: dict[str, float], goodput_Bps: float) -> float:
+    """The earlier, even-chunk model of the module docstring (``even_path_s``)."""
     stages = (max(st["prefill_s"], st["mu_s"]), st["encode_s"], st["wire_bytes"] / goodput_Bps, st["decode_s"])
     return max(stages) + (sum(stages) - max(stages)) / max(st["chunks"], 1.0)
+
+
+def critical_path(costs: dict[str, list[float]], goodput_Bps: float) -> float:
+    """The cost model of the module docstring over per-chunk costs P, M, E, D (seconds) and B (bytes)."""
+    core0 = core1 = w = d = 0.0
+    for p, m, e, dd, b in zip(*(costs[k] for k in "PMEDB"), strict=True):
+        core0 += p + m + e  # the prefill node's one core: the engine's layers, the encoder's mu and coding
+        w = max(core0, w) + b / goodput_Bps  # the link, one chunk after the other
+        core1 += m  # the decode node's one core: the decoder's mu of this chunk, then its decoding
+        d = max(w, d, core1) + dd
+        core1 += dd
+    return d
+
+
+def increments(times: list[float]) -> list[float]:
+    """Per-chunk durations from cumulative times (seconds from the prefill's start)."""
+    out, last = [], 0.0
+    for t in times:
+        out.append(max(t - last, 0.0))
+        last = max(last, t)
+    return out
+
+
+def chunk_costs(t: dict[str, Any], speckv: bool, engine: list[float] | None) -> dict[str, list[float]]:
+    """The cost model's per-chunk costs of one transfer (``engine``: P from the same link's stored
+    row; None: this row's own layer times)."""
+    p, f = t["p"], t["f"]
+    tl = p.get("timeline", [])
+    n = len(tl)
+    P = engine if engine is not None else increments([r[0] for r in tl])
+    M = [0.0] * n
+    if speckv:  # the decoder's mu of each chunk, its own core: the predictor's cost alone
+        M = increments([r[6] for r in tl])
+        busy = f.get("decoder_predictor_s", 0.0)
+        M = [m * min(1.0, busy / sum(M)) if sum(M) > 0 else 0.0 for m in M]
+    return {"P": list(P), "M": M, "E": [p["encode_s"] / max(n, 1)] * n,
+            "D": [f.get("decoder_decode_s", 0.0) / max(n, 1)] * n, "B": [float(r[4]) for r in tl]}
 
 
 def paced_path(timeline: list[list[float]], st: dict[str, float], goodput_Bps: float) -> float | None:
@@ -184,7 +230,8 @@ class Bench:
         self.children.clear()
 
 
-def transfer_row(link: str, encoding: str, rung: str | None, t: dict[str, Any], goodput: float) -> dict[str, Any]:
+def transfer_row(link: str, encoding: str, rung: str | None, t: dict[str, Any], goodput: float,
+                 engine: list[float] | None = None) -> dict[str, Any]:
     p, f = t["p"], t["f"]
     st = {"prefill_s": p["prefill_s"], "encode_s": p["encode_s"], "decode_s": f.get("decoder_decode_s", 0.0),
           "mu_s": max(p["predictor_s"], f.get("decoder_predictor_s", 0.0)) if encoding == "speckv" else 0.0,
@@ -194,9 +241,11 @@ def transfer_row(link: str, encoding: str, rung: str | None, t: dict[str, Any], 
           "encoder_mu_wait_s": p["mu_wait_s"], "wire_wait_s": p["wire_wait_s"],
           "decoder_mu_wait_s": f.get("decoder_mu_wait_s", 0.0)}
     total = f["done"] - p["t0"]
+    costs = chunk_costs(t, encoding == "speckv", engine)
     return {"link": link, "encoding": encoding, "rung": rung, "total_s": total,
             "after_prefill_s": total - p["prefill_s"], "first_layer_s": f["first"] - p["t0"],
-            "decode_node_cpu_s": t["cpu"], "critical_path_s": critical_path(st, goodput),
+            "decode_node_cpu_s": t["cpu"], "critical_path_s": critical_path(costs, goodput),
+            "even_path_s": even_path(st, goodput), "costs": costs,
             "paced_path_s": paced_path(p.get("timeline", []), st, goodput), "timeline": p.get("timeline", []),
             "lossless": bool(f["lossless"]) and p["encoding"] == encoding and not p["fallback"],
             "stored_chunks": p["stored_chunks"],
@@ -215,12 +264,12 @@ def recompute_row(link: str, t: dict[str, Any]) -> dict[str, Any]:
 def break_even(rows: list[dict[str, Any]], cal: dict[str, dict[str, float]]) -> float | None:
     """Nominal Mbit/s where the fitted speckv and stored models cross (module docstring)."""
     eff = statistics.median(c["ratio"] for c in cal.values())
-    fits: dict[str, tuple[dict[str, float], float]] = {}
+    fits: dict[str, tuple[dict[str, list[float]], float]] = {}
     for enc in ("stored", "speckv"):
         rs = [r for r in rows if r["encoding"] == enc]
-        st = {k: statistics.median(r["stages"][k] for r in rs) for k in rs[0]["stages"]}
+        costs = {k: [statistics.median(c) for c in zip(*(r["costs"][k] for r in rs), strict=True)] for k in "PMEDB"}
         off = statistics.median(r["total_s"] - r["critical_path_s"] for r in rs)
-        fits[enc] = (st, off)
+        fits[enc] = (costs, off)
 
     def gap(mbit: float) -> float:
         g = eff * mbit * 1e6 / 8
@@ -269,7 +318,8 @@ def measure(bench: Bench, net: Net, args: argparse.Namespace) -> dict[str, Any]:
         goodput = cal[link]["measured_MBps"] * 1e6
         stored = bench.transfer(link, "stored")
         rows.append(transfer_row(link, "stored", None, stored, goodput))
-        rows.append(transfer_row(link, "speckv", rung, bench.transfer(link, "speckv"), goodput))
+        rows.append(transfer_row(link, "speckv", rung, bench.transfer(link, "speckv"), goodput,
+                                 engine=rows[-1]["costs"]["P"]))  # the engine's layers alone on core 0
         rows.append(recompute_row(link, bench.recompute(stored["expect"], stored["variant"])))
         print(f"e2e: {link} done", file=sys.stderr, flush=True)
     return {"rows": rows, "loopback": loopback, "break_even_mbit": break_even(rows, cal) if rows else None,
@@ -290,7 +340,8 @@ def table(rep: dict[str, Any]) -> str:
     for r in rep["rows"]:
         if r["encoding"] == "speckv":
             st = r["stages"]
-            out.append(f"stages {r['link']} speckv: prefill {st['prefill_s']:.2f} s, mu {st['mu_s']:.2f}, "
+            out.append(f"stages {r['link']} speckv: even path {r['even_path_s']:.2f} s, prefill {st['prefill_s']:.2f}"
+                       f" s, mu {st['mu_s']:.2f}, "
                        f"encode {st['encode_s']:.2f}, decode {st['decode_s']:.2f}, encoder waits for mu "
                        f"{st['encoder_mu_wait_s']:.2f} and in writes {st['wire_wait_s']:.2f}, decoder waits "
                        f"for mu {st['decoder_mu_wait_s']:.2f}; {r['stored_chunks']} chunks stored")

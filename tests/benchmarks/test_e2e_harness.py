@@ -86,6 +86,22 @@ def test_rows_are_lossless_and_sane(report):
     assert rows["recompute"]["wire_bytes"] == 0
 
 
+def test_rows_carry_their_cost_model(report, load_script):
+    """critical_path_s is the shared-core model over the row's own per-chunk costs: its chunks'
+    bytes, the engine's layer times of the stored row (the engine alone) in both rows, mu only
+    for speckv; even_path_s the even-chunk model."""
+    e2e = load_script("e2e")
+    rows = {r["encoding"]: r for r in report["rows"]}
+    goodput = report["calibration"]["100mbit"]["measured_MBps"] * 1e6
+    for enc in ("stored", "speckv"):
+        r, c = rows[enc], rows[enc]["costs"]
+        assert c["B"] == [float(t[4]) for t in r["timeline"]] and all(len(c[k]) == len(c["B"]) for k in "PMED"), c
+        assert r["critical_path_s"] == pytest.approx(e2e.critical_path(c, goodput))
+        assert r["even_path_s"] == pytest.approx(e2e.even_path(r["stages"], goodput))
+    assert rows["speckv"]["costs"]["P"] == rows["stored"]["costs"]["P"] and sum(rows["stored"]["costs"]["P"]) > 0
+    assert sum(rows["stored"]["costs"]["M"]) == 0 and sum(rows["speckv"]["costs"]["M"]) > 0
+
+
 def test_loopback_and_break_even(report):
     lb = report["loopback"]
     assert lb["stored_raw_MBps"] > 0 and lb["speckv_raw_MBps"] > 0 and lb["stored_lossless"] and lb["speckv_lossless"]
@@ -117,20 +133,40 @@ def test_not_root_exits_2(load_script, monkeypatch, capsys):
 
 
 def test_break_even_of_a_model(load_script):
-    """Synthetic rows: stored pays 8x the wire bytes, speckv a 2 s predictor that overlaps the
-    wire layer by layer (no whole-mu gate); they cross at 64 Mbit/s."""
+    """Synthetic rows of 10 chunks: the engine 0.1 s a chunk on the prefill node's core; stored
+    sends 16 MB, speckv 2 MB and adds 0.2 s of predictor a chunk on that core. They cross where
+    stored's wire, 0.1 + 16 MB / R, meets speckv's core, 3.0 + 0.2 MB / R: R = 15.8 MB / 2.9 s."""
     e2e = load_script("e2e")
 
     def row(enc, mu, wire, link_mbit):
-        st = {"prefill_s": 1.0, "encode_s": 0.0, "decode_s": 0.0, "mu_s": mu, "chunks": 1e9, "wire_bytes": wire}
+        costs = {"P": [0.1] * 10, "M": [mu] * 10, "E": [0.0] * 10, "D": [0.0] * 10, "B": [wire / 10] * 10}
         g = link_mbit * 1e6 / 8
-        return {"encoding": enc, "stages": st, "total_s": e2e.critical_path(st, g),
-                "critical_path_s": e2e.critical_path(st, g), "link": f"{link_mbit}mbit"}
+        return {"encoding": enc, "costs": costs, "total_s": e2e.critical_path(costs, g),
+                "critical_path_s": e2e.critical_path(costs, g), "link": f"{link_mbit}mbit"}
 
-    rows = [row(e, mu, w, m) for m in (10, 100) for e, mu, w in (("stored", 0.0, 16e6), ("speckv", 2.0, 2e6))]
+    rows = [row(e, mu, w, m) for m in (10, 100) for e, mu, w in (("stored", 0.0, 16e6), ("speckv", 0.2, 2e6))]
     cal = {f"{m}mbit": {"ratio": 1.0} for m in (10, 100)}
-    # n -> inf: stored max(1 s, 128 Mbit / R); speckv max(2 s, 16 Mbit / R)  ->  R = 128 / 2 = 64 Mbit/s
-    assert e2e.break_even(rows, cal) == pytest.approx(64.0, rel=1e-3)
+    assert e2e.break_even(rows, cal) == pytest.approx(8 * 15.8 / 2.9, rel=1e-3)
+
+
+def test_critical_path_of_a_model(load_script):
+    """The shared-core model: an engine and a predictor on one core add up, the first chunks'
+    exact layers (costly, nearly free on the wire) hold the link back, and the decode node's core
+    runs its predictor and its decoding in turn."""
+    e2e = load_script("e2e")
+
+    def path(P, M, D, B, goodput=1e6):
+        return e2e.critical_path({"P": P, "M": M, "E": [0.0] * len(P), "D": D, "B": B}, goodput)
+
+    # core 0: 1 + 2, then 1 a chunk; the link: chunk 0 free, then 1 s a chunk, as its inputs allow
+    assert path([1, 1, 1], [2, 0, 0], [0, 0, 0], [0, 1e6, 1e6]) == pytest.approx(6.0)
+    # 2 s of mu and 2 MB: front-loaded, the link waits for the mu; spread evenly, it starts sooner
+    assert path([0, 0, 0], [2, 0, 0], [0, 0, 0], [0, 1e6, 1e6]) == pytest.approx(4.0)
+    assert path([0, 0, 0], [2 / 3] * 3, [0, 0, 0], [2e6 / 3] * 3) == pytest.approx(8 / 3)
+    # the decode node's core: its own mu (3 s) first, then 1 s of decoding a chunk
+    assert path([0, 0, 0], [3, 0, 0], [1, 1, 1], [0, 0, 0]) == pytest.approx(6.0)
+    assert path([], [], [], []) == 0.0
+    assert e2e.increments([0.5, 0.4, 1.5]) == [0.5, 0.0, 1.0]
 
 
 def test_paced_path_of_a_model(load_script):
