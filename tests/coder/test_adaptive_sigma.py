@@ -7,7 +7,8 @@ IntegrityError.
 The synthetic KV mimics what the shipped hybrid:4 checkpoint meets on another engine:
 its exact layers 0..3 (sigma calibrated to a residual of ~0) see rounding-level
 differences (the last mantissa bit of half the scalars flipped); the other layers are
-mu plus noise below their calibrated sigma (the chooser leaves them at shift 0).
+mu plus noise far below their calibrated sigma (the coarse search leaves them at shift 0;
+the fine steps narrow them).
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def test_symbol_cost_is_exact():
     assert (np.diff(c[1:]) <= 0).all()
 
 
-def test_other_engine_kv_gets_shifts_and_codes_smaller(make_codec):
+def test_other_engine_kv_gets_shifts_and_codes_smaller(make_codec, monkeypatch):
+    monkeypatch.setattr(adapt, "FINE_STEP", 0)  # the coarse search alone (the fine steps: below)
     codec = make_codec(EPL, LPC)
     x, mu = _kv(flip=True)
     ids = ids_for(T)
@@ -83,8 +85,10 @@ def test_other_engine_kv_gets_shifts_and_codes_smaller(make_codec):
     assert np.array_equal(codec.decode(v3, ids, bf16_tensor(mu)), x)  # version 3 still decodes
 
 
-def test_same_kernel_kv_keeps_version_3_bytes(make_codec):
-    """KV bit-equal to mu in the exact layers: every shift 0, so every chunk is its version 3 record."""
+def test_same_kernel_kv_keeps_version_3_bytes(make_codec, monkeypatch):
+    """KV bit-equal to mu in the exact layers: every shift 0, so every chunk is its version 3 record
+    (without the fine steps, which would narrow the later layers' sigma: the next test)."""
+    monkeypatch.setattr(adapt, "FINE_STEP", 0)  # NOTE: no fine steps: a step of 0 never saves
     codec = make_codec(EPL, LPC)
     x, mu = _kv(flip=False)
     ids = ids_for(T)
@@ -92,6 +96,41 @@ def test_same_kernel_kv_keeps_version_3_bytes(make_codec):
     v3 = versioned_records(codec, x, ids, bf16_tensor(mu), 3)
     assert v4[0][4:6] == bytes([ct.FORMAT_VERSION, 0]) and v4[1:] == v3[1:]
     assert np.array_equal(codec.decode(v4, ids, bf16_tensor(mu)), x)
+
+
+def test_fine_steps_narrow_a_residual_below_its_sigma(make_codec, monkeypatch):
+    """The later layers' residual (0.002) is far below their calibrated sigma: every group takes
+    fine steps down as far as they go and those chunks code smaller than at shift 0; the exact
+    layers keep their coarse shift within as many steps. Round trips bit for bit."""
+    codec = make_codec(EPL, LPC)
+    x, mu = _kv(flip=True)
+    ids = ids_for(T)
+    fine = list(codec.encode(x, ids, bf16_tensor(mu)))
+    reach = adapt.FINE_STEP * max(adapt.FINE_FURTHER)
+    monkeypatch.setattr(adapt, "FINE_STEP", 0)
+    coarse = list(codec.encode(x, ids, bf16_tensor(mu)))
+    h = ct.unpack_header(fine[0])[0]
+    a, b = _shifts(h, fine), _shifts(h, coarse)
+    assert ((a[EXACT:] < 0) & (a[EXACT:] >= -reach)).all() and not b[EXACT:].any()
+    assert (a[EXACT:] == -reach).mean() > 0.9  # most as far as the steps go
+    assert (np.abs(a[:EXACT].astype(int) - b[:EXACT]) <= reach).all()
+    later = slice(1 + EXACT // LPC, None)
+    assert sum(map(len, fine[later])) < 0.97 * sum(map(len, coarse[later]))
+    assert np.array_equal(codec.decode(fine, ids, bf16_tensor(mu)), x)
+
+
+def test_a_fine_step_must_save_its_margin(ckpt, monkeypatch):
+    """A fine step replaces a shift only where it saves more than FINE_MARGIN of the group's
+    sampled cost: with a margin of 100% none is ever taken."""
+    x, mu = _kv(flip=True)
+    m = models_of(ckpt)[MODEL_TUNED]
+    mu2 = m.correct(mu, slice(0, mu.shape[0]))
+    taken = adapt.choose_shifts(BF16, BF16, m.tables, x, mu2, m.log2_sigma)
+    monkeypatch.setattr(adapt, "FINE_MARGIN", (1, 1))
+    kept = adapt.choose_shifts(BF16, BF16, m.tables, x, mu2, m.log2_sigma)
+    monkeypatch.setattr(adapt, "FINE_STEP", 0)
+    assert np.array_equal(kept, adapt.choose_shifts(BF16, BF16, m.tables, x, mu2, m.log2_sigma))
+    assert (taken[EXACT:] < 0).all() and not kept[EXACT:].any()
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
