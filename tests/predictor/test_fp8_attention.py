@@ -84,16 +84,19 @@ def _bits(session, ids, x: Fp8KV, mus: dict) -> dict:
 def test_it_saves_bits_on_an_fp8_cache_engines_kv(embedded_session, fp8cache):
     """Rounding to nearest, the exact layers follow it: measured at 256 tokens 2.864 bits per FP8
     element under plain mu, 2.467 under the engine's rounding (0.397 saved); on a 2-core Intel Xeon
-    with AMX (2026-12-03) 2.841 and 2.494 (0.347 saved). Each stream decodes bit for bit."""
+    with AMX (2026-12-03) 2.841 and 2.494 (0.347 saved); there again since the encoder's fine sigma
+    steps (session 33), which narrow plain mu's loss too, 2.592 and 2.284 (0.308 saved). Each stream
+    decodes bit for bit."""
     ids, _, kv, fa, plain, mu = fp8cache
     bits = _bits(embedded_session, ids, engines.fp8_cache_codes(kv, fa), {"plain": plain, "fp8_attention": mu})
-    assert bits["fp8_attention"] <= bits["plain"] - 0.33
+    assert bits["fp8_attention"] <= bits["plain"] - 0.28
 
 
 def test_rounding_toward_zero_is_followed_in_every_layer(embedded_session, fp8cache):
     """An engine rounding toward zero (vLLM's CPU backend) biases every later layer: the predictor
     rounds in every layer then, which wins more than its exact layers alone (measured at 256 tokens:
-    plain 3.094, exact layers only 2.761, every layer 2.417 bits per FP8 element)."""
+    plain 3.094, exact layers only 2.761, every layer 2.417 bits per FP8 element; with the encoder's
+    fine sigma steps, session 33: 3.049, 2.542 and 2.251)."""
     ids, same, _, fa, plain, _ = fp8cache
     tz = Fp8Attention(fa.k_scales, fa.v_scales, toward_zero=True)
     kv = engines.fp8_cache_kv(embedded_session.target, ids, tz)
@@ -102,7 +105,7 @@ def test_rounding_toward_zero_is_followed_in_every_layer(embedded_session, fp8ca
     mu = embedded_session.predictor.mu(ids, fp8_attention=tz)
     bits = _bits(embedded_session, ids, engines.fp8_cache_codes(kv, tz),
                  {"plain": plain, "exact_only": exact_only, "every_layer": mu})
-    assert bits["every_layer"] <= bits["exact_only"] - 0.3
+    assert bits["every_layer"] <= bits["exact_only"] - 0.26
     assert bits["exact_only"] <= bits["plain"] - 0.28
 
 
