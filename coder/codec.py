@@ -23,15 +23,15 @@ from typing import TYPE_CHECKING, Any, Collection, Iterable, Iterator, Sequence,
 
 import numpy as np
 
-from speckv.digests import DIGEST_BYTES, algorithm_of, digest, prompt_digest
-from speckv.errors import IntegrityError, MuMismatchError, PinMismatchError, PromptMismatchError
+from speckv.digests import DIGEST_BYTES, digest, prompt_digest
+from speckv.errors import IntegrityError, PinMismatchError, PromptMismatchError
 from speckv.kv import Fp8KV, bf16_bits
 
 from . import container as ct
 from . import reference
 from .backends import select_backend
 from .config import MAX_ELEMS_PER_LANE, CodecConfig
-from .integrity import Ahead, Sums, chunk_sums, verified
+from .integrity import Ahead, Sums, check_mu, chunk_sums, verified_all
 from .interfaces import CheckpointLike, MuSource
 from .lookahead import Lookahead
 from .model import BF16, E4M3, Context, ContextTable, FloatFormat
@@ -347,7 +347,7 @@ class Codec:
             plan = plan.rounded(chunk_rounding(h, span))
         if shifts is not None:
             plan = plan.shifted(shifts)
-        self._check_mu(plan, h, coded, 1 if serial else self.config.threads)
+        check_mu(plan, h, coded, 1 if serial else self.config.threads)
         return out, coded, plan
 
     def _decode_group(self, h: ct.StreamHeader, chunks: Sequence[ct.Chunk],
@@ -356,27 +356,11 @@ class Codec:
         ``_decode_prepare``) decoded in one pass and verified."""
         out, coded, plan = p
         if plan is not None:
-            out.update(zip([c.index for c in coded], self._verified(h, coded, self._decode_batch(plan, h, coded)),
-                           strict=True))
+            bits = verified_all(h, coded, self._decode_batch(plan, h, coded), self.config.threads)
+            out.update(zip([c.index for c in coded], bits, strict=True))
         return [out[c.index] for c in chunks]
 
     check_header = _check_header  # public name for streaming decoders
-
-    def _check_mu(self, plan: Plan, h: ct.StreamHeader, chunks: Sequence[ct.Chunk], threads: int) -> None:
-        # NOTE: digests on ``threads`` threads (XXH3 releases the GIL); the first bad chunk raises
-        algorithm = algorithm_of(h.version)
-        same = reference.thread_map(threads, lambda c: c.mu_fingerprint == digest(
-            plan.mu_predicted[plan.chunk_slice(h, c.index)], algorithm=algorithm), chunks)
-        for c, ok in zip(chunks, same, strict=True):
-            if not ok:
-                raise MuMismatchError(f"chunk {c.index}: the decoder's mu differs from the encoder's "
-                                      "(predictor, hardware or library build differ)")
-
-    def _verified(self, h: ct.StreamHeader, chunks: Sequence[ct.Chunk], bits: list[np.ndarray]) -> list[np.ndarray]:
-        """Each chunk's decoded bit patterns, checked against its raw digest (on the codec's threads)."""
-        dt = np.uint16 if h.dtype == ct.DTYPE_BF16 else np.uint8
-        return self._map(lambda a: verified(a[0], a[1].reshape((a[0].layer_count,) + h.shape[1:]), h.version, dt),
-                         list(zip(chunks, bits, strict=True)))
 
     def _decode_batch(self, plan: Plan, h: ct.StreamHeader, chunks: Sequence[ct.Chunk]) -> list[np.ndarray]:
         """Bit patterns of each chunk's elements; all live chunks in one rANS pass."""

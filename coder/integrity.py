@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from speckv.digests import algorithm_of, digest
-from speckv.errors import IntegrityError
+from speckv.errors import IntegrityError, MuMismatchError
 
 from . import container as ct
+from .reference import thread_map
 
 if TYPE_CHECKING:
     from numpy.typing import DTypeLike
@@ -36,6 +37,25 @@ def verified(c: ct.Chunk, bits: np.ndarray, version: int, dtype: DTypeLike | Non
     if c.raw_digest != digest(c.aux, bits, algorithm=algorithm_of(version)):
         raise IntegrityError(f"chunk {c.index}: decoded KV fails its checksum")
     return bits
+
+
+def verified_all(h: ct.StreamHeader, chunks: list[ct.Chunk], bits: list[np.ndarray], threads: int) -> list[np.ndarray]:
+    """Each chunk's decoded bit patterns as ``verified`` returns them (on ``threads`` threads)."""
+    dt = np.uint16 if h.dtype == ct.DTYPE_BF16 else np.uint8
+    return thread_map(threads, lambda a: verified(a[0], a[1].reshape((a[0].layer_count,) + h.shape[1:]), h.version,
+                                                  dt), list(zip(chunks, bits, strict=True)))
+
+
+def check_mu(plan: Plan, h: ct.StreamHeader, chunks: list[ct.Chunk], threads: int) -> None:
+    """Raise MuMismatchError at the first chunk whose mu_fingerprint is not the digest of this
+    side's mu of its layers (on ``threads`` threads: XXH3 releases the GIL)."""
+    algorithm = algorithm_of(h.version)
+    same = thread_map(threads, lambda c: c.mu_fingerprint == digest(plan.mu_predicted[plan.chunk_slice(h, c.index)],
+                                                                    algorithm=algorithm), chunks)
+    for c, ok in zip(chunks, same, strict=True):
+        if not ok:
+            raise MuMismatchError(f"chunk {c.index}: the decoder's mu differs from the encoder's "
+                                  "(predictor, hardware or library build differ)")
 
 
 def chunk_sums(plan: Plan, h: ct.StreamHeader, i: int) -> Sums:
