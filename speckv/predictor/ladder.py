@@ -82,6 +82,12 @@ KV_BITS_SPLIT = KV_ACTIVATION_BITS[1]  # two products: what a w8a8 rung is built
 # portable:k's later layers run only their input norm and K/V projections: per token 2*h*2*kv of a
 # decoder layer's ~2*(h*(q + 2*kv) + q*h + 3*h*i) multiply-adds (SmolLM2-135M: 221,184 of 3,538,944)
 EXIT_TAIL_COST = 0.0625
+# portable:k skips the last layers - 1 - k layers but their K/V projections. NOTE: measured on the embedded
+# model (30 layers; benchmarks/RESULTS.md "Portable early exit portable:k"), each skipped layer costs
+# ~0.13 bits a scalar, and an exit skipping more than a fifth of the layers (portable:22 and earlier)
+# codes worse than the FP8 copy on every engine (portable:22: +0.147 bits on FP8 KV; portable:20 +0.44)
+# for no less cost (predictor_cost 0.37 at portable:20 and portable:23 alike): those are refused.
+EXIT_MAX_SKIPPED = 0.2  # of the layers, rounded down
 
 
 @dataclass(frozen=True)
@@ -146,6 +152,11 @@ def parse_rung(text: Any, layers: int) -> Rung:
         raise CheckpointError(f"predictor rung {text!r}: K must be a plain integer in 1..{top}")
     if m.group(1) in (INT_ATTENTION, OWN_SILU):
         return Rung(W8A8, k, int_attention=True, own_silu=m.group(1) == OWN_SILU)
+    if m.group(1) == PORTABLE and layers - 1 - k > int(EXIT_MAX_SKIPPED * layers):
+        least = layers - 1 - int(EXIT_MAX_SKIPPED * layers)
+        raise CheckpointError(f"predictor rung {text!r}: an exit this early codes worse than the fp8 rung on every "
+                              f"engine for no less cost (benchmarks/RESULTS.md, 'Portable early exit "
+                              f"portable:k'); use portable:{least} or later")
     return Rung(m.group(1), k)
 
 

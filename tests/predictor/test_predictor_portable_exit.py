@@ -16,16 +16,25 @@ from speckv.predictor.ladder import EXIT_TAIL_COST, Rung, parse_rung
 from speckv.predictor.portable import build_portable_model, portable_kv, portable_state
 from speckv.predictor.predict import Predictor
 
-EXIT = 20  # the k measured in benchmarks/RESULTS.md
+EXIT = 23  # the earliest exit of the embedded model the ladder takes (ladder.EXIT_MAX_SKIPPED)
 
 
 def test_parse_name_and_cost():
-    r = parse_rung("portable:20", 30)
-    assert r == Rung("portable", 20) and r.name == "portable:20"
-    assert r.nominal_cost(30) == pytest.approx((20 + EXIT_TAIL_COST * 10) / 30)
-    for bad in ("portable:0", "portable:30", "portable:020", "portable:x"):
+    r = parse_rung("portable:23", 30)
+    assert r == Rung("portable", 23) and r.name == "portable:23"
+    assert r.nominal_cost(30) == pytest.approx((23 + EXIT_TAIL_COST * 7) / 30)
+    for bad in ("portable:0", "portable:30", "portable:023", "portable:x"):
         with pytest.raises(CheckpointError, match="K must be|unknown"):
             parse_rung(bad, 30)
+
+
+def test_exits_that_skip_more_than_a_fifth_of_the_layers_are_refused():
+    """portable:22 and earlier code worse than the fp8 rung on every engine (benchmarks/RESULTS.md):
+    refused with the reason and the earliest exit taken; on 2 layers portable:1 skips none."""
+    for k in (1, 16, 20, 22):
+        with pytest.raises(CheckpointError, match="codes worse than the fp8 rung .* use portable:23 or later"):
+            parse_rung(f"portable:{k}", 30)
+    assert parse_rung("portable:29", 30).bf16_layers == 29 and parse_rung("portable:1", 2).bf16_layers == 1
 
 
 @pytest.fixture(scope="module")
