@@ -18,14 +18,17 @@ and ``recompute`` (the decode node runs the prefill itself; nothing moves).
   decode_node_cpu_s  utime+stime deltas (/proc/<pid>/stat) of the decoder sidecar + fetch engine
   critical_path_s  the cost model below at the link's calibrated goodput (stored and speckv rows)
 
-Cost model (a lower bound; per-chunk costs from this run): each node has one core, and each
-stage handles the chunks in order. Chunk k costs, on the prefill node's core, P_k (the engine's
-layers of chunk k, from the same link's stored row: the engine with no predictor beside it), M_k
-(the predictor's mu of those layers: the decoder's per-chunk mu times on its own core, scaled to
-its predictor_seconds; 0 for stored) and E_k (encode_seconds / n); on the link B_k / goodput
-(chunk k's record bytes); on the decode node's core M_k again (the decoder's own predictor) and
-D_k (the decoder's decode seconds / n). The engine and the encoder's predictor share core 0, so
-their work adds up; the link and the other node overlap with it:
+Cost model (a lower bound; per-chunk costs from this run): each node has one core, and each stage
+handles the chunks in order. Chunk k costs, on the prefill node's core, P_k (the engine's layers
+of chunk k and their hand-off to the encoder: the same link's stored row's layer times, where no
+predictor runs beside them), M_k (the predictor's mu of those layers: the decoder's per-chunk mu
+times on its own core, scaled to its predictor_seconds; 0 for stored) and E_k (encode seconds / n:
+the row's, or the loopback transfer's whose mu both sides had cached, whichever is less); on the
+link B_k / goodput (chunk k's record bytes); on the decode node's core M_k again (the decoder's own
+predictor) and D_k (decode seconds / n, as E). NOTE: the row's encode seconds are wall time beside
+the engine and the predictor on one core, so they count those stages' time again; the loopback
+figure keeps the sum a bound. The engine and the encoder's predictor share core 0, so their work
+adds up; the link and the other node overlap with it:
   c_k = sum_{j<=k} (P_j + M_j + E_j)              chunk k coded, at the earliest
   w_k = max(c_k, w_{k-1}) + B_k / goodput          on the decode node
   d_k = max(w_k, d_{k-1}, sum_{j<=k} M_j + sum_{j<k} D_j) + D_k
@@ -124,20 +127,23 @@ def increments(times: list[float]) -> list[float]:
     return out
 
 
-def chunk_costs(t: dict[str, Any], speckv: bool, engine: list[float] | None) -> dict[str, list[float]]:
-    """The cost model's per-chunk costs of one transfer (``engine``: P from the same link's stored
-    row; None: this row's own layer times)."""
+def chunk_costs(t: dict[str, Any], speckv: bool, alone: dict[str, Any] | None = None) -> dict[str, list[float]]:
+    """The cost model's per-chunk costs of one transfer. ``alone``: ``P``, the engine's per-chunk
+    layer times of the stored row (default: this row's own); ``encode_s`` and ``decode_s`` of a
+    loopback transfer whose mu both sides had cached (the coder alone on its core; the smaller of
+    those and this row's counts)."""
     p, f = t["p"], t["f"]
-    tl = p.get("timeline", [])
+    tl, alone = p.get("timeline", []), alone or {}
     n = len(tl)
-    P = engine if engine is not None else increments([r[0] for r in tl])
+    P = list(alone.get("P") or increments([r[0] for r in tl]))
     M = [0.0] * n
     if speckv:  # the decoder's mu of each chunk, its own core: the predictor's cost alone
         M = increments([r[6] for r in tl])
         busy = f.get("decoder_predictor_s", 0.0)
         M = [m * min(1.0, busy / sum(M)) if sum(M) > 0 else 0.0 for m in M]
-    return {"P": list(P), "M": M, "E": [p["encode_s"] / max(n, 1)] * n,
-            "D": [f.get("decoder_decode_s", 0.0) / max(n, 1)] * n, "B": [float(r[4]) for r in tl]}
+    E = min(p["encode_s"], alone.get("encode_s", float("inf")))
+    D = min(f.get("decoder_decode_s", 0.0), alone.get("decode_s", float("inf")))
+    return {"P": P, "M": M, "E": [E / max(n, 1)] * n, "D": [D / max(n, 1)] * n, "B": [float(r[4]) for r in tl]}
 
 
 def paced_path(timeline: list[list[float]], st: dict[str, float], goodput_Bps: float) -> float | None:
@@ -231,7 +237,7 @@ class Bench:
 
 
 def transfer_row(link: str, encoding: str, rung: str | None, t: dict[str, Any], goodput: float,
-                 engine: list[float] | None = None) -> dict[str, Any]:
+                 alone: dict[str, Any] | None = None) -> dict[str, Any]:
     p, f = t["p"], t["f"]
     st = {"prefill_s": p["prefill_s"], "encode_s": p["encode_s"], "decode_s": f.get("decoder_decode_s", 0.0),
           "mu_s": max(p["predictor_s"], f.get("decoder_predictor_s", 0.0)) if encoding == "speckv" else 0.0,
@@ -241,7 +247,7 @@ def transfer_row(link: str, encoding: str, rung: str | None, t: dict[str, Any], 
           "encoder_mu_wait_s": p["mu_wait_s"], "wire_wait_s": p["wire_wait_s"],
           "decoder_mu_wait_s": f.get("decoder_mu_wait_s", 0.0)}
     total = f["done"] - p["t0"]
-    costs = chunk_costs(t, encoding == "speckv", engine)
+    costs = chunk_costs(t, encoding == "speckv", alone)
     return {"link": link, "encoding": encoding, "rung": rung, "total_s": total,
             "after_prefill_s": total - p["prefill_s"], "first_layer_s": f["first"] - p["t0"],
             "decode_node_cpu_s": t["cpu"], "critical_path_s": critical_path(costs, goodput),
@@ -291,6 +297,7 @@ def measure(bench: Bench, net: Net, args: argparse.Namespace) -> dict[str, Any]:
     for enc in ("stored", "speckv"):  # warm-up: channels, lazy imports, first coder calls; mu of prompt 0
         bench.transfer("warmup", enc, stream=False, variant=0)
     loopback: dict[str, Any] = {}
+    alone: dict[str, Any] = {}
     # speckv: prompt 0 again, its mu cached on both sides (the service alone); speckv_cold: a new prompt
     runs = [("stored", "stored", 0, False), ("speckv", "speckv", 0, False)]
     if args.local_handoff:  # the same, the KV handed to the encoder as a sealed memfd (--local-socket)
@@ -304,6 +311,9 @@ def measure(bench: Bench, net: Net, args: argparse.Namespace) -> dict[str, Any]:
         loopback[f"{key}_raw_MBps"] = statistics.median(rates)
         loopback[f"{key}_raw_MBps_runs"] = rates
         loopback[f"{key}_lossless"] = all(bool(t["f"]["lossless"]) for t in ts)
+        if key == "speckv":  # the coder alone on each core: the cost model's encode and decode
+            alone = {"encode_s": statistics.median(t["p"]["encode_s"] for t in ts),
+                     "decode_s": statistics.median(t["f"].get("decoder_decode_s", 0.0) for t in ts)}
         if enc == "speckv":  # no predictor pass on either side <=> both caches hit
             cached = [t["p"]["predictor_s"] == 0 and t["f"].get("decoder_predictor_s", 0) == 0 for t in ts]
             loopback[f"{key}_mu_cached"] = all(cached) if v == 0 else any(cached)
@@ -317,9 +327,9 @@ def measure(bench: Bench, net: Net, args: argparse.Namespace) -> dict[str, Any]:
         cal[link] = {**calibrate(net, link, bench.logdir), "netem_delay": netem}
         goodput = cal[link]["measured_MBps"] * 1e6
         stored = bench.transfer(link, "stored")
-        rows.append(transfer_row(link, "stored", None, stored, goodput))
+        rows.append(transfer_row(link, "stored", None, stored, goodput, alone))
         rows.append(transfer_row(link, "speckv", rung, bench.transfer(link, "speckv"), goodput,
-                                 engine=rows[-1]["costs"]["P"]))  # the engine's layers alone on core 0
+                                 alone | {"P": rows[-1]["costs"]["P"]}))  # the engine beside no predictor
         rows.append(recompute_row(link, bench.recompute(stored["expect"], stored["variant"])))
         print(f"e2e: {link} done", file=sys.stderr, flush=True)
     return {"rows": rows, "loopback": loopback, "break_even_mbit": break_even(rows, cal) if rows else None,

@@ -87,9 +87,9 @@ def test_rows_are_lossless_and_sane(report):
 
 
 def test_rows_carry_their_cost_model(report, load_script):
-    """critical_path_s is the shared-core model over the row's own per-chunk costs: its chunks'
-    bytes, the engine's layer times of the stored row (the engine alone) in both rows, mu only
-    for speckv; even_path_s the even-chunk model."""
+    """critical_path_s is the shared-core model over the row's per-chunk costs: its chunks' bytes,
+    the engine's layer times of the stored row (no predictor beside it) in both rows, mu only for
+    speckv; even_path_s the even-chunk model."""
     e2e = load_script("e2e")
     rows = {r["encoding"]: r for r in report["rows"]}
     goodput = report["calibration"]["100mbit"]["measured_MBps"] * 1e6
@@ -98,6 +98,8 @@ def test_rows_carry_their_cost_model(report, load_script):
         assert c["B"] == [float(t[4]) for t in r["timeline"]] and all(len(c[k]) == len(c["B"]) for k in "PMED"), c
         assert r["critical_path_s"] == pytest.approx(e2e.critical_path(c, goodput))
         assert r["even_path_s"] == pytest.approx(e2e.even_path(r["stages"], goodput))
+        # encode and decode: the coder alone (a loopback transfer) where the row's wall time is longer
+        assert sum(c["E"]) <= r["stages"]["encode_s"] + 1e-9 and sum(c["D"]) <= r["stages"]["decode_s"] + 1e-9
     assert rows["speckv"]["costs"]["P"] == rows["stored"]["costs"]["P"] and sum(rows["stored"]["costs"]["P"]) > 0
     assert sum(rows["stored"]["costs"]["M"]) == 0 and sum(rows["speckv"]["costs"]["M"]) > 0
 
