@@ -90,7 +90,7 @@ def test_rows_carry_their_cost_model(report, load_script):
     """critical_path_s is the shared-core model over the row's per-chunk costs: its chunks' bytes,
     the engine's layer times of the stored row (no predictor beside it) in both rows, mu only for
     speckv; even_path_s the even-chunk model."""
-    e2e = load_script("e2e")
+    e2e = load_script("e2e_model")
     rows = {r["encoding"]: r for r in report["rows"]}
     goodput = report["calibration"]["100mbit"]["measured_MBps"] * 1e6
     for enc in ("stored", "speckv"):
@@ -138,7 +138,7 @@ def test_break_even_of_a_model(load_script):
     """Synthetic rows of 10 chunks: the engine 0.1 s a chunk on the prefill node's core; stored
     sends 16 MB, speckv 2 MB and adds 0.2 s of predictor a chunk on that core. They cross where
     stored's wire, 0.1 + 16 MB / R, meets speckv's core, 3.0 + 0.2 MB / R: R = 15.8 MB / 2.9 s."""
-    e2e = load_script("e2e")
+    e2e = load_script("e2e_model")
 
     def row(enc, mu, wire, link_mbit):
         costs = {"P": [0.1] * 10, "M": [mu] * 10, "E": [0.0] * 10, "D": [0.0] * 10, "B": [wire / 10] * 10}
@@ -155,7 +155,7 @@ def test_critical_path_of_a_model(load_script):
     """The shared-core model: an engine and a predictor on one core add up, the first chunks'
     exact layers (costly, nearly free on the wire) hold the link back, and the decode node's core
     runs its predictor and its decoding in turn."""
-    e2e = load_script("e2e")
+    e2e = load_script("e2e_model")
 
     def path(P, M, D, B, goodput=1e6):
         return e2e.critical_path({"P": P, "M": M, "E": [0.0] * len(P), "D": D, "B": B}, goodput)
@@ -173,7 +173,7 @@ def test_critical_path_of_a_model(load_script):
 
 def test_paced_path_of_a_model(load_script):
     """The paced model: a FIFO pipeline fed at the chunks' measured pace."""
-    e2e = load_script("e2e")
+    e2e = load_script("e2e_model")
     st = {"encode_s": 0.0, "decode_s": 0.0}
     even = [[0.0, 9.0, 9.0, 9.0, 1e6, 0.0, 0.0] for _ in range(3)]  # ready..written: the sender's, unused
     late = [[0.0, 9.0, 9.0, 9.0, 1e6, r, p] for r, p in ((1.0, 0.5), (1.0, 2.0), (5.0, 0.0))]
