@@ -23,13 +23,13 @@ The choice (deterministic: the same shifts, so the same bytes, on every backend)
    0 first);
 3. then every group tries its shift ``+- FINE_STEP`` (a quarter octave), and a group where one
    step paid tries ``FINE_FURTHER`` steps the same way; each step is taken only where it saves
-   more than ``FINE_MARGIN`` of the group's sampled cost: a KV whose
-   residual is a little wider or narrower than calibrated (another engine's rounding in every
-   layer, an FP8 cache its attention reads) gets its sigma nudged. Measured (2048 tokens of
-   tinyshakespeare, FP8 codes of the fp8cache engine stand-in): w8a8 3.011 -> 2.848 bits an
-   element, the fp8 rung 2.955 -> 2.897, the shipped w8a8x:4 2.788 -> 2.602; on the sidecars'
-   own KV 0.000-0.012 bits less (RESULTS.md, "Quarter-octave shifts"). The margin keeps a
-   32-token sample's noise from moving a group that the calibration fits.
+   more than ``FINE_MARGIN`` of the group's sampled cost. A KV whose residual is a little wider
+   or narrower than calibrated (another engine's rounding in every layer, an FP8 cache its
+   attention reads) gets its sigma nudged. Measured (2048 tokens of tinyshakespeare, FP8 codes
+   of the fp8cache engine stand-in): w8a8 3.011 -> 2.848 bits an element, the fp8 rung 2.955 ->
+   2.897, the shipped w8a8x:4 2.788 -> 2.602; on the sidecars' own KV 0.000-0.012 bits less
+   (RESULTS.md, "Quarter-octave sigma steps"). The margin keeps a 32-token sample's noise from
+   moving a group that the calibration fits.
 
 The search set is the encoder's policy, not the format: a decoder accepts any shift
 with ``|shift| <= SHIFT_MAX``.
