@@ -38,6 +38,7 @@ from .model import BF16, E4M3, Context, ContextTable, FloatFormat
 from .plan import (
     Plan,
     Prepared,
+    Unpacked,
     adapted_plan,
     bf16_context_table,
     build_plan,
@@ -132,12 +133,7 @@ class Codec:
         every = range(header.n_chunks)
         groups = element_groups(header, every, GROUP_ELEMENTS)
 
-        # NOTE: group g + 1 is prepared on a helper thread while g is coded (``lookahead.py``), its
-        # native calls on one thread: with the rANS pass holding the extension's pool, they would
-        # start threads of their own at each call (measured: slower than preparing in series).
-        # Not on the CUDA coder, whose device work stays on the caller's thread.
-        ahead = self.config.threads > 1 and hasattr(self.backend, "with_threads")
-        backend = self.backend.with_threads(1) if ahead else self.backend
+        ahead, backend = self._helper_backend()
 
         def prepare(g: slice) -> Prepared:
             a, b = header.chunk_layers(every[g][0])[0], sum(header.chunk_layers(every[g][-1]))
@@ -219,6 +215,15 @@ class Codec:
                              list(zip(idx, coded, sums.result(), strict=True)))
         coded_np = reference.encode_chunks(plan, h, idx, self._context, self.config.threads)
         return [self._chunk_record(plan, h, i, rb, bits) for i, (rb, bits) in zip(idx, coded_np, strict=True)]
+
+    def _helper_backend(self) -> tuple[bool, Any]:
+        """(ahead, the backend a lookahead helper prepares with). NOTE: group g + 1 is prepared on a
+        helper thread while g is coded (``lookahead.py``), its native calls on one thread: with the
+        rANS pass holding the extension's pool, they would start threads of their own at each call
+        (measured: slower than preparing in series). Not on the CUDA coder, whose device work stays
+        on the caller's thread."""
+        ahead = self.config.threads > 1 and hasattr(self.backend, "with_threads")
+        return ahead, self.backend.with_threads(1) if ahead else self.backend
 
     def _map(self, fn, items):
         return reference.thread_map(self.config.threads, fn, items)
@@ -313,10 +318,7 @@ class Codec:
         if mu is None and ids is not None and not all(ct.is_stored_chunk(h, c) for c in chunks):
             mu = self._predicted(ids)
         groups = element_groups(h, [c.index for c in chunks], GROUP_ELEMENTS)
-        # NOTE: as in encode, group g + 1's plan (prepare_mu, its mu check) is built on a helper
-        # thread, its native calls on one thread, while group g decodes on the pool
-        ahead = self.config.threads > 1 and hasattr(self.backend, "with_threads")
-        backend = self.backend.with_threads(1) if ahead else self.backend
+        ahead, backend = self._helper_backend()  # group g + 1's plan and mu check while g decodes
         out, at = None, 0
         with Lookahead(lambda g: self._decode_prepare(h, chunks[g], mu, backend, ahead), groups, ahead) as prepared:
             for g, p in zip(groups, prepared, strict=True):
@@ -328,13 +330,12 @@ class Codec:
         return out if out is not None else np.empty(empty, np.uint16 if h.dtype == ct.DTYPE_BF16 else np.uint8)
 
     def _decode_prepare(self, h: ct.StreamHeader, chunks: Sequence[ct.Chunk], mu: "torch.Tensor | np.ndarray | None",
-                        backend: Any, serial: bool) -> tuple[dict[int, np.ndarray], list[ct.Chunk], Plan | None]:
-        """A group before its rANS pass: the stored chunks' layers, the coded chunks and their
-        plan, checked against their mu (None when none is coded)."""
+                        backend: Any, serial: bool) -> Unpacked:
+        """A group before its rANS pass (``serial``: its mu check on this thread alone)."""
         out = {c.index: unstored_chunk(h, c) for c in chunks if ct.is_stored_chunk(h, c)}
         coded = [c for c in chunks if c.index not in out]
         if not coded:
-            return out, coded, None
+            return Unpacked(out, coded, None)
         if mu is None:
             raise ValueError(f"chunks {[c.index for c in coded]} are coded: decoding them needs mu")
         fmt = BF16 if h.dtype == ct.DTYPE_BF16 else E4M3
@@ -348,17 +349,15 @@ class Codec:
         if shifts is not None:
             plan = plan.shifted(shifts)
         check_mu(plan, h, coded, 1 if serial else self.config.threads)
-        return out, coded, plan
+        return Unpacked(out, coded, plan)
 
-    def _decode_group(self, h: ct.StreamHeader, chunks: Sequence[ct.Chunk],
-                      p: tuple[dict[int, np.ndarray], list[ct.Chunk], Plan | None]) -> list[np.ndarray]:
+    def _decode_group(self, h: ct.StreamHeader, chunks: Sequence[ct.Chunk], p: Unpacked) -> list[np.ndarray]:
         """Each chunk's layers: stored chunks from their raw bytes, the coded ones (``p``, from
         ``_decode_prepare``) decoded in one pass and verified."""
-        out, coded, plan = p
-        if plan is not None:
-            bits = verified_all(h, coded, self._decode_batch(plan, h, coded), self.config.threads)
-            out.update(zip([c.index for c in coded], bits, strict=True))
-        return [out[c.index] for c in chunks]
+        if p.plan is not None:
+            bits = verified_all(h, p.coded, self._decode_batch(p.plan, h, p.coded), self.config.threads)
+            p.out.update(zip([c.index for c in p.coded], bits, strict=True))
+        return [p.out[c.index] for c in chunks]
 
     check_header = _check_header  # public name for streaming decoders
 

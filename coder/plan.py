@@ -114,6 +114,16 @@ class Prepared:
     plan: Plan | None
 
 
+@dataclass
+class Unpacked:
+    """A group of chunks of ``Codec.decode`` before its rANS pass: the stored ones' layers (by
+    index), the coded chunks and their plan, checked against their mu (None when none is coded)."""
+
+    out: dict[int, np.ndarray]
+    coded: list[ct.Chunk]
+    plan: Plan | None
+
+
 def toward_zero_mu(mu: np.ndarray) -> np.ndarray:
     """FP32 mu bit patterns (uint32, in e4m3 units: mu / scale) moved half an e4m3 step toward
     zero: ``sign(mu) max(|mu| - 2^(E - 4), 0)``, E = max(exponent of |mu|, -6) (the e4m3 step in

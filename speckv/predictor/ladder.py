@@ -152,8 +152,8 @@ def parse_rung(text: Any, layers: int) -> Rung:
         raise CheckpointError(f"predictor rung {text!r}: K must be a plain integer in 1..{top}")
     if m.group(1) in (INT_ATTENTION, OWN_SILU):
         return Rung(W8A8, k, int_attention=True, own_silu=m.group(1) == OWN_SILU)
-    if m.group(1) == PORTABLE and layers - 1 - k > int(EXIT_MAX_SKIPPED * layers):
-        least = layers - 1 - int(EXIT_MAX_SKIPPED * layers)
+    least = layers - 1 - int(EXIT_MAX_SKIPPED * layers)  # the earliest portable exit taken
+    if m.group(1) == PORTABLE and k < least:
         raise CheckpointError(f"predictor rung {text!r}: an exit this early codes worse than the fp8 rung on every "
                               f"engine for no less cost (benchmarks/RESULTS.md, 'Portable early exit "
                               f"portable:k'); use portable:{least} or later")

@@ -68,7 +68,7 @@ def embedded_gguf_path() -> Path:
 
 
 _FORWARD_LOCK = threading.Lock()  # the settings below are process-global
-# NOTE: a process's first cos over a (1, 64, 64) RoPE table has, about once in 40 fresh sidecar
+# NOTE: a process's first cos over a (1, 64, 64) RoPE table has, about once in 50 fresh sidecar
 # processes under load, come out of torch's CPU kernel (MKL's vector math, split over threads) less
 # exact in one thread's half: 20 BF16 table entries one step off, so every K of that pass moved from
 # layer 0 on, and sin, computed next, was right (benchmarks/RESULTS.md, "The first cos of a
