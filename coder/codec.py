@@ -17,6 +17,7 @@ bytes, ``stored``): on request, or when coded it would be larger.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from functools import partial
 from typing import TYPE_CHECKING, Any, Collection, Iterable, Iterator, Sequence, cast
@@ -24,14 +25,14 @@ from typing import TYPE_CHECKING, Any, Collection, Iterable, Iterator, Sequence,
 import numpy as np
 
 from speckv.digests import DIGEST_BYTES, digest, prompt_digest
-from speckv.errors import IntegrityError, PinMismatchError, PromptMismatchError
+from speckv.errors import IntegrityError
 from speckv.kv import Fp8KV, bf16_bits
 
 from . import container as ct
 from . import reference
 from .backends import select_backend
 from .config import MAX_ELEMS_PER_LANE, CodecConfig
-from .integrity import Ahead, Sums, check_mu, chunk_sums, verified_all
+from .integrity import Ahead, Sums, check_header, check_mu, chunk_sums, verified_all
 from .interfaces import CheckpointLike, MuSource
 from .lookahead import Lookahead
 from .model import BF16, E4M3, Context, ContextTable, FloatFormat
@@ -133,14 +134,16 @@ class Codec:
         every = range(header.n_chunks)
         groups = element_groups(header, every, GROUP_ELEMENTS)
 
-        ahead, backend = self._helper_backend()
+        ahead, backend, hold = self._helper_backend()
 
-        def prepare(g: slice) -> Prepared:
+        def prepare(g: slice) -> Prepared:  # NOTE: the digests too, on the core the helper holds
             a, b = header.chunk_layers(every[g][0])[0], sum(header.chunk_layers(every[g][-1]))
-            return self._prepare(header, every[g], x[a:b], mu_bits, None if scales is None else scales[a:b],
-                                 backend=backend)
+            p = self._prepare(header, every[g], x[a:b], mu_bits, None if scales is None else scales[a:b],
+                              backend=backend)
+            return p if p.plan is None else dataclasses.replace(p, sums=[chunk_sums(p.plan, header, i)
+                                                                         for i in p.coded])
 
-        with Lookahead(prepare, groups, ahead) as prepared:
+        with Lookahead(prepare, groups, ahead, hold) as prepared:
             for g, p in zip(groups, prepared, strict=True):
                 for chunk in self._code(p, header, every[g]):
                     yield ct.pack_chunk(chunk)
@@ -195,48 +198,54 @@ class Codec:
     def _code(self, p: Prepared, h: ct.StreamHeader, idx: range) -> list[ct.Chunk]:
         """The chunks of a ``_prepare``: its plan coded, in ``idx``'s order."""
         if p.plan is not None:
-            p.out.update((c.index, c) for c in self._encode_chunks(p.plan, h, p.coded))
+            p.out.update((c.index, c) for c in self._encode_chunks(p.plan, h, p.coded, p.sums))
         return [p.out[i] for i in idx]
 
-    def _encode_chunks(self, plan: Plan, h: ct.StreamHeader, idx: Sequence[int]) -> list[ct.Chunk]:
+    def _encode_chunks(self, plan: Plan, h: ct.StreamHeader, idx: Sequence[int],
+                       summed: list[Sums] | None = None) -> list[ct.Chunk]:
         """Chunks ``idx`` coded in one vectorised rANS pass (blocks never span chunks; a backend
-        codes each run of consecutive chunks in one pass)."""
+        codes each run of consecutive chunks in one pass); ``summed``: their digests, if known."""
         if not idx:
             return []
         if self.backend is not None:  # the same bytes (tests/coder/test_native.py)
             assert plan.x is not None  # an encoding plan
-            with Ahead(self.config.threads, [partial(chunk_sums, plan, h, i) for i in idx]) as sums:
+            with Ahead(self.config.threads, [] if summed else [partial(chunk_sums, plan, h, i) for i in idx]) as sums:
                 coded = []  # NOTE: the digests run meanwhile, cancelled if this raises
                 for run in (idx[r] for r in runs(idx)):
                     sl = slice(plan.chunk_slice(h, run[0]).start, plan.chunk_slice(h, run[-1]).stop)
                     coded += self.backend.encode(plan.x[sl], plan.mu[sl], plan.log2_sigma[sl], [h.chunk_layers(i)[1]
                                                  for i in run], h.elems_per_lane, plan.model.tables)
             return self._map(lambda a: self._chunk_record(plan, h, a[0], a[1].blocks, a[1].bits, a[2]),
-                             list(zip(idx, coded, sums.result(), strict=True)))
+                             list(zip(idx, coded, summed or sums.result(), strict=True)))
         coded_np = reference.encode_chunks(plan, h, idx, self._context, self.config.threads)
-        return [self._chunk_record(plan, h, i, rb, bits) for i, (rb, bits) in zip(idx, coded_np, strict=True)]
+        summed = summed or [chunk_sums(plan, h, i) for i in idx]
+        return [self._chunk_record(plan, h, i, rb, bits, s)
+                for i, (rb, bits), s in zip(idx, coded_np, summed, strict=True)]
 
-    def _helper_backend(self) -> tuple[bool, Any]:
-        """(ahead, the backend a lookahead helper prepares with). NOTE: group g + 1 is prepared on a
-        helper thread while g is coded (``lookahead.py``), its native calls on one thread: with the
-        rANS pass holding the extension's pool, they would start threads of their own at each call
-        (measured: slower than preparing in series). Not on the CUDA coder, whose device work stays
-        on the caller's thread."""
+    def _helper_backend(self) -> tuple[bool, Any, Any]:
+        """(ahead, the backend a lookahead helper prepares with, the ``hold`` it takes a core with).
+        NOTE: group g + 1 is prepared on a helper thread while g is coded (``lookahead.py``), its
+        native calls on one thread: with the rANS pass holding the extension's pool, they would
+        start threads of their own at each call (measured: slower than preparing in series). Not on
+        the CUDA coder, whose device work stays on the caller's thread."""
         ahead = self.config.threads > 1 and hasattr(self.backend, "with_threads")
-        return ahead, self.backend.with_threads(1) if ahead else self.backend
+        if not ahead:
+            return False, self.backend, None
+        return True, self.backend.with_threads(1), self.backend.hold_core
 
     def _map(self, fn, items):
         return reference.thread_map(self.config.threads, fn, items)
 
     def _chunk_record(self, plan: Plan, h: ct.StreamHeader, i: int, rb: RansBlocks,
-                      bits: bytes, sums: Sums | None = None) -> ct.Chunk:
+                      bits: bytes, sums: Sums) -> ct.Chunk:
         sl, blocks = plan.chunk_slice(h, i), h.chunk_blocks(i) > 0  # NOTE: rb's blocks, as chunk_sums assumes
         assert plan.x is not None and blocks == (len(rb.word_counts) > 0)  # an encoding plan
-        mu_fingerprint, raw_digest = chunk_sums(plan, h, i) if sums is None else sums
+        mu_fingerprint, raw_digest = sums
         start, count = h.chunk_layers(i)
         c = ct.Chunk(index=i, layer_start=start, layer_count=count, steps=h.elems_per_lane if blocks else 0,
                      mu_fingerprint=mu_fingerprint, raw_digest=raw_digest, aux=plan.aux(sl, blocks=blocks),
-                     states=rb.states, word_counts=rb.word_counts, words=rb.words, bits=bits)
+                     states=rb.states, word_counts=rb.word_counts, words=rb.words, bits=bits,
+                     borrowed=True)  # NOTE: words stay a view of the backend's bytes (~1.2 MB a chunk not copied)
         if h.version >= 3 and c.record_len > stored_record_len(h, i):  # the size guard (FORMAT.md)
             return stored_chunk(h, i, plan.x[sl], None if plan.scales is None else plan.scales[sl])
         return c
@@ -270,20 +279,7 @@ class Codec:
         return self.decode_chunks(header, chunks, ids, mu)
 
     def _check_header(self, h: ct.StreamHeader, ids: np.ndarray) -> None:
-        if h.model != ct.MODEL_STORED and h.pin != self.pin_bytes:
-            raise PinMismatchError(f"stream was coded with predictor {h.pin.hex()}, this decoder has {self.pin}")
-        if h.model != ct.MODEL_STORED and h.model not in self.models:
-            raise IntegrityError(f"probability model id {h.model} is not one this checkpoint has "
-                                 f"({sorted(self.models)})")
-        if h.prompt_digest != prompt_digest(ids):
-            raise PromptMismatchError("prompt token ids differ from the encoder's")
-        if h.elems_per_lane > MAX_ELEMS_PER_LANE:
-            raise IntegrityError(f"elems_per_lane {h.elems_per_lane} exceeds {MAX_ELEMS_PER_LANE}")
-        want = (self.log2_sigma.shape[0], 2, self.log2_sigma.shape[2], len(ids), self.log2_sigma.shape[3])
-        if h.model == ct.MODEL_STORED:  # NOTE: needs no predictor: another model's stored KV (a rolling upgrade)
-            want = (*h.shape[:3], len(ids), h.shape[4])
-        if h.shape != want:
-            raise IntegrityError(f"stream shape {h.shape} does not fit this predictor and prompt {want}")
+        check_header(h, ids, self.pin, sorted(self.models), self.log2_sigma.shape)
 
     def decode_chunks(self, h: ct.StreamHeader, chunks: Sequence[ct.Chunk], ids: np.ndarray,
                       mu: "torch.Tensor | None" = None) -> "np.ndarray | Fp8KV":
@@ -318,9 +314,10 @@ class Codec:
         if mu is None and ids is not None and not all(ct.is_stored_chunk(h, c) for c in chunks):
             mu = self._predicted(ids)
         groups = element_groups(h, [c.index for c in chunks], GROUP_ELEMENTS)
-        ahead, backend = self._helper_backend()  # group g + 1's plan and mu check while g decodes
+        ahead, backend, hold = self._helper_backend()  # group g + 1's plan and mu check while g decodes
         out, at = None, 0
-        with Lookahead(lambda g: self._decode_prepare(h, chunks[g], mu, backend, ahead), groups, ahead) as prepared:
+        prepare = partial(self._decode_prepare, h, mu=mu, backend=backend, serial=ahead)
+        with Lookahead(lambda g: prepare(chunks[g]), groups, ahead, hold) as prepared:
             for g, p in zip(groups, prepared, strict=True):
                 for part in self._decode_group(h, chunks[g], p):  # each chunk's layers, copied once
                     if out is None:  # NOTE: not before a group has checked the header's shape against real bytes

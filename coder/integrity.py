@@ -1,4 +1,6 @@
-"""The check every decoded chunk passes: it is only ever returned through
+"""The checks a decoder makes: a stream's header against its predictor and prompt
+(``check_header``), each chunk's mu against its fingerprint (``check_mu``), and the check every
+decoded chunk passes: it is only ever returned through
 ``verified``, which raises IntegrityError unless its raw bytes match the chunk's
 ``raw_digest``, computed as the stream's format version defines it (blake2b-128 in
 version 2, XXH3-128 in version 3; the digests themselves are ``speckv.digests``).
@@ -9,14 +11,15 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from speckv.digests import algorithm_of, digest
-from speckv.errors import IntegrityError, MuMismatchError
+from speckv.digests import algorithm_of, digest, prompt_digest
+from speckv.errors import IntegrityError, MuMismatchError, PinMismatchError, PromptMismatchError
 
 from . import container as ct
+from .config import MAX_ELEMS_PER_LANE
 from .reference import thread_map
 
 if TYPE_CHECKING:
@@ -44,6 +47,26 @@ def verified_all(h: ct.StreamHeader, chunks: list[ct.Chunk], bits: list[np.ndarr
     dt = np.uint16 if h.dtype == ct.DTYPE_BF16 else np.uint8
     return thread_map(threads, lambda a: verified(a[0], a[1].reshape((a[0].layer_count,) + h.shape[1:]), h.version,
                                                   dt), list(zip(chunks, bits, strict=True)))
+
+
+def check_header(h: ct.StreamHeader, ids: np.ndarray, pin: str, models: list[int],
+                 sigma_shape: tuple[int, ...]) -> None:
+    """Raise unless a decoder whose predictor has ``pin``, residual ``models`` and log2 sigma of
+    ``sigma_shape`` ``(layers, 2, heads, dim)`` can decode the stream of header ``h`` for prompt
+    ``ids`` (a stored stream needs no predictor: only its prompt and token count are checked)."""
+    if h.model != ct.MODEL_STORED and h.pin != bytes.fromhex(pin):
+        raise PinMismatchError(f"stream was coded with predictor {h.pin.hex()}, this decoder has {pin}")
+    if h.model != ct.MODEL_STORED and h.model not in models:
+        raise IntegrityError(f"probability model id {h.model} is not one this checkpoint has ({models})")
+    if h.prompt_digest != prompt_digest(ids):
+        raise PromptMismatchError("prompt token ids differ from the encoder's")
+    if h.elems_per_lane > MAX_ELEMS_PER_LANE:
+        raise IntegrityError(f"elems_per_lane {h.elems_per_lane} exceeds {MAX_ELEMS_PER_LANE}")
+    want = (sigma_shape[0], 2, sigma_shape[2], len(ids), sigma_shape[3])
+    if h.model == ct.MODEL_STORED:  # NOTE: needs no predictor: another model's stored KV (a rolling upgrade)
+        want = (*h.shape[:3], len(ids), h.shape[4])
+    if h.shape != want:
+        raise IntegrityError(f"stream shape {h.shape} does not fit this predictor and prompt {want}")
 
 
 def check_mu(plan: Plan, h: ct.StreamHeader, chunks: list[ct.Chunk], threads: int) -> None:
@@ -85,7 +108,7 @@ class Ahead:
     on (the backend's encode: XXH3 releases the GIL, so the digests stop being a serial step of
     every chunk); with 1 thread on the caller, when ``result`` asks for them."""
 
-    def __init__(self, threads: int, jobs: list[Callable[[], Sums]]) -> None:
+    def __init__(self, threads: int, jobs: Sequence[Callable[[], Sums]]) -> None:
         self._jobs = jobs
         self._job: Future[list[Sums]] | None = None
         if threads > 1:

@@ -12,13 +12,21 @@ leave a core idle; with ``Lookahead`` group g + 1 is prepared while group g is c
 The results come in the items' order, and each is the same object ``fn(item)`` returns in
 series (the prepare step reads the stream, never what coding wrote), so the bytes do not
 depend on ``ahead``. An exception of ``fn`` is raised by the iteration that reaches its
-item. NOTE: leaving the ``with`` early (an error, a consumer that stops reading) cancels the
+item.
+
+``hold`` (the native coder's ``hold_core``) is told +1 when a step is handed to the helper and
+-1 when it ends (or is cancelled): while the helper computes, the rANS pass starts one thread
+fewer, and a thread joins it when the helper is done. NOTE: without it the helper, the caller and
+the pass's worker were three runnable threads on two cores, and the scheduler left one core idle
+while the other queued two of them (coder/kernels/spk_pool.h, "Held cores").
+
+NOTE: leaving the ``with`` early (an error, a consumer that stops reading) cancels the
 step not started and waits for the one running, so nothing runs on after the stream ends.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Generic, Iterator, Sequence, TypeVar
 
 T = TypeVar("T")
@@ -28,8 +36,9 @@ R = TypeVar("R")
 class Lookahead(Generic[T, R]):
     """``fn`` over ``items`` in order, one item ahead of the caller when ``ahead``."""
 
-    def __init__(self, fn: Callable[[T], R], items: Sequence[T], ahead: bool) -> None:
-        self._fn, self._items = fn, list(items)
+    def __init__(self, fn: Callable[[T], R], items: Sequence[T], ahead: bool,
+                 hold: Callable[[int], None] | None = None) -> None:
+        self._fn, self._items, self._hold = fn, list(items), hold
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="speckv-lookahead") \
             if ahead and len(self._items) > 1 else None
 
@@ -37,12 +46,26 @@ class Lookahead(Generic[T, R]):
         if self._pool is None:
             yield from (self._fn(item) for item in self._items)
             return
-        nxt = self._pool.submit(self._fn, self._items[0])
+        nxt = self._submit(self._items[0])
         for k in range(len(self._items)):
             result = nxt.result()
             if k + 1 < len(self._items):
-                nxt = self._pool.submit(self._fn, self._items[k + 1])
+                nxt = self._submit(self._items[k + 1])
             yield result
+
+    def _submit(self, item: T) -> "Future[R]":
+        assert self._pool is not None
+        hold = self._hold
+        if hold is None:
+            return self._pool.submit(self._fn, item)
+        hold(1)
+        try:
+            f = self._pool.submit(self._fn, item)
+        except BaseException:
+            hold(-1)
+            raise
+        f.add_done_callback(lambda _: hold(-1))  # NOTE: run on cancel too, so every +1 has its -1
+        return f
 
     def __enter__(self) -> "Lookahead[T, R]":
         return self

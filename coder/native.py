@@ -150,6 +150,12 @@ class NativeCoder:
         other._flat = self._flat  # NOTE: one dict: a table flattened by either is the other's too
         return other
 
+    @staticmethod
+    def hold_core(delta: int) -> None:
+        """A thread beside the pool takes (1) or gives back (-1) a core: the rANS pass starts that
+        many threads fewer meanwhile (``lookahead.Lookahead``'s ``hold``)."""
+        _native.hold_core(delta)
+
     @property
     def simd(self) -> str:
         """The instruction set of the per-element stages this coder runs: "avx512", "avx2" or "none"."""

@@ -112,6 +112,7 @@ class Prepared:
     out: dict[int, ct.Chunk]
     coded: list[int]
     plan: Plan | None
+    sums: list[tuple[bytes, bytes]] | None = None  # the coded chunks' digests, if computed ahead (Codec.encode)
 
 
 @dataclass

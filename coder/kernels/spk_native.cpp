@@ -375,6 +375,27 @@ PyObject* py_rans_blocks(PyObject*, PyObject* args) {
 
 namespace {
 
+// hold_core(delta): a thread beside the pool takes (1) or gives back (-1) a core (spk_pool.h)
+PyObject* py_hold_core(PyObject*, PyObject* args) {
+    int delta;
+    if (!PyArg_ParseTuple(args, "i", &delta)) return nullptr;
+    if (delta != 1 && delta != -1) return PyErr_Format(PyExc_ValueError, "hold_core takes 1 or -1, not %d", delta);
+    Py_BEGIN_ALLOW_THREADS  // NOTE: top_up takes the pool's lock, which a job's caller holds briefly
+    hold_core(delta);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+// pool_stats() -> (held cores, jobs, jobs started short of workers, top-ups, a job open now)
+PyObject* py_pool_stats(PyObject*, PyObject*) {
+    Pool::Stats st;
+    Py_BEGIN_ALLOW_THREADS
+    st = pool()->stats();
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("iLLLO", g_held.load(), (long long)st.jobs, (long long)st.short_starts,
+                         (long long)st.top_ups, st.open ? Py_True : Py_False);
+}
+
 PyMethodDef methods[] = {
     {"silu_mul", py_silu_mul, METH_VARARGS, "the portable predictor's gated MLP product (integer.py)"},
     {"wide_quantise", py_wide_quantise, METH_VARARGS, "the portable predictor's wide row quantisation (integer.py)"},
@@ -405,6 +426,8 @@ PyMethodDef methods[] = {
     {"encode", py_encode, METH_VARARGS, "code a batch of consecutive chunks"},
     {"group_costs", py_group_costs, METH_VARARGS, "exact coded cost and surprises per group (adapt.py)"},
     {"decode", py_decode, METH_VARARGS, "decode a batch of consecutive chunks into a buffer"},
+    {"hold_core", py_hold_core, METH_VARARGS, "a thread beside the pool takes or gives back a core (lookahead.py)"},
+    {"pool_stats", py_pool_stats, METH_NOARGS, "the worker pool's held cores and job counts (tests)"},
     {nullptr, nullptr, 0, nullptr},
 };
 

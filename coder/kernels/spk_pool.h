@@ -15,6 +15,13 @@
 // so concurrent callers never wait for each other. No task calls parallel_for (nesting
 // would take that fallback). fn must not throw: an exception escaping a worker terminates
 // the process, as it did from a std::thread before the pool.
+// Held cores: a thread of the process that computes beside the pool (the codec's lookahead
+// helper, coder/lookahead.py) holds a core while it runs (hold_core). A job then starts that
+// many workers fewer, and a core given back mid-job wakes a worker to join it. NOTE: without
+// this, the helper, the caller and a worker are three runnable threads on two cores: the
+// scheduler queued the caller and the worker on one core while the other idled (perf sched on
+// a 2-core VM: up to 1.4 ms a pass), and the caller waits at the job's end for a preempted
+// worker's task. Holding is advice: a job's caller always runs, and the cap is `threads`.
 // NOTE: fork: a child holds the pool's memory but none of its threads; the pthread_atfork
 // child handler (registered by pool_init, at module import) gives it a fresh pool, and the
 // old one is leaked (its mutexes may be held by parent threads). The pool is never
@@ -41,38 +48,64 @@ inline void run_tasks(std::atomic<int64_t>& next, int64_t n, const Task& fn) {
     for (int64_t i; (i = next.fetch_add(1)) < n;) fn(i);
 }
 
+std::atomic<int> g_held{0};  // cores held beside the pool (hold_core)
+
 class Pool {
    public:
     Pool() { workers_.reserve(MAX_THREADS); }
 
-    // fn(0..n-1) on the caller and up to min(threads, n) - 1 workers; false (nothing run) when busy.
+    // fn(0..n-1) on the caller and up to min(threads, n) - 1 workers, fewer while cores are
+    // held; false (nothing run) when busy.
     bool run(int64_t n, int threads, const Task& fn) {
         std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
         if (!busy.owns_lock()) return false;
-        const int want = (int)std::min<int64_t>(threads, n) - 1;
+        const int target = (int)std::min<int64_t>(threads, n) - 1;
+        int want;
         {
             std::lock_guard<std::mutex> lk(m_);
-            while ((int)workers_.size() < want)  // NOTE: never joined (see the head of this file)
+            while ((int)workers_.size() < target)  // NOTE: never joined (see the head of this file)
                 workers_.push_back(new std::thread([this] { loop(); }));
-            fn_ = &fn, n_ = n, next_.store(0), want_ = want, claimed_ = 0, finished_ = 0, ++gen_;
+            fn_ = &fn, n_ = n, next_.store(0), target_ = target, claimed_ = 0, finished_ = 0, ++gen_;
+            want = want_ = allowed(), open_ = true;
+            ++stats_.jobs, stats_.short_starts += want < target;
         }
-        for (int i = 0; i < want; ++i) wake_.notify_one();
+        if (want > 0) wake_.notify_all();
         run_tasks(next_, n, fn);
         std::unique_lock<std::mutex> lk(m_);
-        want_ = claimed_;  // close the job: a worker waking from now on sits it out
+        open_ = false;  // close the job: a worker waking from now on sits it out
         done_.wait(lk, [this] { return finished_ == claimed_; });
         fn_ = nullptr;
         return true;
     }
 
+    // A held core was given back: the open job, if any, may take one more worker.
+    void top_up() {
+        std::lock_guard<std::mutex> lk(m_);
+        if (!open_ || allowed() <= want_) return;
+        want_ = allowed(), ++stats_.top_ups;
+        wake_.notify_all();
+    }
+
+    struct Stats {
+        int64_t jobs = 0, short_starts = 0, top_ups = 0;  // jobs run, started short of workers, topped up
+        bool open = false;                                 // a job is taking workers now
+    };
+    Stats stats() {
+        std::lock_guard<std::mutex> lk(m_);
+        Stats s = stats_;
+        s.open = open_;
+        return s;
+    }
+
    private:
+    int allowed() const { return std::max(0, target_ - g_held.load()); }
+
     void loop() {
-        uint64_t seen = 0;
+        uint64_t joined = 0;  // the last job this worker ran in
         std::unique_lock<std::mutex> lk(m_);
         for (;;) {
-            wake_.wait(lk, [&] { return gen_ != seen; });
-            seen = gen_;
-            if (claimed_ >= want_) continue;  // the job has its workers, or is closed
+            wake_.wait(lk, [&] { return open_ && gen_ != joined && claimed_ < want_; });
+            joined = gen_;
             ++claimed_;
             const Task* fn = fn_;
             const int64_t n = n_;
@@ -90,7 +123,9 @@ class Pool {
     std::atomic<int64_t> next_{0};
     int64_t n_ = 0;
     uint64_t gen_ = 0;
-    int want_ = 0, claimed_ = 0, finished_ = 0;
+    int target_ = 0, want_ = 0, claimed_ = 0, finished_ = 0;
+    bool open_ = false;
+    Stats stats_;
 };
 
 // NOTE: a plain atomic, not a function-local static: a fork during a static's guarded
@@ -108,7 +143,16 @@ Pool* pool() {
 
 // Once, at module import (PyInit): a forked child starts with a fresh, empty pool.
 void pool_init() {
-    pthread_atfork(nullptr, nullptr, [] { g_pool.store(new Pool(), std::memory_order_release); });
+    pthread_atfork(nullptr, nullptr, [] {
+        g_pool.store(new Pool(), std::memory_order_release);
+        g_held.store(0);  // the parent's helpers are not the child's
+    });
+}
+
+// A thread beside the pool takes (delta 1) or gives back (delta -1) a core (see the head of this file).
+void hold_core(int delta) {
+    g_held.fetch_add(delta);
+    if (delta < 0) pool()->top_up();
 }
 
 // fn(0..n-1) on up to `threads` threads (at most MAX_THREADS), the caller's included.

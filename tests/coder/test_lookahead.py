@@ -1,6 +1,7 @@
 """Lookahead (coder/lookahead.py): results in order and equal to the series, the next item
 prepared while the caller holds the current one, errors at their item, nothing left running
-after an early exit; and a whole-stream encode on two threads prepares on the helper."""
+after an early exit; every core held for a helper's step given back (done, failed or
+cancelled); and a whole-stream encode on two threads prepares on the helper, holding a core."""
 
 from __future__ import annotations
 
@@ -93,6 +94,52 @@ def test_an_early_exit_leaves_nothing_running():
     assert la._pool is not None and la._pool._shutdown  # noqa: SLF001 -- the helper is gone
 
 
+class Holds:
+    """A ``hold`` that logs each call and the thread it came from."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, delta: int) -> None:
+        with self.lock:
+            self.calls.append(delta)
+
+    @property
+    def held(self) -> int:
+        return sum(self.calls)
+
+
+def test_each_step_on_the_helper_holds_a_core_until_it_ends():
+    holds = Holds()
+    inside: list[int] = []
+    with Lookahead(lambda i: inside.append(holds.held) or i, range(4), True, holds) as out:
+        assert list(out) == [0, 1, 2, 3]
+    assert holds.calls.count(1) == 4 and holds.held == 0, holds.calls
+    assert all(h >= 1 for h in inside), inside  # each step ran with its core held
+    with Lookahead(lambda i: i, range(3), False, holds) as out:  # in series: nothing held
+        assert list(out) == [0, 1, 2]
+    assert len(holds.calls) == 8
+
+
+def test_failed_and_cancelled_steps_give_their_core_back():
+    holds = Holds()
+
+    def fn(i: int) -> int:
+        if i == 1:
+            raise ValueError("item 1")
+        return i
+
+    with pytest.raises(ValueError, match="item 1"), Lookahead(fn, range(5), True, holds) as out:
+        list(out)
+    assert holds.held == 0 and holds.calls.count(1) in (2, 3), holds.calls  # item 2 may have been queued
+    holds = Holds()
+    with Lookahead(lambda i: i, range(10), True, holds) as out:
+        for _ in out:
+            break  # the consumer stops: item 1's step ends or is cancelled
+    assert holds.held == 0 and holds.calls.count(1) <= 2, holds.calls
+
+
 def test_whole_stream_encode_prepares_on_the_helper(ckpt, monkeypatch, built):
     """Two threads on the native coder: later groups prepared on the helper with a one-thread
     coder sharing the codec's tables, the same records as one thread in series."""
@@ -112,11 +159,18 @@ def test_whole_stream_encode_prepares_on_the_helper(ckpt, monkeypatch, built):
     one = Codec.from_checkpoint(ckpt, codec_mod.CodecConfig(elems_per_lane=64, layers_per_chunk=2,
                                                             coder="native", threads=1))
     assert two.config.threads == 2
+    held, jobs, short = native._native.pool_stats()[:3]
     records = list(two.encode(kv, ids, mu))
     assert len(seen) == 15 and all(name.startswith("speckv-lookahead") and t == 1 for name, t in seen), seen
+    after = native._native.pool_stats()
+    assert after[0] == held and after[1] > jobs, (held, jobs, after)  # every core it held given back
     seen.clear()
     assert_same_records(records, list(one.encode(kv, ids, mu)))
     assert len(seen) == 15 and all(name == threading.main_thread().name and t == 1 for name, t in seen), seen
+    stream = two.encode(kv, ids, mu)
+    next(stream), next(stream)
+    stream.close()  # a consumer that stops reading: the helper's step ends or is cancelled
+    assert native._native.pool_stats()[0] == held
 
 
 def test_with_threads_shares_the_flattened_tables(built):
@@ -168,3 +222,4 @@ def test_whole_stream_decode_prepares_on_the_helper(ckpt, monkeypatch, built):
     for codec in (one, two):
         with pytest.raises(IntegrityError, match="chunk 3: decoded KV fails its checksum"):
             codec.decode(corrupt, ids, bf16_tensor(other))
+    assert native._native.pool_stats()[0] == 0  # the helper's cores given back, after errors too

@@ -2,7 +2,9 @@
 writes the same bytes; Python threads calling native code at once (one gets the pool, the
 others their own threads) all get the same answer as one call alone; and a forked child,
 which holds the pool's memory but none of its workers, runs threaded calls to completion
-instead of waiting forever for workers that do not exist there.
+instead of waiting forever for workers that do not exist there. A core held beside the pool
+(``hold_core``: the codec's lookahead helper) starts a job one worker short, and given back
+mid-job lets a worker join it.
 
 A missing extension skips these tests on a developer's machine and fails them in CI
 (SPECKV_REQUIRE_NATIVE, tests/require.py).
@@ -92,3 +94,55 @@ def test_a_forked_child_gets_its_own_workers(inputs):
         child.kill()
         pytest.fail("a threaded native call hung in a forked child")
     assert child.exitcode == 0 and q.get(timeout=5) is True
+
+
+def stats() -> dict[str, object]:
+    held, jobs, short, top_ups, open_ = native._native.pool_stats()
+    return {"held": held, "jobs": jobs, "short": short, "top_ups": top_ups, "open": open_}
+
+
+def test_a_held_core_starts_a_job_one_worker_short(inputs):
+    want = prepared(1, inputs).tobytes()
+    before = stats()
+    native.NativeCoder.hold_core(1)
+    try:
+        assert stats()["held"] == before["held"] + 1
+        assert prepared(2, inputs).tobytes() == want  # the caller alone: no worker allowed
+        mid = stats()
+        assert (mid["jobs"], mid["short"]) == (before["jobs"] + 1, before["short"] + 1), (before, mid)
+        assert prepared(3, inputs).tobytes() == want  # one worker of two
+        assert stats()["short"] == before["short"] + 2
+    finally:
+        native.NativeCoder.hold_core(-1)
+    assert prepared(2, inputs).tobytes() == want
+    after = stats()
+    assert after["held"] == before["held"] and after["short"] == before["short"] + 2, (before, after)
+
+
+def give_back(done: threading.Event) -> None:
+    """Give the held core back once a job is open (or the caller is done)."""
+    while not stats()["open"] and not done.is_set():
+        pass
+    native.NativeCoder.hold_core(-1)
+
+
+def test_a_core_given_back_mid_job_lets_a_worker_join(inputs):
+    """The core is given back once a job is open (seen through ``pool_stats``, never a sleep);
+    a job short enough to end before the watcher sees it is simply tried again."""
+    want = prepared(1, inputs).tobytes()
+    for _ in range(50):
+        before = stats()
+        native.NativeCoder.hold_core(1)
+        done = threading.Event()
+
+        watcher = threading.Thread(target=give_back, args=(done,), daemon=True)
+        watcher.start()
+        try:
+            assert prepared(2, inputs).tobytes() == want
+        finally:
+            done.set()
+            watcher.join(timeout=30)
+        assert not watcher.is_alive() and stats()["held"] == before["held"]
+        if stats()["top_ups"] > before["top_ups"]:
+            return
+    pytest.fail("no job was topped up in 50 tries")
