@@ -3,7 +3,8 @@
 A whole stream is coded group by group (``plan.element_groups``). Each group has a prepare
 step (prepare mu, sample and price the sigma shifts: numpy and small native calls, mostly
 serial) and a code step (the native rANS pass over both cores). In series the prepare steps
-leave a core idle; with ``Lookahead`` group g + 1 is prepared while group g is coded::
+leave a core idle; with ``Lookahead`` group g + 1 is prepared while group g is coded (and group 0
+on the caller while the helper prepares group 1: nothing else is ready to run then)::
 
     with Lookahead(prepare, groups, ahead=threads > 1) as prepared:
         for g, p in zip(groups, prepared):
@@ -46,8 +47,9 @@ class Lookahead(Generic[T, R]):
         if self._pool is None:
             yield from (self._fn(item) for item in self._items)
             return
-        nxt = self._submit(self._items[0])
-        for k in range(len(self._items)):
+        nxt = self._submit(self._items[1])  # NOTE: item 0 on the caller meanwhile: no pass runs yet to overlap
+        yield self._fn(self._items[0])
+        for k in range(1, len(self._items)):
             result = nxt.result()
             if k + 1 < len(self._items):
                 nxt = self._submit(self._items[k + 1])
