@@ -111,7 +111,7 @@ class Ahead:
     def __init__(self, threads: int, jobs: Sequence[Callable[[], Sums]]) -> None:
         self._jobs = jobs
         self._job: Future[list[Sums]] | None = None
-        if threads > 1:
+        if threads > 1 and jobs:
             self._job = _digest_thread().submit(lambda: [j() for j in jobs])
 
     def result(self) -> list[Sums]:
