@@ -136,12 +136,14 @@ class Codec:
 
         ahead, backend, hold = self._helper_backend()
 
-        def prepare(g: slice) -> Prepared:  # NOTE: the digests too, on the core the helper holds
+        ahead = ahead and len(groups) > 1  # NOTE: else the digest thread overlaps the pass (Ahead)
+
+        def prepare(g: slice) -> Prepared:  # NOTE: ahead, the digests too, on the core the helper holds
             a, b = header.chunk_layers(every[g][0])[0], sum(header.chunk_layers(every[g][-1]))
             p = self._prepare(header, every[g], x[a:b], mu_bits, None if scales is None else scales[a:b],
                               backend=backend)
-            return p if p.plan is None else dataclasses.replace(p, sums=[chunk_sums(p.plan, header, i)
-                                                                         for i in p.coded])
+            return p if p.plan is None or not ahead else dataclasses.replace(
+                p, sums=[chunk_sums(p.plan, header, i) for i in p.coded])
 
         with Lookahead(prepare, groups, ahead, hold) as prepared:
             for g, p in zip(groups, prepared, strict=True):
@@ -245,7 +247,8 @@ class Codec:
         c = ct.Chunk(index=i, layer_start=start, layer_count=count, steps=h.elems_per_lane if blocks else 0,
                      mu_fingerprint=mu_fingerprint, raw_digest=raw_digest, aux=plan.aux(sl, blocks=blocks),
                      states=rb.states, word_counts=rb.word_counts, words=rb.words, bits=bits,
-                     borrowed=True)  # NOTE: words stay a view of the backend's bytes (~1.2 MB a chunk not copied)
+                     borrowed=self.backend is not None)  # NOTE: a backend's words: a view of its own bytes,
+        # not copied (~1.2 MB a chunk); the reference's are views of one array for the whole pass
         if h.version >= 3 and c.record_len > stored_record_len(h, i):  # the size guard (FORMAT.md)
             return stored_chunk(h, i, plan.x[sl], None if plan.scales is None else plan.scales[sl])
         return c

@@ -386,14 +386,15 @@ PyObject* py_hold_core(PyObject*, PyObject* args) {
     Py_RETURN_NONE;
 }
 
-// pool_stats() -> (held cores, jobs, jobs started short of workers, top-ups, a job open now)
+// pool_stats() -> (held cores, jobs, jobs started short of workers, top-ups, a job open now,
+//                  workers the last job started with)
 PyObject* py_pool_stats(PyObject*, PyObject*) {
     Pool::Stats st;
     Py_BEGIN_ALLOW_THREADS
     st = pool()->stats();
     Py_END_ALLOW_THREADS
-    return Py_BuildValue("iLLLO", g_held.load(), (long long)st.jobs, (long long)st.short_starts,
-                         (long long)st.top_ups, st.open ? Py_True : Py_False);
+    return Py_BuildValue("iLLLOi", g_held.load(), (long long)st.jobs, (long long)st.short_starts,
+                         (long long)st.top_ups, st.open ? Py_True : Py_False, st.last_want);
 }
 
 PyMethodDef methods[] = {

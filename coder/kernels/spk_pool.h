@@ -67,9 +67,9 @@ class Pool {
                 workers_.push_back(new std::thread([this] { loop(); }));
             fn_ = &fn, n_ = n, next_.store(0), target_ = target, claimed_ = 0, finished_ = 0, ++gen_;
             want = want_ = allowed(), open_ = true;
-            ++stats_.jobs, stats_.short_starts += want < target;
+            ++stats_.jobs, stats_.short_starts += want < target, stats_.last_want = want;
         }
-        if (want > 0) wake_.notify_all();
+        for (int i = 0; i < want; ++i) wake_.notify_one();  // NOTE: every parked worker is eligible now
         run_tasks(next_, n, fn);
         std::unique_lock<std::mutex> lk(m_);
         open_ = false;  // close the job: a worker waking from now on sits it out
@@ -83,11 +83,12 @@ class Pool {
         std::lock_guard<std::mutex> lk(m_);
         if (!open_ || allowed() <= want_) return;
         want_ = allowed(), ++stats_.top_ups;
-        wake_.notify_all();
+        wake_.notify_all();  // NOTE: not notify_one: a worker done with this job may be parked again
     }
 
     struct Stats {
         int64_t jobs = 0, short_starts = 0, top_ups = 0;  // jobs run, started short of workers, topped up
+        int last_want = 0;                                 // workers the last job started with
         bool open = false;                                 // a job is taking workers now
     };
     Stats stats() {
@@ -98,7 +99,8 @@ class Pool {
     }
 
    private:
-    int allowed() const { return std::max(0, target_ - g_held.load()); }
+    // NOTE: clamped both ways: a count below zero (a stray give-back) never lifts a job past `threads`
+    int allowed() const { return std::clamp(target_ - g_held.load(), 0, target_); }
 
     void loop() {
         uint64_t joined = 0;  // the last job this worker ran in

@@ -15,6 +15,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -97,8 +98,8 @@ def test_a_forked_child_gets_its_own_workers(inputs):
 
 
 def stats() -> dict[str, object]:
-    held, jobs, short, top_ups, open_ = native._native.pool_stats()
-    return {"held": held, "jobs": jobs, "short": short, "top_ups": top_ups, "open": open_}
+    held, jobs, short, top_ups, open_, last_want = native._native.pool_stats()
+    return {"held": held, "jobs": jobs, "short": short, "top_ups": top_ups, "open": open_, "last_want": last_want}
 
 
 def test_a_held_core_starts_a_job_one_worker_short(inputs):
@@ -110,8 +111,9 @@ def test_a_held_core_starts_a_job_one_worker_short(inputs):
         assert prepared(2, inputs).tobytes() == want  # the caller alone: no worker allowed
         mid = stats()
         assert (mid["jobs"], mid["short"]) == (before["jobs"] + 1, before["short"] + 1), (before, mid)
+        assert stats()["last_want"] == 0
         assert prepared(3, inputs).tobytes() == want  # one worker of two
-        assert stats()["short"] == before["short"] + 2
+        assert stats()["short"] == before["short"] + 2 and stats()["last_want"] == 1
     finally:
         native.NativeCoder.hold_core(-1)
     assert prepared(2, inputs).tobytes() == want
@@ -122,7 +124,7 @@ def test_a_held_core_starts_a_job_one_worker_short(inputs):
 def give_back(done: threading.Event) -> None:
     """Give the held core back once a job is open (or the caller is done)."""
     while not stats()["open"] and not done.is_set():
-        pass
+        time.sleep(0)  # NOTE: lets the GIL go; the job itself runs without it
     native.NativeCoder.hold_core(-1)
 
 
@@ -146,3 +148,14 @@ def test_a_core_given_back_mid_job_lets_a_worker_join(inputs):
         if stats()["top_ups"] > before["top_ups"]:
             return
     pytest.fail("no job was topped up in 50 tries")
+
+
+def test_a_stray_give_back_never_lifts_a_job_past_its_threads(inputs):
+    want = prepared(1, inputs).tobytes()
+    assert prepared(8, inputs).tobytes() == want  # the pool has workers to spare
+    native.NativeCoder.hold_core(-1)  # a give-back with no hold: the count goes below zero
+    try:
+        assert prepared(2, inputs).tobytes() == want
+        assert stats()["last_want"] == 1  # the caller and one worker: 2 threads, as asked
+    finally:
+        native.NativeCoder.hold_core(1)
