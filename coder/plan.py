@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Collection, Sequence
+from typing import Any, Collection, Sequence
 
 import numpy as np
 
@@ -24,9 +24,6 @@ from .adapt import choose_rounding, choose_shifts
 from .model import BF16, E4M3, FP32, Context, ContextTable, FloatFormat, context, fp8_log2_sigma
 from .residual import ResidualModel
 from .tables import SHIFT_MAX
-
-if TYPE_CHECKING:
-    from .integrity import Sums
 
 
 @dataclass
@@ -115,7 +112,7 @@ class Prepared:
     out: dict[int, ct.Chunk]
     coded: list[int]
     plan: Plan | None
-    sums: list[Sums] | None = None  # the coded chunks' digests, if computed ahead (Codec.encode)
+    sums: list[tuple[bytes, bytes]] | None = None  # the coded chunks' digests (integrity.Sums), if computed ahead
 
 
 @dataclass
