@@ -34,7 +34,7 @@ from .backends import select_backend
 from .config import MAX_ELEMS_PER_LANE, CodecConfig
 from .integrity import Ahead, Sums, check_header, check_mu, chunk_sums, verified_all
 from .interfaces import CheckpointLike, MuSource
-from .lookahead import Lookahead
+from .lookahead import Lookahead, runs_ahead
 from .model import BF16, E4M3, Context, ContextTable, FloatFormat
 from .plan import (
     Plan,
@@ -136,7 +136,7 @@ class Codec:
 
         ahead, backend, hold = self._helper_backend()
 
-        ahead = ahead and len(groups) > 1  # NOTE: else the digest thread overlaps the pass (Ahead)
+        ahead = runs_ahead(ahead, len(groups))  # NOTE: else the digest thread overlaps the pass (Ahead)
 
         def prepare(g: slice) -> Prepared:  # NOTE: ahead, the digests too, on the core the helper holds
             a, b = header.chunk_layers(every[g][0])[0], sum(header.chunk_layers(every[g][-1]))

@@ -34,6 +34,11 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
+def runs_ahead(ahead: bool, n_items: int) -> bool:
+    """Whether a ``Lookahead`` over ``n_items`` hands steps to a helper (one item: nothing to overlap)."""
+    return ahead and n_items > 1
+
+
 class Lookahead(Generic[T, R]):
     """``fn`` over ``items`` in order, one item ahead of the caller when ``ahead``."""
 
@@ -41,7 +46,7 @@ class Lookahead(Generic[T, R]):
                  hold: Callable[[int], None] | None = None) -> None:
         self._fn, self._items, self._hold = fn, list(items), hold
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="speckv-lookahead") \
-            if ahead and len(self._items) > 1 else None
+            if runs_ahead(ahead, len(self._items)) else None
 
     def __iter__(self) -> Iterator[R]:
         if self._pool is None:
