@@ -183,7 +183,7 @@ class CudaCoder:
     def prepare_mu(self, mu: np.ndarray, a: np.ndarray | None, b: np.ndarray | None,
                    scales: np.ndarray | None) -> np.ndarray:
         """NativeCoder.prepare_mu (numpy in, numpy out)."""
-        return self.prepare_mu_device(np.ascontiguousarray(mu, np.uint16), a, b, scales).get()
+        return self.cp.asnumpy(self.prepare_mu_device(np.ascontiguousarray(mu, np.uint16), a, b, scales))
 
     # -- encode --------------------------------------------------------------------------
     def encode_device(self, x: Any, mu: Any, log2_sigma: Any, layer_counts: Sequence[int], elems_per_lane: int,
@@ -204,7 +204,7 @@ class CudaCoder:
         targs, _, smem = self._tables_of(tables)
         counts = cp.empty((nb, 4), cp.uint64)
         self._launch(f"spk_encode_count_{sfx}", nb, geo + targs + (x, mu, L, counts), smem)
-        lay = encode_layout(counts.get(), g)
+        lay = encode_layout(cp.asnumpy(counts), g)
         bits = cp.zeros(lay.total, cp.uint8)
         states, n_words = cp.empty((nb, LANES), cp.uint32), cp.empty(nb, cp.uint32)
         scratch = cp.empty(nb * elems_per_lane * LANES, cp.uint16)
@@ -214,7 +214,9 @@ class CudaCoder:
         offsets = cp.cumsum(n_words, dtype=cp.uint64) - n_words
         words = cp.empty(scratch.size, cp.uint16)
         self._launch("spk_gather", nb, (scratch, n_words, offsets, np.int32(nb), np.int32(elems_per_lane), words))
-        return _chunks(g, lay, states.get(), n_words.get(), words, bits.get())
+        nw = cp.asnumpy(n_words)
+        words_h = cp.asnumpy(words[:int(nw.sum(dtype=np.int64))])
+        return _chunks(g, lay, cp.asnumpy(states), nw, words_h, cp.asnumpy(bits))
 
     def encode(self, x: np.ndarray, mu: np.ndarray, log2_sigma: np.ndarray, layer_counts: Sequence[int],
                elems_per_lane: int, tables: CodingTables) -> list[EncodedChunk]:
@@ -247,18 +249,18 @@ class CudaCoder:
         self._launch(f"spk_decode_rans_{sfx}", nb, geo + targs + (
             bucket, mu, L, cp.asarray(states), cp.asarray(counts), cp.asarray(word_lo),
             cp.asarray(words if words.size else np.zeros(1, np.uint16)), info, tally, status), smem)
-        st = status.get()
+        st = cp.asnumpy(status)
         bad = np.flatnonzero(st)
         if len(bad):
             b = int(bad[0])
             c = int(g.block_chunk[b])
             _raise(int(st[b]), c, b - int(g.chunk_b0[c]), 0, 0)
-        checks, sec, skip, bits, cbyte, deltas = _sections(g, tally.get(), [s[1] for s in streams], fp8)
+        checks, sec, skip, bits, cbyte, deltas = _sections(g, cp.asnumpy(tally), [s[1] for s in streams], fp8)
         flags = cp.zeros((nb, 2), cp.uint32)
         self._launch(f"spk_decode_values_{sfx}", nb, geo + (
             info, cp.asarray(sec), cp.asarray(cbyte), cp.asarray(skip), cp.asarray(bits), cp.asarray(deltas),
             out, flags))
-        fl = flags.get()
+        fl = cp.asnumpy(flags)
         for c, chk in enumerate(checks):
             blk = slice(int(g.chunk_b0[c]), int(g.chunk_b0[c] + g.chunk_blocks[c]))
             s, f1, f2 = chunk_status(chk, bool(fl[blk, 0].any()), bool(fl[blk, 1].any()))
@@ -272,7 +274,7 @@ class CudaCoder:
         dev = cp.empty(out.shape, out.dtype)
         self.decode_device(cp.asarray(np.ascontiguousarray(mu)), np.asarray(log2_sigma), layer_counts,
                            elems_per_lane, streams, tables, dev)
-        out[...] = dev.get()
+        out[...] = cp.asnumpy(dev)
 
 
 def _channels(shape: Sequence[int]) -> int:
@@ -280,10 +282,9 @@ def _channels(shape: Sequence[int]) -> int:
     return int(shape[0]) * int(shape[1]) * int(shape[2]) * int(shape[4])
 
 
-def _chunks(g: Geometry, lay: Any, states: np.ndarray, n_words: np.ndarray, words_dev: Any,
+def _chunks(g: Geometry, lay: Any, states: np.ndarray, n_words: np.ndarray, words: np.ndarray,
             bits: np.ndarray) -> list[EncodedChunk]:
     """Per chunk: its blocks' states, counts, words and its bytes of the bits buffer."""
-    words = words_dev[:int(n_words.sum(dtype=np.int64))].get()
     out, w0 = [], 0
     for c in range(len(g.chunk_n)):
         blk = slice(int(g.chunk_b0[c]), int(g.chunk_b0[c] + g.chunk_blocks[c]))

@@ -1,0 +1,97 @@
+"""The fused CUDA coder's kernels on the CPU, for tests: ``CudaCoder(emulated_cupy(dir))`` runs
+coder/cuda.py as it is, with CuPy replaced by numpy and a RawModule whose kernels are
+coder/kernels/spk_fused.cu compiled by g++ against a warp emulator (tests/coder/emu/cuda_emu.h).
+
+So the kernels' own logic (warp scans, ballots, bit placement, the decoder's early exits) runs,
+and is checked against the native coder byte for byte, where no GPU is. NOTE: an emulator, not a
+GPU: it says nothing about speed, and it runs one thread at a time (no races can show).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import shutil
+import subprocess
+import types
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from require import missing
+
+from speckv.coder.cuda import source_dir
+
+EMU_DIR = Path(__file__).parent / "emu"
+
+
+class _Kernel:
+    """One kernel: called as CuPy's RawKernel is, ``k(grid, block, args, shared_mem=)``."""
+
+    def __init__(self, lib: ctypes.CDLL, name: str) -> None:
+        self.lib, self.name = lib, name
+        self.addr = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+        self.max_dynamic_shared_size_bytes = 0
+
+    def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
+        if len(grid) != 1 or len(block) != 1:
+            raise ValueError("the emulator launches 1-D grids only")
+        words = []
+        for a in args:
+            if isinstance(a, np.ndarray):
+                if not a.flags.c_contiguous:
+                    raise ValueError(f"{self.name}: a non-contiguous array argument")
+                words.append(a.ctypes.data)
+            elif isinstance(a, (np.integer, int)):
+                words.append(int(a) & (1 << 64) - 1)  # NOTE: two's complement; the callee reads its width
+            else:
+                raise TypeError(f"{self.name}: argument of type {type(a).__name__}")
+        argv = (ctypes.c_uint64 * max(len(words), 1))(*words)
+        rc = self.lib.spk_emu_launch(ctypes.c_void_p(self.addr), ctypes.c_uint(int(grid[0])),
+                                     ctypes.c_uint(int(block[0])), ctypes.c_ulonglong(int(shared_mem)), argv,
+                                     ctypes.c_int(len(words)))
+        if rc:
+            raise ValueError(f"{self.name}: the emulator refused the launch ({rc})")
+
+
+class _Module:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+
+    def get_function(self, name: str) -> _Kernel:
+        return _Kernel(self.lib, name)
+
+
+def build(code: str, work: Path) -> ctypes.CDLL:
+    """spk_fused.cu's text (as coder/cuda.py hands it to CuPy), compiled for the emulator."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        missing("GXX", "g++ not found (the CUDA emulator compiles the kernels with it)")
+    # NOTE: a static __shared__ array is a function-level static here (cuda_emu.h); `extern` and `static` clash
+    text = code.replace("extern __shared__", "extern")
+    text = f'#include "cuda_emu.h"\n{text}\n#include "cuda_emu_run.h"\n'
+    key = hashlib.sha256(text.encode() + (EMU_DIR / "cuda_emu.h").read_bytes()
+                         + (EMU_DIR / "cuda_emu_run.h").read_bytes()).hexdigest()[:16]
+    so = work / f"fused_emu_{key}.so"
+    if not so.exists():
+        src = work / f"fused_emu_{key}.cpp"
+        src.write_text(text)
+        cmd = [gxx, "-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-ffp-contract=off", f"-I{EMU_DIR}",
+               f"-I{source_dir()}", str(src), "-o", str(so)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if proc.returncode:
+            raise RuntimeError(f"the CUDA emulator build failed:\n{proc.stderr[-4000:]}")
+    lib = ctypes.CDLL(str(so))
+    lib.spk_emu_launch.restype = ctypes.c_int
+    return lib
+
+
+def emulated_cupy(work: Path) -> Any:
+    """A stand-in for the ``cupy`` module, as much of it as coder/cuda.py uses."""
+    cp = types.SimpleNamespace()
+    for name in ("asarray", "ascontiguousarray", "empty", "zeros", "cumsum", "uint8", "uint16", "uint32",
+                 "uint64", "int32", "int64", "float32"):
+        setattr(cp, name, getattr(np, name))
+    cp.asnumpy = lambda a: np.array(a, copy=True)  # NOTE: a copy, as a device-to-host transfer is
+    cp.RawModule = lambda code, options: _Module(build(code, work))
+    return cp

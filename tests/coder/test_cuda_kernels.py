@@ -1,0 +1,194 @@
+"""The fused CUDA coder (coder/cuda.py driving coder/kernels/spk_fused.cu) against the native coder,
+byte for byte: on the CPU's warp emulator (tests/coder/cuda_emu.py) everywhere, and on a CUDA
+device where there is one (the ``device`` half skips without one; CI has none).
+
+The emulator runs the kernels' own source, warp scans, ballots and early exits included, through
+coder/cuda.py's host code unchanged (CuPy replaced by numpy): so every kernel change is checked
+here without a GPU. It cannot say anything about speed (benchmarks/gpu_check.py on a device)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cuda_emu import EMU_DIR, _Module, build, emulated_cupy
+from require import missing
+
+from speckv.coder import backends, native
+from speckv.coder.cuda import CudaCoder
+from speckv.coder.model import fp8_log2_sigma
+from speckv.coder.residual import models_of
+from speckv.errors import IntegrityError, RansDecodeError
+
+
+@pytest.fixture(scope="module", params=["emulator", "device"])
+def coders(request, tmp_path_factory):
+    """(the CUDA coder, the native coder, layers a case has: fewer on the emulator)."""
+    if not native.available():
+        missing("NATIVE", f"the native coder is not built ({native.IMPORT_ERROR})")
+    if request.param == "device":
+        if not backends.cuda_available():
+            pytest.skip("no CUDA device or CuPy")
+        return CudaCoder.load(), native.NativeCoder(threads=2), 30
+    return CudaCoder(emulated_cupy(tmp_path_factory.mktemp("emu"))), native.NativeCoder(threads=2), 6
+
+
+def _case(model, fp8, layers, tokens, seed):
+    rng = np.random.default_rng(seed)
+    shape = (layers, 2, 3, tokens, 64)
+    mu = rng.integers(0, 1 << 16, shape, dtype=np.uint16)
+    x = rng.integers(0, 256, shape, dtype=np.uint8) if fp8 else (mu ^ rng.integers(0, 16, shape)).astype(np.uint16)
+    scales = rng.uniform(1e-3, 4, (layers, 2)).astype(np.float32) if fp8 else None
+    a = None if model.mu_scale is None else model.mu_scale[:layers]
+    b = None if model.mu_shift is None else model.mu_shift[:layers]
+    L = model.log2_sigma[:layers].astype(np.int32)
+    if fp8:
+        L = fp8_log2_sigma(L, scales.view(np.uint32)[:, :, None, None]).astype(np.int32)
+    return x, mu, a, b, scales, L
+
+
+def _assert_same_streams(pc, pn):
+    assert len(pc) == len(pn)
+    for c, n in zip(pc, pn, strict=True):
+        assert c.bits == n.bits and np.array_equal(c.blocks.words, n.blocks.words)
+        assert np.array_equal(c.blocks.states, n.blocks.states)
+        assert np.array_equal(c.blocks.word_counts, n.blocks.word_counts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("tokens,epl,lpc", [(17, 1, 3), (64, 7, 4), (37, 1024, 5), (0, 64, 2)])
+def test_cuda_equals_native(coders, ckpt, fp8, tokens, epl, lpc):
+    cu, nat, layers = coders
+    for mid, model in models_of(ckpt).items():
+        x, mu, a, b, scales, L = _case(model, fp8, layers, tokens, mid + tokens)
+        m_c, m_n = cu.prepare_mu(mu, a, b, scales), nat.prepare_mu(mu, a, b, scales)
+        assert np.array_equal(m_c, m_n)
+        counts = [min(lpc, layers - i) for i in range(0, layers, lpc)]
+        pc, pn = cu.encode(x, m_c, L, counts, epl, model.tables), nat.encode(x, m_n, L, counts, epl, model.tables)
+        _assert_same_streams(pc, pn)
+        out = np.empty_like(x)
+        cu.decode(m_c, L, counts, epl, [(p.blocks, p.bits) for p in pn], model.tables, out)
+        assert np.array_equal(out, x)
+
+
+def _outcome(coder, m, L, counts, epl, streams, tables, like):
+    try:
+        coder.decode(m, L, counts, epl, streams, tables, np.empty_like(like))
+        return "ok"
+    except (IntegrityError, RansDecodeError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("part", ["bits", "words", "states"])
+def test_cuda_rejects_corrupt_streams_as_native(coders, ckpt, part):
+    """A flipped bit anywhere gives the native coder's outcome: the same error, message and all."""
+    cu, nat, _ = coders
+    model = models_of(ckpt)[2]
+    x, mu, a, b, scales, L = _case(model, False, 4, 40, 9)
+    m = nat.prepare_mu(mu, a, b, scales)
+    parts = nat.encode(x, m, L, [2, 2], 16, model.tables)
+    rng = np.random.default_rng({"bits": 1, "words": 2, "states": 3}[part])
+    outcomes = set()
+    for _ in range(30):
+        c = int(rng.integers(0, 2))
+        blocks, bits = parts[c].blocks, bytearray(parts[c].bits)
+        words, states = blocks.words.copy(), blocks.states.copy()
+        target = {"bits": np.frombuffer(bits, np.uint8), "words": words.view(np.uint8),
+                  "states": states.view(np.uint8).reshape(-1)}[part]
+        target[int(rng.integers(0, target.size))] ^= np.uint8(1 << int(rng.integers(0, 8)))
+        streams = [(p.blocks, p.bits) for p in parts]
+        streams[c] = (type(blocks)(states, blocks.word_counts, words), bytes(bits))
+        want = _outcome(nat, m, L, [2, 2], 16, streams, model.tables, x)
+        assert _outcome(cu, m, L, [2, 2], 16, streams, model.tables, x) == want
+        outcomes.add(want.split(":")[0])
+    assert outcomes - {"ok"}, "no corruption was caught: the case checks nothing"
+
+
+# -- the emulator itself ------------------------------------------------------------------------
+COLLECTIVES = r"""
+extern "C" __global__ void collectives(unsigned* out, int n) {
+    __shared__ unsigned across[64];
+    const unsigned t = threadIdx.x, lane = t & 31u, v = 3u * t + blockIdx.x;
+    unsigned* o = out + 8 * (blockIdx.x * blockDim.x + t);
+    unsigned s = v;
+    for (unsigned d = 1; d < 32u; d <<= 1) {  // inclusive scan
+        const unsigned u = __shfl_up_sync(0xFFFFFFFFu, s, d);
+        if (lane >= d) s += u;
+    }
+    o[0] = s;
+    unsigned m = v;
+    for (int d = 16; d; d >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, d));
+    o[1] = m;
+    o[2] = __shfl_sync(0xFFFFFFFFu, v, 31 - (int)lane);
+    o[3] = __ballot_sync(0xFFFFFFFFu, lane % 3u == 0u || t >= (unsigned)n);
+    o[4] = __all_sync(0xFFFFFFFFu, t < (unsigned)n), o[5] = __any_sync(0xFFFFFFFFu, t == 5u);
+    across[t] = v;
+    __syncthreads();
+    o[6] = across[blockDim.x - 1 - t];  // another warp's value, after the barrier
+    o[7] = __popc(v) + 100u * __clz(v);
+}
+"""
+
+
+def test_emulator_collectives_have_cudas_results(tmp_path):
+    """Shuffles (up, xor, indexed), votes, a barrier with a static __shared__ array, over 2 CTAs of 2
+    warps, against the values CUDA defines for them (computed here in numpy)."""
+    k = _module(COLLECTIVES, tmp_path).get_function("collectives")
+    out = np.zeros((2, 64, 8), np.uint32)
+    k((2,), (64,), (out, np.int32(40)))
+    t = np.arange(64)
+    for b in range(2):
+        v = (3 * t + b).astype(np.uint32).reshape(2, 32)
+        o = out[b].reshape(2, 32, 8)
+        assert np.array_equal(o[..., 0], np.cumsum(v, axis=1))
+        assert np.array_equal(o[..., 1], np.repeat(v.max(axis=1, keepdims=True), 32, axis=1))
+        assert np.array_equal(o[..., 2], v[:, ::-1])
+        want = [int(sum(1 << ln for ln in range(32) if ln % 3 == 0 or 32 * w + ln >= 40)) for w in range(2)]
+        assert o[:, 0, 3].tolist() == want and (o[..., 3] == o[:, :1, 3]).all()
+        assert o[:, :, 4].tolist() == [[1] * 32, [0] * 32] and o[:, :, 5].tolist() == [[1] * 32, [0] * 32]
+        assert np.array_equal(out[b, :, 6], (3 * t[::-1] + b).astype(np.uint32))
+        vv = (3 * t + b).astype(np.uint32)
+        clz = np.array([32 - int(x).bit_length() for x in vv])
+        assert np.array_equal(out[b, :, 7], [bin(int(x)).count("1") + 100 * c for x, c in zip(vv, clz, strict=True)])
+
+
+def _module(code, work):
+    return _Module(build(code, work))
+
+
+DIVERGENT = r"""
+extern "C" __global__ void divergent(unsigned* out) {
+    const unsigned lane = threadIdx.x & 31u;
+    if (lane < 16) out[lane] = __shfl_xor_sync(0xFFFFFFFFu, lane, 1);
+}
+extern "C" __global__ void mixed(unsigned* out) {
+    const unsigned lane = threadIdx.x & 31u;
+    out[lane] = lane < 16 ? __ballot_sync(0xFFFFFFFFu, 1) : (unsigned)__any_sync(0xFFFFFFFFu, 1);
+}
+extern "C" __global__ void deadlock(unsigned* out) {
+    if (threadIdx.x == 40) out[0] = __ballot_sync(0xFFFFFFFFu, 1);
+    else __syncthreads();
+}
+"""
+
+
+@pytest.mark.parametrize("kernel,message", [("divergent", "without every lane of the warp"),
+                                            ("mixed", "lanes of one warp at different collectives"),
+                                            ("deadlock", "__syncthreads not reached by every live thread")])
+def test_emulator_refuses_undefined_behaviour(tmp_path, kernel, message):
+    """Where CUDA leaves the result undefined (a collective half the warp skips, a barrier some
+    threads never reach) the emulator stops the process with a message, instead of guessing."""
+    build(DIVERGENT, tmp_path)
+    here, tests = str(Path(__file__).parent), str(EMU_DIR.parent.parent)
+    code = (f"import sys, numpy as np; sys.path[:0] = [{here!r}, {tests!r}]\n"
+            "from pathlib import Path; from cuda_emu import build, _Module\n"
+            f"k = _Module(build(open({str(tmp_path / 'src.cu')!r}).read(), Path({str(tmp_path)!r})))"
+            f".get_function({kernel!r})\n"
+            "k((1,), (64,), (np.zeros(64, np.uint32),))\n")
+    (tmp_path / "src.cu").write_text(DIVERGENT)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
