@@ -33,10 +33,14 @@ from .native import EncodedChunk, FlatTables, _raise
 from .rans import LANES, RansBlocks, _check_blocks
 from .tables import CodingTables
 
-SOURCES = ("spk_consts.h", "rans_lane.cuh", "spk_float.cuh", "spk_model.cuh", "spk_fused.cu")
-KERNELS = ("spk_prepare_mu", "spk_gather") + tuple(
-    f"spk_{k}_{f}" for k in ("encode_count", "encode_write", "decode_rans", "decode_values") for f in ("bf16", "fp8"))
-WARPS = 4  # rANS blocks (warps) per CTA
+SOURCES = ("spk_consts.h", "rans_lane.cuh", "spk_float.cuh", "spk_model.cuh", "spk_device.cuh", "spk_fused.cu")
+KERNELS = ("spk_prepare_mu", "spk_gather", "spk_encode_bits", "spk_encode_rans") + tuple(
+    f"spk_{k}_{f}" for k in ("encode_model", "decode_context", "decode_rans", "decode_values") for f in ("bf16", "fp8"))
+# one CTA per block (a thread per element, or a warp per segment of the block); the others: a warp per block
+CTA_KERNELS = ("spk_encode_bits",) + tuple(
+    f"spk_{k}_{f}" for k in ("encode_model", "decode_context", "decode_values") for f in ("bf16", "fp8"))
+WARPS = 4  # rANS blocks (warps) per CTA of the lane passes
+CTA_THREADS = 256  # threads per CTA of CTA_KERNELS: spk_device.cuh SPK_MODEL_CTA
 _FMT = {False: (7, 16), True: (3, 8)}  # fp8 -> (mantissa bits, pattern bits) of x
 
 
@@ -130,13 +134,16 @@ class CudaCoder:
         k = self.k[name]
         if smem:
             k.max_dynamic_shared_size_bytes = smem  # NOTE: the staged tables exceed the default 48 KiB
+        # a lane pass: one warp per block, WARPS to a CTA; the others: one CTA per block
+        grid, block = ((n_blocks,), (CTA_THREADS,)) if name in CTA_KERNELS else ((-(-n_blocks // WARPS),),
+                                                                                 (32 * WARPS,))
         prof = self.kernel_s  # NOTE: read once: profiled() in another thread may reset it meanwhile
         if prof is None:
-            k((-(-n_blocks // WARPS),), (32 * WARPS,), args, shared_mem=smem)
+            k(grid, block, args, shared_mem=smem)
             return
         start, end = self.cp.cuda.Event(), self.cp.cuda.Event()
         start.record()
-        k((-(-n_blocks // WARPS),), (32 * WARPS,), args, shared_mem=smem)
+        k(grid, block, args, shared_mem=smem)
         end.record()
         end.synchronize()
         prof[name] = prof.get(name, 0.0) + self.cp.cuda.get_elapsed_time(start, end) / 1e3
@@ -201,16 +208,19 @@ class CudaCoder:
         if nb == 0:
             empty = RansBlocks(np.zeros((0, LANES), np.uint32), np.zeros(0, np.uint32), np.zeros(0, np.uint16))
             return [EncodedChunk(empty, b"") for _ in layer_counts]
-        targs, _, smem = self._tables_of(tables)
+        targs = self._tables_of(tables)[0]
         counts = cp.empty((nb, 4), cp.uint64)
-        self._launch(f"spk_encode_count_{sfx}", nb, geo + targs + (x, mu, L, counts), smem)
+        ops, raw = cp.empty(x.size, cp.uint32), cp.empty(x.size, cp.uint32)  # NOTE: 8 bytes an element
+        self._launch(f"spk_encode_model_{sfx}", nb, geo + targs + (x, mu, L, ops, raw, counts))
         lay = encode_layout(cp.asnumpy(counts), g)
         bits = cp.zeros(lay.total, cp.uint8)
         states, n_words = cp.empty((nb, LANES), cp.uint32), cp.empty(nb, cp.uint32)
         scratch = cp.empty(nb * elems_per_lane * LANES, cp.uint16)
-        self._launch(f"spk_encode_write_{sfx}", nb, geo + targs + (
-            x, mu, L, counts, cp.asarray(lay.start), cp.asarray(lay.chunk_byte[g.block_chunk]), bits, states,
-            n_words, scratch), smem)
+        mant, width = _FMT[fp8]
+        self._launch("spk_encode_bits", nb, geo[:3] + (np.int32(mant), np.int32(width), raw, cp.asarray(lay.start),
+                                                       cp.asarray(lay.chunk_byte[g.block_chunk]), bits))
+        self._launch("spk_encode_rans", nb, geo[:4] + (ops, states, n_words, scratch))
+        del ops, raw
         offsets = cp.cumsum(n_words, dtype=cp.uint64) - n_words
         words = cp.empty(scratch.size, cp.uint16)
         self._launch("spk_gather", nb, (scratch, n_words, offsets, np.int32(nb), np.int32(elems_per_lane), words))
@@ -246,8 +256,10 @@ class CudaCoder:
         word_lo = np.cumsum(counts, dtype=np.int64) - counts  # NOTE: chunks' words are concatenated in order
         info = cp.empty(max(g.n_elements, 1), cp.uint32)
         tally, status = cp.zeros((nb, 5), cp.uint64), cp.zeros(nb, cp.int32)
+        ctxs = cp.empty(max(g.n_elements, 1), cp.uint32)
+        self._launch(f"spk_decode_context_{sfx}", nb, geo + (mu, L, ctxs))
         self._launch(f"spk_decode_rans_{sfx}", nb, geo + targs + (
-            bucket, mu, L, cp.asarray(states), cp.asarray(counts), cp.asarray(word_lo),
+            bucket, ctxs, cp.asarray(states), cp.asarray(counts), cp.asarray(word_lo),
             cp.asarray(words if words.size else np.zeros(1, np.uint16)), info, tally, status), smem)
         st = cp.asnumpy(status)
         bad = np.flatnonzero(st)

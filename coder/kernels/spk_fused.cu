@@ -1,115 +1,28 @@
 // speckv's fused, device-resident coder (CuPy RawModule / NVRTC; coder/cuda.py drives it).
 //
 // The per-element model (spk_model.cuh) and the rANS lane steps (rans_lane.cuh) are the
-// very code the CPU extension runs (spk_encode.h, spk_decode.h); the bytes are identical. One warp codes
-// one rANS block: lane l codes elements l, l + 32, ... of its block (step s = 32 s + l).
+// very code the CPU extension runs (spk_encode.h, spk_decode.h); the bytes are identical. A rANS
+// block's lane l codes elements l, l + 32, ... of the block (step s = 32 s + l).
 //
-// Encode:  spk_encode_count_*  per block: contexts + symbols, bits of LOW/ZMAN/ESC/UNARY
+// Two kinds of kernel: the per-element model, one thread per element (a CTA of SPK_MODEL_CTA
+// threads per block: enough warps to fill a GPU), and the lane passes, one warp per block, whose
+// serial chains are only what must be serial (the rANS states, the bit sections' running ends).
+// Encode:  spk_encode_model_*  per element: context, symbol -> op (start, freq) and raw field;
+//                              per block: bits of LOW/ZMAN/ESC/UNARY
 //          host: per-chunk section offsets (exclusive sums of the block counts)
-//          spk_encode_write_*  per block, steps last first: the symbols again, each raw field
-//                              OR-ed in at its bit position, the rANS steps (LIFO) with
+//          spk_encode_bits     per block (a CTA, a warp per segment): each raw field OR-ed in
+//                              at its bit position
+//          spk_encode_rans     per block (a warp), steps last first: the rANS steps (LIFO) with
 //                              ballot-compacted words into a per-block scratch
 //          spk_gather          scratch -> contiguous words (offsets: exclusive sum of counts)
-// Decode:  spk_decode_rans_*   per block: rANS forward (bucketed symbol search), each
+// Decode:  spk_decode_context_* per element: its context (mu and sigma only)
+//          spk_decode_rans_*   per block: rANS forward (bucketed symbol search), each
 //                              element's packed info, the block's tallies and status
 //          host: section offsets, the checks of spk_decode.h chunk_sections, unary codes
-//          spk_decode_values_* per block: bit patterns from bins and raw fields
+//          spk_decode_values_* per block (a CTA, a warp per segment): bit patterns from bins and
+//                              raw fields
 // NOTE: compile with --fmad=false: spk_model.cuh's float ops must never contract.
-#include "spk_model.cuh"
-
-#define SPK_FULL 0xFFFFFFFFu
-#define SPK_MAX_CTA 256  // threads per CTA the host may launch (8 warps)
-
-// -- block geometry --------------------------------------------------------------------
-// Element index -> per-channel index of L (row = (layer, kv, head), d), stepped by 32.
-struct SpkCursor {
-    long long row;
-    int tok, d;
-    __device__ __forceinline__ void init(long long e, long long tokens, int dim) {
-        const long long q = e / dim;
-        d = (int)(e - q * dim), tok = (int)(q % tokens), row = q / tokens;
-    }
-    __device__ __forceinline__ long long channel(int dim) const { return row * dim + d; }
-    // NOTE: loops, not divisions: a step of 32 crosses at most 32 / dim + 1 rows
-    __device__ __forceinline__ void forward(long long tokens, int dim) {
-        for (d += (int)SPK_LANES; d >= dim; d -= dim)
-            if (++tok == tokens) tok = 0, ++row;
-    }
-    __device__ __forceinline__ void backward(long long tokens, int dim) {
-        for (d -= (int)SPK_LANES; d < 0; d += dim)
-            if (--tok < 0) tok = (int)tokens - 1, --row;
-    }
-};
-
-struct SpkTab {  // the Gaussian rows, staged in shared memory
-    const int32_t *off, *radius;
-    const uint16_t *cum, *freq;  // NOTE: cum is padded: row r at off[r] + r, a PROB_SCALE sentinel after it
-    __device__ __forceinline__ uint32_t start(int32_t t, uint32_t j) const { return cum[off[t] + t + (int32_t)j]; }
-    __device__ __forceinline__ uint32_t f(int32_t t, uint32_t j) const { return freq[off[t] + (int32_t)j]; }
-};
-
-// Copies the tables into dynamic shared memory: off | radius (i32) | cum_pad | freq (u16),
-// 8 n_tab + 2 (n_sym + n_tab) + 2 n_sym bytes (coder/cuda.py sizes it).
-__device__ __forceinline__ SpkTab spk_stage(const uint16_t* __restrict__ cum_pad, const uint16_t* __restrict__ freq,
-                                            const int32_t* __restrict__ off, const int32_t* __restrict__ radius,
-                                            int n_tab, int n_sym) {
-    extern __shared__ int32_t spk_smem[];
-    int32_t* so = spk_smem;
-    uint16_t* sc = (uint16_t*)(spk_smem + 2 * n_tab);
-    const int n_pad = n_sym + n_tab;
-    for (int i = threadIdx.x; i < n_tab; i += blockDim.x) so[i] = off[i], so[n_tab + i] = radius[i];
-    for (int i = threadIdx.x; i < n_pad; i += blockDim.x) sc[i] = cum_pad[i];
-    for (int i = threadIdx.x; i < n_sym; i += blockDim.x) sc[n_pad + i] = freq[i];
-    __syncthreads();
-    SpkTab t = {so, so + n_tab, sc, sc + n_pad};
-    return t;
-}
-
-template <class F>
-__device__ __forceinline__ uint32_t spk_load(const void* a, long long i) {
-    if (F::bits == 8) return ((const uint8_t*)a)[i];
-    if (F::bits == 16) return ((const uint16_t*)a)[i];
-    return ((const uint32_t*)a)[i];
-}
-
-__device__ __forceinline__ uint32_t spk_warp_sum(uint32_t v) {
-    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(SPK_FULL, v, o);
-    return v;
-}
-
-__device__ __forceinline__ uint32_t spk_warp_scan(uint32_t v, uint32_t lane) {  // inclusive
-    for (uint32_t o = 1; o < 32u; o <<= 1) {
-        const uint32_t u = __shfl_up_sync(SPK_FULL, v, o);
-        if (lane >= o) v += u;
-    }
-    return v;
-}
-
-// ORs the w-bit value v in at bit pos (MSB first) of a zeroed byte buffer, as u32 words.
-// NOTE: the stream is a byte string: a big-endian window is built, then byte-swapped
-// into the little-endian words the atomics see. Fields are <= 16 bits: at most 2 words.
-__device__ __forceinline__ void spk_put_bits(uint32_t* buf, unsigned long long pos, uint32_t v, uint32_t w) {
-    if (!v) return;  // zeroed buffer (also: w == 0)
-    const unsigned long long win = (unsigned long long)v << (64u - (uint32_t)(pos & 31u) - w);
-    const uint32_t hi = (uint32_t)(win >> 32), lo = (uint32_t)win;
-    uint32_t* p = buf + (pos >> 5);
-    if (hi) atomicOr(p, __byte_perm(hi, 0, 0x0123));
-    if (lo) atomicOr(p + 1, __byte_perm(lo, 0, 0x0123));
-}
-
-// w <= 16 bits at bit pos of a byte buffer with >= 4 readable bytes past it (spk_block.h read_bits)
-__device__ __forceinline__ uint32_t spk_read_bits(const uint8_t* buf, unsigned long long pos, uint32_t w) {
-    if (!w) return 0;
-    const uint8_t* p = buf + (pos >> 3);
-    const uint32_t v = (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
-    return (v << (pos & 7u)) >> (32u - w);
-}
-
-#define SPK_WARP_ID ((long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5))
-#define SPK_GEO_ARGS const long long *__restrict__ block_e0, const int32_t *__restrict__ block_n, \
-    int n_blocks, int epl, long long tokens, int dim
-#define SPK_TAB_ARGS const uint16_t *__restrict__ cum_pad, const uint16_t *__restrict__ freq, \
-    const int32_t *__restrict__ toff, const int32_t *__restrict__ trad, int n_tab, int n_sym
+#include "spk_device.cuh"
 
 // -- mu ----------------------------------------------------------------------------------
 // mu' = bf16(a mu + b) per channel (affine == 0: as predicted), fp8: mu' / scale as fp32 bits
@@ -128,91 +41,124 @@ extern "C" __global__ void spk_prepare_mu(const uint16_t* __restrict__ mu, const
 }
 
 // -- encode ------------------------------------------------------------------------------
-// counts[4 b + s]: bits block b puts in section s (LOW, ZMAN, ESC, UNARY)
+// One CTA per block, one thread per element: the model (context, symbol) of every element, its
+// op and raw field for the lane pass, and counts[4 b + s]: bits block b puts in section s
+// (LOW, ZMAN, ESC, UNARY). Tables are read through the cache (no staging: one pass over them).
 template <class FX, class FM>
-__device__ void encode_count(SPK_GEO_ARGS, SPK_TAB_ARGS, const void* __restrict__ x, const void* __restrict__ mu,
-                             const int32_t* __restrict__ L, unsigned long long* __restrict__ counts) {
-    const SpkTab T = spk_stage(cum_pad, freq, toff, trad, n_tab, n_sym);
-    const long long b = SPK_WARP_ID;
-    if (b >= n_blocks) return;  // whole warps leave together, after the staging barrier
+__device__ void encode_model(SPK_GEO_ARGS, SPK_TAB_ARGS, const void* __restrict__ x, const void* __restrict__ mu,
+                             const int32_t* __restrict__ L, uint32_t* __restrict__ ops, uint32_t* __restrict__ raw,
+                             unsigned long long* __restrict__ counts) {
+    const long long b = blockIdx.x;
+    if (b >= n_blocks) return;  // the whole CTA: before the barrier
+    const long long e0 = block_e0[b];
+    const int n = block_n[b], step = (int)blockDim.x;
+    SpkCursor cur;
+    cur.init(e0 + threadIdx.x, tokens, dim);
+    uint32_t c[4] = {0, 0, 0, 0};  // LOW bits, zero-bin elements, escapes, UNARY bits
+    for (int e = (int)threadIdx.x; e < n; e += step) {
+        const SpkContext ctx = spk_context<FX, FM>(spk_load<FM>(mu, e0 + e), L[cur.channel(dim)]);
+        const SpkSymbol s = spk_symbolize<FX>(spk_load<FX>(x, e0 + e), ctx, trad[ctx.t]);
+        const int32_t o = toff[ctx.t];
+        ops[e0 + e] = spk_pack_op(cum_pad[o + ctx.t + (int32_t)s.j], freq[o + (int32_t)s.j]);
+        raw[e0 + e] = spk_pack_raw(s);
+        if (s.kind == SPK_KIND_NORMAL) c[0] += s.width;
+        else if (s.kind == SPK_KIND_ZERO) ++c[1], c[3] += s.delta + 1u;
+        else ++c[2];
+        if (e + step < n) cur.forward(tokens, dim, step);
+    }
+    c[1] *= (uint32_t)FX::mant, c[2] *= (uint32_t)FX::bits;  // NOTE: < 2^32 per block (<= 2^21 x <= 247 bits)
+    spk_cta_sum4(c, counts + 4 * b);
+}
+
+// One CTA per block, each warp a segment of its steps: every raw field OR-ed in at its bit
+// position, start[4 b + s] + its offset in the block's section s, in the chunk's buffer at
+// bits + chunk_byte[b]. Sections hold fields in element order; a warp's first position is its
+// block's start plus the lower warps' totals (a first sweep).
+__device__ void encode_bits(const long long* __restrict__ block_e0, const int32_t* __restrict__ block_n,
+                            int n_blocks, int mant, int bits_esc, const uint32_t* __restrict__ raw,
+                            const unsigned long long* __restrict__ start, const unsigned long long* __restrict__ chunk_byte,
+                            uint8_t* __restrict__ bits) {
+    const long long b = blockIdx.x;
+    if (b >= n_blocks) return;  // the whole CTA: before the barrier
     const uint32_t lane = threadIdx.x & 31u;
     const long long e0 = block_e0[b];
     const int n = block_n[b];
-    SpkCursor cur;
-    cur.init(e0 + lane, tokens, dim);
-    uint32_t low = 0, nz = 0, ne = 0, un = 0;  // NOTE: < 2^32 per block: <= 2^21 elements x <= 247 bits
-    for (int e = (int)lane; e < n; e += (int)SPK_LANES, cur.forward(tokens, dim)) {
-        const SpkContext ctx = spk_context<FX, FM>(spk_load<FM>(mu, e0 + e), L[cur.channel(dim)]);
-        const SpkSymbol s = spk_symbolize<FX>(spk_load<FX>(x, e0 + e), ctx, T.radius[ctx.t]);
-        if (s.kind == SPK_KIND_NORMAL) low += s.width;
-        else if (s.kind == SPK_KIND_ZERO) ++nz, un += s.delta + 1u;
+    SpkSegment seg;
+    seg.init(n);
+    uint32_t low = 0, nz = 0, ne = 0, un = 0;
+    for (int e = seg.s0 * (int)SPK_LANES + (int)lane; e < seg.s1 * (int)SPK_LANES && e < n; e += (int)SPK_LANES) {
+        const uint32_t r = raw[e0 + e], kind = r >> 21 & 3u;
+        if (kind == SPK_KIND_NORMAL) low += r >> 16 & 31u;
+        else if (kind == SPK_KIND_ZERO) ++nz, un += (r >> 23) + 1u;
         else ++ne;
     }
-    low = spk_warp_sum(low), nz = spk_warp_sum(nz), ne = spk_warp_sum(ne), un = spk_warp_sum(un);
-    if (lane == 0) {
-        counts[4 * b] = low, counts[4 * b + 1] = (unsigned long long)nz * FX::mant;
-        counts[4 * b + 2] = (unsigned long long)ne * FX::bits, counts[4 * b + 3] = un;
+    unsigned long long pos[4] = {spk_warp_sum(low), (unsigned long long)spk_warp_sum(nz) * mant,
+                                 (unsigned long long)spk_warp_sum(ne) * bits_esc, spk_warp_sum(un)}, pre[4];
+    spk_cta_exclusive4(pos, pre);
+    for (int s = 0; s < 4; ++s) pos[s] = start[4 * b + s] + pre[s];
+    uint32_t* buf = (uint32_t*)(bits + chunk_byte[b]);  // NOTE: chunk buffers are 4-byte aligned
+    for (int st = seg.s0; st < seg.s1; ++st) {
+        const int e = st * (int)SPK_LANES + (int)lane;
+        const uint32_t r = e < n ? raw[e0 + e] : 3u << 21, kind = r >> 21 & 3u, field = r & 0xFFFFu;  // kind 3: none
+        const uint32_t lw = kind == SPK_KIND_NORMAL ? r >> 16 & 31u : 0u, uw = kind == SPK_KIND_ZERO ? (r >> 23) + 1u : 0u;
+        // NOTE: LOW (<= 32 x 8) and UNARY (<= 32 x 247) widths share one scan, 16 bits each
+        const uint32_t inc = spk_warp_scan(lw | uw << 16, lane), tot = __shfl_sync(SPK_FULL, inc, 31);
+        const uint32_t zb = __ballot_sync(SPK_FULL, kind == SPK_KIND_ZERO);
+        const uint32_t xb = __ballot_sync(SPK_FULL, kind == SPK_KIND_ESC);
+        if (kind == SPK_KIND_NORMAL) {
+            spk_put_bits(buf, pos[0] + (inc & 0xFFFFu) - lw, field, lw);
+        } else if (kind == SPK_KIND_ZERO) {
+            spk_put_bits(buf, pos[1] + (unsigned long long)lane_rank(zb, lane) * mant, field, mant);
+            spk_put_bits(buf, pos[3] + (inc >> 16) - 1u, 1u, 1u);  // delta zeros, then a one
+        } else if (kind == SPK_KIND_ESC) {
+            spk_put_bits(buf, pos[2] + (unsigned long long)lane_rank(xb, lane) * bits_esc, field, bits_esc);
+        }
+        pos[0] += tot & 0xFFFFu, pos[3] += tot >> 16;
+        pos[1] += (unsigned long long)popcount32(zb) * mant, pos[2] += (unsigned long long)popcount32(xb) * bits_esc;
     }
 }
 
-// Per block, steps last first: raw fields at start[4 b + s] + their offsets in the block's
-// sections (bit positions in its chunk's buffer at bits + chunk_byte[b]), and the rANS
-// steps: final states, word counts, words in scratch (epl * 32 per block, encoder order).
-template <class FX, class FM>
-__device__ void encode_write(SPK_GEO_ARGS, SPK_TAB_ARGS, const void* __restrict__ x, const void* __restrict__ mu,
-                             const int32_t* __restrict__ L, const unsigned long long* __restrict__ counts,
-                             const unsigned long long* __restrict__ start, const unsigned long long* __restrict__ chunk_byte,
-                             uint8_t* __restrict__ bits, uint32_t* __restrict__ states, uint32_t* __restrict__ n_words,
-                             uint16_t* __restrict__ scratch) {
-    const SpkTab T = spk_stage(cum_pad, freq, toff, trad, n_tab, n_sym);
+// One warp per block, steps last first: the rANS steps (LIFO), final states, word counts, and
+// the words, ballot-compacted, in scratch (epl * 32 per block, encoder order).
+// NOTE: all a lane's serial chain holds is the state: the model ran ahead (encode_model), the
+// bits apart (encode_bits), and each step's op is loaded a step early.
+__device__ void encode_rans(const long long* __restrict__ block_e0, const int32_t* __restrict__ block_n,
+                            int n_blocks, int epl, const uint32_t* __restrict__ ops, uint32_t* __restrict__ states,
+                            uint32_t* __restrict__ n_words, uint16_t* __restrict__ scratch) {
     const long long b = SPK_WARP_ID;
     if (b >= n_blocks) return;
     const uint32_t lane = threadIdx.x & 31u;
     const long long e0 = block_e0[b];
     const int n = block_n[b];
-    uint32_t* buf = (uint32_t*)(bits + chunk_byte[b]);  // NOTE: chunk buffers are 4-byte aligned
-    unsigned long long end[4];  // running section ends, walking backward
-    for (int s = 0; s < 4; ++s) end[s] = start[4 * b + s] + counts[4 * b + s];
     uint16_t* out = scratch + b * (long long)epl * SPK_LANES;
     uint32_t xs = SPK_RANS_L, count = 0;
     // NOTE: steps past the block's last element are no-ops (never emit): skipped
     const int last = n > 0 ? (n - 1) / (int)SPK_LANES : -1;
-    SpkCursor cur;
-    cur.init(e0 + (long long)last * SPK_LANES + lane, tokens, dim);
-    for (int st = last; st >= 0; --st, cur.backward(tokens, dim)) {  // NOTE: LIFO: the last op first
-        const int e = st * (int)SPK_LANES + (int)lane;
-        uint32_t o_start = 0, o_freq = SPK_PROB_SCALE, lw = 0, uw = 0, kind = 3u;
-        SpkSymbol s;
-        s.field = 0, s.delta = 0;
-        if (e < n) {
-            const SpkContext ctx = spk_context<FX, FM>(spk_load<FM>(mu, e0 + e), L[cur.channel(dim)]);
-            s = spk_symbolize<FX>(spk_load<FX>(x, e0 + e), ctx, T.radius[ctx.t]);
-            o_start = T.start(ctx.t, s.j), o_freq = T.f(ctx.t, s.j), kind = s.kind;
-            lw = kind == SPK_KIND_NORMAL ? s.width : 0u;
-            uw = kind == SPK_KIND_ZERO ? s.delta + 1u : 0u;
-        }
+    int e = last * (int)SPK_LANES + (int)lane;
+    uint32_t op = e < n ? ops[e0 + e] : spk_pack_op(0, SPK_PROB_SCALE);  // the padding op past the end
+    for (int st = last; st >= 0; --st, e -= (int)SPK_LANES) {  // NOTE: LIFO: the last op first
+        const uint32_t cur = op;
+        if (st > 0) op = ops[e0 + e - (int)SPK_LANES];
         uint16_t w;
-        const uint32_t emit = enc_put(&xs, o_start, o_freq, &w);
+        const uint32_t emit = enc_put(&xs, cur & 0xFFFFu, cur >> 16, &w);
         const uint32_t eb = __ballot_sync(SPK_FULL, emit);
         if (emit) out[count + lane_rank(eb, lane)] = w;
         count += popcount32(eb);
-        // NOTE: LOW (<= 32 x 8) and UNARY (<= 32 x 247) widths share one scan, 16 bits each
-        const uint32_t inc = spk_warp_scan(lw | uw << 16, lane), tot = __shfl_sync(SPK_FULL, inc, 31);
-        const uint32_t zb = __ballot_sync(SPK_FULL, kind == SPK_KIND_ZERO);
-        const uint32_t xb = __ballot_sync(SPK_FULL, kind == SPK_KIND_ESC);
-        end[0] -= tot & 0xFFFFu, end[3] -= tot >> 16;
-        end[1] -= (unsigned long long)popcount32(zb) * FX::mant, end[2] -= (unsigned long long)popcount32(xb) * FX::bits;
-        if (kind == SPK_KIND_NORMAL) {
-            spk_put_bits(buf, end[0] + (inc & 0xFFFFu) - lw, s.field, lw);
-        } else if (kind == SPK_KIND_ZERO) {
-            spk_put_bits(buf, end[1] + (unsigned long long)lane_rank(zb, lane) * FX::mant, s.field, FX::mant);
-            spk_put_bits(buf, end[3] + (inc >> 16) - 1u, 1u, 1u);  // delta zeros, then a one
-        } else if (kind == SPK_KIND_ESC) {
-            spk_put_bits(buf, end[2] + (unsigned long long)lane_rank(xb, lane) * FX::bits, s.field, FX::bits);
-        }
     }
     states[b * SPK_LANES + lane] = xs;
     if (lane == 0) n_words[b] = count;
+}
+
+extern "C" __global__ void __launch_bounds__(SPK_MODEL_CTA) spk_encode_bits(
+    const long long* block_e0, const int32_t* block_n, int n_blocks, int mant, int bits_esc, const uint32_t* raw,
+    const unsigned long long* start, const unsigned long long* chunk_byte, uint8_t* bits) {
+    encode_bits(block_e0, block_n, n_blocks, mant, bits_esc, raw, start, chunk_byte, bits);
+}
+
+extern "C" __global__ void __launch_bounds__(SPK_MAX_CTA) spk_encode_rans(
+    const long long* block_e0, const int32_t* block_n, int n_blocks, int epl, const uint32_t* ops, uint32_t* states,
+    uint32_t* n_words, uint16_t* scratch) {
+    encode_rans(block_e0, block_n, n_blocks, epl, ops, states, n_words, scratch);
 }
 
 // words[offsets[b] ..) = the scratch of block b (offsets: exclusive sum of the counts)
@@ -228,10 +174,29 @@ extern "C" __global__ void spk_gather(const uint16_t* __restrict__ scratch, cons
 
 // -- decode ------------------------------------------------------------------------------
 // tally[5 b ..]: LOW bits, zero-bin elements, escapes, unary bound, mu not finite (unescaped)
+// One CTA per block, one thread per element: every element's context, packed (spk_pack_context),
+// for the rANS pass: it depends on mu and sigma only, never on a decoded value.
 template <class FX, class FM>
+__device__ void decode_context(SPK_GEO_ARGS, const void* __restrict__ mu, const int32_t* __restrict__ L,
+                               uint32_t* __restrict__ ctxs) {
+    const long long b = blockIdx.x;
+    if (b >= n_blocks) return;
+    const long long e0 = block_e0[b];
+    const int n = block_n[b], step = (int)blockDim.x;
+    SpkCursor cur;
+    cur.init(e0 + threadIdx.x, tokens, dim);
+    for (int e = (int)threadIdx.x; e < n; e += step) {
+        ctxs[e0 + e] = spk_pack_context(spk_context<FX, FM>(spk_load<FM>(mu, e0 + e), L[cur.channel(dim)]));
+        if (e + step < n) cur.forward(tokens, dim, step);
+    }
+}
+
+// One warp per block: the rANS steps forward, each element's packed info, the block's tallies
+// and status. NOTE: contexts come from decode_context, loaded a step early: a lane's serial
+// chain is the symbol search in shared memory and the state update.
+template <class FX>
 __device__ void decode_rans(SPK_GEO_ARGS, SPK_TAB_ARGS, const uint16_t* __restrict__ bucket,
-                            const void* __restrict__ mu, const int32_t* __restrict__ L,
-                            const uint32_t* __restrict__ states, const uint32_t* __restrict__ n_words,
+                            const uint32_t* __restrict__ ctxs, const uint32_t* __restrict__ states, const uint32_t* __restrict__ n_words,
                             const long long* __restrict__ word_lo, const uint16_t* __restrict__ words,
                             uint32_t* __restrict__ info, unsigned long long* __restrict__ tally,
                             int32_t* __restrict__ status) {
@@ -244,12 +209,13 @@ __device__ void decode_rans(SPK_GEO_ARGS, SPK_TAB_ARGS, const uint16_t* __restri
     long long end = lo + n_words[b];
     uint32_t xs = states[b * SPK_LANES + lane], low = 0, nz = 0, ne = 0, ub = 0, bad = 0;
     int err = SPK_OK;
-    SpkCursor cur;
-    cur.init(e0 + lane, tokens, dim);
-    for (int st = 0; st < epl; ++st, cur.forward(tokens, dim)) {
+    uint32_t packed = (int)lane < n ? ctxs[e0 + lane] : 0u;
+    for (int st = 0; st < epl; ++st) {
         const int e = st * (int)SPK_LANES + (int)lane;
+        const uint32_t cur_ctx = packed;
+        if (e + (int)SPK_LANES < n) packed = ctxs[e0 + e + SPK_LANES];  // the next step's, early
         if (e < n) {
-            const SpkContext ctx = spk_context<FX, FM>(spk_load<FM>(mu, e0 + e), L[cur.channel(dim)]);
+            const SpkContext ctx = spk_unpack_context(cur_ctx);
             const uint32_t j = dec_find_bucketed(T.cum + T.off[ctx.t] + ctx.t, bucket + (long long)ctx.t * SPK_BUCKETS,
                                                  dec_get(xs));
             dec_advance(&xs, T.start(ctx.t, j), T.f(ctx.t, j));
@@ -282,24 +248,44 @@ __device__ void decode_rans(SPK_GEO_ARGS, SPK_TAB_ARGS, const uint16_t* __restri
 // sec[4 b ..]: bit positions of block b's first LOW, ZMAN, ESC fields in its chunk's buffer
 // (bits + chunk_byte[b], >= 8 zero bytes past its end) and its first zero-bin element's
 // index in deltas; blocks of chunks that failed early are skipped (skip[b]).
+// One CTA per block, each warp a segment of its steps (as encode_bits): a first sweep sums the
+// segments' fields, so that every warp knows where its own begin.
+template <class FX>
+__device__ __forceinline__ uint32_t spk_info_low(uint32_t in, uint32_t kind) {  // LOW width of an element
+    return kind == SPK_KIND_NORMAL ? (uint32_t)spk_max(spk_low_bits<FX>(spk_magnitude((int32_t)(in & 0x3FFFu) - 8192)), 0)
+                                   : 0u;
+}
+
 template <class FX>
 __device__ void decode_values(SPK_GEO_ARGS, const uint32_t* __restrict__ info,
                               const unsigned long long* __restrict__ sec, const unsigned long long* __restrict__ chunk_byte,
                               const uint8_t* __restrict__ skip, const uint8_t* __restrict__ bits,
                               const uint32_t* __restrict__ deltas, void* __restrict__ out, uint32_t* __restrict__ flags) {
-    const long long b = SPK_WARP_ID;
-    if (b >= n_blocks || skip[b]) return;
+    const long long b = blockIdx.x;
+    if (b >= n_blocks || skip[b]) return;  // the whole CTA: before the barrier
     const uint32_t lane = threadIdx.x & 31u;
     const long long e0 = block_e0[b];
     const int n = block_n[b];
+    SpkSegment seg;
+    seg.init(n);
+    uint32_t lw = 0, nz = 0, ne = 0;
+    for (int e = seg.s0 * (int)SPK_LANES + (int)lane; e < seg.s1 * (int)SPK_LANES && e < n; e += (int)SPK_LANES) {
+        const uint32_t in = info[e0 + e], kind = in >> 22 & 3u;
+        lw += spk_info_low<FX>(in, kind), nz += kind == SPK_KIND_ZERO, ne += kind == SPK_KIND_ESC;
+    }
+    const unsigned long long nzw = spk_warp_sum(nz);
+    unsigned long long tot4[4] = {spk_warp_sum(lw), nzw * FX::mant, (unsigned long long)spk_warp_sum(ne) * FX::bits, nzw},
+                       pre[4];
+    spk_cta_exclusive4(tot4, pre);
     const uint8_t* buf = bits + chunk_byte[b];
-    unsigned long long low = sec[4 * b], zman = sec[4 * b + 1], esc = sec[4 * b + 2], z = sec[4 * b + 3];
+    unsigned long long low = sec[4 * b] + pre[0], zman = sec[4 * b + 1] + pre[1], esc = sec[4 * b + 2] + pre[2],
+                       z = sec[4 * b + 3] + pre[3];
     uint32_t normal_bad = 0, zero_bad = 0;
-    for (int st = 0; st * (int)SPK_LANES < n; ++st) {
+    for (int st = seg.s0; st < seg.s1; ++st) {
         const int e = st * (int)SPK_LANES + (int)lane;
         const uint32_t in = e < n ? info[e0 + e] : 0u, kind = e < n ? (in >> 22 & 3u) : 3u;
         const int32_t c = (int32_t)(in & 0x3FFFu) - 8192, k = (int32_t)(in >> 14 & 0xFFu) - 128;
-        const uint32_t w = kind == SPK_KIND_NORMAL ? (uint32_t)spk_max(spk_low_bits<FX>(spk_magnitude(c)), 0) : 0u;
+        const uint32_t w = spk_info_low<FX>(in, kind);
         const uint32_t inc = spk_warp_scan(w, lane), tot = __shfl_sync(SPK_FULL, inc, 31);
         const uint32_t zb = __ballot_sync(SPK_FULL, kind == SPK_KIND_ZERO);
         const uint32_t xb = __ballot_sync(SPK_FULL, kind == SPK_KIND_ESC);
@@ -320,33 +306,31 @@ __device__ void decode_values(SPK_GEO_ARGS, const uint32_t* __restrict__ info,
         low += tot, zman += (unsigned long long)popcount32(zb) * FX::mant;
         esc += (unsigned long long)popcount32(xb) * FX::bits, z += popcount32(zb);
     }
-    normal_bad = __any_sync(SPK_FULL, normal_bad), zero_bad = __any_sync(SPK_FULL, zero_bad);
-    if (lane == 0) flags[2 * b] = normal_bad, flags[2 * b + 1] = zero_bad;
+    // NOTE: flags start zeroed (the host's); any warp may raise them
+    if (__any_sync(SPK_FULL, normal_bad) && lane == 0) atomicOr(&flags[2 * b], 1u);
+    if (__any_sync(SPK_FULL, zero_bad) && lane == 0) atomicOr(&flags[2 * b + 1], 1u);
 }
 
 // -- entry points per format (BF16 KV: x, mu BF16; FP8 KV: x e4m3, mu fp32) --------------------
 #define SPK_GEO block_e0, block_n, n_blocks, epl, tokens, dim
 #define SPK_TAB cum_pad, freq, toff, trad, n_tab, n_sym
 #define SPK_ENTRY(name, FX, FM)                                                                               \
-    extern "C" __global__ void __launch_bounds__(SPK_MAX_CTA) spk_encode_count_##name(                      \
-        SPK_GEO_ARGS, SPK_TAB_ARGS, const void* x, const void* mu, const int32_t* L, unsigned long long* counts) { \
-        encode_count<FX, FM>(SPK_GEO, SPK_TAB, x, mu, L, counts);                                            \
+    extern "C" __global__ void __launch_bounds__(SPK_MODEL_CTA) spk_encode_model_##name(                    \
+        SPK_GEO_ARGS, SPK_TAB_ARGS, const void* x, const void* mu, const int32_t* L, uint32_t* ops, uint32_t* raw, \
+        unsigned long long* counts) {                                                                        \
+        encode_model<FX, FM>(SPK_GEO, SPK_TAB, x, mu, L, ops, raw, counts);                                  \
     }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(SPK_MAX_CTA) spk_encode_write_##name(                      \
-        SPK_GEO_ARGS, SPK_TAB_ARGS, const void* x, const void* mu, const int32_t* L,                         \
-        const unsigned long long* counts, const unsigned long long* start, const unsigned long long* chunk_byte, \
-        uint8_t* bits, uint32_t* states, uint32_t* n_words, uint16_t* scratch) {                             \
-        encode_write<FX, FM>(SPK_GEO, SPK_TAB, x, mu, L, counts, start, chunk_byte, bits, states, n_words,     \
-                             scratch);                                                                       \
+    extern "C" __global__ void __launch_bounds__(SPK_MODEL_CTA) spk_decode_context_##name(                  \
+        SPK_GEO_ARGS, const void* mu, const int32_t* L, uint32_t* ctxs) {                                    \
+        decode_context<FX, FM>(SPK_GEO, mu, L, ctxs);                                                        \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(SPK_MAX_CTA) spk_decode_rans_##name(                       \
-        SPK_GEO_ARGS, SPK_TAB_ARGS, const uint16_t* bucket, const void* mu, const int32_t* L,                \
-        const uint32_t* states, const uint32_t* n_words, const long long* word_lo, const uint16_t* words,    \
-        uint32_t* info, unsigned long long* tally, int32_t* status) {                                        \
-        decode_rans<FX, FM>(SPK_GEO, SPK_TAB, bucket, mu, L, states, n_words, word_lo, words, info, tally,     \
-                            status);                                                                         \
+        SPK_GEO_ARGS, SPK_TAB_ARGS, const uint16_t* bucket, const uint32_t* ctxs, const uint32_t* states,    \
+        const uint32_t* n_words, const long long* word_lo, const uint16_t* words, uint32_t* info,           \
+        unsigned long long* tally, int32_t* status) {                                                        \
+        decode_rans<FX>(SPK_GEO, SPK_TAB, bucket, ctxs, states, n_words, word_lo, words, info, tally, status); \
     }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(SPK_MAX_CTA) spk_decode_values_##name(                     \
+    extern "C" __global__ void __launch_bounds__(SPK_MODEL_CTA) spk_decode_values_##name(                     \
         SPK_GEO_ARGS, const uint32_t* info, const unsigned long long* sec, const unsigned long long* chunk_byte, \
         const uint8_t* skip, const uint8_t* bits, const uint32_t* deltas, void* out, uint32_t* flags) {      \
         decode_values<FX>(SPK_GEO, info, sec, chunk_byte, skip, bits, deltas, out, flags);                   \

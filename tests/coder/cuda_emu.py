@@ -67,17 +67,30 @@ def build(code: str, work: Path) -> ctypes.CDLL:
     gxx = shutil.which("g++")
     if gxx is None:
         missing("GXX", "g++ not found (the CUDA emulator compiles the kernels with it)")
-    # NOTE: a static __shared__ array is a function-level static here (cuda_emu.h); `extern` and `static` clash
-    text = code.replace("extern __shared__", "extern")
-    text = f'#include "cuda_emu.h"\n{text}\n#include "cuda_emu_run.h"\n'
-    key = hashlib.sha256(text.encode() + (EMU_DIR / "cuda_emu.h").read_bytes()
-                         + (EMU_DIR / "cuda_emu_run.h").read_bytes()).hexdigest()[:16]
+    # NOTE: a static __shared__ array is a function-level static here (cuda_emu.h), and `extern` and
+    # `static` clash: the source and the kernel headers it includes are compiled from copies without it
+    def emulable(text: str) -> str:
+        return text.replace("extern __shared__", "extern")
+
+    headers = {p.name: emulable(p.read_text()) for p in sorted(source_dir().glob("*.cuh")) + sorted(
+        source_dir().glob("*.h"))}
+    text = f'#include "cuda_emu.h"\n{emulable(code)}\n#include "cuda_emu_run.h"\n'
+    digest = hashlib.sha256(text.encode())
+    for name, h in headers.items():
+        digest.update(name.encode() + h.encode())
+    for p in (EMU_DIR / "cuda_emu.h", EMU_DIR / "cuda_emu_run.h"):
+        digest.update(p.read_bytes())
+    key = digest.hexdigest()[:16]
     so = work / f"fused_emu_{key}.so"
     if not so.exists():
+        inc = work / f"include_{key}"
+        inc.mkdir(exist_ok=True)
+        for name, h in headers.items():
+            (inc / name).write_text(h)
         src = work / f"fused_emu_{key}.cpp"
         src.write_text(text)
-        cmd = [gxx, "-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-ffp-contract=off", f"-I{EMU_DIR}",
-               f"-I{source_dir()}", str(src), "-o", str(so)]
+        cmd = [gxx, "-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-ffp-contract=off", f"-I{EMU_DIR}", f"-I{inc}",
+               str(src), "-o", str(so)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if proc.returncode:
             raise RuntimeError(f"the CUDA emulator build failed:\n{proc.stderr[-4000:]}")

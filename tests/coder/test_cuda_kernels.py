@@ -25,14 +25,14 @@ from speckv.errors import IntegrityError, RansDecodeError
 
 @pytest.fixture(scope="module", params=["emulator", "device"])
 def coders(request, tmp_path_factory):
-    """(the CUDA coder, the native coder, layers a case has: fewer on the emulator)."""
+    """(the CUDA coder, the native coder, layers a case has: fewer on the emulator, one thread at a time)."""
     if not native.available():
         missing("NATIVE", f"the native coder is not built ({native.IMPORT_ERROR})")
     if request.param == "device":
         if not backends.cuda_available():
             pytest.skip("no CUDA device or CuPy")
         return CudaCoder.load(), native.NativeCoder(threads=2), 30
-    return CudaCoder(emulated_cupy(tmp_path_factory.mktemp("emu"))), native.NativeCoder(threads=2), 6
+    return CudaCoder(emulated_cupy(tmp_path_factory.mktemp("emu"))), native.NativeCoder(threads=2), 12
 
 
 def _case(model, fp8, layers, tokens, seed):

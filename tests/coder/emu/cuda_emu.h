@@ -2,7 +2,7 @@
 // kernels' own source runs here, warp collectives and all, so their logic is checked against the
 // native coder byte for byte on a machine without a GPU (tests/coder/cuda_emu.py builds it).
 //
-// Model: a CTA is a set of fibers (one per thread, ucontext), run one CTA at a time. A fiber runs
+// Model: a CTA is a set of fibers (one per thread), run one CTA at a time. A fiber runs
 // until it reaches a collective (__shfl_*_sync, __ballot_sync, __all_sync, __any_sync,
 // __syncthreads); when every thread the collective needs is waiting there, the scheduler computes
 // the results and lets them go on. Strict where CUDA leaves things undefined:
@@ -30,8 +30,21 @@ enum Op { RUN, SHFL_IDX, SHFL_UP, SHFL_XOR, BALLOT, ALL, ANY, SYNC, DONE };
 static const char* const OP_NAMES[] = {"run", "shfl", "shfl_up", "shfl_xor", "ballot", "all", "any",
                                        "syncthreads", "done"};
 
+// A fiber switch: x86-64 saves only what the ABI makes the callee keep (ucontext's swapcontext
+// also saves the signal mask, a system call per switch); elsewhere, ucontext.
+#if defined(__x86_64__)
+extern "C" void spk_emu_switch(void** save_sp, void* load_sp);
+struct Context {
+    void* sp;
+};
+#else
+struct Context {
+    ucontext_t uc;
+};
+#endif
+
 struct Fiber {
-    ucontext_t ctx;
+    Context ctx;
     Dim3 tid;
     Op op;
     uint32_t mask;
@@ -48,8 +61,8 @@ enum { MAX_ARGS = 32, STACK_BYTES = 1 << 17 };
 struct Cta {
     Dim3 bid, bdim, gdim;
     std::vector<Fiber> f;
-    std::vector<char> stacks;
-    ucontext_t sched;
+    char* stacks;
+    Context sched;
     int cur;
     Kernel fn;
     const uint64_t* argv;
@@ -62,11 +75,19 @@ extern Cta* g;
     std::abort();
 }
 
+inline void switch_to(Context* save, Context* load) {
+#if defined(__x86_64__)
+    spk_emu_switch(&save->sp, load->sp);
+#else
+    swapcontext(&save->uc, &load->uc);
+#endif
+}
+
 // The calling thread waits at collective op with its value; returns the collective's result.
 inline uint64_t collective(Op op, uint32_t mask, uint64_t val, int arg) {
     Fiber& me = g->f[g->cur];
     me.op = op, me.mask = mask, me.val = val, me.arg = arg;
-    swapcontext(&me.ctx, &g->sched);
+    switch_to(&me.ctx, &g->sched);
     return me.res;
 }
 

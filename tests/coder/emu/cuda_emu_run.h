@@ -5,12 +5,69 @@ namespace spk_emu {
 
 Cta* g = nullptr;
 
-inline void trampoline() {
+#if defined(__x86_64__)
+// save_sp <- this stack (callee-saved registers, MXCSR and the x87 control word pushed on it);
+// then that of load_sp, popped in the same order
+asm(R"(
+    .text
+    .globl spk_emu_switch
+    .type spk_emu_switch, @function
+spk_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size spk_emu_switch, .-spk_emu_switch
+)");
+#endif
+
+[[noreturn]] inline void fiber_main() {
     const uint64_t* a = g->argv;
     g->fn(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15],
           a[16], a[17], a[18], a[19], a[20], a[21], a[22], a[23], a[24], a[25], a[26], a[27], a[28], a[29], a[30],
           a[31]);
-    g->f[g->cur].op = DONE;  // uc_link returns to the scheduler
+    Fiber& me = g->f[g->cur];
+    me.op = DONE;
+    switch_to(&me.ctx, &g->sched);
+    fail("a finished thread was resumed", g->cur);
+}
+
+// A fresh fiber on stack [lo, lo + bytes) that starts in fiber_main.
+inline void start_fiber(Fiber& f, char* lo, size_t bytes) {
+#if defined(__x86_64__)
+    // NOTE: as if fiber_main had been called: its return-address slot at 8 mod 16; below it
+    // spk_emu_switch's frame: the address it returns to, six registers, MXCSR and the x87 word
+    uint64_t* top = (uint64_t*)(((uintptr_t)(lo + bytes)) & ~(uintptr_t)15);
+    uint64_t* sp = top - 1 - 1 - 6 - 1;
+    std::memset(sp, 0, 9 * sizeof(uint64_t));
+    sp[7] = (uint64_t)(uintptr_t)&fiber_main;
+    const uint32_t mxcsr = 0x1F80u, fpucw = 0x037Fu;  // the ABI's initial values
+    std::memcpy(sp, &mxcsr, 4), std::memcpy((char*)sp + 4, &fpucw, 4);
+    f.ctx.sp = sp;
+#else
+    getcontext(&f.ctx.uc);
+    f.ctx.uc.uc_stack.ss_sp = lo;
+    f.ctx.uc.uc_stack.ss_size = bytes;
+    f.ctx.uc.uc_link = nullptr;
+    makecontext(&f.ctx.uc, (void (*)())fiber_main, 0);
+#endif
 }
 
 // Results of warp w's collective, once all its lanes wait at one; false while some still run.
@@ -49,11 +106,7 @@ inline void run_cta(Cta& c) {
         Fiber& f = c.f[i];
         f.tid = {(unsigned)i % c.bdim.x, 0, 0};
         f.op = RUN;
-        getcontext(&f.ctx);
-        f.ctx.uc_stack.ss_sp = &c.stacks[(size_t)i * STACK_BYTES];
-        f.ctx.uc_stack.ss_size = STACK_BYTES;
-        f.ctx.uc_link = &c.sched;
-        makecontext(&f.ctx, trampoline, 0);
+        start_fiber(f, c.stacks + (size_t)i * STACK_BYTES, STACK_BYTES);
     }
     for (;;) {
         bool progress = false;
@@ -61,7 +114,7 @@ inline void run_cta(Cta& c) {
         for (int i = 0; i < n; ++i) {
             if (c.f[i].op == RUN) {
                 c.cur = i;
-                swapcontext(&c.sched, &c.f[i].ctx);
+                switch_to(&c.sched, &c.f[i].ctx);
                 progress = true;
             }
             done += c.f[i].op == DONE, sync += c.f[i].op == SYNC;
@@ -95,7 +148,9 @@ extern "C" int spk_emu_launch(void* fn, unsigned grid, unsigned block, unsigned 
     spk_emu::Cta c;
     c.bdim = {block, 1, 1}, c.gdim = {grid, 1, 1};
     c.f.resize(block);
-    c.stacks.resize((size_t)block * spk_emu::STACK_BYTES);
+    static std::vector<char> stacks;  // NOTE: reused, never zeroed: a launch's threads start fresh frames
+    if (stacks.size() < (size_t)block * spk_emu::STACK_BYTES) stacks.resize((size_t)block * spk_emu::STACK_BYTES);
+    c.stacks = stacks.data();
     c.fn = (spk_emu::Kernel)fn, c.argv = a;
     spk_emu::g = &c;
     for (unsigned b = 0; b < grid; ++b) {

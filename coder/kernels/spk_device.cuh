@@ -1,0 +1,156 @@
+// Device helpers of speckv's fused CUDA coder (spk_fused.cu): block geometry, the tables staged in
+// shared memory, warp scans and sums, bit-field I/O. Device code only (the CPU build never includes it).
+#pragma once
+#include "spk_model.cuh"
+
+#define SPK_FULL 0xFFFFFFFFu
+#define SPK_MAX_CTA 256  // threads per CTA the host may launch (8 warps)
+#define SPK_MODEL_CTA 256  // threads per CTA of the per-element model kernels (coder/cuda.py MODEL_THREADS)
+
+// -- block geometry --------------------------------------------------------------------
+// Element index -> per-channel index of L (row = (layer, kv, head), d), stepped by 32.
+struct SpkCursor {
+    long long row;
+    int tok, d;
+    __device__ __forceinline__ void init(long long e, long long tokens, int dim) {
+        const long long q = e / dim;
+        d = (int)(e - q * dim), tok = (int)(q % tokens), row = q / tokens;
+    }
+    __device__ __forceinline__ long long channel(int dim) const { return row * dim + d; }
+    // NOTE: loops, not divisions: a step of s crosses at most s / dim + 1 rows
+    __device__ __forceinline__ void forward(long long tokens, int dim, int step = (int)SPK_LANES) {
+        for (d += step; d >= dim; d -= dim)
+            if (++tok == tokens) tok = 0, ++row;
+    }
+    __device__ __forceinline__ void backward(long long tokens, int dim) {
+        for (d -= (int)SPK_LANES; d < 0; d += dim)
+            if (--tok < 0) tok = (int)tokens - 1, --row;
+    }
+};
+
+struct SpkTab {  // the Gaussian rows, staged in shared memory
+    const int32_t *off, *radius;
+    const uint16_t *cum, *freq;  // NOTE: cum is padded: row r at off[r] + r, a PROB_SCALE sentinel after it
+    __device__ __forceinline__ uint32_t start(int32_t t, uint32_t j) const { return cum[off[t] + t + (int32_t)j]; }
+    __device__ __forceinline__ uint32_t f(int32_t t, uint32_t j) const { return freq[off[t] + (int32_t)j]; }
+};
+
+// Copies the tables into dynamic shared memory: off | radius (i32) | cum_pad | freq (u16),
+// 8 n_tab + 2 (n_sym + n_tab) + 2 n_sym bytes (coder/cuda.py sizes it).
+__device__ __forceinline__ SpkTab spk_stage(const uint16_t* __restrict__ cum_pad, const uint16_t* __restrict__ freq,
+                                            const int32_t* __restrict__ off, const int32_t* __restrict__ radius,
+                                            int n_tab, int n_sym) {
+    extern __shared__ int32_t spk_smem[];
+    int32_t* so = spk_smem;
+    uint16_t* sc = (uint16_t*)(spk_smem + 2 * n_tab);
+    const int n_pad = n_sym + n_tab;
+    for (int i = threadIdx.x; i < n_tab; i += blockDim.x) so[i] = off[i], so[n_tab + i] = radius[i];
+    for (int i = threadIdx.x; i < n_pad; i += blockDim.x) sc[i] = cum_pad[i];
+    for (int i = threadIdx.x; i < n_sym; i += blockDim.x) sc[n_pad + i] = freq[i];
+    __syncthreads();
+    SpkTab t = {so, so + n_tab, sc, sc + n_pad};
+    return t;
+}
+
+template <class F>
+__device__ __forceinline__ uint32_t spk_load(const void* a, long long i) {
+    if (F::bits == 8) return ((const uint8_t*)a)[i];
+    if (F::bits == 16) return ((const uint16_t*)a)[i];
+    return ((const uint32_t*)a)[i];
+}
+
+__device__ __forceinline__ uint32_t spk_warp_sum(uint32_t v) {
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(SPK_FULL, v, o);
+    return v;
+}
+
+__device__ __forceinline__ uint32_t spk_warp_scan(uint32_t v, uint32_t lane) {  // inclusive
+    for (uint32_t o = 1; o < 32u; o <<= 1) {
+        const uint32_t u = __shfl_up_sync(SPK_FULL, v, o);
+        if (lane >= o) v += u;
+    }
+    return v;
+}
+
+// ORs the w-bit value v in at bit pos (MSB first) of a zeroed byte buffer, as u32 words.
+// NOTE: the stream is a byte string: a big-endian window is built, then byte-swapped
+// into the little-endian words the atomics see. Fields are <= 16 bits: at most 2 words.
+__device__ __forceinline__ void spk_put_bits(uint32_t* buf, unsigned long long pos, uint32_t v, uint32_t w) {
+    if (!v) return;  // zeroed buffer (also: w == 0)
+    const unsigned long long win = (unsigned long long)v << (64u - (uint32_t)(pos & 31u) - w);
+    const uint32_t hi = (uint32_t)(win >> 32), lo = (uint32_t)win;
+    uint32_t* p = buf + (pos >> 5);
+    if (hi) atomicOr(p, __byte_perm(hi, 0, 0x0123));
+    if (lo) atomicOr(p + 1, __byte_perm(lo, 0, 0x0123));
+}
+
+// w <= 16 bits at bit pos of a byte buffer with >= 4 readable bytes past it (spk_block.h read_bits)
+__device__ __forceinline__ uint32_t spk_read_bits(const uint8_t* buf, unsigned long long pos, uint32_t w) {
+    if (!w) return 0;
+    const uint8_t* p = buf + (pos >> 3);
+    const uint32_t v = (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+    return (v << (pos & 7u)) >> (32u - w);
+}
+
+#define SPK_WARP_ID ((long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5))
+#define SPK_GEO_ARGS const long long *__restrict__ block_e0, const int32_t *__restrict__ block_n, \
+    int n_blocks, int epl, long long tokens, int dim
+#define SPK_TAB_ARGS const uint16_t *__restrict__ cum_pad, const uint16_t *__restrict__ freq, \
+    const int32_t *__restrict__ toff, const int32_t *__restrict__ trad, int n_tab, int n_sym
+
+// -- what the model kernels hand the lane passes, 32 bits an element ------------------------
+// An encoder op: start | freq << 16 (freq <= PROB_SCALE = 2^15, start < 2^15).
+__device__ __forceinline__ uint32_t spk_pack_op(uint32_t start, uint32_t freq) { return start | freq << 16; }
+
+// A symbol's raw field: field (16 bits) | width (5) << 16 | kind (2) << 21 | delta (8) << 23.
+// NOTE: delta (ZERO only) = k + bias - 1 - exponent <= k_max + bias - 1 = 246 (BF16): 8 bits;
+// width <= 16; ESC fields are the whole pattern (<= 16 bits).
+__device__ __forceinline__ uint32_t spk_pack_raw(const SpkSymbol& s) {
+    return s.field | s.width << 16 | s.kind << 21 | s.delta << 23;
+}
+
+// Sums v (4 counters a thread) over the CTA into out[0..4) (thread 0), as u64.
+// NOTE: every thread of the CTA calls it (a barrier inside); blockDim.x <= SPK_MODEL_CTA.
+__device__ __forceinline__ void spk_cta_sum4(const uint32_t v[4], unsigned long long* out) {
+    __shared__ unsigned long long part[SPK_MODEL_CTA / 32][4];
+    const uint32_t lane = threadIdx.x & 31u, w = threadIdx.x >> 5;
+    for (int s = 0; s < 4; ++s) {
+        const uint32_t t = spk_warp_sum(v[s]);
+        if (lane == 0) part[w][s] = t;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int s = 0; s < 4; ++s) {
+            unsigned long long t = 0;
+            for (uint32_t i = 0; i < (blockDim.x >> 5); ++i) t += part[i][s];
+            out[s] = t;
+        }
+}
+
+// -- a block's elements in warp segments (the CTA-per-block passes over bit sections) ---------
+// Warp w of the CTA takes the steps [s0, s1) of its block (step s: elements 32 s .. 32 s + 31),
+// contiguous, so the sections' order (element order) is the warps' order.
+struct SpkSegment {
+    int s0, s1;
+    __device__ __forceinline__ void init(int n) {
+        const int steps = (n + (int)SPK_LANES - 1) / (int)SPK_LANES, warps = (int)(blockDim.x >> 5);
+        const int per = (steps + warps - 1) / warps, w = (int)(threadIdx.x >> 5);
+        s0 = w * per < steps ? w * per : steps;
+        s1 = s0 + per < steps ? s0 + per : steps;
+    }
+};
+
+// Each warp's totals v[4] (the same in every lane) -> out[4]: the sums of the lower warps' totals.
+// NOTE: every thread of the CTA calls it (a barrier inside).
+__device__ __forceinline__ void spk_cta_exclusive4(const unsigned long long v[4], unsigned long long out[4]) {
+    __shared__ unsigned long long part[SPK_MODEL_CTA / 32][4];
+    const uint32_t w = threadIdx.x >> 5;
+    if ((threadIdx.x & 31u) == 0)
+        for (int s = 0; s < 4; ++s) part[w][s] = v[s];
+    __syncthreads();
+    for (int s = 0; s < 4; ++s) {
+        unsigned long long t = 0;
+        for (uint32_t i = 0; i < w; ++i) t += part[i][s];
+        out[s] = t;
+    }
+}
