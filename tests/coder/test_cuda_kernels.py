@@ -74,6 +74,31 @@ def test_cuda_equals_native(coders, ckpt, fp8, tokens, epl, lpc):
         assert np.array_equal(out, x)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("heads,tokens,dim,epl", [(1, 1, 1, 1), (2, 5, 40, 3), (1, 33, 97, 16), (3, 3, 300, 64)])
+def test_cuda_equals_native_at_odd_geometries(coders, ckpt, fp8, heads, tokens, dim, epl):
+    """Channels other than the checkpoint's 64 (sigma levels drawn at random): a thread's cursor steps
+    256 elements at a time across rows of 1 to 300, blocks end mid-row, one-token prompts."""
+    cu, nat, _ = coders
+    model = models_of(ckpt)[2]
+    rng = np.random.default_rng(heads * 1000 + tokens * 10 + dim)
+    shape = (3, 2, heads, tokens, dim)
+    mu = rng.integers(0, 1 << 16, shape, dtype=np.uint16)
+    x = rng.integers(0, 256, shape, dtype=np.uint8) if fp8 else (mu ^ rng.integers(0, 64, shape)).astype(np.uint16)
+    scales = rng.uniform(1e-3, 4, (3, 2)).astype(np.float32) if fp8 else None
+    L = rng.integers(-400, 120, (3, 2, heads, dim)).astype(np.int32)
+    if fp8:
+        L = fp8_log2_sigma(L, scales.view(np.uint32)[:, :, None, None]).astype(np.int32)
+    m = nat.prepare_mu(mu, None, None, scales)
+    assert np.array_equal(cu.prepare_mu(mu, None, None, scales), m)
+    pc, pn = cu.encode(x, m, L, [2, 1], epl, model.tables), nat.encode(x, m, L, [2, 1], epl, model.tables)
+    _assert_same_streams(pc, pn)
+    out = np.empty_like(x)
+    cu.decode(m, L, [2, 1], epl, [(p.blocks, p.bits) for p in pn], model.tables, out)
+    assert np.array_equal(out, x)
+
+
 def _outcome(coder, m, L, counts, epl, streams, tables, like):
     try:
         coder.decode(m, L, counts, epl, streams, tables, np.empty_like(like))
