@@ -58,7 +58,7 @@ for k, t in r.get("throughput", {}).items():
     for way in ("encode", "decode"):
         print("   ", way, "ms", {n: round(v, 2) for n, v in t.get(f"{way}_profile_ms", {}).items()})
 EOF
-    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/coder/test_cuda_source.py \
+    timeout 150 python3 -m pytest -q -m gpu -k "not emulator" -p no:cacheprovider tests/coder/test_cuda_kernels.py \
         tests/predictor/test_predictor_portable.py tests/predictor/test_predictor_w8a8.py > "$O/pytest_gpu.log" 2>&1
     echo "pytest rc=$?"; tail -5 "$O/pytest_gpu.log"
     # the same figures from the native CPU coder on this machine's cores, for `auto`'s choice

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any, Sequence
@@ -63,8 +64,9 @@ class CudaCoder:
     _lock = threading.Lock()
     _cache: "CudaCoder | None" = None
 
-    def __init__(self, cp: Any) -> None:
+    def __init__(self, cp: Any, empty_pinned: Any = None) -> None:
         self.cp = cp
+        self.empty_pinned = empty_pinned  # cupyx.empty_pinned: host arrays the device copies into at full speed
         # NOTE: FP32 operations must not contract. CuPy appends -ftz=true to these options, so
         # spk_model.cuh keeps subnormals by emulating its float32 operations in float64
         opts = ("-std=c++17", f"-I{source_dir()}", "--fmad=false")
@@ -81,8 +83,9 @@ class CudaCoder:
         with cls._lock:
             if cls._cache is None:
                 import cupy as cp
+                import cupyx
 
-                cls._cache = cls(cp)
+                cls._cache = cls(cp, cupyx.empty_pinned)
             return cls._cache
 
     # -- arrays --------------------------------------------------------------------------
@@ -193,9 +196,10 @@ class CudaCoder:
         return self.cp.asnumpy(self.prepare_mu_device(np.ascontiguousarray(mu, np.uint16), a, b, scales))
 
     # -- encode --------------------------------------------------------------------------
-    def encode_device(self, x: Any, mu: Any, log2_sigma: Any, layer_counts: Sequence[int], elems_per_lane: int,
-                      tables: CodingTables) -> list[EncodedChunk]:
-        """NativeCoder.encode on device arrays: only the streams come back to the host."""
+    def encode_streams(self, x: Any, mu: Any, log2_sigma: Any, layer_counts: Sequence[int], elems_per_lane: int,
+                       tables: CodingTables) -> "DeviceStreams | None":
+        """The encode, its streams left in device memory (for a sender that reads them there, such as
+        GPUDirect RDMA; ``to_host`` brings them over). None when the KV holds no element."""
         cp = self.cp
         x = cp.asarray(x)
         fp8 = x.dtype.itemsize == 1
@@ -206,13 +210,12 @@ class CudaCoder:
         L = self._levels(log2_sigma, _channels(x.shape))
         nb, sfx = g.n_blocks, "fp8" if fp8 else "bf16"
         if nb == 0:
-            empty = RansBlocks(np.zeros((0, LANES), np.uint32), np.zeros(0, np.uint32), np.zeros(0, np.uint16))
-            return [EncodedChunk(empty, b"") for _ in layer_counts]
+            return None
         targs = self._tables_of(tables)[0]
         counts = cp.empty((nb, 4), cp.uint64)
         ops, raw = cp.empty(x.size, cp.uint32), cp.empty(x.size, cp.uint32)  # NOTE: 8 bytes an element
         self._launch(f"spk_encode_model_{sfx}", nb, geo + targs + (x, mu, L, ops, raw, counts))
-        lay = encode_layout(cp.asnumpy(counts), g)
+        lay = encode_layout(cp.asnumpy(counts), g)  # NOTE: the one wait mid-call: bit positions need the counts
         bits = cp.zeros(lay.total, cp.uint8)
         states, n_words = cp.empty((nb, LANES), cp.uint32), cp.empty(nb, cp.uint32)
         scratch = cp.empty(nb * elems_per_lane * LANES, cp.uint16)
@@ -224,9 +227,34 @@ class CudaCoder:
         offsets = cp.cumsum(n_words, dtype=cp.uint64) - n_words
         words = cp.empty(scratch.size, cp.uint16)
         self._launch("spk_gather", nb, (scratch, n_words, offsets, np.int32(nb), np.int32(elems_per_lane), words))
-        nw = cp.asnumpy(n_words)
-        words_h = cp.asnumpy(words[:int(nw.sum(dtype=np.int64))])
-        return _chunks(g, lay, cp.asnumpy(states), nw, words_h, cp.asnumpy(bits))
+        return DeviceStreams(g, lay, states, n_words, words, bits)
+
+    def to_host(self, s: "DeviceStreams") -> list[EncodedChunk]:
+        """Per chunk: its blocks' states, counts, words and bits, on the host (through pinned memory
+        where CuPy has it: a pageable copy runs at a fraction of the link's speed)."""
+        nw = self._host(s.n_words)
+        return _chunks(s.geometry, s.layout, self._host(s.states), nw,
+                       self._host(s.words[:int(nw.sum(dtype=np.int64))]), self._host(s.bits))
+
+    def _staging(self, shape: Any, dtype: Any) -> np.ndarray:
+        """A host array the device copies from at full speed (pinned where CuPy has it)."""
+        return np.empty(shape, dtype) if self.empty_pinned is None else self.empty_pinned(shape, dtype)
+
+    def _host(self, a: Any) -> np.ndarray:
+        if self.empty_pinned is None:
+            return np.asarray(self.cp.asnumpy(a))
+        out = self.empty_pinned(a.shape, a.dtype)
+        a.get(out=out)  # NOTE: blocking: the copy is done on return
+        return out
+
+    def encode_device(self, x: Any, mu: Any, log2_sigma: Any, layer_counts: Sequence[int], elems_per_lane: int,
+                      tables: CodingTables) -> list[EncodedChunk]:
+        """NativeCoder.encode on device arrays: only the streams come back to the host."""
+        s = self.encode_streams(x, mu, log2_sigma, layer_counts, elems_per_lane, tables)
+        if s is None:
+            empty = RansBlocks(np.zeros((0, LANES), np.uint32), np.zeros(0, np.uint32), np.zeros(0, np.uint16))
+            return [EncodedChunk(empty, b"") for _ in layer_counts]
+        return self.to_host(s)
 
     def encode(self, x: np.ndarray, mu: np.ndarray, log2_sigma: np.ndarray, layer_counts: Sequence[int],
                elems_per_lane: int, tables: CodingTables) -> list[EncodedChunk]:
@@ -250,7 +278,7 @@ class CudaCoder:
         if mu.size != out.size:
             raise ValueError(f"mu: {mu.size} values, expected {out.size}")
         L = self._levels(log2_sigma, _channels(out.shape))
-        states, counts, words = _streams(g, streams)
+        states, counts, words = _streams(g, streams, self._staging)
         nb, sfx = g.n_blocks, "fp8" if fp8 else "bf16"
         targs, bucket, smem = self._tables_of(tables)
         word_lo = np.cumsum(counts, dtype=np.int64) - counts  # NOTE: chunks' words are concatenated in order
@@ -267,7 +295,8 @@ class CudaCoder:
             b = int(bad[0])
             c = int(g.block_chunk[b])
             _raise(int(st[b]), c, b - int(g.chunk_b0[c]), 0, 0)
-        checks, sec, skip, bits, cbyte, deltas = _sections(g, cp.asnumpy(tally), [s[1] for s in streams], fp8)
+        checks, sec, skip, bits, cbyte, deltas = _sections(g, cp.asnumpy(tally), [s[1] for s in streams], fp8,
+                                                            self._staging)
         flags = cp.zeros((nb, 2), cp.uint32)
         self._launch(f"spk_decode_values_{sfx}", nb, geo + (
             info, cp.asarray(sec), cp.asarray(cbyte), cp.asarray(skip), cp.asarray(bits), cp.asarray(deltas),
@@ -294,23 +323,37 @@ def _channels(shape: Sequence[int]) -> int:
     return int(shape[0]) * int(shape[1]) * int(shape[2]) * int(shape[4])
 
 
+@dataclass(frozen=True)
+class DeviceStreams:
+    """An encode's streams in device memory: per block final states (blocks, LANES) and word counts,
+    the words of all blocks in order, the chunks' bit sections at ``layout.chunk_byte``."""
+
+    geometry: Geometry
+    layout: Any  # cuda_host.encode_layout's
+    states: Any
+    n_words: Any
+    words: Any
+    bits: Any
+
+
 def _chunks(g: Geometry, lay: Any, states: np.ndarray, n_words: np.ndarray, words: np.ndarray,
             bits: np.ndarray) -> list[EncodedChunk]:
-    """Per chunk: its blocks' states, counts, words and its bytes of the bits buffer."""
+    """Per chunk: its blocks' states, counts, words (views of this call's host arrays) and its bytes
+    of the bits buffer."""
     out, w0 = [], 0
     for c in range(len(g.chunk_n)):
         blk = slice(int(g.chunk_b0[c]), int(g.chunk_b0[c] + g.chunk_blocks[c]))
         cn = n_words[blk].copy()
         nw = int(cn.sum(dtype=np.int64))
         b0 = int(lay.chunk_byte[c])
-        out.append(EncodedChunk(RansBlocks(states[blk].copy(), cn, words[w0:w0 + nw].copy()),
+        out.append(EncodedChunk(RansBlocks(states[blk], cn, words[w0:w0 + nw]),
                                 bits[b0:b0 + int(lay.chunk_len[c])].tobytes()))
         w0 += nw
     return out
 
 
-def _streams(g: Geometry, streams: Sequence[tuple[RansBlocks, bytes]]) -> tuple[np.ndarray, ...]:
-    """The chunks' states, word counts and words, checked (as NativeCoder.decode does) and concatenated."""
+def _streams(g: Geometry, streams: Sequence[tuple[RansBlocks, bytes]], alloc: Any = np.empty) -> tuple[np.ndarray, ...]:
+    """The chunks' states, word counts and words (into ``alloc``'s array), checked as NativeCoder.decode does."""
     if len(streams) != len(g.chunk_n):
         raise ValueError(f"need a list of {len(g.chunk_n)} chunk streams")
     parts = []
@@ -321,10 +364,11 @@ def _streams(g: Geometry, streams: Sequence[tuple[RansBlocks, bytes]]) -> tuple[
         parts.append((states, counts, words))
     if not parts:
         return np.zeros((0, LANES), np.uint32), np.zeros(0, np.uint32), np.zeros(0, np.uint16)
-    return tuple(np.concatenate([p[i] for p in parts]) for i in range(3))
+    words = np.concatenate([p[2] for p in parts], out=alloc(sum(len(p[2]) for p in parts), np.uint16))
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), words
 
 
-def _sections(g: Geometry, tally: np.ndarray, bits: Sequence[bytes], fp8: bool) -> tuple:
+def _sections(g: Geometry, tally: np.ndarray, bits: Sequence[bytes], fp8: bool, alloc: Any = np.empty) -> tuple:
     """Host pass of the decoder: each chunk's checks, each block's section starts (LOW,
     ZMAN, ESC bits; first delta), skip flags, the padded bits buffer and the deltas."""
     mant, width = _FMT[fp8]
@@ -347,6 +391,6 @@ def _sections(g: Geometry, tally: np.ndarray, bits: Sequence[bytes], fp8: bool) 
             d0 += len(chk.deltas)
         cbyte[c], pos = pos, pos + len(arr) + 8  # NOTE: read_bits reads up to 3 bytes ahead
         bufs += [arr, np.zeros(8, np.uint8)]
-    cat = np.concatenate(bufs) if bufs else np.zeros(8, np.uint8)
+    cat = np.concatenate(bufs, out=alloc(sum(len(b) for b in bufs), np.uint8)) if bufs else np.zeros(8, np.uint8)
     dl = np.concatenate(deltas) if d0 else np.zeros(1, np.uint32)
     return checks, sec, skip, cat, cbyte[g.block_chunk], dl

@@ -3,8 +3,8 @@ inputs, coder arguments, digests, identity bookkeeping) runs with the native cod
 standing in for the device, and its digests must equal the committed
 benchmarks/gpu_check_digests.json, so a change to the stream bytes (or to the inputs)
 cannot slip past the file a GPU machine checks against.
-NOTE: this checks the script and the digests, not the CUDA code; tests/coder/
-test_cuda_source.py compiles that with nvcc and runs it where a device is present."""
+The device path runs too, on the CPU's warp emulator (tests/cuda_emu.py): the CUDA kernels' logic,
+not their speed; tests/coder/test_cuda_source.py compiles them with nvcc."""
 from __future__ import annotations
 
 import json
@@ -63,3 +63,26 @@ def test_throughput_codes_and_decodes_both_dtypes(gpu_check, fp8):
         assert r["raw_mb"] == 2 * 2 * 3 * 96 * 64 * (1 if fp8 else 2) / 1e6 and r["encode_gb_s"] > 0
     assert reps[8]["bits_per_scalar"] > reps[1024]["bits_per_scalar"] + 0.5
     assert {name for name, *_ in gpu_check.THROUGHPUT} >= {"streaming", "batched", "requests4", "batched_fp8"}
+
+
+def test_cuda_path_on_the_emulated_device(gpu_check, tmp_path):
+    """The script's device path (CuPy arrays, encode_streams, kernel profiles) on the CPU's warp emulator
+    (tests/cuda_emu.py) in place of a GPU: the committed digests, identity with the native coder both
+    ways, and one profiled throughput case, so a lent device's minutes are not spent on the script."""
+    from cuda_emu import emulated_cupy
+
+    from speckv.coder.cuda import KERNELS, CudaCoder
+
+    dev = gpu_check.Device("native")
+    cp = emulated_cupy(tmp_path)
+    dev.name, dev.xp, dev.coder = "cuda", cp, CudaCoder(cp, empty_pinned=np.empty)
+    models = gpu_check.load_models()
+    cases = gpu_check.check_all(dev, models)
+    want = json.loads(gpu_check.DIGESTS.read_text())
+    for name, r in cases.items():
+        assert r["digest"] == want[name], name
+        assert r["streams_equal"] and r["mu_equal"] and r["gpu_to_cpu"] and r["cpu_to_gpu"], name
+    r = gpu_check.throughput(dev, models["tuned"], 2, 96, 1, 1, 64)
+    assert r["decode_correct"] and r["encode_kept_gb_s"] > 0
+    ran = set(r["encode_profile_ms"]) | set(r["decode_profile_ms"])
+    assert ran == {k for k in KERNELS if not k.endswith("_fp8")} - {"spk_prepare_mu"} | {"wall"}  # BF16 KV

@@ -1,5 +1,5 @@
 """The fused CUDA coder (coder/cuda.py driving coder/kernels/spk_fused.cu) against the native coder,
-byte for byte: on the CPU's warp emulator (tests/coder/cuda_emu.py) everywhere, and on a CUDA
+byte for byte: on the CPU's warp emulator (tests/cuda_emu.py) everywhere, and on a CUDA
 device where there is one (the ``device`` half skips without one; CI has none).
 
 The emulator runs the kernels' own source, warp scans, ballots and early exits included, through
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,7 +31,9 @@ def coders(request, tmp_path_factory):
         if not backends.cuda_available():
             pytest.skip("no CUDA device or CuPy")
         return CudaCoder.load(), native.NativeCoder(threads=2), 30
-    return CudaCoder(emulated_cupy(tmp_path_factory.mktemp("emu"))), native.NativeCoder(threads=2), 12
+    # NOTE: np.empty for cupyx.empty_pinned: the host copies take CudaCoder's pinned path
+    emu = CudaCoder(emulated_cupy(tmp_path_factory.mktemp("emu")), empty_pinned=np.empty)
+    return emu, native.NativeCoder(threads=2), 12
 
 
 def _case(model, fp8, layers, tokens, seed):
@@ -208,8 +209,8 @@ def test_emulator_refuses_undefined_behaviour(tmp_path, kernel, message):
     """Where CUDA leaves the result undefined (a collective half the warp skips, a barrier some
     threads never reach) the emulator stops the process with a message, instead of guessing."""
     build(DIVERGENT, tmp_path)
-    here, tests = str(Path(__file__).parent), str(EMU_DIR.parent.parent)
-    code = (f"import sys, numpy as np; sys.path[:0] = [{here!r}, {tests!r}]\n"
+    tests = str(EMU_DIR.parent)
+    code = (f"import sys, numpy as np; sys.path[:0] = [{tests!r}]\n"
             "from pathlib import Path; from cuda_emu import build, _Module\n"
             f"k = _Module(build(open({str(tmp_path / 'src.cu')!r}).read(), Path({str(tmp_path)!r})))"
             f".get_function({kernel!r})\n"

@@ -1,6 +1,6 @@
 // A CPU emulator of the CUDA subset coder/kernels/spk_fused.cu uses, for tests only: the fused
 // kernels' own source runs here, warp collectives and all, so their logic is checked against the
-// native coder byte for byte on a machine without a GPU (tests/coder/cuda_emu.py builds it).
+// native coder byte for byte on a machine without a GPU (tests/cuda_emu.py builds it).
 //
 // Model: a CTA is a set of fibers (one per thread), run one CTA at a time. A fiber runs
 // until it reaches a collective (__shfl_*_sync, __ballot_sync, __all_sync, __any_sync,

@@ -1,6 +1,6 @@
 """The fused CUDA coder's kernels on the CPU, for tests: ``CudaCoder(emulated_cupy(dir))`` runs
 coder/cuda.py as it is, with CuPy replaced by numpy and a RawModule whose kernels are
-coder/kernels/spk_fused.cu compiled by g++ against a warp emulator (tests/coder/emu/cuda_emu.h).
+coder/kernels/spk_fused.cu compiled by g++ against a warp emulator (tests/emu/cuda_emu.h).
 
 So the kernels' own logic (warp scans, ballots, bit placement, the decoder's early exits) runs,
 and is checked against the native coder byte for byte, where no GPU is. NOTE: an emulator, not a
@@ -13,6 +13,7 @@ import ctypes
 import hashlib
 import shutil
 import subprocess
+import time
 import types
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,8 @@ EMU_DIR = Path(__file__).parent / "emu"
 class _Kernel:
     """One kernel: called as CuPy's RawKernel is, ``k(grid, block, args, shared_mem=)``."""
 
-    def __init__(self, lib: ctypes.CDLL, name: str) -> None:
-        self.lib, self.name = lib, name
+    def __init__(self, lib: ctypes.CDLL, name: str, device_only: bool) -> None:
+        self.lib, self.name, self.device_only = lib, name, device_only
         self.addr = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
         self.max_dynamic_shared_size_bytes = 0
 
@@ -39,6 +40,8 @@ class _Kernel:
         words = []
         for a in args:
             if isinstance(a, np.ndarray):
+                if self.device_only and not isinstance(a, DeviceArray):
+                    raise TypeError(f"{self.name}: a host array as an argument (CuPy takes device arrays only)")
                 if not a.flags.c_contiguous:
                     raise ValueError(f"{self.name}: a non-contiguous array argument")
                 words.append(a.ctypes.data)
@@ -55,11 +58,11 @@ class _Kernel:
 
 
 class _Module:
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self.lib = lib
+    def __init__(self, lib: ctypes.CDLL, device_only: bool = False) -> None:
+        self.lib, self.device_only = lib, device_only
 
     def get_function(self, name: str) -> _Kernel:
-        return _Kernel(self.lib, name)
+        return _Kernel(self.lib, name, self.device_only)
 
 
 def build(code: str, work: Path) -> ctypes.CDLL:
@@ -99,12 +102,44 @@ def build(code: str, work: Path) -> ctypes.CDLL:
     return lib
 
 
+class DeviceArray(np.ndarray):
+    """A "device" array: numpy's, with CuPy's ``get`` (a copy to the host, into ``out`` if given)."""
+
+    def get(self, out: np.ndarray | None = None) -> np.ndarray:
+        if out is None:
+            return np.array(self, copy=True)
+        if type(out) is not np.ndarray or out.shape != self.shape or out.dtype != self.dtype:
+            raise ValueError("get(out=): a host array of the same shape and dtype")  # as CuPy's
+        out[...] = self
+        return out
+
+
+class _Event:
+    """cupy.cuda.Event: launches run synchronously here, so a record is a clock reading."""
+
+    t = 0.0
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _device(fn: Any) -> Any:
+    return lambda *a, **k: np.asarray(fn(*a, **k)).view(DeviceArray)
+
+
 def emulated_cupy(work: Path) -> Any:
     """A stand-in for the ``cupy`` module, as much of it as coder/cuda.py uses."""
     cp = types.SimpleNamespace()
-    for name in ("asarray", "ascontiguousarray", "empty", "zeros", "cumsum", "uint8", "uint16", "uint32",
-                 "uint64", "int32", "int64", "float32"):
+    for name in ("asarray", "ascontiguousarray", "empty", "zeros", "cumsum"):
+        setattr(cp, name, _device(getattr(np, name)))
+    for name in ("uint8", "uint16", "uint32", "uint64", "int32", "int64", "float32"):
         setattr(cp, name, getattr(np, name))
-    cp.asnumpy = lambda a: np.array(a, copy=True)  # NOTE: a copy, as a device-to-host transfer is
-    cp.RawModule = lambda code, options: _Module(build(code, work))
+    cp.asnumpy = lambda a: np.array(a, copy=True).view(np.ndarray)  # NOTE: a copy, as a transfer is
+    cp.ones, cp.empty_like = _device(np.ones), _device(np.empty_like)
+    cp.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(synchronize=lambda: None), Event=_Event,
+                                    get_elapsed_time=lambda a, b: 1e3 * (b.t - a.t))  # ms, as CuPy's
+    cp.RawModule = lambda code, options: _Module(build(code, work), device_only=True)
     return cp
