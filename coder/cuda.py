@@ -11,6 +11,8 @@ Lifecycle::
     # the bit patterns: x.view(torch.int16) / torch.uint8; mu as int16 / int32 views)
     mu2 = cu.prepare_mu_device(mu_dev, a, b, scales)
     parts = cu.encode_device(x_dev, mu2, L, layer_counts, epl, tables)   # only words/states/bits come back
+    kept = cu.encode_streams(x_dev, mu2, L, layer_counts, epl, tables)   # ... or stay on the device
+    parts = cu.to_host(kept)                                             # (pinned host memory)
     cu.decode_device(mu2, L, layer_counts, epl, streams, tables, out_dev)
 
 CuPy is imported inside the class only: ``import speckv.coder.codec`` never imports it.
@@ -29,9 +31,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .cuda_host import ChunkCheck, Geometry, chunk_sections, chunk_status, decode_tables, encode_layout, smem_bytes
+from . import cuda_host as host
+from .cuda_host import FORMATS, Geometry, decode_tables, encode_layout, smem_bytes
 from .native import EncodedChunk, FlatTables, _raise
-from .rans import LANES, RansBlocks, _check_blocks
+from .rans import LANES, RansBlocks
 from .tables import CodingTables
 
 SOURCES = ("spk_consts.h", "rans_lane.cuh", "spk_float.cuh", "spk_model.cuh", "spk_device.cuh", "spk_fused.cu")
@@ -42,7 +45,6 @@ CTA_KERNELS = ("spk_encode_bits",) + tuple(
     f"spk_{k}_{f}" for k in ("encode_model", "decode_context", "decode_values") for f in ("bf16", "fp8"))
 WARPS = 4  # rANS blocks (warps) per CTA of the lane passes
 CTA_THREADS = 256  # threads per CTA of CTA_KERNELS: spk_device.cuh SPK_MODEL_CTA
-_FMT = {False: (7, 16), True: (3, 8)}  # fp8 -> (mantissa bits, pattern bits) of x
 
 
 def source_dir() -> Path:
@@ -219,7 +221,7 @@ class CudaCoder:
         bits = cp.zeros(lay.total, cp.uint8)
         states, n_words = cp.empty((nb, LANES), cp.uint32), cp.empty(nb, cp.uint32)
         scratch = cp.empty(nb * elems_per_lane * LANES, cp.uint16)
-        mant, width = _FMT[fp8]
+        mant, width = FORMATS[fp8]
         self._launch("spk_encode_bits", nb, geo[:3] + (np.int32(mant), np.int32(width), raw, cp.asarray(lay.start),
                                                        cp.asarray(lay.chunk_byte[g.block_chunk]), bits))
         self._launch("spk_encode_rans", nb, geo[:4] + (ops, states, n_words, scratch))
@@ -227,13 +229,18 @@ class CudaCoder:
         offsets = cp.cumsum(n_words, dtype=cp.uint64) - n_words
         words = cp.empty(scratch.size, cp.uint16)
         self._launch("spk_gather", nb, (scratch, n_words, offsets, np.int32(nb), np.int32(elems_per_lane), words))
-        return DeviceStreams(g, lay, states, n_words, words, bits)
+        ready = cp.cuda.Event()
+        ready.record()
+        return DeviceStreams(g, lay, states, n_words, words, bits, ready)
 
     def to_host(self, s: "DeviceStreams") -> list[EncodedChunk]:
         """Per chunk: its blocks' states, counts, words and bits, on the host (through pinned memory
-        where CuPy has it: a pageable copy runs at a fraction of the link's speed)."""
+        where CuPy has it: a pageable copy runs at a fraction of the link's speed).
+        NOTE: the chunks' words are views of one pinned array, which CuPy's pinned pool takes back
+        when the last chunk is dropped (it keeps the pages for the next encode, never the OS)."""
+        s.ready.synchronize()  # NOTE: this thread's current stream may not be the one that encoded
         nw = self._host(s.n_words)
-        return _chunks(s.geometry, s.layout, self._host(s.states), nw,
+        return host.host_chunks(s.geometry, s.layout, self._host(s.states), nw,
                        self._host(s.words[:int(nw.sum(dtype=np.int64))]), self._host(s.bits))
 
     def _staging(self, shape: Any, dtype: Any) -> np.ndarray:
@@ -278,7 +285,7 @@ class CudaCoder:
         if mu.size != out.size:
             raise ValueError(f"mu: {mu.size} values, expected {out.size}")
         L = self._levels(log2_sigma, _channels(out.shape))
-        states, counts, words = _streams(g, streams, self._staging)
+        states, counts, words = host.concat_streams(g, streams, self._staging)
         nb, sfx = g.n_blocks, "fp8" if fp8 else "bf16"
         targs, bucket, smem = self._tables_of(tables)
         word_lo = np.cumsum(counts, dtype=np.int64) - counts  # NOTE: chunks' words are concatenated in order
@@ -295,8 +302,8 @@ class CudaCoder:
             b = int(bad[0])
             c = int(g.block_chunk[b])
             _raise(int(st[b]), c, b - int(g.chunk_b0[c]), 0, 0)
-        checks, sec, skip, bits, cbyte, deltas = _sections(g, cp.asnumpy(tally), [s[1] for s in streams], fp8,
-                                                            self._staging)
+        checks, sec, skip, bits, cbyte, deltas = host.decode_sections(
+            g, cp.asnumpy(tally), [s[1] for s in streams], fp8, self._staging)
         flags = cp.zeros((nb, 2), cp.uint32)
         self._launch(f"spk_decode_values_{sfx}", nb, geo + (
             info, cp.asarray(sec), cp.asarray(cbyte), cp.asarray(skip), cp.asarray(bits), cp.asarray(deltas),
@@ -304,7 +311,7 @@ class CudaCoder:
         fl = cp.asnumpy(flags)
         for c, chk in enumerate(checks):
             blk = slice(int(g.chunk_b0[c]), int(g.chunk_b0[c] + g.chunk_blocks[c]))
-            s, f1, f2 = chunk_status(chk, bool(fl[blk, 0].any()), bool(fl[blk, 1].any()))
+            s, f1, f2 = host.chunk_status(chk, bool(fl[blk, 0].any()), bool(fl[blk, 1].any()))
             if s:
                 _raise(s, c, -1, f1, f2)
 
@@ -326,7 +333,8 @@ def _channels(shape: Sequence[int]) -> int:
 @dataclass(frozen=True)
 class DeviceStreams:
     """An encode's streams in device memory: per block final states (blocks, LANES) and word counts,
-    the words of all blocks in order, the chunks' bit sections at ``layout.chunk_byte``."""
+    the words of all blocks in order, the chunks' bit sections at ``layout.chunk_byte``; complete
+    once ``ready`` (a CUDA event) has passed: a reader on another stream waits on it first."""
 
     geometry: Geometry
     layout: Any  # cuda_host.encode_layout's
@@ -334,63 +342,4 @@ class DeviceStreams:
     n_words: Any
     words: Any
     bits: Any
-
-
-def _chunks(g: Geometry, lay: Any, states: np.ndarray, n_words: np.ndarray, words: np.ndarray,
-            bits: np.ndarray) -> list[EncodedChunk]:
-    """Per chunk: its blocks' states, counts, words (views of this call's host arrays) and its bytes
-    of the bits buffer."""
-    out, w0 = [], 0
-    for c in range(len(g.chunk_n)):
-        blk = slice(int(g.chunk_b0[c]), int(g.chunk_b0[c] + g.chunk_blocks[c]))
-        cn = n_words[blk].copy()
-        nw = int(cn.sum(dtype=np.int64))
-        b0 = int(lay.chunk_byte[c])
-        out.append(EncodedChunk(RansBlocks(states[blk], cn, words[w0:w0 + nw]),
-                                bits[b0:b0 + int(lay.chunk_len[c])].tobytes()))
-        w0 += nw
-    return out
-
-
-def _streams(g: Geometry, streams: Sequence[tuple[RansBlocks, bytes]], alloc: Any = np.empty) -> tuple[np.ndarray, ...]:
-    """The chunks' states, word counts and words (into ``alloc``'s array), checked as NativeCoder.decode does."""
-    if len(streams) != len(g.chunk_n):
-        raise ValueError(f"need a list of {len(g.chunk_n)} chunk streams")
-    parts = []
-    for (blocks, _), nb in zip(streams, g.chunk_blocks, strict=True):
-        states, counts, words = _check_blocks(blocks)
-        if states.shape[0] != nb:
-            raise ValueError(f"states: {states.nbytes} bytes, expected {int(nb) * LANES * 4}")
-        parts.append((states, counts, words))
-    if not parts:
-        return np.zeros((0, LANES), np.uint32), np.zeros(0, np.uint32), np.zeros(0, np.uint16)
-    words = np.concatenate([p[2] for p in parts], out=alloc(sum(len(p[2]) for p in parts), np.uint16))
-    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), words
-
-
-def _sections(g: Geometry, tally: np.ndarray, bits: Sequence[bytes], fp8: bool, alloc: Any = np.empty) -> tuple:
-    """Host pass of the decoder: each chunk's checks, each block's section starts (LOW,
-    ZMAN, ESC bits; first delta), skip flags, the padded bits buffer and the deltas."""
-    mant, width = _FMT[fp8]
-    sec, skip = np.zeros((g.n_blocks, 4), np.uint64), np.zeros(max(g.n_blocks, 1), np.uint8)
-    checks: list[ChunkCheck] = []
-    deltas: list[np.ndarray] = []
-    bufs: list[np.ndarray] = []
-    cbyte, pos, d0 = np.zeros(len(bits), np.uint64), 0, 0
-    for c, raw in enumerate(bits):
-        blk = slice(int(g.chunk_b0[c]), int(g.chunk_b0[c] + g.chunk_blocks[c]))
-        arr = np.frombuffer(bytes(raw), np.uint8)
-        chk, starts = chunk_sections(arr, tally[blk], mant, width)
-        checks.append(chk)
-        if chk.early:
-            skip[blk] = 1
-        else:
-            assert chk.deltas is not None
-            sec[blk], deltas = starts, deltas + [chk.deltas]
-            sec[blk, 3] += np.uint64(d0)
-            d0 += len(chk.deltas)
-        cbyte[c], pos = pos, pos + len(arr) + 8  # NOTE: read_bits reads up to 3 bytes ahead
-        bufs += [arr, np.zeros(8, np.uint8)]
-    cat = np.concatenate(bufs, out=alloc(sum(len(b) for b in bufs), np.uint8)) if bufs else np.zeros(8, np.uint8)
-    dl = np.concatenate(deltas) if d0 else np.zeros(1, np.uint32)
-    return checks, sec, skip, cat, cbyte[g.block_chunk], dl
+    ready: Any

@@ -12,17 +12,18 @@ Nothing here imports CuPy; everything is testable on a CPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from .native import FlatTables
-from .rans import LANES, PROB_SCALE
+from .native import EncodedChunk, FlatTables
+from .rans import LANES, PROB_SCALE, RansBlocks, _check_blocks
 
 BUCKET_SHIFT = 7  # spk_consts.h SPK_BUCKET_SHIFT
 BUCKETS = PROB_SCALE >> BUCKET_SHIFT
 OK, SHORT, UNARY_LONG, PADDING, NO_FINITE, UNARY_COUNT, UNARY_TAIL, ZERO_EXP, NOT_ESCAPED = 0, 4, 5, 6, 7, 8, 9, 10, 11
 _U64 = np.uint64
+FORMATS = {False: (7, 16), True: (3, 8)}  # fp8 -> (mantissa bits, pattern bits) of x
 
 
 @dataclass(frozen=True)
@@ -181,3 +182,65 @@ def chunk_status(s: ChunkCheck, normal_bad: bool, zero_bad: bool) -> tuple[int, 
     if s.mu_bad:
         return NOT_ESCAPED, 0, 0
     return OK, 0, 0
+
+
+def host_chunks(g: Geometry, lay: Any, states: np.ndarray, n_words: np.ndarray, words: np.ndarray,
+            bits: np.ndarray) -> list[EncodedChunk]:
+    """Per chunk: its blocks' states, counts, words (views of this call's host arrays) and its bytes
+    of the bits buffer."""
+    out, w0 = [], 0
+    for c in range(len(g.chunk_n)):
+        blk = slice(int(g.chunk_b0[c]), int(g.chunk_b0[c] + g.chunk_blocks[c]))
+        cn = n_words[blk].copy()
+        nw = int(cn.sum(dtype=np.int64))
+        b0 = int(lay.chunk_byte[c])
+        out.append(EncodedChunk(RansBlocks(states[blk], cn, words[w0:w0 + nw]),
+                                bits[b0:b0 + int(lay.chunk_len[c])].tobytes()))
+        w0 += nw
+    return out
+
+
+def concat_streams(g: Geometry, streams: Sequence[tuple[RansBlocks, bytes]],
+                   alloc: Any = np.empty) -> tuple[np.ndarray, ...]:
+    """The chunks' states, word counts and words (into ``alloc``'s array), checked as NativeCoder.decode does."""
+    if len(streams) != len(g.chunk_n):
+        raise ValueError(f"need a list of {len(g.chunk_n)} chunk streams")
+    parts = []
+    for (blocks, _), nb in zip(streams, g.chunk_blocks, strict=True):
+        states, counts, words = _check_blocks(blocks)
+        if states.shape[0] != nb:
+            raise ValueError(f"states: {states.nbytes} bytes, expected {int(nb) * LANES * 4}")
+        parts.append((states, counts, words))
+    if not parts:
+        return np.zeros((0, LANES), np.uint32), np.zeros(0, np.uint32), np.zeros(0, np.uint16)
+    words = np.concatenate([p[2] for p in parts], out=alloc(sum(len(p[2]) for p in parts), np.uint16))
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), words
+
+
+def decode_sections(g: Geometry, tally: np.ndarray, bits: Sequence[bytes], fp8: bool,
+                    alloc: Any = np.empty) -> tuple:
+    """Host pass of the decoder: each chunk's checks, each block's section starts (LOW,
+    ZMAN, ESC bits; first delta), skip flags, the padded bits buffer and the deltas."""
+    mant, width = FORMATS[fp8]
+    sec, skip = np.zeros((g.n_blocks, 4), np.uint64), np.zeros(max(g.n_blocks, 1), np.uint8)
+    checks: list[ChunkCheck] = []
+    deltas: list[np.ndarray] = []
+    bufs: list[np.ndarray] = []
+    cbyte, pos, d0 = np.zeros(len(bits), np.uint64), 0, 0
+    for c, raw in enumerate(bits):
+        blk = slice(int(g.chunk_b0[c]), int(g.chunk_b0[c] + g.chunk_blocks[c]))
+        arr = np.frombuffer(bytes(raw), np.uint8)
+        chk, starts = chunk_sections(arr, tally[blk], mant, width)
+        checks.append(chk)
+        if chk.early:
+            skip[blk] = 1
+        else:
+            assert chk.deltas is not None
+            sec[blk], deltas = starts, deltas + [chk.deltas]
+            sec[blk, 3] += np.uint64(d0)
+            d0 += len(chk.deltas)
+        cbyte[c], pos = pos, pos + len(arr) + 8  # NOTE: read_bits reads up to 3 bytes ahead
+        bufs += [arr, np.zeros(8, np.uint8)]
+    cat = np.concatenate(bufs, out=alloc(sum(len(b) for b in bufs), np.uint8)) if bufs else np.zeros(8, np.uint8)
+    dl = np.concatenate(deltas) if d0 else np.zeros(1, np.uint32)
+    return checks, sec, skip, cat, cbyte[g.block_chunk], dl

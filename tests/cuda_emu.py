@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import re
 import shutil
 import subprocess
 import time
@@ -33,10 +34,29 @@ class _Kernel:
         self.lib, self.name, self.device_only = lib, name, device_only
         self.addr = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
         self.max_dynamic_shared_size_bytes = 0
+        kinds = (ctypes.c_int * 64)()
+        self.params = list(kinds[:getattr(lib, f"spk_emu_sig_{name}")(kinds, 64)])
+
+    def _check(self, args: tuple) -> None:
+        """Each argument as CuPy packs it for this kernel's parameter: an array for a pointer, a numpy
+        scalar of the parameter's width and signedness for an integer (a mismatch would shift every
+        later parameter on a device)."""
+        if len(args) != len(self.params):
+            raise TypeError(f"{self.name}: {len(args)} arguments for {len(self.params)} parameters")
+        for i, (a, kind) in enumerate(zip(args, self.params, strict=True)):
+            if kind == 0:
+                ok = isinstance(a, np.ndarray)
+            else:
+                ok = isinstance(a, np.integer) and a.dtype.itemsize == abs(kind) and (a.dtype.kind == "i") == (kind > 0)
+            if not ok:
+                sign = "signed" if kind > 0 else "unsigned"
+                want = "an array" if kind == 0 else f"a {sign} {8 * abs(kind)}-bit scalar"
+                raise TypeError(f"{self.name}: argument {i} is {type(a).__name__}, the kernel takes {want}")
 
     def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
         if len(grid) != 1 or len(block) != 1:
             raise ValueError("the emulator launches 1-D grids only")
+        self._check(args)
         words = []
         for a in args:
             if isinstance(a, np.ndarray):
@@ -77,7 +97,8 @@ def build(code: str, work: Path) -> ctypes.CDLL:
 
     headers = {p.name: emulable(p.read_text()) for p in sorted(source_dir().glob("*.cuh")) + sorted(
         source_dir().glob("*.h"))}
-    text = f'#include "cuda_emu.h"\n{emulable(code)}\n#include "cuda_emu_run.h"\n'
+    text = (f'#include "cuda_emu.h"\nstruct spk_emu_kernels_begin;\n{emulable(code)}\n'
+            'struct spk_emu_kernels_end;\n#include "cuda_emu_run.h"\n')
     digest = hashlib.sha256(text.encode())
     for name, h in headers.items():
         digest.update(name.encode() + h.encode())
@@ -91,15 +112,32 @@ def build(code: str, work: Path) -> ctypes.CDLL:
         for name, h in headers.items():
             (inc / name).write_text(h)
         src = work / f"fused_emu_{key}.cpp"
+        flags = ["-std=c++17", f"-I{EMU_DIR}", f"-I{inc}"]
         src.write_text(text)
-        cmd = [gxx, "-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-ffp-contract=off", f"-I{EMU_DIR}", f"-I{inc}",
-               str(src), "-o", str(so)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if proc.returncode:
-            raise RuntimeError(f"the CUDA emulator build failed:\n{proc.stderr[-4000:]}")
+        pre = _run([gxx, *flags, "-E", str(src)])
+        src.write_text(text + _signatures(pre))
+        _run([gxx, *flags, "-O1", "-g", "-fPIC", "-shared", "-ffp-contract=off", str(src), "-o", str(so)])
     lib = ctypes.CDLL(str(so))
     lib.spk_emu_launch.restype = ctypes.c_int
     return lib
+
+
+def _run(cmd: list[str]) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        raise RuntimeError(f"the CUDA emulator build failed:\n{proc.stderr[-4000:]}")
+    return proc.stdout
+
+
+KERNEL = re.compile(r'extern\s+"C"\s+void\s+(\w+)\s*\(')
+
+
+def _signatures(preprocessed: str) -> str:
+    """C++ that exports each kernel's parameter kinds (``spk_emu_sig_<name>``: cuda_emu_run.h
+    spk_emu_sig), from the kernels' source between its two markers, macros expanded."""
+    body = preprocessed.split("struct spk_emu_kernels_begin;", 1)[1].split("struct spk_emu_kernels_end;", 1)[0]
+    return "".join(f'extern "C" int spk_emu_sig_{k}(int* out, int cap) {{ return spk_emu_sig({k}, out, cap); }}\n'
+                   for k in KERNEL.findall(body))
 
 
 class DeviceArray(np.ndarray):
@@ -123,7 +161,8 @@ class _Event:
         self.t = time.perf_counter()
 
     def synchronize(self) -> None:
-        pass
+        if not self.t:
+            raise RuntimeError("an event synchronised before it was recorded")  # CuPy's returns at once; ours is a bug
 
 
 def _device(fn: Any) -> Any:

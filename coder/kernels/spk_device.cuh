@@ -5,7 +5,8 @@
 
 #define SPK_FULL 0xFFFFFFFFu
 #define SPK_MAX_CTA 256  // threads per CTA the host may launch (8 warps)
-#define SPK_MODEL_CTA 256  // threads per CTA of the per-element model kernels (coder/cuda.py MODEL_THREADS)
+#define SPK_MODEL_CTA 256  // threads per CTA of the one-CTA-per-block kernels (coder/cuda.py CTA_THREADS)
+static_assert(SPK_MODEL_CTA % 32 == 0 && SPK_MODEL_CTA <= 1024, "whole warps");
 
 // -- block geometry --------------------------------------------------------------------
 // Element index -> per-channel index of L (row = (layer, kv, head), d), stepped by 32.
@@ -102,6 +103,23 @@ __device__ __forceinline__ uint32_t spk_read_bits(const uint8_t* buf, unsigned l
 // An encoder op: start | freq << 16 (freq <= PROB_SCALE = 2^15, start < 2^15).
 __device__ __forceinline__ uint32_t spk_pack_op(uint32_t start, uint32_t freq) { return start | freq << 16; }
 
+// The lane passes load the model's output SPK_AHEAD steps ahead of its use (a group in flight).
+#define SPK_AHEAD 8
+
+// ops[e0 + e] of step st's element e = 32 st + lane; past the block: the no-op (start 0, freq PROB_SCALE)
+__device__ __forceinline__ uint32_t spk_op_at(const uint32_t* __restrict__ ops, long long e0, int n, int st,
+                                              uint32_t lane) {
+    const int e = st * (int)SPK_LANES + (int)lane;
+    return st >= 0 && e < n ? ops[e0 + e] : spk_pack_op(0, SPK_PROB_SCALE);
+}
+
+// ctxs[e0 + e] likewise; past the block: 0 (unused: padding lanes run no model)
+__device__ __forceinline__ uint32_t spk_ctx_at(const uint32_t* __restrict__ ctxs, long long e0, int n, int st,
+                                               uint32_t lane) {
+    const int e = st * (int)SPK_LANES + (int)lane;
+    return e < n ? ctxs[e0 + e] : 0u;
+}
+
 // A symbol's raw field: field (16 bits) | width (5) << 16 | kind (2) << 21 | delta (8) << 23.
 // NOTE: delta (ZERO only) = k + bias - 1 - exponent <= k_max + bias - 1 = 246 (BF16): 8 bits;
 // width <= 16; ESC fields are the whole pattern (<= 16 bits).
@@ -110,7 +128,8 @@ __device__ __forceinline__ uint32_t spk_pack_raw(const SpkSymbol& s) {
 }
 
 // Sums v (4 counters a thread) over the CTA into out[0..4) (thread 0), as u64.
-// NOTE: every thread of the CTA calls it (a barrier inside); blockDim.x <= SPK_MODEL_CTA.
+// NOTE: every thread of the CTA calls it (a barrier inside); blockDim.x <= SPK_MODEL_CTA. Once a
+// kernel: a second call would need a barrier before it rewrites part.
 __device__ __forceinline__ void spk_cta_sum4(const uint32_t v[4], unsigned long long* out) {
     __shared__ unsigned long long part[SPK_MODEL_CTA / 32][4];
     const uint32_t lane = threadIdx.x & 31u, w = threadIdx.x >> 5;
@@ -141,7 +160,7 @@ struct SpkSegment {
 };
 
 // Each warp's totals v[4] (the same in every lane) -> out[4]: the sums of the lower warps' totals.
-// NOTE: every thread of the CTA calls it (a barrier inside).
+// NOTE: every thread of the CTA calls it (a barrier inside); once a kernel, as spk_cta_sum4.
 __device__ __forceinline__ void spk_cta_exclusive4(const unsigned long long v[4], unsigned long long out[4]) {
     __shared__ unsigned long long part[SPK_MODEL_CTA / 32][4];
     const uint32_t w = threadIdx.x >> 5;

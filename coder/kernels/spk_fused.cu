@@ -48,6 +48,9 @@ template <class FX, class FM>
 __device__ void encode_model(SPK_GEO_ARGS, SPK_TAB_ARGS, const void* __restrict__ x, const void* __restrict__ mu,
                              const int32_t* __restrict__ L, uint32_t* __restrict__ ops, uint32_t* __restrict__ raw,
                              unsigned long long* __restrict__ counts) {
+    static_assert(FX::bits <= 16 && FX::k_max + FX::bias - 1 < 256, "spk_pack_raw: 16-bit fields, 8-bit deltas");
+    static_assert(SPK_LANES * (FX::k_max + FX::bias) < 65536u, "a step's UNARY bits: one 16-bit half of a scan");
+    static_assert(SPK_PROB_BITS <= 15, "spk_pack_op: freq <= PROB_SCALE in 16 bits");
     const long long b = blockIdx.x;
     if (b >= n_blocks) return;  // the whole CTA: before the barrier
     const long long e0 = block_e0[b];
@@ -121,7 +124,8 @@ __device__ void encode_bits(const long long* __restrict__ block_e0, const int32_
 // One warp per block, steps last first: the rANS steps (LIFO), final states, word counts, and
 // the words, ballot-compacted, in scratch (epl * 32 per block, encoder order).
 // NOTE: all a lane's serial chain holds is the state: the model ran ahead (encode_model), the
-// bits apart (encode_bits), and each step's op is loaded a step early.
+// bits apart (encode_bits), and the ops come in groups of SPK_AHEAD steps, each group's loads
+// issued before the previous group is coded (their latency overlaps SPK_AHEAD rANS steps).
 __device__ void encode_rans(const long long* __restrict__ block_e0, const int32_t* __restrict__ block_n,
                             int n_blocks, int epl, const uint32_t* __restrict__ ops, uint32_t* __restrict__ states,
                             uint32_t* __restrict__ n_words, uint16_t* __restrict__ scratch) {
@@ -131,19 +135,24 @@ __device__ void encode_rans(const long long* __restrict__ block_e0, const int32_
     const long long e0 = block_e0[b];
     const int n = block_n[b];
     uint16_t* out = scratch + b * (long long)epl * SPK_LANES;
-    uint32_t xs = SPK_RANS_L, count = 0;
+    uint32_t xs = SPK_RANS_L, count = 0, cur[SPK_AHEAD], nxt[SPK_AHEAD];
     // NOTE: steps past the block's last element are no-ops (never emit): skipped
     const int last = n > 0 ? (n - 1) / (int)SPK_LANES : -1;
-    int e = last * (int)SPK_LANES + (int)lane;
-    uint32_t op = e < n ? ops[e0 + e] : spk_pack_op(0, SPK_PROB_SCALE);  // the padding op past the end
-    for (int st = last; st >= 0; --st, e -= (int)SPK_LANES) {  // NOTE: LIFO: the last op first
-        const uint32_t cur = op;
-        if (st > 0) op = ops[e0 + e - (int)SPK_LANES];
-        uint16_t w;
-        const uint32_t emit = enc_put(&xs, cur & 0xFFFFu, cur >> 16, &w);
-        const uint32_t eb = __ballot_sync(SPK_FULL, emit);
-        if (emit) out[count + lane_rank(eb, lane)] = w;
-        count += popcount32(eb);
+#pragma unroll
+    for (int i = 0; i < SPK_AHEAD; ++i) cur[i] = spk_op_at(ops, e0, n, last - i, lane);
+    for (int st = last; st >= 0; st -= SPK_AHEAD) {  // NOTE: LIFO: the last op first
+#pragma unroll
+        for (int i = 0; i < SPK_AHEAD; ++i) nxt[i] = spk_op_at(ops, e0, n, st - SPK_AHEAD - i, lane);
+#pragma unroll
+        for (int i = 0; i < SPK_AHEAD && st - i >= 0; ++i) {  // NOTE: the same count in every lane
+            uint16_t w;
+            const uint32_t emit = enc_put(&xs, cur[i] & 0xFFFFu, cur[i] >> 16, &w);
+            const uint32_t eb = __ballot_sync(SPK_FULL, emit);
+            if (emit) out[count + lane_rank(eb, lane)] = w;
+            count += popcount32(eb);
+        }
+#pragma unroll
+        for (int i = 0; i < SPK_AHEAD; ++i) cur[i] = nxt[i];
     }
     states[b * SPK_LANES + lane] = xs;
     if (lane == 0) n_words[b] = count;
@@ -192,7 +201,7 @@ __device__ void decode_context(SPK_GEO_ARGS, const void* __restrict__ mu, const 
 }
 
 // One warp per block: the rANS steps forward, each element's packed info, the block's tallies
-// and status. NOTE: contexts come from decode_context, loaded a step early: a lane's serial
+// and status. NOTE: contexts come from decode_context, a group of steps ahead: a lane's serial
 // chain is the symbol search in shared memory and the state update.
 template <class FX>
 __device__ void decode_rans(SPK_GEO_ARGS, SPK_TAB_ARGS, const uint16_t* __restrict__ bucket,
@@ -209,31 +218,43 @@ __device__ void decode_rans(SPK_GEO_ARGS, SPK_TAB_ARGS, const uint16_t* __restri
     long long end = lo + n_words[b];
     uint32_t xs = states[b * SPK_LANES + lane], low = 0, nz = 0, ne = 0, ub = 0, bad = 0;
     int err = SPK_OK;
-    uint32_t packed = (int)lane < n ? ctxs[e0 + lane] : 0u;
-    for (int st = 0; st < epl; ++st) {
-        const int e = st * (int)SPK_LANES + (int)lane;
-        const uint32_t cur_ctx = packed;
-        if (e + (int)SPK_LANES < n) packed = ctxs[e0 + e + SPK_LANES];  // the next step's, early
-        if (e < n) {
-            const SpkContext ctx = spk_unpack_context(cur_ctx);
-            const uint32_t j = dec_find_bucketed(T.cum + T.off[ctx.t] + ctx.t, bucket + (long long)ctx.t * SPK_BUCKETS,
-                                                 dec_get(xs));
-            dec_advance(&xs, T.start(ctx.t, j), T.f(ctx.t, j));
-            const SpkClass k = spk_classify<FX>(j, ctx, T.radius[ctx.t]);
-            info[e0 + e] = pack_info(k.c, ctx.k, k.kind, !ctx.mu_ok);
-            bad |= !ctx.mu_ok & (k.kind != SPK_KIND_ESC);
-            if (k.kind == SPK_KIND_NORMAL) low += k.width;
-            else if (k.kind == SPK_KIND_ZERO) ++nz, ub += (uint32_t)(ctx.k + FX::bias);
-            else ++ne;
-        }  // padding lanes: the no-op leaves the state as it is
-        const uint32_t need = dec_needs(xs), nb = __ballot_sync(SPK_FULL, need);
-        // NOTE: past the last element nothing changes once no lane needs a word (the CPU
-        // walks every step; a corrupt state below RANS_L may still read words there)
-        if (!nb && st * (int)SPK_LANES >= n) break;
-        end -= popcount32(nb);  // NOTE: read backward: this step's words sit at the end
-        if (end < lo) { err = SPK_ERR_WORDS_UNDERRUN; break; }
-        if (need) xs = dec_put_word(xs, words[end + lane_rank(nb, lane)]);
+    uint32_t cur[SPK_AHEAD], nxt[SPK_AHEAD];  // contexts, a group of steps in flight (as encode_rans)
+#pragma unroll
+    for (int i = 0; i < SPK_AHEAD; ++i) cur[i] = spk_ctx_at(ctxs, e0, n, i, lane);
+    for (int s0 = 0; s0 < epl; s0 += SPK_AHEAD) {
+#pragma unroll
+        for (int i = 0; i < SPK_AHEAD; ++i) nxt[i] = spk_ctx_at(ctxs, e0, n, s0 + SPK_AHEAD + i, lane);
+#pragma unroll
+        for (int i = 0; i < SPK_AHEAD; ++i) {
+            const int st = s0 + i, e = st * (int)SPK_LANES + (int)lane;
+            if (st >= epl) goto done;  // NOTE: every exit of this loop is the same in every lane
+            if (e < n) {
+                const SpkContext ctx = spk_unpack_context(cur[i]);
+                const uint32_t j = dec_find_bucketed(T.cum + T.off[ctx.t] + ctx.t,
+                                                     bucket + (long long)ctx.t * SPK_BUCKETS, dec_get(xs));
+                dec_advance(&xs, T.start(ctx.t, j), T.f(ctx.t, j));
+                const SpkClass k = spk_classify<FX>(j, ctx, T.radius[ctx.t]);
+                info[e0 + e] = pack_info(k.c, ctx.k, k.kind, !ctx.mu_ok);
+                bad |= !ctx.mu_ok & (k.kind != SPK_KIND_ESC);
+                if (k.kind == SPK_KIND_NORMAL) low += k.width;
+                else if (k.kind == SPK_KIND_ZERO) ++nz, ub += (uint32_t)(ctx.k + FX::bias);
+                else ++ne;
+            }  // padding lanes: the no-op leaves the state as it is
+            const uint32_t need = dec_needs(xs), nb = __ballot_sync(SPK_FULL, need);
+            // NOTE: past the last element nothing changes once no lane needs a word (the CPU
+            // walks every step; a corrupt state below RANS_L may still read words there)
+            if (!nb && st * (int)SPK_LANES >= n) goto done;
+            end -= popcount32(nb);  // NOTE: read backward: this step's words sit at the end
+            if (end < lo) {
+                err = SPK_ERR_WORDS_UNDERRUN;
+                goto done;
+            }
+            if (need) xs = dec_put_word(xs, words[end + lane_rank(nb, lane)]);
+        }
+#pragma unroll
+        for (int i = 0; i < SPK_AHEAD; ++i) cur[i] = nxt[i];
     }
+done:
     if (!err && end != lo) err = SPK_ERR_WORDS_LEFT;
     if (!err && !__all_sync(SPK_FULL, xs == SPK_RANS_L)) err = SPK_ERR_FINAL_STATE;
     low = spk_warp_sum(low), nz = spk_warp_sum(nz), ne = spk_warp_sum(ne), ub = spk_warp_sum(ub);

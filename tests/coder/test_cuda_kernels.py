@@ -182,6 +182,22 @@ def test_emulator_collectives_have_cudas_results(tmp_path):
         assert np.array_equal(out[b, :, 7], [bin(int(x)).count("1") + 100 * c for x, c in zip(vv, clz, strict=True)])
 
 
+def test_emulator_checks_arguments_as_cuda_packs_them(tmp_path):
+    """An argument of another width than its parameter would shift every later one on a device (CuPy
+    packs numpy scalars at their own width): the emulator refuses it, and a host array where the
+    coder's kernels take device memory."""
+    k = _module(COLLECTIVES, tmp_path).get_function("collectives")
+    out = np.zeros((2, 64, 8), np.uint32)
+    for bad, why in (((out, np.int64(40)), "signed 32-bit"), ((out, 40), "signed 32-bit"),
+                     ((out, np.uint32(40)), "signed 32-bit"), ((np.int32(1), np.int32(40)), "an array"),
+                     ((out,), "1 arguments for 2")):
+        with pytest.raises(TypeError, match=why):
+            k((2,), (64,), bad)
+    dev = _Module(build(COLLECTIVES, tmp_path), device_only=True).get_function("collectives")
+    with pytest.raises(TypeError, match="host array"):
+        dev((2,), (64,), (out, np.int32(40)))
+
+
 def _module(code, work):
     return _Module(build(code, work))
 

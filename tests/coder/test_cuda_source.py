@@ -93,3 +93,17 @@ def test_encode_layout_sections_are_byte_padded_and_aligned():
     assert list(lay.chunk_len) == [2 + 1 + 2 + 2, 1 + 1 + 1 + 1]
     assert list(lay.chunk_byte) == [0, 8]
     assert lay.start[1].tolist() == [3, 16 + 7, 24 + 16, 40 + 5] and lay.start[0].tolist() == [0, 16, 24, 40]
+
+
+def test_host_launches_the_ctas_the_kernels_are_built_for():
+    """coder/cuda.py launches CTA_THREADS threads a CTA where spk_device.cuh sizes its shared arrays and
+    launch bounds by SPK_MODEL_CTA: the two must agree (more threads fail the launch and overrun the
+    per-warp shared arrays)."""
+    from speckv.coder import cuda
+
+    m = re.search(r"#define SPK_MODEL_CTA (\d+)", (source_dir() / "spk_device.cuh").read_text())
+    assert m and int(m.group(1)) == cuda.CTA_THREADS
+    src = cuda.source()
+    for k in cuda.CTA_KERNELS:
+        assert re.search(rf"__launch_bounds__\(SPK_MODEL_CTA\) {k}\b", src) or re.search(
+            rf"__launch_bounds__\(SPK_MODEL_CTA\) {k.rsplit('_', 1)[0]}_##name", src), k

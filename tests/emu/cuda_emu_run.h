@@ -136,6 +136,19 @@ inline void run_cta(Cta& c) {
 
 }  // namespace spk_emu
 
+// A kernel's parameters for the Python side's checks: 0 a pointer, +-bytes a signed / unsigned integer.
+template <class T>
+constexpr int spk_emu_kind() {
+    return std::is_pointer<T>::value ? 0 : (std::is_signed<T>::value ? 1 : -1) * (int)sizeof(T);
+}
+template <class... A>
+int spk_emu_sig(void (*)(A...), int* out, int cap) {
+    const int k[] = {spk_emu_kind<A>()..., 0};
+    const int n = (int)sizeof...(A);
+    for (int i = 0; i < n && i < cap; ++i) out[i] = k[i];
+    return n;
+}
+
 // Runs kernel fn over grid x block threads (1-D) with up to 32 integer/pointer arguments.
 // NOTE: every argument travels as a 64-bit integer: the kernels take only pointers and
 // integers, which the x86-64 and AArch64 calling conventions pass in 64-bit slots (an int32
