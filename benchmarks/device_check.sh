@@ -11,6 +11,8 @@
 #          hence the two parts and two calls. Then benchmarks/gpu_predictor.py (the shipped rung
 #          on the GPU against the target's prefill there, and the codec on GPU KV),
 #          benchmarks/gpu_portable.py and the embedded model's gpu-marked test.
+#   sanitize: compute-sanitizer's racecheck, synccheck and memcheck over two device cases of the
+#          fused coder (optional, after `coder`).
 #
 # .dev (ignored; made here): wheels/ (pip download for cp312: grpcio, grpcio-status,
 # grpcio-health-checking, grpcio-reflection, protobuf, zlib-ng, zstandard, lz4, gguf), a/gguf.part
@@ -68,6 +70,18 @@ EOF
     python3 -c "import json, sys; r = json.load(open(sys.argv[1]))
 print({k: (round(t['encode_gb_s'], 2), round(t['decode_gb_s'], 2)) for k, t in r['throughput'].items()})" \
         "$O/gpu_check_native.json"
+}
+
+# compute-sanitizer (racecheck, synccheck, memcheck) over two small device cases of the fused coder:
+# what the CPU's warp emulator cannot see (its threads never run at once). Needs a Firecracker
+# machine (KINDS.md: gVisor's refuses the device). Its own call, after `coder` (~4 minutes).
+sanitize() {
+    local case='tests/coder/test_cuda_kernels.py::test_cuda_equals_native_at_odd_geometries'
+    for tool in racecheck synccheck memcheck; do
+        timeout 150 compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+            "$case[device-2-5-40-3-False]" "$case[device-1-33-97-16-True]" > "$O/sanitize_$tool.log" 2>&1
+        echo "$tool rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$O/sanitize_$tool.log" | tail -3
+    done
 }
 
 model() {
