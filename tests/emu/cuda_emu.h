@@ -8,7 +8,10 @@
 // the results and lets them go on. Strict where CUDA leaves things undefined:
 // - a warp collective needs all 32 lanes of its warp, live, at the same kind of collective with
 //   the full mask (the kernels use no other); anything else aborts with a message;
-// - __syncthreads needs every live thread of the CTA; a deadlock aborts.
+// - __syncthreads needs every live thread of the CTA; a deadlock aborts;
+// - CTAs run last first, and the threads of a CTA highest first between collectives: CUDA
+//   promises no order, and a kernel leaning on the natural one (a thread reading what a lower
+//   thread or an earlier CTA writes, with no barrier or launch between) reads stale data here.
 // NOTE: what this cannot check: races between threads outside collectives (fibers run one at a
 // time), float32 flushing (-ftz: the kernels compute in float64 from bits anyway), speed.
 #pragma once

@@ -111,7 +111,7 @@ inline void run_cta(Cta& c) {
     for (;;) {
         bool progress = false;
         int done = 0, sync = 0;
-        for (int i = 0; i < n; ++i) {
+        for (int i = n - 1; i >= 0; --i) {  // NOTE: highest thread first (see cuda_emu.h)
             if (c.f[i].op == RUN) {
                 c.cur = i;
                 switch_to(&c.sched, &c.f[i].ctx);
@@ -166,7 +166,7 @@ extern "C" int spk_emu_launch(void* fn, unsigned grid, unsigned block, unsigned 
     c.stacks = stacks.data();
     c.fn = (spk_emu::Kernel)fn, c.argv = a;
     spk_emu::g = &c;
-    for (unsigned b = 0; b < grid; ++b) {
+    for (unsigned b = grid; b-- > 0;) {  // NOTE: the last CTA first (see cuda_emu.h)
         c.bid = {b, 0, 0};
         std::memset(spk_smem, 0xA5, smem);  // NOTE: garbage, as on a device: kernels must stage what they read
         spk_emu::run_cta(c);
