@@ -234,3 +234,35 @@ def test_emulator_refuses_undefined_behaviour(tmp_path, kernel, message):
     (tmp_path / "src.cu").write_text(DIVERGENT)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+# -- the codec on the CUDA coder ----------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_codec_on_the_cuda_coder_writes_the_native_records(coders, ckpt, kind):
+    """Codec (``--coder cuda``: plan, sigma shifts, stored chunks, records, digests) with the CUDA coder
+    as its backend: the native codec's records byte for byte, and each decodes the other's."""
+    from codec_helpers import SCALES, _sample_bf16, bf16_tensor, fp8_mu, ids_for
+
+    from speckv.coder.codec import Codec, CodecConfig, Fp8KV
+
+    cu = coders[0]
+    cfg = CodecConfig(elems_per_lane=64, layers_per_chunk=4, threads=2, coder="native")
+    nat, on_cuda = Codec.from_checkpoint(ckpt, cfg), Codec.from_checkpoint(ckpt, cfg)
+    on_cuda.backend = cu
+    T = 24
+    if kind == "bf16":
+        x, mu_bits = _sample_bf16(T, seed=5)
+        kv: object = x
+    else:
+        rng = np.random.default_rng(6)
+        codes = rng.integers(0, 256, (30, 2, 3, T, 64), dtype=np.uint8)
+        kv = Fp8KV(codes, SCALES["mixed"])
+        mu_bits = fp8_mu(codes, SCALES["mixed"], "near")
+    ids, mu = ids_for(T), bf16_tensor(mu_bits)
+    rec_n, rec_c = list(nat.encode(kv, ids, mu)), list(on_cuda.encode(kv, ids, mu))
+    assert rec_c == rec_n
+    for dec in (nat, on_cuda):
+        out = dec.decode(rec_c, ids, mu)
+        got = out if kind == "bf16" else out.codes
+        assert np.array_equal(got, x if kind == "bf16" else codes)
