@@ -240,17 +240,16 @@ class CudaCoder:
         when the last chunk is dropped (it keeps the pages for the next encode, never the OS)."""
         s.ready.synchronize()  # NOTE: this thread's current stream may not be the one that encoded
         nw = self._host(s.n_words)
-        return host.host_chunks(s.geometry, s.layout, self._host(s.states), nw,
-                       self._host(s.words[:int(nw.sum(dtype=np.int64))]), self._host(s.bits))
+        words = self._host(s.words[:int(nw.sum(dtype=np.int64))])
+        return host.encoded_chunks(s.geometry, s.layout, self._host(s.states), nw, words, self._host(s.bits))
 
     def _staging(self, shape: Any, dtype: Any) -> np.ndarray:
         """A host array the device copies from at full speed (pinned where CuPy has it)."""
         return np.empty(shape, dtype) if self.empty_pinned is None else self.empty_pinned(shape, dtype)
 
     def _host(self, a: Any) -> np.ndarray:
-        if self.empty_pinned is None:
-            return np.asarray(self.cp.asnumpy(a))
-        out = self.empty_pinned(a.shape, a.dtype)
+        """Device array ``a`` copied into a staging array."""
+        out = self._staging(a.shape, a.dtype)
         a.get(out=out)  # NOTE: blocking: the copy is done on return
         return out
 

@@ -184,8 +184,8 @@ def chunk_status(s: ChunkCheck, normal_bad: bool, zero_bad: bool) -> tuple[int, 
     return OK, 0, 0
 
 
-def host_chunks(g: Geometry, lay: Any, states: np.ndarray, n_words: np.ndarray, words: np.ndarray,
-            bits: np.ndarray) -> list[EncodedChunk]:
+def encoded_chunks(g: Geometry, lay: Any, states: np.ndarray, n_words: np.ndarray, words: np.ndarray,
+                   bits: np.ndarray) -> list[EncodedChunk]:
     """Per chunk: its blocks' states, counts, words (views of this call's host arrays) and its bytes
     of the bits buffer."""
     out, w0 = [], 0

@@ -4,7 +4,8 @@ coder/kernels/spk_fused.cu compiled by g++ against a warp emulator (tests/emu/cu
 
 So the kernels' own logic (warp scans, ballots, bit placement, the decoder's early exits) runs,
 and is checked against the native coder byte for byte, where no GPU is. NOTE: an emulator, not a
-GPU: it says nothing about speed, and it runs one thread at a time (no races can show).
+GPU: it says nothing about speed, and it runs one thread at a time (in reverse order, so a missing
+barrier reads stale data, but no two threads ever race).
 """
 
 from __future__ import annotations
