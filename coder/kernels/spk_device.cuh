@@ -9,7 +9,7 @@
 static_assert(SPK_MODEL_CTA % 32 == 0 && SPK_MODEL_CTA <= 1024, "whole warps");
 
 // -- block geometry --------------------------------------------------------------------
-// Element index -> per-channel index of L (row = (layer, kv, head), d), stepped by 32.
+// Element index -> per-channel index of L (row = (layer, kv, head), d), stepped forward.
 struct SpkCursor {
     long long row;
     int tok, d;
@@ -22,10 +22,6 @@ struct SpkCursor {
     __device__ __forceinline__ void forward(long long tokens, int dim, int step = (int)SPK_LANES) {
         for (d += step; d >= dim; d -= dim)
             if (++tok == tokens) tok = 0, ++row;
-    }
-    __device__ __forceinline__ void backward(long long tokens, int dim) {
-        for (d -= (int)SPK_LANES; d < 0; d += dim)
-            if (--tok < 0) tok = (int)tokens - 1, --row;
     }
 };
 
@@ -98,6 +94,20 @@ __device__ __forceinline__ uint32_t spk_read_bits(const uint8_t* buf, unsigned l
     int n_blocks, int epl, long long tokens, int dim
 #define SPK_TAB_ARGS const uint16_t *__restrict__ cum_pad, const uint16_t *__restrict__ freq, \
     const int32_t *__restrict__ toff, const int32_t *__restrict__ trad, int n_tab, int n_sym
+
+// The elements a thread takes of its CTA's block (threadIdx.x, + blockDim.x, ...: the one-CTA-per-block
+// model kernels), each handed with its context: f(e, ctx), e relative to the block's first e0.
+template <class FX, class FM, class F>
+__device__ __forceinline__ void spk_block_contexts(long long e0, int n, long long tokens, int dim,
+                                                   const void* __restrict__ mu, const int32_t* __restrict__ L, F f) {
+    const int step = (int)blockDim.x;
+    SpkCursor cur;
+    cur.init(e0 + threadIdx.x, tokens, dim);
+    for (int e = (int)threadIdx.x; e < n; e += step) {
+        f(e, spk_context<FX, FM>(spk_load<FM>(mu, e0 + e), L[cur.channel(dim)]));
+        if (e + step < n) cur.forward(tokens, dim, step);
+    }
+}
 
 // -- what the model kernels hand the lane passes, 32 bits an element ------------------------
 // An encoder op: start | freq << 16 (freq <= PROB_SCALE = 2^15, start < 2^15).

@@ -54,12 +54,8 @@ __device__ void encode_model(SPK_GEO_ARGS, SPK_TAB_ARGS, const void* __restrict_
     const long long b = blockIdx.x;
     if (b >= n_blocks) return;  // the whole CTA: before the barrier
     const long long e0 = block_e0[b];
-    const int n = block_n[b], step = (int)blockDim.x;
-    SpkCursor cur;
-    cur.init(e0 + threadIdx.x, tokens, dim);
     uint32_t c[4] = {0, 0, 0, 0};  // LOW bits, zero-bin elements, escapes, UNARY bits
-    for (int e = (int)threadIdx.x; e < n; e += step) {
-        const SpkContext ctx = spk_context<FX, FM>(spk_load<FM>(mu, e0 + e), L[cur.channel(dim)]);
+    spk_block_contexts<FX, FM>(e0, block_n[b], tokens, dim, mu, L, [&](int e, const SpkContext& ctx) {
         const SpkSymbol s = spk_symbolize<FX>(spk_load<FX>(x, e0 + e), ctx, trad[ctx.t]);
         const int32_t o = toff[ctx.t];
         ops[e0 + e] = spk_pack_op(cum_pad[o + ctx.t + (int32_t)s.j], freq[o + (int32_t)s.j]);
@@ -67,8 +63,7 @@ __device__ void encode_model(SPK_GEO_ARGS, SPK_TAB_ARGS, const void* __restrict_
         if (s.kind == SPK_KIND_NORMAL) c[0] += s.width;
         else if (s.kind == SPK_KIND_ZERO) ++c[1], c[3] += s.delta + 1u;
         else ++c[2];
-        if (e + step < n) cur.forward(tokens, dim, step);
-    }
+    });
     c[1] *= (uint32_t)FX::mant, c[2] *= (uint32_t)FX::bits;  // NOTE: < 2^32 per block (<= 2^21 x <= 247 bits)
     spk_cta_sum4(c, counts + 4 * b);
 }
@@ -191,13 +186,8 @@ __device__ void decode_context(SPK_GEO_ARGS, const void* __restrict__ mu, const 
     const long long b = blockIdx.x;
     if (b >= n_blocks) return;
     const long long e0 = block_e0[b];
-    const int n = block_n[b], step = (int)blockDim.x;
-    SpkCursor cur;
-    cur.init(e0 + threadIdx.x, tokens, dim);
-    for (int e = (int)threadIdx.x; e < n; e += step) {
-        ctxs[e0 + e] = spk_pack_context(spk_context<FX, FM>(spk_load<FM>(mu, e0 + e), L[cur.channel(dim)]));
-        if (e + step < n) cur.forward(tokens, dim, step);
-    }
+    spk_block_contexts<FX, FM>(e0, block_n[b], tokens, dim, mu, L,
+                               [&](int e, const SpkContext& ctx) { ctxs[e0 + e] = spk_pack_context(ctx); });
 }
 
 // One warp per block: the rANS steps forward, each element's packed info, the block's tallies
