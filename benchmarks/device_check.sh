@@ -11,6 +11,8 @@
 #          hence the two parts and two calls. Then benchmarks/gpu_predictor.py (the shipped rung
 #          on the GPU against the target's prefill there, and the codec on GPU KV),
 #          benchmarks/gpu_portable.py and the embedded model's gpu-marked test.
+#   sweep: benchmarks/gpu_check.py --sweep, the kernels' tunings (coder/cuda.py SWEEP) timed on the
+#          batched and 4-request cases, each checked against the defaults' streams (after `coder`).
 #   sanitize: compute-sanitizer's racecheck, synccheck and memcheck over two device cases of the
 #          fused coder (optional, after `coder`).
 #
@@ -56,7 +58,7 @@ bad = {k: v for k, v in r["cases"].items() if not all(v[f] for f in ("streams_eq
 print("cases", len(r["cases"]), "bad", sorted(bad), "digests_match", r["digests_match"], "ok", r["ok"])
 print("copy GB/s", round(r.get("copy_gb_s", 0), 1))
 for k, t in r.get("throughput", {}).items():
-    print(k, {f: round(v, 3) if isinstance(v, float) else v for f, v in t.items() if "profile" not in f})
+    print(k, {f: round(v, 3) if isinstance(v, float) else v for f, v in t.items() if f != "digest" and "profile" not in f})
     for way in ("encode", "decode"):
         print("   ", way, "ms", {n: round(v, 2) for n, v in t.get(f"{way}_profile_ms", {}).items()})
 EOF
@@ -70,6 +72,25 @@ EOF
     python3 -c "import json, sys; r = json.load(open(sys.argv[1]))
 print({k: (round(t['encode_gb_s'], 2), round(t['decode_gb_s'], 2)) for k, t in r['throughput'].items()})" \
         "$O/gpu_check_native.json"
+}
+
+# the kernels' launch and compile knobs (coder/cuda.py SWEEP: speed, never bytes), the batched and
+# 4-request cases under each; its own call, after `coder` (~3 minutes)
+sweep() {
+    timeout 420 python3 benchmarks/gpu_check.py --repeats 5 --no-speed --sweep --json > "$O/gpu_sweep.json" \
+        2> "$O/gpu_sweep.err"
+    echo "gpu_check --sweep rc=$?"; tail -3 "$O/gpu_sweep.err"
+    python3 - "$O/gpu_sweep.json" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print("digests_match", r["digests_match"], "ok", r["ok"], "copy GB/s", round(r["copy_gb_s"], 1))
+for row in r["sweep"]:
+    knobs = " ".join(f"{k}={v}" for k, v in row["tuning"].items())
+    for name, t in row["cases"].items():
+        prof = {w: {n: round(v, 2) for n, v in t.get(f"{w}_profile_ms", {}).items()} for w in ("encode", "decode")}
+        print(knobs, name, "same", row["same_streams"], {f: round(t[f], 2) for f in
+              ("encode_gb_s", "encode_kept_gb_s", "decode_gb_s", "floor_gb_s") if t[f] is not None}, prof)
+EOF
 }
 
 # compute-sanitizer (racecheck, synccheck, memcheck) over two small device cases of the fused coder:

@@ -11,13 +11,19 @@ no model load): the shipped checkpoint's tables and sigma, seeded synthetic KV a
    at streaming granularity (2 layers x 2048 tokens), batched (30 layers), and several
    requests per launch (stacked along the layer axis), next to the device's D2D copy.
 
+4. ``--sweep``: the batched and 4-request cases under each tuning of coder/cuda.py's SWEEP (launch
+   and compile knobs: speed, never bytes; every tuning's streams must equal the default's).
+Each throughput case also reports its floor: the GB/s at which the device's copy bandwidth moves the
+fewest bytes the call must (its inputs read once, its outputs written once).
+
 ``--backend native`` runs the same logic on the CPU (tests/benchmarks/test_gpu_check.py).
-Usage: python benchmarks/gpu_check.py [--backend cuda|native] [--repeats 5] [--json]
+Usage: python benchmarks/gpu_check.py [--backend cuda|native] [--repeats 5] [--sweep] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -118,14 +124,16 @@ def affine(model: ResidualModel, layers: int) -> tuple[np.ndarray | None, np.nda
 
 # -- backends: the device one takes arrays in its memory; native stands in on a CPU ---------------
 class Device:
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, tuning: Any = None) -> None:
         self.name = backend
         if backend == "cuda":
             import cupy as cp
+            import cupyx
 
             from speckv.coder.cuda import CudaCoder
 
-            self.xp, self.coder = cp, CudaCoder.load()
+            self.xp = cp
+            self.coder = CudaCoder.load() if tuning is None else CudaCoder(cp, cupyx.empty_pinned, tuning)
         else:
             self.xp, self.coder = np, NativeCoder(threads=os.cpu_count() or 1)
 
@@ -218,11 +226,18 @@ def typical_fp8(seed: int, L: np.ndarray, tokens: int) -> dict[str, np.ndarray]:
     return {"x": e4m3(x_f / scales[:, :, None, None, None]), "mu": data["mu"], "scales": scales}
 
 
+def floor_gb_s(raw: int, moved: int, copy_gb_s: float | None) -> float | None:
+    """GB/s of raw KV when a call moves ``moved`` bytes (read + written) at the device's copy
+    bandwidth (``copy_gb_s`` counts each byte copied once: read and written)."""
+    return None if not copy_gb_s else raw / (moved / (2 * copy_gb_s * 1e9)) / 1e9
+
+
 def throughput(dev: Device, model: ResidualModel, layers: int, tokens: int, requests: int, repeats: int,
-               epl: int = 1024, lpc: int = 2, fp8: bool = False) -> dict:
+               epl: int = 1024, lpc: int = 2, fp8: bool = False, copy_gb_s: float | None = None) -> dict:
     """KV of ``requests`` stacked requests in device memory (BF16, or e4m3 codes), coded in one
-    call each way; GB/s of the raw KV (2 or 1 bytes a scalar), and on a device the seconds of each
-    kernel in one profiled call each way (the rest of a call is the host's)."""
+    call each way; GB/s of the raw KV (2 or 1 bytes a scalar), its floor at ``copy_gb_s``, the
+    streams' digest, and on a device the seconds of each kernel in one profiled call each way (the
+    rest of a call is the host's)."""
     # NOTE: a streaming call codes 2 middle layers (hybrid:4's first layers are exact, 0 bits)
     n, first = layers * requests, 10 if layers < 30 else 0
     L = levels(model, first + n, None)[first:]
@@ -244,9 +259,13 @@ def throughput(dev: Device, model: ResidualModel, layers: int, tokens: int, requ
     kept = lambda: dev.coder.encode_streams(x, mu, L, counts, epl, model.tables)  # noqa: E731
     t_kept = timed(dev, kept, repeats) if dev.name == "cuda" else None
     wire = sum(len(p.bits) + 2 * p.blocks.words.size + 4 * p.blocks.states.size for p in parts)
+    # the fewest bytes each way: KV, mu (4 bytes a scalar for FP8: mu' / scale as fp32) and L read, streams written
+    # (encode), or streams, mu and L read, KV written (decode)
+    moved = raw + mu.nbytes + L.nbytes + wire
     rep = {"layers": layers, "tokens": tokens, "requests": requests, "epl": epl, "dtype": "fp8" if fp8 else "bf16",
            "raw_mb": raw / 1e6, "encode_gb_s": raw / t_enc / 1e9, "decode_gb_s": raw / t_dec / 1e9,
            "encode_kept_gb_s": None if t_kept is None else raw / t_kept / 1e9,
+           "floor_gb_s": floor_gb_s(raw, moved, copy_gb_s), "digest": stream_digest(parts),
            "bits_per_scalar": 8 * wire / scalars, "decode_correct": bool(np.array_equal(dev.get(out), data["x"]))}
     if hasattr(dev.coder, "profiled"):
         for name, fn in (("encode", enc), ("decode", dec)):
@@ -264,26 +283,57 @@ THROUGHPUT = (("streaming", 2, 2048, 1, 1024, False), ("batched", 30, 2048, 1, 1
               ("streaming_epl256", 2, 2048, 1, 256, False), ("batched_fp8", 30, 2048, 1, 1024, True))
 
 
+# (name, layers, tokens, requests): the cases each tuning runs
+SWEEP_CASES = (("batched", 30, 2048, 1), ("requests4", 30, 2048, 4))
+
+
+def sweep(models: dict[str, ResidualModel], repeats: int, copy_gb_s: float | None,
+          cases: tuple = SWEEP_CASES, make: Callable[[Any], Device] = lambda t: Device("cuda", t)) -> list[dict]:
+    """Each tuning of coder/cuda.py's SWEEP: its cases' figures (as ``throughput``'s), and whether its
+    streams equal the first tuning's (the defaults) byte for byte."""
+    from speckv.coder.cuda import SWEEP
+
+    rows: list[dict] = []
+    for t in SWEEP:
+        dev = make(t)
+        figures = {name: throughput(dev, models["tuned"], layers, tokens, req, repeats, copy_gb_s=copy_gb_s)
+                   for name, layers, tokens, req in cases}
+        same = all(f["digest"] == rows[0]["cases"][n]["digest"] for n, f in figures.items()) if rows else True
+        rows.append({"tuning": dataclasses.asdict(t), "cases": figures, "same_streams": same})
+    return rows
+
+
 def copy_bandwidth(dev: Device, nbytes: int, repeats: int) -> float:
     src = dev.xp.ones(nbytes // 4, dev.xp.uint32)
     dst = dev.xp.empty_like(src)
     return nbytes / timed(dev, lambda: dst.__setitem__(slice(None), src), repeats) / 1e9
 
 
-def run(backend: str, repeats: int, speed: bool) -> dict:
+def run(backend: str, repeats: int, speed: bool, tuned: bool = False) -> dict:
     dev, models = Device(backend), load_models()
     rep: dict[str, Any] = {"backend": backend, "cases": check_all(dev, models)}
     want = json.loads(DIGESTS.read_text()) if DIGESTS.exists() else {}
     rep["digests_match"] = bool(want) and all(want.get(k) == v["digest"] for k, v in rep["cases"].items())
-    if speed:
-        tuned = models["tuned"]
+    if speed or tuned:
         rep["copy_gb_s"] = copy_bandwidth(dev, 1 << 28 if backend == "cuda" else 1 << 24, repeats)
-        rep["throughput"] = {name: throughput(dev, tuned, layers, tokens, req, repeats, epl, fp8=fp8)
+    if speed:
+        rep["throughput"] = {name: throughput(dev, models["tuned"], layers, tokens, req, repeats, epl, fp8=fp8,
+                                              copy_gb_s=rep["copy_gb_s"])
                              for name, layers, tokens, req, epl, fp8 in THROUGHPUT}
+    if tuned:
+        rep["sweep"] = sweep(models, repeats, rep["copy_gb_s"])
     checks = [v[k] for v in rep["cases"].values() for k in ("streams_equal", "mu_equal", "gpu_to_cpu", "cpu_to_gpu")]
     checks += [t["decode_correct"] for t in rep.get("throughput", {}).values()]
+    for r in rep.get("sweep", []):
+        checks += [r["same_streams"]] + [f["decode_correct"] for f in r["cases"].values()]
     rep["ok"] = all(checks) and rep["digests_match"]
     return rep
+
+
+def _row(t: dict) -> str:
+    """encode | kept | decode | floor cells of a throughput case"""
+    cell = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    return " | ".join(cell(t[k]) for k in ("encode_gb_s", "encode_kept_gb_s", "decode_gb_s", "floor_gb_s"))
 
 
 def main() -> int:
@@ -291,6 +341,7 @@ def main() -> int:
     ap.add_argument("--backend", choices=("cuda", "native"), default="cuda")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-speed", action="store_true", help="skip the throughput figures")
+    ap.add_argument("--sweep", action="store_true", help="time coder/cuda.py's SWEEP of tunings (device only)")
     ap.add_argument("--write-digests", action="store_true", help="record the native coder's digests")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -304,7 +355,9 @@ def main() -> int:
         if not cuda_available():
             print("gpu_check: no CUDA device or CuPy (pip install 'speckv[cuda]')", file=sys.stderr)
             return 2
-    rep = run(args.backend, args.repeats, not args.no_speed)
+    if args.sweep and args.backend != "cuda":
+        ap.error("--sweep tunes the CUDA kernels: --backend cuda")
+    rep = run(args.backend, args.repeats, not args.no_speed, args.sweep)
     if args.json:
         print(json.dumps(rep))
         return 0 if rep["ok"] else 1
@@ -313,16 +366,21 @@ def main() -> int:
               f"GPU->CPU {r['gpu_to_cpu']}, CPU->GPU {r['cpu_to_gpu']} ({r['bytes']} B)")
     print(f"digests match {DIGESTS.name}: {rep['digests_match']}")
     if "throughput" in rep:
-        print(f"| figure | encode GB/s | encode, streams kept on the device | decode GB/s | bits/scalar |\n"
-              f"|---|---|---|---|---|\n| D2D copy | {rep['copy_gb_s']:.1f} | | {rep['copy_gb_s']:.1f} | |")
+        print(f"| figure | encode GB/s | encode, streams kept on the device | decode GB/s | floor GB/s | bits/scalar |"
+              f"\n|---|---|---|---|---|---|\n| D2D copy | {rep['copy_gb_s']:.1f} | | {rep['copy_gb_s']:.1f} | | |")
         for name, t in rep["throughput"].items():
-            kept = "-" if t["encode_kept_gb_s"] is None else f"{t['encode_kept_gb_s']:.2f}"
-            print(f"| {name} ({t['raw_mb']:.1f} MB) | {t['encode_gb_s']:.2f} | {kept} | {t['decode_gb_s']:.2f} | "
-                  f"{t['bits_per_scalar']:.2f} |")
+            print(f"| {name} ({t['raw_mb']:.1f} MB) | {_row(t)} | {t['bits_per_scalar']:.2f} |")
         for name, t in rep["throughput"].items():
             for way in ("encode", "decode"):
                 if f"{way}_profile_ms" in t:
                     print(f"{name} {way} ms: " + ", ".join(f"{k} {v:.2f}" for k, v in t[f"{way}_profile_ms"].items()))
+    if "sweep" in rep:
+        print("| tuning | case | encode GB/s | kept | decode GB/s | floor GB/s | streams as the defaults' |\n"
+              "|---|---|---|---|---|---|---|")
+        for r in rep["sweep"]:
+            knobs = " ".join(f"{k}={v}" for k, v in r["tuning"].items())
+            for name, t in r["cases"].items():
+                print(f"| {knobs} | {name} | {_row(t)} | {r['same_streams']} |")
     print(f"overall ok {rep['ok']}")
     return 0 if rep["ok"] else 1
 

@@ -43,8 +43,32 @@ KERNELS = ("spk_prepare_mu", "spk_gather", "spk_encode_bits", "spk_encode_rans")
 # one CTA per block (a thread per element, or a warp per segment of the block); the others: a warp per block
 CTA_KERNELS = ("spk_encode_bits",) + tuple(
     f"spk_{k}_{f}" for k in ("encode_model", "decode_context", "decode_values") for f in ("bf16", "fp8"))
-WARPS = 4  # rANS blocks (warps) per CTA of the lane passes
-CTA_THREADS = 256  # threads per CTA of CTA_KERNELS: spk_device.cuh SPK_MODEL_CTA
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Launch and compile choices of the kernels: they change speed, never bytes (the emulator's
+    tests run a tuned coder against the native one; ``benchmarks/gpu_check.py --sweep`` times them)."""
+
+    rans_warps: int = 4  # rANS blocks (warps) per CTA of the lane passes; <= 8 (spk_device.cuh SPK_MAX_CTA)
+    model_cta: int = 256  # threads per CTA of CTA_KERNELS (spk_device.cuh SPK_MODEL_CTA)
+    ahead: int = 8  # steps of model output a lane loads ahead (SPK_AHEAD)
+    word_window: bool = False  # the rANS decoder reads its words from registers (SPK_WORD_WINDOW)
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.rans_warps <= 8 and self.model_cta % 32 == 0 and 32 <= self.model_cta <= 1024
+                and 1 <= self.ahead <= 32):
+            raise ValueError(f"bad tuning {self}")
+
+    def defines(self) -> tuple[str, ...]:
+        return (f"-DSPK_MODEL_CTA={self.model_cta}", f"-DSPK_AHEAD={self.ahead}",
+                f"-DSPK_WORD_WINDOW={int(self.word_window)}")
+
+
+# what ``benchmarks/gpu_check.py --sweep`` times on a device: the defaults, each knob moved alone, and
+# together (tests/coder/test_cuda_source.py builds each with nvcc: no spills)
+SWEEP = (Tuning(), Tuning(word_window=True), Tuning(rans_warps=8), Tuning(ahead=4), Tuning(ahead=16),
+         Tuning(model_cta=128), Tuning(model_cta=512), Tuning(rans_warps=8, ahead=16, word_window=True))
 
 
 def source_dir() -> Path:
@@ -66,12 +90,12 @@ class CudaCoder:
     _lock = threading.Lock()
     _cache: "CudaCoder | None" = None
 
-    def __init__(self, cp: Any, empty_pinned: Any = None) -> None:
-        self.cp = cp
+    def __init__(self, cp: Any, empty_pinned: Any = None, tuning: Tuning = Tuning()) -> None:
+        self.cp, self.tuning = cp, tuning
         self.empty_pinned = empty_pinned  # cupyx.empty_pinned: host arrays the device copies into at full speed
         # NOTE: FP32 operations must not contract. CuPy appends -ftz=true to these options, so
         # spk_model.cuh keeps subnormals by emulating its float32 operations in float64
-        opts = ("-std=c++17", f"-I{source_dir()}", "--fmad=false")
+        opts = ("-std=c++17", f"-I{source_dir()}", "--fmad=false") + tuning.defines()
         self.module = cp.RawModule(code=source(), options=opts)
         self.k = {n: self.module.get_function(n) for n in KERNELS}
         self._tables: dict[int, tuple[tuple[Any, ...], Any, int]] = {}
@@ -99,12 +123,13 @@ class CudaCoder:
         return a.view(f"u{itemsize}")
 
     def _levels(self, log2_sigma: Any, n: int) -> Any:
-        lg = self.cp.asarray(log2_sigma)
+        # NOTE: a host array is checked on the host: on the device, min and max would cost two waits a call
+        lg = log2_sigma if isinstance(log2_sigma, np.ndarray) else self.cp.asarray(log2_sigma)
         if lg.size != n:
             raise ValueError(f"L: {lg.size} values, expected {n}")
         if lg.size and (int(lg.min()) < -(1 << 30) or int(lg.max()) >= 1 << 30):
             raise ValueError("log2 sigma out of range")
-        return self.cp.ascontiguousarray(lg, self.cp.int32)
+        return self.cp.ascontiguousarray(self.cp.asarray(lg), self.cp.int32)
 
     def _tables_of(self, tables: CodingTables) -> tuple[tuple[Any, ...], Any, int]:
         """(kernel table args, bucket, shared bytes), on the device once per tables object."""
@@ -139,9 +164,10 @@ class CudaCoder:
         k = self.k[name]
         if smem:
             k.max_dynamic_shared_size_bytes = smem  # NOTE: the staged tables exceed the default 48 KiB
-        # a lane pass: one warp per block, WARPS to a CTA; the others: one CTA per block
-        grid, block = ((n_blocks,), (CTA_THREADS,)) if name in CTA_KERNELS else ((-(-n_blocks // WARPS),),
-                                                                                 (32 * WARPS,))
+        # a lane pass: one warp per block, rans_warps to a CTA; the others: one CTA per block
+        t = self.tuning
+        grid, block = ((n_blocks,), (t.model_cta,)) if name in CTA_KERNELS else ((-(-n_blocks // t.rans_warps),),
+                                                                                 (32 * t.rans_warps,))
         prof = self.kernel_s  # NOTE: read once: profiled() in another thread may reset it meanwhile
         if prof is None:
             k(grid, block, args, shared_mem=smem)

@@ -62,6 +62,13 @@ def _root_logging_restored():
 
 
 @pytest.fixture(scope="session")
+def emu_work(tmp_path_factory) -> Path:
+    """One folder for the CUDA emulator's builds (tests/cuda_emu.py keys each by source and -D flags),
+    so the test files that emulate the same kernels build them once."""
+    return tmp_path_factory.mktemp("cuda_emu")
+
+
+@pytest.fixture(scope="session")
 def corpus_dir() -> Path:
     if not CORPUS_DIR.is_dir():
         missing("CORPUS", f"shared corpus not found at {CORPUS_DIR} (CI checks shared/ out beside the clone)")

@@ -86,8 +86,9 @@ class _Module:
         return _Kernel(self.lib, name, self.device_only)
 
 
-def build(code: str, work: Path) -> ctypes.CDLL:
-    """spk_fused.cu's text (as coder/cuda.py hands it to CuPy), compiled for the emulator."""
+def build(code: str, work: Path, options: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """spk_fused.cu's text (as coder/cuda.py hands it to CuPy), compiled for the emulator with the
+    macros of ``options``' -D flags (the others are NVRTC's)."""
     gxx = shutil.which("g++")
     if gxx is None:
         missing("GXX", "g++ not found (the CUDA emulator compiles the kernels with it)")
@@ -100,7 +101,8 @@ def build(code: str, work: Path) -> ctypes.CDLL:
         source_dir().glob("*.h"))}
     text = (f'#include "cuda_emu.h"\nstruct spk_emu_kernels_begin;\n{emulable(code)}\n'
             'struct spk_emu_kernels_end;\n#include "cuda_emu_run.h"\n')
-    digest = hashlib.sha256(text.encode())
+    defines = [o for o in options if o.startswith("-D")]
+    digest = hashlib.sha256(text.encode() + " ".join(defines).encode())
     for name, h in headers.items():
         digest.update(name.encode() + h.encode())
     for p in (EMU_DIR / "cuda_emu.h", EMU_DIR / "cuda_emu_run.h"):
@@ -113,7 +115,7 @@ def build(code: str, work: Path) -> ctypes.CDLL:
         for name, h in headers.items():
             (inc / name).write_text(h)
         src = work / f"fused_emu_{key}.cpp"
-        flags = ["-std=c++17", f"-I{EMU_DIR}", f"-I{inc}"]
+        flags = ["-std=c++17", f"-I{EMU_DIR}", f"-I{inc}", *defines]
         src.write_text(text)
         pre = _run([gxx, *flags, "-E", str(src)])
         src.write_text(text + _signatures(pre))
@@ -181,5 +183,5 @@ def emulated_cupy(work: Path) -> Any:
     cp.ones, cp.empty_like = _device(np.ones), _device(np.empty_like)
     cp.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(synchronize=lambda: None), Event=_Event,
                                     get_elapsed_time=lambda a, b: 1e3 * (b.t - a.t))  # ms, as CuPy's
-    cp.RawModule = lambda code, options: _Module(build(code, work), device_only=True)
+    cp.RawModule = lambda code, options: _Module(build(code, work, tuple(options)), device_only=True)
     return cp

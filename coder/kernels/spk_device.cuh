@@ -4,9 +4,19 @@
 #include "spk_model.cuh"
 
 #define SPK_FULL 0xFFFFFFFFu
-#define SPK_MAX_CTA 256  // threads per CTA the host may launch (8 warps)
-#define SPK_MODEL_CTA 256  // threads per CTA of the one-CTA-per-block kernels (coder/cuda.py CTA_THREADS)
+// NOTE: the knobs below change speed, never bytes; coder/cuda.py Tuning sets them (-D) and launches to match
+#define SPK_MAX_CTA 256  // threads per CTA of the lane passes the host may launch (Tuning.rans_warps <= 8)
+#ifndef SPK_MODEL_CTA
+#define SPK_MODEL_CTA 256  // threads per CTA of the one-CTA-per-block kernels (Tuning.model_cta)
+#endif
 static_assert(SPK_MODEL_CTA % 32 == 0 && SPK_MODEL_CTA <= 1024, "whole warps");
+#ifndef SPK_AHEAD
+#define SPK_AHEAD 8  // the lane passes load the model's output this many steps ahead (Tuning.ahead)
+#endif
+static_assert(SPK_AHEAD >= 1 && SPK_AHEAD <= 32, "a group of steps in registers");
+#ifndef SPK_WORD_WINDOW
+#define SPK_WORD_WINDOW 0  // the rANS decoder reads its words through SpkWordWindow (Tuning.word_window)
+#endif
 
 // -- block geometry --------------------------------------------------------------------
 // Element index -> per-channel index of L (row = (layer, kv, head), d), stepped forward.
@@ -113,9 +123,6 @@ __device__ __forceinline__ void spk_block_contexts(long long e0, int n, long lon
 // An encoder op: start | freq << 16 (freq <= PROB_SCALE = 2^15, start < 2^15).
 __device__ __forceinline__ uint32_t spk_pack_op(uint32_t start, uint32_t freq) { return start | freq << 16; }
 
-// The lane passes load the model's output SPK_AHEAD steps ahead of its use (a group in flight).
-#define SPK_AHEAD 8
-
 // ops[e0 + e] of step st's element e = 32 st + lane; past the block: the no-op (start 0, freq PROB_SCALE)
 __device__ __forceinline__ uint32_t spk_op_at(const uint32_t* __restrict__ ops, long long e0, int n, int st,
                                               uint32_t lane) {
@@ -183,3 +190,27 @@ __device__ __forceinline__ void spk_cta_exclusive4(const unsigned long long v[4]
         out[s] = t;
     }
 }
+
+// -- the words a rANS decoder warp reads, backward, from registers ------------------------------
+// Three windows of 32 words (lane i holds word top - 32 k - 32 + i of window k, 0 below lo): a
+// step's words come by shuffle from windows 0 and 1; when the reads pass below window 0, the
+// windows move down and the load of a new window 2 is issued, two windows (~6 steps) before use.
+// NOTE: invariant top - 32 < end <= top, so a step's words (<= 32 below end) lie in windows 0-1.
+struct SpkWordWindow {
+    const uint16_t* words;
+    long long lo, top;
+    uint32_t w0, w1, w2;
+    __device__ __forceinline__ uint32_t at(long long p) const { return p >= lo ? words[p] : 0u; }  // p < top
+    __device__ __forceinline__ void init(const uint16_t* __restrict__ ws, long long lo_, long long end, uint32_t lane) {
+        words = ws, lo = lo_, top = end;
+        w0 = at(top - 32 + lane), w1 = at(top - 64 + lane), w2 = at(top - 96 + lane);
+    }
+    // Word p (a lane that reads: end <= p < end + its step's count; others any p), then the window
+    // past `end` (the step's new end, the same in every lane). A collective: every lane calls it.
+    __device__ __forceinline__ uint32_t take(long long p, long long end, uint32_t lane) {
+        const int i = (int)(p - (top - 64));  // 0..63 for a lane that reads
+        const uint32_t lower = __shfl_sync(SPK_FULL, w1, i & 31), upper = __shfl_sync(SPK_FULL, w0, i & 31);
+        if (end <= top - 32) top -= 32, w0 = w1, w1 = w2, w2 = at(top - 96 + lane);
+        return i < 32 ? lower : upper;
+    }
+};

@@ -209,6 +209,10 @@ __device__ void decode_rans(SPK_GEO_ARGS, SPK_TAB_ARGS, const uint16_t* __restri
     uint32_t xs = states[b * SPK_LANES + lane], low = 0, nz = 0, ne = 0, ub = 0, bad = 0;
     int err = SPK_OK;
     uint32_t cur[SPK_AHEAD], nxt[SPK_AHEAD];  // contexts, a group of steps in flight (as encode_rans)
+#if SPK_WORD_WINDOW
+    SpkWordWindow win;
+    win.init(words, lo, end, lane);
+#endif
 #pragma unroll
     for (int i = 0; i < SPK_AHEAD; ++i) cur[i] = spk_ctx_at(ctxs, e0, n, i, lane);
     for (int s0 = 0; s0 < epl; s0 += SPK_AHEAD) {
@@ -239,7 +243,14 @@ __device__ void decode_rans(SPK_GEO_ARGS, SPK_TAB_ARGS, const uint16_t* __restri
                 err = SPK_ERR_WORDS_UNDERRUN;
                 goto done;
             }
+#if SPK_WORD_WINDOW
+            if (nb) {  // NOTE: the same in every lane: take is a collective
+                const uint32_t w = win.take(end + lane_rank(nb, lane), end, lane);
+                if (need) xs = dec_put_word(xs, (uint16_t)w);
+            }
+#else
             if (need) xs = dec_put_word(xs, words[end + lane_rank(nb, lane)]);
+#endif
         }
 #pragma unroll
         for (int i = 0; i < SPK_AHEAD; ++i) cur[i] = nxt[i];

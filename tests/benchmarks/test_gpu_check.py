@@ -65,7 +65,7 @@ def test_throughput_codes_and_decodes_both_dtypes(gpu_check, fp8):
     assert {name for name, *_ in gpu_check.THROUGHPUT} >= {"streaming", "batched", "requests4", "batched_fp8"}
 
 
-def test_cuda_path_on_the_emulated_device(gpu_check, tmp_path):
+def test_cuda_path_on_the_emulated_device(gpu_check, emu_work):
     """The script's device path (CuPy arrays, encode_streams, kernel profiles) on the CPU's warp emulator
     (tests/cuda_emu.py) in place of a GPU: the committed digests, identity with the native coder both
     ways, and one profiled throughput case, so a lent device's minutes are not spent on the script."""
@@ -74,7 +74,7 @@ def test_cuda_path_on_the_emulated_device(gpu_check, tmp_path):
     from speckv.coder.cuda import KERNELS, CudaCoder
 
     dev = gpu_check.Device("native")
-    cp = emulated_cupy(tmp_path)
+    cp = emulated_cupy(emu_work)
     dev.name, dev.xp, dev.coder = "cuda", cp, CudaCoder(cp, empty_pinned=np.empty)
     models = gpu_check.load_models()
     cases = gpu_check.check_all(dev, models)
@@ -86,3 +86,33 @@ def test_cuda_path_on_the_emulated_device(gpu_check, tmp_path):
     assert r["decode_correct"] and r["encode_kept_gb_s"] > 0
     ran = set(r["encode_profile_ms"]) | set(r["decode_profile_ms"])
     assert ran == {k for k in KERNELS if not k.endswith("_fp8")} - {"spk_prepare_mu"} | {"wall"}  # BF16 KV
+
+
+def test_sweep_times_each_tuning_and_compares_its_streams(gpu_check, emu_work, monkeypatch):
+    """``--sweep`` on the emulated device: every tuning of the sweep builds its own kernels (its -D
+    flags), codes each case losslessly with the defaults' streams, and reports figures and a floor."""
+    from cuda_emu import emulated_cupy
+
+    from speckv.coder import cuda
+
+    tunings = (cuda.Tuning(), cuda.Tuning(rans_warps=2, model_cta=96, ahead=5, word_window=True))
+    monkeypatch.setattr(cuda, "SWEEP", tunings)
+    built = []
+
+    def make(t):
+        dev = gpu_check.Device("native")
+        cp = emulated_cupy(emu_work)
+        dev.name, dev.xp, dev.coder = "cuda", cp, cuda.CudaCoder(cp, empty_pinned=np.empty, tuning=t)
+        built.append(dev.coder.tuning)
+        return dev
+
+    rows = gpu_check.sweep(gpu_check.load_models(), 1, 100.0, (("one", 2, 40, 1), ("two", 2, 40, 2)), make)
+    assert built == list(tunings) and [r["tuning"]["ahead"] for r in rows] == [8, 5]
+    for r in rows:
+        assert r["same_streams"] and set(r["cases"]) == {"one", "two"}
+        for t in r["cases"].values():
+            assert t["decode_correct"] and 0 < t["encode_gb_s"] and t["floor_gb_s"] > 0
+    one = rows[0]["cases"]["one"]
+    # the floor: 2 x 100 GB/s over KV, mu, L and the streams
+    moved = 2 * one["raw_mb"] * 1e6 + 2 * 2 * 3 * 64 * 4 + one["bits_per_scalar"] / 8 * one["raw_mb"] * 1e6 / 2
+    assert abs(one["floor_gb_s"] - one["raw_mb"] * 1e6 / (moved / 200e9) / 1e9) < 1e-6 * one["floor_gb_s"]

@@ -16,14 +16,18 @@ from cuda_emu import EMU_DIR, _Module, build, emulated_cupy
 from require import missing
 
 from speckv.coder import backends, native
-from speckv.coder.cuda import CudaCoder
+from speckv.coder.cuda import CudaCoder, Tuning
 from speckv.coder.model import fp8_log2_sigma
 from speckv.coder.residual import models_of
 from speckv.errors import IntegrityError, RansDecodeError
 
+# every knob off its default: 8 warps a CTA (more than some calls have blocks), a group of 3 steps
+# (no divisor of any lane length), CTAs of 2 warps for the per-block passes, the decoder's word window
+TUNED = Tuning(rans_warps=8, model_cta=64, ahead=3, word_window=True)
 
-@pytest.fixture(scope="module", params=["emulator", "device"])
-def coders(request, tmp_path_factory):
+
+@pytest.fixture(scope="module", params=["emulator", "emulator-tuned", "device"])
+def coders(request, emu_work):
     """(the CUDA coder, the native coder, layers a case has: fewer on the emulator, one thread at a time)."""
     if not native.available():
         missing("NATIVE", f"the native coder is not built ({native.IMPORT_ERROR})")
@@ -32,7 +36,8 @@ def coders(request, tmp_path_factory):
             pytest.skip("no CUDA device or CuPy")
         return CudaCoder.load(), native.NativeCoder(threads=2), 30
     # NOTE: np.empty for cupyx.empty_pinned: the host copies take CudaCoder's pinned path
-    emu = CudaCoder(emulated_cupy(tmp_path_factory.mktemp("emu")), empty_pinned=np.empty)
+    tuning = TUNED if request.param == "emulator-tuned" else Tuning()
+    emu = CudaCoder(emulated_cupy(emu_work), empty_pinned=np.empty, tuning=tuning)
     return emu, native.NativeCoder(threads=2), 12
 
 
@@ -98,6 +103,25 @@ def test_cuda_equals_native_at_odd_geometries(coders, ckpt, fp8, heads, tokens, 
     out = np.empty_like(x)
     cu.decode(m, L, [2, 1], epl, [(p.blocks, p.bits) for p in pn], model.tables, out)
     assert np.array_equal(out, x)
+
+
+@pytest.mark.gpu
+def test_cuda_refuses_levels_as_native(coders, ckpt):
+    """L out of range or of the wrong size: the native coder's ValueError, L on the host or the device."""
+    cu, nat, _ = coders
+    model = models_of(ckpt)[2]
+    x, mu, a, b, scales, L = _case(model, False, 2, 8, 1)
+    m = nat.prepare_mu(mu, a, b, scales)
+    parts = nat.encode(x, m, L, [2], 4, model.tables)
+    streams = [(p.blocks, p.bits) for p in parts]
+    for where in (np.asarray, cu.cp.asarray):
+        for bad, why in ((L.reshape(-1)[1:], "L: "), (np.where(L == L.flat[0], 1 << 30, L), "out of range"),
+                         (np.where(L == L.flat[0], -(1 << 30) - 1, L), "out of range")):
+            for coder in (cu, nat) if where is np.asarray else (cu,):  # NOTE: the native coder takes host arrays
+                with pytest.raises(ValueError, match=why):
+                    coder.encode(x, m, where(bad.astype(np.int32)), [2], 4, model.tables)
+                with pytest.raises(ValueError, match=why):
+                    coder.decode(m, where(bad.astype(np.int32)), [2], 4, streams, model.tables, np.empty_like(x))
 
 
 def _outcome(coder, m, L, counts, epl, streams, tables, like):

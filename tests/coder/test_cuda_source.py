@@ -12,29 +12,35 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from require import missing
 
 from speckv.coder import native
-from speckv.coder.cuda import source_dir
+from speckv.coder.cuda import SWEEP, Tuning, source_dir
 from speckv.coder.cuda_host import BUCKET_SHIFT, BUCKETS, Geometry, decode_tables, encode_layout
 
 
-def _nvcc(path):
+def _nvcc(path, defines=()):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         missing("NVCC", "nvcc not found (the CUDA toolkit is not installed on this machine)")
     # NOTE: -ftz=true as CuPy builds it (it appends that flag to coder/cuda.py's options)
-    cmd = [nvcc, "-arch=sm_90", "-Xptxas", "-v", "-std=c++17", "--fmad=false", "-ftz=true", f"-I{source_dir()}", "-c",
-           str(path), "-o", "/dev/null"]
+    cmd = [nvcc, "-arch=sm_90", "-Xptxas", "-v", "-std=c++17", "--fmad=false", "-ftz=true", f"-I{source_dir()}",
+           *defines, "-c", str(path), "-o", "/dev/null"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("path", sorted(source_dir().glob("*.cu")), ids=lambda p: p.name)
-def test_nvcc_compiles_for_sm90_without_spills(path, capsys):
-    proc = _nvcc(path)
+# every .cu as it is; spk_fused.cu also under each tuning gpu_check --sweep times
+BUILDS = [(p, ()) for p in sorted(source_dir().glob("*.cu"))] + [
+    (source_dir() / "spk_fused.cu", t.defines()) for t in SWEEP[1:] if t.defines() != Tuning().defines()]
+
+
+@pytest.mark.parametrize("path,defines", BUILDS, ids=lambda v: v.name if isinstance(v, Path) else " ".join(v))
+def test_nvcc_compiles_for_sm90_without_spills(path, defines, capsys):
+    proc = _nvcc(path, defines)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
@@ -42,7 +48,8 @@ def test_nvcc_compiles_for_sm90_without_spills(path, capsys):
     funcs = re.findall(r"Compiling entry function '(\w+)'", out)
     regs = re.findall(r"Used (\d+) registers", out)
     with capsys.disabled():
-        print(f"\n{path.name}: " + ", ".join(f"{f} {r} regs" for f, r in zip(funcs, regs, strict=True)) + ", 0 spills")
+        regs_of = ", ".join(f"{f} {r} regs" for f, r in zip(funcs, regs, strict=True))
+        print(f"\n{path.name} {' '.join(defines)}: {regs_of}, 0 spills")
 
 
 def test_device_code_has_no_flushing_float32_arithmetic(tmp_path):
@@ -96,13 +103,20 @@ def test_encode_layout_sections_are_byte_padded_and_aligned():
 
 
 def test_host_launches_the_ctas_the_kernels_are_built_for():
-    """coder/cuda.py launches CTA_THREADS threads a CTA where spk_device.cuh sizes its shared arrays and
-    launch bounds by SPK_MODEL_CTA: the two must agree (more threads fail the launch and overrun the
-    per-warp shared arrays)."""
+    """coder/cuda.py launches Tuning.model_cta threads a CTA where spk_device.cuh sizes its shared arrays
+    and launch bounds by SPK_MODEL_CTA: the two must agree (more threads fail the launch and overrun the
+    per-warp shared arrays), by default and through the -D a tuning passes; likewise the lane passes'
+    warps and SPK_MAX_CTA."""
     from speckv.coder import cuda
 
-    m = re.search(r"#define SPK_MODEL_CTA (\d+)", (source_dir() / "spk_device.cuh").read_text())
-    assert m and int(m.group(1)) == cuda.CTA_THREADS
+    text = (source_dir() / "spk_device.cuh").read_text()
+    m = re.search(r"#define SPK_MODEL_CTA (\d+)", text)
+    assert m and int(m.group(1)) == cuda.Tuning().model_cta
+    m = re.search(r"#define SPK_MAX_CTA (\d+)", text)
+    assert m and int(m.group(1)) == 32 * 8
+    with pytest.raises(ValueError):
+        cuda.Tuning(rans_warps=9)
+    assert "-DSPK_MODEL_CTA=512" in cuda.Tuning(model_cta=512).defines()
     src = cuda.source()
     for k in cuda.CTA_KERNELS:
         assert re.search(rf"__launch_bounds__\(SPK_MODEL_CTA\) {k}\b", src) or re.search(
