@@ -46,7 +46,7 @@ print(sys.version.split()[0], 'torch', torch.__version__, 'cupy', cupy.__version
 
 coder() {
     cp .dev/a/gguf.part /tmp/gguf.a
-    timeout 200 python3 benchmarks/gpu_check.py --repeats 5 --json > "$O/gpu_check.json" 2> "$O/gpu_check.err"
+    timeout 240 python3 benchmarks/gpu_check.py --repeats 5 --json > "$O/gpu_check.json" 2> "$O/gpu_check.err"
     echo "gpu_check rc=$?"
     python3 - "$O/gpu_check.json" <<'EOF'
 import json, sys
@@ -89,7 +89,8 @@ for row in r["sweep"]:
     for name, t in row["cases"].items():
         prof = {w: {n: round(v, 2) for n, v in t.get(f"{w}_profile_ms", {}).items()} for w in ("encode", "decode")}
         print(knobs, name, "same", row["same_streams"], {f: round(t[f], 2) for f in
-              ("encode_gb_s", "encode_kept_gb_s", "decode_gb_s", "floor_gb_s") if t[f] is not None}, prof)
+              ("encode_gb_s", "encode_kept_gb_s", "decode_gb_s", "decode_kept_gb_s", "floor_gb_s") if t[f] is not None},
+              prof)
 EOF
 }
 

@@ -37,11 +37,13 @@ from .native import EncodedChunk, FlatTables, _raise
 from .rans import LANES, RansBlocks
 from .tables import CodingTables
 
-SOURCES = ("spk_consts.h", "rans_lane.cuh", "spk_float.cuh", "spk_model.cuh", "spk_device.cuh", "spk_fused.cu")
-KERNELS = ("spk_prepare_mu", "spk_gather", "spk_encode_bits", "spk_encode_rans") + tuple(
+SOURCES = ("spk_consts.h", "rans_lane.cuh", "spk_float.cuh", "spk_model.cuh", "spk_device.cuh", "spk_sections.cuh",
+           "spk_fused.cu")
+KERNELS = ("spk_prepare_mu", "spk_gather", "spk_encode_bits", "spk_encode_rans", "spk_decode_sections") + tuple(
     f"spk_{k}_{f}" for k in ("encode_model", "decode_context", "decode_rans", "decode_values") for f in ("bf16", "fp8"))
-# one CTA per block (a thread per element, or a warp per segment of the block); the others: a warp per block
-CTA_KERNELS = ("spk_encode_bits",) + tuple(
+# one CTA per block (a thread per element, or a warp per segment of the block; spk_decode_sections: per
+# chunk); the others: a warp per block
+CTA_KERNELS = ("spk_encode_bits", "spk_decode_sections") + tuple(
     f"spk_{k}_{f}" for k in ("encode_model", "decode_context", "decode_values") for f in ("bf16", "fp8"))
 
 
@@ -101,7 +103,7 @@ class CudaCoder:
         self._tables: dict[int, tuple[tuple[Any, ...], Any, int]] = {}
         # kernel name -> device seconds, summed over launches, while a caller profiles (``profiled``)
         self.kernel_s: dict[str, float] | None = None
-        self._geo: dict[tuple, tuple[Geometry, tuple[Any, ...]]] = {}
+        self._geo: dict[tuple, tuple[Geometry, tuple[Any, ...], tuple[Any, ...]]] = {}
 
     @classmethod
     def load(cls) -> "CudaCoder":
@@ -142,7 +144,8 @@ class CudaCoder:
             self._tables[key] = (args, cp.asarray(bucket), smem_bytes(flat))
         return self._tables[key]
 
-    def _geometry(self, shape: Sequence[int], epl: int, layer_counts: Sequence[int]) -> tuple[Geometry, tuple]:
+    def _geometry(self, shape: Sequence[int], epl: int, layer_counts: Sequence[int]) -> tuple[Geometry, tuple, tuple]:
+        """(geometry, the kernels' block arguments, spk_decode_sections' chunk arguments), on the device once."""
         _, _, heads, tokens, dim = (int(s) for s in shape)
         key = (heads, tokens, dim, epl, tuple(int(c) for c in layer_counts))
         if key not in self._geo:
@@ -152,7 +155,9 @@ class CudaCoder:
             cp = self.cp
             args = (cp.asarray(g.block_e0), cp.asarray(g.block_n), np.int32(g.n_blocks), np.int32(epl),
                     np.int64(tokens), np.int32(dim))
-            self._geo[key] = (g, args)
+            e0 = np.cumsum(g.chunk_n) - g.chunk_n
+            chunks = tuple(cp.asarray(np.asarray(a, np.int64)) for a in (g.chunk_b0, g.chunk_blocks, e0))
+            self._geo[key] = (g, args, chunks)
         g = self._geo[key][0]
         if int(np.prod(shape)) != g.n_elements:
             raise ValueError(f"{tuple(shape)} does not hold layers {list(layer_counts)}")
@@ -232,7 +237,7 @@ class CudaCoder:
         x = cp.asarray(x)
         fp8 = x.dtype.itemsize == 1
         x, mu = self._bits(x, 1 if fp8 else 2, "x"), self._bits(mu, 4 if fp8 else 2, "mu")
-        g, geo = self._geometry(x.shape, elems_per_lane, layer_counts)
+        g, geo, _ = self._geometry(x.shape, elems_per_lane, layer_counts)
         if mu.size != x.size:
             raise ValueError(f"mu: {mu.size} values, expected {x.size}")
         L = self._levels(log2_sigma, _channels(x.shape))
@@ -240,17 +245,22 @@ class CudaCoder:
         if nb == 0:
             return None
         targs = self._tables_of(tables)[0]
-        counts = cp.empty((nb, 4), cp.uint64)
+        counts, host_counts = cp.empty((nb, 4), cp.uint64), self._staging((nb, 4), np.uint64)
         ops, raw = cp.empty(x.size, cp.uint32), cp.empty(x.size, cp.uint32)  # NOTE: 8 bytes an element
         self._launch(f"spk_encode_model_{sfx}", nb, geo + targs + (x, mu, L, ops, raw, counts))
-        lay = encode_layout(cp.asnumpy(counts), g)  # NOTE: the one wait mid-call: bit positions need the counts
-        bits = cp.zeros(lay.total, cp.uint8)
+        cp.asnumpy(counts, out=host_counts, blocking=False)
+        counted = cp.cuda.Event()
+        counted.record()
         states, n_words = cp.empty((nb, LANES), cp.uint32), cp.empty(nb, cp.uint32)
         scratch = cp.empty(nb * elems_per_lane * LANES, cp.uint16)
+        self._launch("spk_encode_rans", nb, geo[:4] + (ops, states, n_words, scratch))
+        # NOTE: the one wait mid-call (bit positions need the counts), while the device runs the rANS pass
+        counted.synchronize()
+        lay = encode_layout(host_counts, g)
+        bits = cp.zeros(lay.total, cp.uint8)
         mant, width = FORMATS[fp8]
         self._launch("spk_encode_bits", nb, geo[:3] + (np.int32(mant), np.int32(width), raw, cp.asarray(lay.start),
                                                        cp.asarray(lay.chunk_byte[g.block_chunk]), bits))
-        self._launch("spk_encode_rans", nb, geo[:4] + (ops, states, n_words, scratch))
         del ops, raw
         offsets = cp.cumsum(n_words, dtype=cp.uint64) - n_words
         words = cp.empty(scratch.size, cp.uint16)
@@ -264,10 +274,16 @@ class CudaCoder:
         where CuPy has it: a pageable copy runs at a fraction of the link's speed).
         NOTE: the chunks' words are views of one pinned array, which CuPy's pinned pool takes back
         when the last chunk is dropped (it keeps the pages for the next encode, never the OS)."""
-        s.ready.synchronize()  # NOTE: this thread's current stream may not be the one that encoded
-        nw = self._host(s.n_words)
+        cp = self.cp
+        cp.cuda.get_current_stream().wait_event(s.ready)  # NOTE: this thread's stream may not be the encoder's
+        nw, states, bits = (self._staging(a.shape, a.dtype) for a in (s.n_words, s.states, s.bits))
+        for a, out in ((s.n_words, nw), (s.states, states), (s.bits, bits)):
+            cp.asnumpy(a, out=out, blocking=False)
+        copied = cp.cuda.Event()
+        copied.record()
+        copied.synchronize()  # NOTE: two waits: this one, then the words' copy, whose size is the counts' sum
         words = self._host(s.words[:int(nw.sum(dtype=np.int64))])
-        return host.encoded_chunks(s.geometry, s.layout, self._host(s.states), nw, words, self._host(s.bits))
+        return host.encoded_chunks(s.geometry, s.layout, states, nw, words, bits)
 
     def _staging(self, shape: Any, dtype: Any) -> np.ndarray:
         """A host array the device copies from at full speed (pinned where CuPy has it)."""
@@ -298,45 +314,72 @@ class CudaCoder:
     # -- decode --------------------------------------------------------------------------
     def decode_device(self, mu: Any, log2_sigma: Any, layer_counts: Sequence[int], elems_per_lane: int,
                       streams: Sequence[tuple[RansBlocks, bytes]], tables: CodingTables, out: Any) -> None:
-        """NativeCoder.decode into a device array ``out`` (u16 BF16 / u8 e4m3 patterns, C-contiguous).
+        """NativeCoder.decode into a device array ``out`` (u16 BF16 / u8 e4m3 patterns, C-contiguous),
+        from streams on the host (copied over through pinned memory, then decoded as ``decode_streams``).
 
         Raises RansDecodeError or IntegrityError, as the numpy decoder does, on a corrupt stream."""
         cp = self.cp
+        g, geo, mu, L, fp8 = self._decode_args(mu, log2_sigma, layer_counts, elems_per_lane, out)
+        states, counts, words = host.concat_streams(g, streams, self._staging)
+        bits, cbyte, clen = host.concat_bits([s[1] for s in streams], self._staging)
+        word_lo = np.cumsum(counts, dtype=np.int64) - counts  # NOTE: chunks' words are concatenated in order
+        self._decode(g, geo, mu, L, fp8, tables, (cp.asarray(states), cp.asarray(counts), cp.asarray(word_lo),
+                     cp.asarray(words if words.size else np.zeros(1, np.uint16))), cp.asarray(bits), cbyte, clen, out)
+
+    def decode_streams(self, s: "DeviceStreams", mu: Any, log2_sigma: Any, layer_counts: Sequence[int],
+                       elems_per_lane: int, tables: CodingTables, out: Any) -> None:
+        """NativeCoder.decode of streams in device memory (``encode_streams``'s, or a receiver's laid out
+        the same way) into a device array ``out``: only the checks' figures cross to the host."""
+        cp = self.cp
+        g, geo, mu, L, fp8 = self._decode_args(mu, log2_sigma, layer_counts, elems_per_lane, out)
+        if not (np.array_equal(g.chunk_n, s.geometry.chunk_n) and g.epl == s.geometry.epl):
+            raise ValueError("the streams were coded for another geometry")
+        cp.cuda.get_current_stream().wait_event(s.ready)  # NOTE: they may have been coded on another stream
+        word_lo = cp.cumsum(s.n_words, dtype=cp.int64) - s.n_words
+        self._decode(g, geo, mu, L, fp8, tables, (s.states, s.n_words, word_lo, s.words), s.bits,
+                     s.layout.chunk_byte, s.layout.chunk_len, out)
+
+    def _decode_args(self, mu: Any, log2_sigma: Any, layer_counts: Sequence[int], epl: int, out: Any) -> tuple:
         fp8 = out.dtype.itemsize == 1
         if not out.flags.c_contiguous:
             raise ValueError("out must be C-contiguous")
         mu = self._bits(mu, 4 if fp8 else 2, "mu")
-        g, geo = self._geometry(out.shape, elems_per_lane, layer_counts)
+        g, geo, chunks = self._geometry(out.shape, epl, layer_counts)
         if mu.size != out.size:
             raise ValueError(f"mu: {mu.size} values, expected {out.size}")
-        L = self._levels(log2_sigma, _channels(out.shape))
-        states, counts, words = host.concat_streams(g, streams, self._staging)
-        nb, sfx = g.n_blocks, "fp8" if fp8 else "bf16"
+        return g, (geo, chunks), mu, self._levels(log2_sigma, _channels(out.shape)), fp8
+
+    def _decode(self, g: Geometry, geo: tuple, mu: Any, L: Any, fp8: bool, tables: CodingTables, words: tuple,
+                bits: Any, cbyte: np.ndarray, clen: np.ndarray, out: Any) -> None:
+        """The four passes, queued without a wait: contexts, rANS, sections (the checks, unary codes),
+        values; then one wait for the statuses. ``words``: (states, counts, first word, words) on the device."""
+        cp, nb, nc, sfx = self.cp, g.n_blocks, len(g.chunk_n), "fp8" if fp8 else "bf16"
+        geo, chunks = geo
         targs, bucket, smem = self._tables_of(tables)
-        word_lo = np.cumsum(counts, dtype=np.int64) - counts  # NOTE: chunks' words are concatenated in order
         info = cp.empty(max(g.n_elements, 1), cp.uint32)
         tally, status = cp.zeros((nb, 5), cp.uint64), cp.zeros(nb, cp.int32)
-        ctxs = cp.empty(max(g.n_elements, 1), cp.uint32)
+        ctxs = cp.empty(max(g.n_elements, 1), cp.uint32)  # NOTE: the contexts, then the unary codes' deltas
         self._launch(f"spk_decode_context_{sfx}", nb, geo + (mu, L, ctxs))
-        self._launch(f"spk_decode_rans_{sfx}", nb, geo + targs + (
-            bucket, ctxs, cp.asarray(states), cp.asarray(counts), cp.asarray(word_lo),
-            cp.asarray(words if words.size else np.zeros(1, np.uint16)), info, tally, status), smem)
-        st = cp.asnumpy(status)
+        self._launch(f"spk_decode_rans_{sfx}", nb, geo + targs + (bucket, ctxs) + words + (info, tally, status), smem)
+        sec, skip = cp.empty((max(nb, 1), 4), cp.uint64), cp.empty(max(nb, 1), cp.uint8)
+        rec = cp.empty((max(nc, 1), host.REC), cp.uint64)
+        mant, width = FORMATS[fp8]
+        self._launch("spk_decode_sections", nc, chunks + (
+            cp.asarray(np.asarray(cbyte, np.uint64)), cp.asarray(np.asarray(clen, np.uint64)), np.int32(nc),
+            np.int32(mant), np.int32(width), tally, status, bits, sec, skip, ctxs, rec))
+        flags = cp.zeros((nb, 2), cp.uint32)
+        self._launch(f"spk_decode_values_{sfx}", nb, geo + (
+            info, sec, cp.asarray(np.asarray(cbyte, np.uint64)[g.block_chunk]), skip, bits, ctxs, out, flags))
+        st = cp.asnumpy(status)  # NOTE: the one wait
         bad = np.flatnonzero(st)
         if len(bad):
             b = int(bad[0])
             c = int(g.block_chunk[b])
             _raise(int(st[b]), c, b - int(g.chunk_b0[c]), 0, 0)
-        checks, sec, skip, bits, cbyte, deltas = host.decode_sections(
-            g, cp.asnumpy(tally), [s[1] for s in streams], fp8, self._staging)
-        flags = cp.zeros((nb, 2), cp.uint32)
-        self._launch(f"spk_decode_values_{sfx}", nb, geo + (
-            info, cp.asarray(sec), cp.asarray(cbyte), cp.asarray(skip), cp.asarray(bits), cp.asarray(deltas),
-            out, flags))
-        fl = cp.asnumpy(flags)
-        for c, chk in enumerate(checks):
+        recs, fl = cp.asnumpy(rec), cp.asnumpy(flags)
+        for c in range(nc):
             blk = slice(int(g.chunk_b0[c]), int(g.chunk_b0[c] + g.chunk_blocks[c]))
-            s, f1, f2 = host.chunk_status(chk, bool(fl[blk, 0].any()), bool(fl[blk, 1].any()))
+            s, f1, f2 = host.chunk_status(host.ChunkCheck.of(recs[c]), bool(fl[blk, 0].any()), bool(fl[blk, 1].any()))
             if s:
                 _raise(s, c, -1, f1, f2)
 

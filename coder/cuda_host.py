@@ -1,11 +1,8 @@
 """The host side of the fused CUDA coder (``coder/cuda.py``), in numpy only: block
-geometry, the decoder's lookup tables, the encoder's section offsets, and the
-decoder's per-chunk section checks (``chunk_sections`` / ``chunk_status`` of
-``coder/kernels/spk_decode.h``, same statuses, same precedence).
-
-NOTE: the decoder reads the unary codes here, on the host, from the chunk's bytes
-(they arrive from the wire on the host anyway): one pass of ``np.unpackbits`` over
-the UNARY section; the device then takes one delta per zero-bin element.
+geometry, the decoder's lookup tables, the encoder's section offsets, the streams laid
+out for the device, and the order of the decoder's checks (``chunk_status`` of
+``coder/kernels/spk_decode.h``, same statuses, same precedence) over the figures the
+device's section pass records (``coder/kernels/spk_sections.cuh``).
 Nothing here imports CuPy; everything is testable on a CPU.
 """
 
@@ -116,7 +113,7 @@ def encode_layout(counts: np.ndarray, g: Geometry) -> EncodeLayout:
 
 @dataclass
 class ChunkCheck:
-    """One chunk's section figures (spk_decode.h ChunkSections) and its block offsets."""
+    """One chunk's section figures (spk_decode.h ChunkSections), as spk_decode_sections records them."""
 
     early: int = OK
     detail: int = 0
@@ -126,39 +123,16 @@ class ChunkCheck:
     ones: int = 0
     unary_bytes: int = 0
     unary_bits: int = 0
-    deltas: np.ndarray | None = None  # (n_zero,) u32
+
+    @classmethod
+    def of(cls, rec: np.ndarray) -> "ChunkCheck":
+        """From a chunk's REC figures (spk_sections.cuh spk_sections_check / spk_sections_unary)."""
+        early, detail, pad, mu_bad, n_zero, ones, unary_bytes, unary_bits = (int(v) for v in rec)
+        return cls(early, detail, (bool(pad & 1), bool(pad & 2), bool(pad & 4)), bool(mu_bad), n_zero, ones,
+                   unary_bytes, unary_bits)
 
 
-def _padding(bits: np.ndarray, end: int) -> bool:
-    return bool(end % 8 and int(bits[end // 8]) & ((1 << (8 - end % 8)) - 1))
-
-
-def chunk_sections(bits: np.ndarray, tally: np.ndarray, mant: int, width: int) -> tuple[ChunkCheck, np.ndarray]:
-    """Checks of one chunk from its blocks' tallies (blocks, 5: LOW bits, zero-bin elements,
-    escapes, unary bound, mu bad) and bytes; per block (blocks, 3) u64: LOW, ZMAN, ESC starts
-    in bits, and the zero-bin elements before it."""
-    t = tally.astype(_U64)
-    excl = np.cumsum(t[:, :3], axis=0, dtype=_U64) - t[:, :3]
-    low, nz, ne, ubound = (int(v) for v in t[:, :4].sum(axis=0, dtype=_U64))
-    o = ChunkCheck(mu_bad=bool(t[:, 4].any()))
-    s_low, s_zman, s_esc = (low + 7) // 8, (nz * mant + 7) // 8, (ne * width + 7) // 8
-    length = len(bits)
-    none = np.zeros((len(t), 4), _U64)  # an early failure: nothing is read
-    if s_low + s_zman + s_esc > length:
-        return ChunkCheck(early=SHORT, detail=length), none
-    s_un = length - s_low - s_zman - s_esc
-    if 8 * s_un > ubound + 7:  # NOTE: bound the open-ended section before reading it
-        return ChunkCheck(early=UNARY_LONG), none
-    zman0, esc0 = s_low * 8, (s_low + s_zman) * 8
-    o.pad = (_padding(bits, low), _padding(bits, zman0 + nz * mant), _padding(bits, esc0 + ne * width))
-    pos = np.flatnonzero(np.unpackbits(bits[length - s_un:])).astype(np.int64)  # MSB first
-    d = np.minimum(np.diff(pos, prepend=-1) - 1, 1 << 30)[:nz]
-    o.deltas = np.zeros(nz, np.uint32)
-    o.deltas[:len(d)] = d
-    o.n_zero, o.ones, o.unary_bytes = nz, len(pos), s_un
-    o.unary_bits = int(pos[-1]) + 1 if len(pos) else 0
-    starts = np.stack([excl[:, 0], zman0 + excl[:, 1] * _U64(mant), esc0 + excl[:, 2] * _U64(width)], 1)
-    return o, np.concatenate([starts, excl[:, 1:2]], axis=1)
+REC = 8  # u64 figures a chunk (spk_sections.cuh SPK_REC)
 
 
 def chunk_status(s: ChunkCheck, normal_bad: bool, zero_bad: bool) -> tuple[int, int, int]:
@@ -217,30 +191,15 @@ def concat_streams(g: Geometry, streams: Sequence[tuple[RansBlocks, bytes]],
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), words
 
 
-def decode_sections(g: Geometry, tally: np.ndarray, bits: Sequence[bytes], fp8: bool,
-                    alloc: Any = np.empty) -> tuple:
-    """Host pass of the decoder: each chunk's checks, each block's section starts (LOW,
-    ZMAN, ESC bits; first delta), skip flags, the padded bits buffer and the deltas."""
-    mant, width = FORMATS[fp8]
-    sec, skip = np.zeros((g.n_blocks, 4), np.uint64), np.zeros(max(g.n_blocks, 1), np.uint8)
-    checks: list[ChunkCheck] = []
-    deltas: list[np.ndarray] = []
-    bufs: list[np.ndarray] = []
-    cbyte, pos, d0 = np.zeros(len(bits), np.uint64), 0, 0
-    for c, raw in enumerate(bits):
-        blk = slice(int(g.chunk_b0[c]), int(g.chunk_b0[c] + g.chunk_blocks[c]))
-        arr = np.frombuffer(bytes(raw), np.uint8)
-        chk, starts = chunk_sections(arr, tally[blk], mant, width)
-        checks.append(chk)
-        if chk.early:
-            skip[blk] = 1
-        else:
-            assert chk.deltas is not None
-            sec[blk], deltas = starts, deltas + [chk.deltas]
-            sec[blk, 3] += np.uint64(d0)
-            d0 += len(chk.deltas)
-        cbyte[c], pos = pos, pos + len(arr) + 8  # NOTE: read_bits reads up to 3 bytes ahead
-        bufs += [arr, np.zeros(8, np.uint8)]
-    cat = np.concatenate(bufs, out=alloc(sum(len(b) for b in bufs), np.uint8)) if bufs else np.zeros(8, np.uint8)
-    dl = np.concatenate(deltas) if d0 else np.zeros(1, np.uint32)
-    return checks, sec, skip, cat, cbyte[g.block_chunk], dl
+def concat_bits(bits: Sequence[bytes], alloc: Any = np.empty) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The chunks' bytes in one buffer (``alloc``'s), as the encoder's device buffer lays them out
+    (encode_layout): each chunk at a 4-byte aligned offset, 8 zero bytes after the last
+    (spk_read_bits reads up to 3 bytes ahead); (buffer, offsets, lengths)."""
+    length = np.array([len(b) for b in bits], np.uint64)
+    span = (length + _U64(3)) // _U64(4) * _U64(4)
+    offset = np.cumsum(span, dtype=_U64) - span
+    buf = alloc(int(span.sum()) + 8, np.uint8)
+    buf[...] = 0
+    for b, o in zip(bits, offset, strict=True):
+        buf[int(o):int(o) + len(b)] = np.frombuffer(b, np.uint8)
+    return buf, offset, length

@@ -168,6 +168,25 @@ class _Event:
             raise RuntimeError("an event synchronised before it was recorded")  # CuPy's returns at once; ours is a bug
 
 
+class _Stream:
+    """cupy.cuda.Stream: one stream here; waiting on an event checks it was recorded."""
+
+    def wait_event(self, event: _Event) -> None:  # NOTE: the device waits, not the host
+        if not event.t:
+            raise RuntimeError("a stream waited on an event never recorded")
+
+
+def _asnumpy(a: np.ndarray, stream: Any = None, order: str = "C", out: np.ndarray | None = None,
+             blocking: bool = True) -> np.ndarray:
+    """cupy.asnumpy: a copy, as a transfer is (into ``out`` if given; every copy here is done on return)."""
+    if out is None:
+        return np.array(a, copy=True).view(np.ndarray)
+    if type(out) is not np.ndarray or out.shape != a.shape or out.dtype != a.dtype:
+        raise ValueError("asnumpy(out=): a host array of the same shape and dtype")
+    out[...] = a
+    return out
+
+
 def _device(fn: Any) -> Any:
     return lambda *a, **k: np.asarray(fn(*a, **k)).view(DeviceArray)
 
@@ -179,9 +198,10 @@ def emulated_cupy(work: Path) -> Any:
         setattr(cp, name, _device(getattr(np, name)))
     for name in ("uint8", "uint16", "uint32", "uint64", "int32", "int64", "float32"):
         setattr(cp, name, getattr(np, name))
-    cp.asnumpy = lambda a: np.array(a, copy=True).view(np.ndarray)  # NOTE: a copy, as a transfer is
+    cp.asnumpy = _asnumpy
     cp.ones, cp.empty_like = _device(np.ones), _device(np.empty_like)
     cp.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(synchronize=lambda: None), Event=_Event,
-                                    get_elapsed_time=lambda a, b: 1e3 * (b.t - a.t))  # ms, as CuPy's
+                                    get_elapsed_time=lambda a, b: 1e3 * (b.t - a.t),  # ms, as CuPy's
+                                    get_current_stream=lambda: _Stream())
     cp.RawModule = lambda code, options: _Module(build(code, work, tuple(options)), device_only=True)
     return cp

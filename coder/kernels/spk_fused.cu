@@ -18,11 +18,12 @@
 // Decode:  spk_decode_context_* per element: its context (mu and sigma only)
 //          spk_decode_rans_*   per block: rANS forward (bucketed symbol search), each
 //                              element's packed info, the block's tallies and status
-//          host: section offsets, the checks of spk_decode.h chunk_sections, unary codes
+//          spk_decode_sections per chunk (a CTA): the checks of spk_decode.h chunk_sections,
+//                              section offsets, unary codes (spk_sections.cuh)
 //          spk_decode_values_* per block (a CTA, a warp per segment): bit patterns from bins and
 //                              raw fields
 // NOTE: compile with --fmad=false: spk_model.cuh's float ops must never contract.
-#include "spk_device.cuh"
+#include "spk_sections.cuh"
 
 // -- mu ----------------------------------------------------------------------------------
 // mu' = bf16(a mu + b) per channel (affine == 0: as predicted), fp8: mu' / scale as fp32 bits
@@ -331,6 +332,33 @@ __device__ void decode_values(SPK_GEO_ARGS, const uint32_t* __restrict__ info,
     // NOTE: flags start zeroed (the host's); any warp may raise them
     if (__any_sync(SPK_FULL, normal_bad) && lane == 0) atomicOr(&flags[2 * b], 1u);
     if (__any_sync(SPK_FULL, zero_bad) && lane == 0) atomicOr(&flags[2 * b + 1], 1u);
+}
+
+// One CTA per chunk: its checks, each block's section starts (sec, skip) and the unary codes
+// (deltas, at the chunk's first element), from the rANS pass's tallies (spk_sections.cuh).
+extern "C" __global__ void __launch_bounds__(SPK_MODEL_CTA) spk_decode_sections(
+    const long long* __restrict__ chunk_b0, const long long* __restrict__ chunk_blocks,
+    const long long* __restrict__ chunk_e0, const unsigned long long* __restrict__ chunk_byte,
+    const unsigned long long* __restrict__ chunk_len, int n_chunks, int mant, int width,
+    const unsigned long long* __restrict__ tally, const int32_t* __restrict__ status, const uint8_t* __restrict__ bits,
+    unsigned long long* __restrict__ sec, uint8_t* __restrict__ skip, uint32_t* __restrict__ deltas,
+    unsigned long long* __restrict__ rec) {
+    const long long c = blockIdx.x;
+    if (c >= n_chunks) return;  // the whole CTA: before the barriers
+    const SpkChunkArgs C = {chunk_b0[c], chunk_blocks[c], chunk_e0[c], bits + chunk_byte[c], chunk_len[c]};
+    unsigned long long t[6], *r = rec + SPK_REC * c;
+    spk_sections_sums(C, tally, status, sec, t);
+    const int early = spk_sections_check(C, t, mant, width, r);  // NOTE: the same in every thread
+    for (long long i = threadIdx.x; i < C.blocks; i += blockDim.x) skip[C.b0 + i] = early != SPK_OK;
+    if (early) return;
+    const unsigned long long s_low = (t[0] + 7) / 8, s_zman = (t[1] * mant + 7) / 8, s_esc = (t[2] * width + 7) / 8;
+    const unsigned long long s_un = C.len - s_low - s_zman - s_esc;  // NOTE: not r[6]: thread 0 wrote it, no barrier
+    for (long long i = threadIdx.x; i < C.blocks; i += blockDim.x) {  // NOTE: the blocks pass 1 gave this thread
+        unsigned long long* s = sec + 4 * (C.b0 + i);
+        const unsigned long long z = s[1], e = s[2];
+        s[1] = s_low * 8 + z * mant, s[2] = (s_low + s_zman) * 8 + e * width, s[3] = C.e0 + z;
+    }
+    spk_sections_unary(C, C.len - s_un, s_un, t[1], deltas, r);
 }
 
 // -- entry points per format (BF16 KV: x, mu BF16; FP8 KV: x e4m3, mu fp32) --------------------

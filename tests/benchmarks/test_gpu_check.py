@@ -83,7 +83,7 @@ def test_cuda_path_on_the_emulated_device(gpu_check, emu_work):
         assert r["digest"] == want[name], name
         assert r["streams_equal"] and r["mu_equal"] and r["gpu_to_cpu"] and r["cpu_to_gpu"], name
     r = gpu_check.throughput(dev, models["tuned"], 2, 96, 1, 1, 64)
-    assert r["decode_correct"] and r["encode_kept_gb_s"] > 0
+    assert r["decode_correct"] and r["encode_kept_gb_s"] > 0 and r["decode_kept_gb_s"] > 0
     ran = set(r["encode_profile_ms"]) | set(r["decode_profile_ms"])
     assert ran == {k for k in KERNELS if not k.endswith("_fp8")} - {"spk_prepare_mu"} | {"wall"}  # BF16 KV
 

@@ -7,6 +7,7 @@ coder/cuda.py's host code unchanged (CuPy replaced by numpy): so every kernel ch
 here without a GPU. It cannot say anything about speed (benchmarks/gpu_check.py on a device)."""
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 
@@ -106,6 +107,26 @@ def test_cuda_equals_native_at_odd_geometries(coders, ckpt, fp8, heads, tokens, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_decodes_streams_kept_on_the_device(coders, ckpt, fp8):
+    """encode_streams -> decode_streams, nothing through the host: the KV back bit for bit; the same
+    streams, copied out, are the native coder's; streams of another chunking are refused."""
+    cu, nat, layers = coders
+    model = models_of(ckpt)[2]
+    x, mu, a, b, scales, L = _case(model, fp8, layers, 37, 4)
+    counts = [min(5, layers - i) for i in range(0, layers, 5)]
+    m = cu.prepare_mu_device(cu.cp.asarray(mu), a, b, scales)
+    kept = cu.encode_streams(cu.cp.asarray(x), m, L, counts, 64, model.tables)
+    out = cu.cp.empty(x.shape, x.dtype)
+    cu.decode_streams(kept, m, L, counts, 64, model.tables, out)
+    assert np.array_equal(cu.cp.asnumpy(out), x)
+    m_n = nat.prepare_mu(mu, a, b, scales)
+    _assert_same_streams(cu.to_host(kept), nat.encode(x, m_n, L, counts, 64, model.tables))
+    with pytest.raises(ValueError, match="another geometry"):
+        cu.decode_streams(kept, m, L, [layers], 64, model.tables, out)
+
+
+@pytest.mark.gpu
 def test_cuda_refuses_levels_as_native(coders, ckpt):
     """L out of range or of the wrong size: the native coder's ValueError, L on the host or the device."""
     cu, nat, _ = coders
@@ -125,11 +146,52 @@ def test_cuda_refuses_levels_as_native(coders, ckpt):
 
 
 def _outcome(coder, m, L, counts, epl, streams, tables, like):
+    """The decode's error, or "ok" and a digest of what it wrote (a stream the checks accept may still
+    decode to other values: the codec's checksum catches those; both coders must write the same)."""
+    out = np.empty_like(like)
     try:
-        coder.decode(m, L, counts, epl, streams, tables, np.empty_like(like))
-        return "ok"
+        coder.decode(m, L, counts, epl, streams, tables, out)
+        return f"ok {hashlib.sha256(out.tobytes()).hexdigest()[:16]}"
     except (IntegrityError, RansDecodeError) as e:
         return f"{type(e).__name__}: {e}"
+
+
+def _swap_unary_bits(bits: bytes) -> bytes:
+    """A "10" in the unary section (the chunk's last bytes, not its last) made "01": the same number of
+    codes, other deltas."""
+    b = bytearray(bits)
+    for i in range(len(b) - 2, len(b) // 2, -1):
+        for k in range(7):
+            if (b[i] >> (7 - k)) & 1 and not (b[i] >> (6 - k)) & 1:
+                b[i] ^= (1 << (7 - k)) | (1 << (6 - k))
+                return bytes(b)
+    raise AssertionError("no 10 in the unary codes")
+
+
+@pytest.mark.gpu
+def test_cuda_checks_sections_as_native(coders, ckpt):
+    """The section checks (spk_decode_sections): bytes cut, added, unary codes moved; each gives the
+    native coder's error and message, or the same values where the checks pass."""
+    cu, nat, _ = coders
+    model = models_of(ckpt)[2]
+    x, mu, a, b, scales, L = _case(model, False, 4, 40, 3)
+    m = nat.prepare_mu(mu, a, b, scales)
+    parts = nat.encode(x, m, L, [2, 2], 16, model.tables)
+    bits = parts[1].bits
+    tampered = {"cut a byte": bits[:-1], "cut half": bits[:len(bits) // 2], "no bytes": b"", "a zero byte more":
+                bits + b"\0", "0xFF more": bits + b"\xff", "far too long": bits + bytes(8 * len(bits)),
+                "last bit set": bits[:-1] + bytes([bits[-1] | 1]), "a code moved": _swap_unary_bits(bits)}
+    seen = {}
+    for name, v in tampered.items():
+        streams = [(p.blocks, p.bits) for p in parts]
+        streams[1] = (parts[1].blocks, v)
+        want = _outcome(nat, m, L, [2, 2], 16, streams, model.tables, x)
+        assert _outcome(cu, m, L, [2, 2], 16, streams, model.tables, x) == want, name
+        seen[name] = want
+    assert seen["a code moved"].startswith("ok") and seen["a code moved"] != _outcome(
+        nat, m, L, [2, 2], 16, [(p.blocks, p.bits) for p in parts], model.tables, x)
+    kinds = {"unary codes, found", "bytes for", "bytes present", "unary section"}
+    assert {k for k in kinds if any(k in w for w in seen.values())} == kinds, seen
 
 
 @pytest.mark.gpu
@@ -290,3 +352,24 @@ def test_codec_on_the_cuda_coder_writes_the_native_records(coders, ckpt, kind):
         out = dec.decode(rec_c, ids, mu)
         got = out if kind == "bf16" else out.codes
         assert np.array_equal(got, x if kind == "bf16" else codes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["cut_short", "empty", "junk_after", "padding_bit", "unary_code_missing",
+                                  "zero_byte_after_unary"])
+def test_codec_on_the_cuda_coder_rejects_crafted_sections(coders, ckpt, name):
+    """The codec tests' crafted raw sections (codec_errors_helpers.TAMPER: a padding bit set, codes
+    missing, bytes after them, ...) through a codec whose backend is the CUDA coder: the same check
+    rejects each (spk_decode_sections and the host's order of checks)."""
+    from codec_errors_helpers import TAMPER, _bf16_case, _rejected_by
+
+    from speckv.coder.codec import Codec, CodecConfig
+
+    def make(epl, lpc):
+        codec = Codec.from_checkpoint(ckpt, CodecConfig(elems_per_lane=epl, layers_per_chunk=lpc, threads=2,
+                                                        coder="native"))
+        codec.backend = coders[0]
+        return codec
+
+    mu_value, choice, tamper, check = TAMPER[name]
+    _rejected_by(_bf16_case(make, mu_value, choice, tamper=tamper), check)

@@ -144,6 +144,7 @@ inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline int __popcll(unsigned long long v) { return __builtin_popcountll(v); }
 inline int __clz(unsigned v) { return v ? __builtin_clz(v) : 32; }
 inline int __clzll(unsigned long long v) { return v ? __builtin_clzll(v) : 64; }
+inline int __ffs(int v) { return __builtin_ffs(v); }
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
     const uint64_t b = (uint64_t)y << 32 | x;
     unsigned r = 0;

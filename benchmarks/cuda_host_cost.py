@@ -1,0 +1,132 @@
+"""The host's share of a fused CUDA coder call, measured where no GPU is: coder/cuda.py runs on the
+CPU's warp emulator (tests/cuda_emu.py), and each call's time is split into its kernels, the
+device-array operations CuPy would queue (allocations, copies, cumsum: numpy here), and the rest,
+which is what the host does on any machine (Python, numpy bookkeeping, the streams' host copies).
+Also counted: kernel launches and waits (copies to the host, event waits), each a device round trip,
+and of those the waits mid-call (a kernel launched after them: the device drains meanwhile unless
+work was queued before the wait, as the encoder's rANS pass is before its wait for the bit counts).
+
+NOTE: the kernels' times here are the emulator's (seconds, not a GPU's microseconds) and say
+nothing about a device; only the host column is a figure for the device path. Cases: gpu_check.py's
+streaming (2 layers x 2048 tokens) and batched (30 layers) BF16 KV, the shipped checkpoint.
+Usage: python benchmarks/cuda_host_cost.py [--repeats 3] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+import cuda_emu  # noqa: E402
+import gpu_check as gc  # noqa: E402
+
+from speckv.coder.cuda import CudaCoder  # noqa: E402
+
+WAITS = ("asnumpy", "get", "synchronize")  # calls that wait for the device
+
+
+class Meter:
+    """Seconds in kernels and in device-array operations, and counts of launches and waits."""
+
+    def __init__(self, cp: Any) -> None:
+        self.s: collections.Counter = collections.Counter()
+        self.n: collections.Counter = collections.Counter()
+        self.keep: list = []
+        self.order: list[str] = []
+        for name in ("asarray", "ascontiguousarray", "empty", "zeros", "cumsum", "asnumpy"):
+            setattr(cp, name, self.wrap(getattr(cp, name), "device_ops", name))
+        cuda_emu._Kernel.__call__ = self.wrap(cuda_emu._Kernel.__call__, "kernels", "launch")
+        cuda_emu.DeviceArray.get = self.wrap(cuda_emu.DeviceArray.get, "device_ops", "get")
+        cuda_emu._Event.synchronize = self.wrap(cuda_emu._Event.synchronize, "device_ops", "synchronize")
+
+    def wrap(self, fn: Callable, bucket: str, name: str) -> Callable:
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                out = fn(*a, **k)
+                self.keep.append(out)  # NOTE: freed after the call: CuPy's pool takes memory back for free
+                return out
+            finally:
+                self.s[bucket] += time.perf_counter() - t0
+                kind = name if k.get("blocking", True) else "queued"  # NOTE: an async copy: no wait
+                self.n[kind] += 1
+                self.order.append(kind)
+        return timed
+
+    def measure(self, fn: Callable[[], Any]) -> dict:
+        self.s.clear(), self.n.clear(), self.order.clear()
+        t0 = time.perf_counter()
+        result = fn()
+        wall = time.perf_counter() - t0
+        del result
+        self.keep.clear()
+        return {"host_ms": 1e3 * (wall - self.s["kernels"] - self.s["device_ops"]),
+                "device_ops_ms": 1e3 * self.s["device_ops"], "launches": self.n["launch"],
+                "waits": sum(self.n[w] for w in WAITS), "waits_mid_call": self.mid_call()}
+
+    def mid_call(self) -> int:
+        """Waits with a kernel launched after them: the device drains while the host waits, unless it
+        was given other work first."""
+        last = max((i for i, k in enumerate(self.order) if k == "launch"), default=-1)
+        return sum(k in WAITS for k in self.order[:last])
+
+
+def case(cu: CudaCoder, meter: Meter, layers: int, repeats: int, tokens: int = 2048) -> dict:
+    cp, model = cu.cp, gc.load_models()["tuned"]
+    first = 10 if layers < 30 else 0
+    L = gc.levels(model, first + layers, None)[first:]
+    data = gc.typical(7, L, tokens)
+    counts = [min(2, layers - i) for i in range(0, layers, 2)]
+    a, b = (None if v is None else v[first:] for v in gc.affine(model, first + layers))
+    x, mu = cp.asarray(data["x"]), cu.prepare_mu_device(cp.asarray(data["mu"]), a, b, None)
+    parts = cu.encode_device(x, mu, L, counts, 1024, model.tables)
+    streams, out = gc._streams(parts), cp.empty(data["x"].shape, data["x"].dtype)
+    kept = cu.encode_streams(x, mu, L, counts, 1024, model.tables)
+    calls = {"encode": lambda: cu.encode_device(x, mu, L, counts, 1024, model.tables),
+             "encode_kept": lambda: cu.encode_streams(x, mu, L, counts, 1024, model.tables),
+             "decode": lambda: cu.decode_device(mu, L, counts, 1024, streams, model.tables, out),
+             "decode_kept": lambda: cu.decode_streams(kept, mu, L, counts, 1024, model.tables, out)}
+    rep: dict[str, Any] = {"raw_mb": data["x"].nbytes / 1e6}
+    for name, fn in calls.items():
+        runs = [meter.measure(fn) for _ in range(repeats)]
+        rep[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    rep["decode_correct"] = bool(np.array_equal(np.asarray(out), data["x"]))
+    return rep
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as work:
+        cp = cuda_emu.emulated_cupy(Path(work))
+        cu = CudaCoder(cp, empty_pinned=np.empty)
+        meter = Meter(cp)
+        rep = {name: case(cu, meter, layers, args.repeats) for name, layers in (("streaming", 2), ("batched", 30))}
+    if args.json:
+        print(json.dumps(rep))
+    else:
+        print("| case | call | host ms | device-array ops ms (numpy here) | launches | waits | of them mid-call |\n"
+              "|---|---|---|---|---|---|---|")
+        for name, r in rep.items():
+            for call in ("encode", "encode_kept", "decode", "decode_kept"):
+                c = r[call]
+                print(f"| {name} ({r['raw_mb']:.1f} MB) | {call} | {c['host_ms']:.2f} | {c['device_ops_ms']:.2f} | "
+                      f"{c['launches']:.0f} | {c['waits']:.0f} | {c['waits_mid_call']:.0f} |")
+    return 0 if all(r["decode_correct"] for r in rep.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
