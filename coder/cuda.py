@@ -53,12 +53,13 @@ class Tuning:
     tests run a tuned coder against the native one; ``benchmarks/gpu_check.py --sweep`` times them)."""
 
     rans_warps: int = 4  # rANS blocks (warps) per CTA of the lane passes; <= 8 (spk_device.cuh SPK_MAX_CTA)
-    model_cta: int = 256  # threads per CTA of CTA_KERNELS (spk_device.cuh SPK_MODEL_CTA)
+    model_cta: int = 256  # threads per CTA of CTA_KERNELS, <= 512 (spk_device.cuh SPK_MODEL_CTA)
     ahead: int = 8  # steps of model output a lane loads ahead (SPK_AHEAD)
     word_window: bool = False  # the rANS decoder reads its words from registers (SPK_WORD_WINDOW)
 
     def __post_init__(self) -> None:
-        if not (1 <= self.rans_warps <= 8 and self.model_cta % 32 == 0 and 32 <= self.model_cta <= 1024
+        # NOTE: model_cta <= 512: at 1024 threads spk_decode_values_* spills (nvcc sm_90)
+        if not (1 <= self.rans_warps <= 8 and self.model_cta % 32 == 0 and 32 <= self.model_cta <= 512
                 and 1 <= self.ahead <= 32):
             raise ValueError(f"bad tuning {self}")
 
@@ -251,11 +252,14 @@ class CudaCoder:
         cp.asnumpy(counts, out=host_counts, blocking=False)
         counted = cp.cuda.Event()
         counted.record()
-        states, n_words = cp.empty((nb, LANES), cp.uint32), cp.empty(nb, cp.uint32)
-        scratch = cp.empty(nb * elems_per_lane * LANES, cp.uint16)
-        self._launch("spk_encode_rans", nb, geo[:4] + (ops, states, n_words, scratch))
-        # NOTE: the one wait mid-call (bit positions need the counts), while the device runs the rANS pass
-        counted.synchronize()
+        try:
+            states, n_words = cp.empty((nb, LANES), cp.uint32), cp.empty(nb, cp.uint32)
+            scratch = cp.empty(nb * elems_per_lane * LANES, cp.uint16)
+            self._launch("spk_encode_rans", nb, geo[:4] + (ops, states, n_words, scratch))
+        finally:
+            # NOTE: the one wait mid-call (bit positions need the counts), while the device runs the rANS
+            # pass; also on an error: the pinned pool must not take host_counts back with a copy pending
+            counted.synchronize()
         lay = encode_layout(host_counts, g)
         bits = cp.zeros(lay.total, cp.uint8)
         mant, width = FORMATS[fp8]
@@ -277,11 +281,13 @@ class CudaCoder:
         cp = self.cp
         cp.cuda.get_current_stream().wait_event(s.ready)  # NOTE: this thread's stream may not be the encoder's
         nw, states, bits = (self._staging(a.shape, a.dtype) for a in (s.n_words, s.states, s.bits))
-        for a, out in ((s.n_words, nw), (s.states, states), (s.bits, bits)):
-            cp.asnumpy(a, out=out, blocking=False)
-        copied = cp.cuda.Event()
-        copied.record()
-        copied.synchronize()  # NOTE: two waits: this one, then the words' copy, whose size is the counts' sum
+        try:
+            for a, out in ((s.n_words, nw), (s.states, states), (s.bits, bits)):
+                cp.asnumpy(a, out=out, blocking=False)
+        finally:  # NOTE: also on an error: no pinned array goes back to the pool with a copy pending
+            copied = cp.cuda.Event()
+            copied.record()
+            copied.synchronize()  # NOTE: two waits: this one, then the words' copy (its size: the counts' sum)
         words = self._host(s.words[:int(nw.sum(dtype=np.int64))])
         return host.encoded_chunks(s.geometry, s.layout, states, nw, words, bits)
 
@@ -334,6 +340,9 @@ class CudaCoder:
         g, geo, mu, L, fp8 = self._decode_args(mu, log2_sigma, layer_counts, elems_per_lane, out)
         if not (np.array_equal(g.chunk_n, s.geometry.chunk_n) and g.epl == s.geometry.epl):
             raise ValueError("the streams were coded for another geometry")
+        # NOTE: the sections pass reads the bits as u32 words: a misaligned one would end the CUDA context
+        if _address(s.bits) % 4 or np.any(np.asarray(s.layout.chunk_byte, np.uint64) % np.uint64(4)):
+            raise ValueError("bits: each chunk's bytes must start 4-byte aligned in device memory")
         cp.cuda.get_current_stream().wait_event(s.ready)  # NOTE: they may have been coded on another stream
         word_lo = cp.cumsum(s.n_words, dtype=cp.int64) - s.n_words
         self._decode(g, geo, mu, L, fp8, tables, (s.states, s.n_words, word_lo, s.words), s.bits,
@@ -391,6 +400,11 @@ class CudaCoder:
         self.decode_device(cp.asarray(np.ascontiguousarray(mu)), np.asarray(log2_sigma), layer_counts,
                            elems_per_lane, streams, tables, dev)
         out[...] = cp.asnumpy(dev)
+
+
+def _address(a: Any) -> int:
+    """Device address of an array's first byte (__cuda_array_interface__, as CuPy and torch give it)."""
+    return int(a.__cuda_array_interface__["data"][0])
 
 
 def _channels(shape: Sequence[int]) -> int:

@@ -144,7 +144,12 @@ def _signatures(preprocessed: str) -> str:
 
 
 class DeviceArray(np.ndarray):
-    """A "device" array: numpy's, with CuPy's ``get`` (a copy to the host, into ``out`` if given)."""
+    """A "device" array: numpy's, with CuPy's ``get`` (a copy to the host, into ``out`` if given) and
+    ``__cuda_array_interface__`` (its address)."""
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ctypes.data, False), "version": 3}
 
     def get(self, out: np.ndarray | None = None) -> np.ndarray:
         if out is None:

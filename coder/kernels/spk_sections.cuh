@@ -19,15 +19,22 @@
 #define SPK_UNARY_WORDS 4  // u32 words of the unary section a thread takes per sweep
 
 // Exclusive prefix sums over the CTA's threads (thread order) of v[N], and their totals (every
-// thread), as u64. NOTE: every thread calls it; it may be called in a loop (a barrier on each
-// side of its shared array). Each v[s], summed over a warp, must fit 32 bits.
+// thread), in u64 throughout. NOTE: every thread calls it; it may be called in a loop (a barrier on
+// each side of its shared array). NOTE: u64 in the warp too: 32 blocks' unary bounds (each up to
+// 2^21 x 247 bits) overflow 32 bits once lanes are long enough (elems_per_lane > ~17,000).
 template <int N>
 __device__ __forceinline__ void spk_cta_scan(const uint32_t (&v)[N], unsigned long long (&excl)[N],
                                              unsigned long long (&total)[N]) {
     __shared__ unsigned long long part[SPK_MODEL_CTA / 32][N];
     const uint32_t lane = threadIdx.x & 31u, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    uint32_t inc[N];
-    for (int s = 0; s < N; ++s) inc[s] = spk_warp_scan(v[s], lane);
+    unsigned long long inc[N];
+    for (int s = 0; s < N; ++s) {
+        inc[s] = v[s];
+        for (uint32_t o = 1; o < 32u; o <<= 1) {
+            const unsigned long long u = __shfl_up_sync(SPK_FULL, inc[s], o);
+            if (lane >= o) inc[s] += u;
+        }
+    }
     __syncthreads();  // NOTE: the previous call's readers are done with part
     if (lane == 31u)
         for (int s = 0; s < N; ++s) part[w][s] = inc[s];
@@ -109,9 +116,12 @@ __device__ __forceinline__ void spk_sections_unary(const SpkChunkArgs& C, unsign
         long long mine = -1;
         for (int k = 0; k < SPK_UNARY_WORDS; ++k) {
             const unsigned long long wi = base + threadIdx.x * SPK_UNARY_WORDS + k;
-            uint32_t v = wi < w1 ? __byte_perm(words[wi], 0, 0x0123) : 0u;  // MSB first: big-endian
-            if (4 * wi < u0) v &= 0xFFFFFFFFu >> (8 * (uint32_t)(u0 - 4 * wi));
-            if (4 * wi + 4 > u1) v &= 0xFFFFFFFFu << (8 * (uint32_t)(4 * wi + 4 - u1));  // NOTE: 4 wi < u1
+            uint32_t v = 0;
+            if (wi < w1) {  // NOTE: the masks inside: past the section a shift would reach 32 bits
+                v = __byte_perm(words[wi], 0, 0x0123);  // MSB first: big-endian
+                if (4 * wi < u0) v &= 0xFFFFFFFFu >> (8 * (uint32_t)(u0 - 4 * wi));       // 1-3 bytes before u0
+                if (4 * wi + 4 > u1) v &= 0xFFFFFFFFu << (8 * (uint32_t)(4 * wi + 4 - u1));  // 1-3 bytes from u1
+            }
             be[k] = v, count += popcount32(v);
             if (v) mine = spk_bit0(wi, u0) + 32 - __ffs(v);  // its lowest set bit: the word's last one
         }

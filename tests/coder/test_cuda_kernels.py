@@ -7,6 +7,7 @@ coder/cuda.py's host code unchanged (CuPy replaced by numpy): so every kernel ch
 here without a GPU. It cannot say anything about speed (benchmarks/gpu_check.py on a device)."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import subprocess
 import sys
@@ -124,6 +125,34 @@ def test_cuda_decodes_streams_kept_on_the_device(coders, ckpt, fp8):
     _assert_same_streams(cu.to_host(kept), nat.encode(x, m_n, L, counts, 64, model.tables))
     with pytest.raises(ValueError, match="another geometry"):
         cu.decode_streams(kept, m, L, [layers], 64, model.tables, out)
+    with pytest.raises(ValueError, match="4-byte aligned"):  # a misaligned u32 load would end the CUDA context
+        cu.decode_streams(dataclasses.replace(kept, bits=kept.bits[1:]), m, L, counts, 64, model.tables, out)
+
+
+def test_sections_sum_unary_bounds_in_64_bits(emu_work):
+    """spk_decode_sections sums the blocks' unary bounds in 64 bits: 32 blocks of 2^28 bits each
+    (lanes of ~2^16 elements can have such bounds) total 2^33, which a 32-bit warp sum wraps to 0,
+    rejecting a valid unary section as too long. Here: one zero-bin element a block, each code a lone
+    one at a byte's top bit (deltas 0, 7, 7, ...)."""
+    from speckv.coder.cuda import Tuning, source
+
+    k = _Module(build(source(), emu_work, Tuning().defines())).get_function("spk_decode_sections")
+    nb = 32
+    tally = np.zeros((nb, 5), np.uint64)
+    tally[:, 1], tally[:, 3] = 1, 1 << 28  # a zero-bin element, a bound of 2^28 bits
+    mant, width = 7, 16
+    s_zman = (nb * mant + 7) // 8
+    length = s_zman + nb
+    bits = np.zeros(length + 8, np.uint8)
+    bits[s_zman:length] = 0x80
+    sec, skip, deltas, rec = (np.zeros((nb, 4), np.uint64), np.zeros(nb, np.uint8), np.zeros(nb, np.uint32),
+                              np.zeros((1, 8), np.uint64))
+    i64, u64 = (lambda *v: np.array(v, np.int64)), (lambda *v: np.array(v, np.uint64))
+    k((1,), (256,), (i64(0), i64(nb), i64(0), u64(0), u64(length), np.int32(1), np.int32(mant), np.int32(width),
+                     tally, np.zeros(nb, np.int32), bits, sec, skip, deltas, rec))
+    assert rec[0].tolist() == [0, 0, 0, 0, nb, nb, nb, 8 * nb - 7]  # OK; 32 codes in 32 bytes, the last at bit 249
+    assert deltas.tolist() == [0] + [7] * (nb - 1) and not skip.any()
+    assert sec[:, 3].tolist() == list(range(nb)) and sec[:, 1].tolist() == [8 * 0 + mant * b for b in range(nb)]
 
 
 @pytest.mark.gpu
