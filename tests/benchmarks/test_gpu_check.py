@@ -116,3 +116,21 @@ def test_sweep_times_each_tuning_and_compares_its_streams(gpu_check, emu_work, m
     # the floor: 2 x 100 GB/s over KV, mu, L and the streams
     moved = 2 * one["raw_mb"] * 1e6 + 2 * 2 * 3 * 64 * 4 + one["bits_per_scalar"] / 8 * one["raw_mb"] * 1e6 / 2
     assert abs(one["floor_gb_s"] - one["raw_mb"] * 1e6 / (moved / 200e9) / 1e9) < 1e-6 * one["floor_gb_s"]
+
+
+def test_device_check_names_tests_that_exist():
+    """benchmarks/device_check.sh's sanitize step names test ids (a lent device's minutes are few):
+    each must collect here, where the device half is collected and skipped."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[2]
+    text = (root / "benchmarks" / "device_check.sh").read_text()
+    base = re.search(r"local t='([^']+)'", text).group(1)
+    ids = [base + m for m in re.findall(r'"\$\{t\}(\w+\[[^\]]+\])"', text)]
+    assert len(ids) == 4
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *ids],
+                         cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and f"{len(ids)} tests collected" in out.stdout, out.stdout + out.stderr
