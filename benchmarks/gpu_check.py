@@ -296,7 +296,7 @@ def sweep(models: dict[str, ResidualModel], repeats: int, copy_gb_s: float | Non
           cases: tuple = SWEEP_CASES, make: Callable[[Any], Device] = lambda t: Device("cuda", t)) -> list[dict]:
     """Each tuning of coder/cuda.py's SWEEP: its cases' figures (as ``throughput``'s), and whether its
     streams equal the first tuning's (the defaults) byte for byte."""
-    from speckv.coder.cuda import SWEEP
+    from speckv.coder.cuda_tuning import SWEEP
 
     rows: list[dict] = []
     for t in SWEEP:

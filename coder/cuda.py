@@ -33,6 +33,7 @@ import numpy as np
 
 from . import cuda_host as host
 from .cuda_host import FORMATS, Geometry, decode_tables, encode_layout, smem_bytes
+from .cuda_tuning import DEFAULT, Tuning
 from .native import EncodedChunk, FlatTables, _raise
 from .rans import LANES, RansBlocks
 from .tables import CodingTables
@@ -45,33 +46,6 @@ KERNELS = ("spk_prepare_mu", "spk_gather", "spk_encode_bits", "spk_encode_rans",
 # chunk); the others: a warp per block
 CTA_KERNELS = ("spk_encode_bits", "spk_decode_sections") + tuple(
     f"spk_{k}_{f}" for k in ("encode_model", "decode_context", "decode_values") for f in ("bf16", "fp8"))
-
-
-@dataclass(frozen=True)
-class Tuning:
-    """Launch and compile choices of the kernels: they change speed, never bytes (the emulator's
-    tests run a tuned coder against the native one; ``benchmarks/gpu_check.py --sweep`` times them)."""
-
-    rans_warps: int = 4  # rANS blocks (warps) per CTA of the lane passes; <= 8 (spk_device.cuh SPK_MAX_CTA)
-    model_cta: int = 256  # threads per CTA of CTA_KERNELS, <= 512 (spk_device.cuh SPK_MODEL_CTA)
-    ahead: int = 8  # steps of model output a lane loads ahead (SPK_AHEAD)
-    word_window: bool = False  # the rANS decoder reads its words from registers (SPK_WORD_WINDOW)
-
-    def __post_init__(self) -> None:
-        # NOTE: model_cta <= 512: at 1024 threads spk_decode_values_* spills (nvcc sm_90)
-        if not (1 <= self.rans_warps <= 8 and self.model_cta % 32 == 0 and 32 <= self.model_cta <= 512
-                and 1 <= self.ahead <= 32):
-            raise ValueError(f"bad tuning {self}")
-
-    def defines(self) -> tuple[str, ...]:
-        return (f"-DSPK_MODEL_CTA={self.model_cta}", f"-DSPK_AHEAD={self.ahead}",
-                f"-DSPK_WORD_WINDOW={int(self.word_window)}")
-
-
-# what ``benchmarks/gpu_check.py --sweep`` times on a device: the defaults, each knob moved alone, and
-# together (tests/coder/test_cuda_source.py builds each with nvcc: no spills)
-SWEEP = (Tuning(), Tuning(word_window=True), Tuning(rans_warps=8), Tuning(ahead=4), Tuning(ahead=16),
-         Tuning(model_cta=128), Tuning(model_cta=512), Tuning(rans_warps=8, ahead=16, word_window=True))
 
 
 def source_dir() -> Path:
@@ -93,7 +67,7 @@ class CudaCoder:
     _lock = threading.Lock()
     _cache: "CudaCoder | None" = None
 
-    def __init__(self, cp: Any, empty_pinned: Any = None, tuning: Tuning = Tuning()) -> None:
+    def __init__(self, cp: Any, empty_pinned: Any = None, tuning: Tuning = DEFAULT) -> None:
         self.cp, self.tuning = cp, tuning
         self.empty_pinned = empty_pinned  # cupyx.empty_pinned: host arrays the device copies into at full speed
         # NOTE: FP32 operations must not contract. CuPy appends -ftz=true to these options, so

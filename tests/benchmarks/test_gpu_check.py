@@ -93,10 +93,10 @@ def test_sweep_times_each_tuning_and_compares_its_streams(gpu_check, emu_work, m
     flags), codes each case losslessly with the defaults' streams, and reports figures and a floor."""
     from cuda_emu import emulated_cupy
 
-    from speckv.coder import cuda
+    from speckv.coder import cuda, cuda_tuning
 
-    tunings = (cuda.Tuning(), cuda.Tuning(rans_warps=2, model_cta=96, ahead=5, word_window=True))
-    monkeypatch.setattr(cuda, "SWEEP", tunings)
+    tunings = (cuda_tuning.Tuning(), cuda_tuning.Tuning(rans_warps=2, model_cta=96, ahead=5, word_window=True))
+    monkeypatch.setattr(cuda_tuning, "SWEEP", tunings)
     built = []
 
     def make(t):

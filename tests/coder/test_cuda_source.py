@@ -19,8 +19,9 @@ import pytest
 from require import missing
 
 from speckv.coder import native
-from speckv.coder.cuda import SWEEP, Tuning, source_dir
+from speckv.coder.cuda import source_dir
 from speckv.coder.cuda_host import BUCKET_SHIFT, BUCKETS, Geometry, decode_tables, encode_layout
+from speckv.coder.cuda_tuning import SWEEP, Tuning
 
 
 def _nvcc(path, defines=()):
@@ -111,12 +112,12 @@ def test_host_launches_the_ctas_the_kernels_are_built_for():
 
     text = (source_dir() / "spk_device.cuh").read_text()
     m = re.search(r"#define SPK_MODEL_CTA (\d+)", text)
-    assert m and int(m.group(1)) == cuda.Tuning().model_cta
+    assert m and int(m.group(1)) == Tuning().model_cta
     m = re.search(r"#define SPK_MAX_CTA (\d+)", text)
     assert m and int(m.group(1)) == 32 * 8
     with pytest.raises(ValueError):
-        cuda.Tuning(rans_warps=9)
-    assert "-DSPK_MODEL_CTA=512" in cuda.Tuning(model_cta=512).defines()
+        Tuning(rans_warps=9)
+    assert "-DSPK_MODEL_CTA=512" in Tuning(model_cta=512).defines()
     src = cuda.source()
     for k in cuda.CTA_KERNELS:
         assert re.search(rf"__launch_bounds__\(SPK_MODEL_CTA\) {k}\b", src) or re.search(
