@@ -346,13 +346,12 @@ class CudaCoder:
         self._launch(f"spk_decode_rans_{sfx}", nb, geo + targs + (bucket, ctxs) + words + (info, tally, status), smem)
         sec, skip = cp.empty((max(nb, 1), 4), cp.uint64), cp.empty(max(nb, 1), cp.uint8)
         rec = cp.empty((max(nc, 1), host.REC), cp.uint64)
-        mant, width = FORMATS[fp8]
-        self._launch("spk_decode_sections", nc, chunks + (
-            cp.asarray(np.asarray(cbyte, np.uint64)), cp.asarray(np.asarray(clen, np.uint64)), np.int32(nc),
-            np.int32(mant), np.int32(width), tally, status, bits, sec, skip, ctxs, rec))
+        (mant, width), cb = FORMATS[fp8], np.asarray(cbyte, np.uint64)
+        self._launch("spk_decode_sections", nc, chunks + (cp.asarray(cb), cp.asarray(np.asarray(clen, np.uint64)),
+                      np.int32(nc), np.int32(mant), np.int32(width), tally, status, bits, sec, skip, ctxs, rec))
         flags = cp.zeros((nb, 2), cp.uint32)
         self._launch(f"spk_decode_values_{sfx}", nb, geo + (
-            info, sec, cp.asarray(np.asarray(cbyte, np.uint64)[g.block_chunk]), skip, bits, ctxs, out, flags))
+            info, sec, cp.asarray(cb[g.block_chunk]), skip, bits, ctxs, out, flags))
         st = cp.asnumpy(status)  # NOTE: the one wait
         bad = np.flatnonzero(st)
         if len(bad):

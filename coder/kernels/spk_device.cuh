@@ -71,9 +71,10 @@ __device__ __forceinline__ uint32_t spk_warp_sum(uint32_t v) {
     return v;
 }
 
-__device__ __forceinline__ uint32_t spk_warp_scan(uint32_t v, uint32_t lane) {  // inclusive
+template <class T>
+__device__ __forceinline__ T spk_warp_scan(T v, uint32_t lane) {  // inclusive
     for (uint32_t o = 1; o < 32u; o <<= 1) {
-        const uint32_t u = __shfl_up_sync(SPK_FULL, v, o);
+        const T u = __shfl_up_sync(SPK_FULL, v, o);
         if (lane >= o) v += u;
     }
     return v;

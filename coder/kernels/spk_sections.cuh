@@ -28,13 +28,7 @@ __device__ __forceinline__ void spk_cta_scan(const uint32_t (&v)[N], unsigned lo
     __shared__ unsigned long long part[SPK_MODEL_CTA / 32][N];
     const uint32_t lane = threadIdx.x & 31u, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
     unsigned long long inc[N];
-    for (int s = 0; s < N; ++s) {
-        inc[s] = v[s];
-        for (uint32_t o = 1; o < 32u; o <<= 1) {
-            const unsigned long long u = __shfl_up_sync(SPK_FULL, inc[s], o);
-            if (lane >= o) inc[s] += u;
-        }
-    }
+    for (int s = 0; s < N; ++s) inc[s] = spk_warp_scan<unsigned long long>(v[s], lane);
     __syncthreads();  // NOTE: the previous call's readers are done with part
     if (lane == 31u)
         for (int s = 0; s < N; ++s) part[w][s] = inc[s];
