@@ -14,6 +14,7 @@ Lifecycle::
     kept = cu.encode_streams(x_dev, mu2, L, layer_counts, epl, tables)   # ... or stay on the device
     parts = cu.to_host(kept)                                             # (pinned host memory)
     cu.decode_device(mu2, L, layer_counts, epl, streams, tables, out_dev)
+    cu.decode_streams(kept, mu2, L, layer_counts, epl, tables, out_dev)  # streams already on the device
 
 CuPy is imported inside the class only: ``import speckv.coder.codec`` never imports it.
 Host-side bookkeeping (geometry, section offsets, the decoder's checks) is numpy, in
@@ -75,7 +76,7 @@ class CudaCoder:
         opts = ("-std=c++17", f"-I{source_dir()}", "--fmad=false") + tuning.defines()
         self.module = cp.RawModule(code=source(), options=opts)
         self.k = {n: self.module.get_function(n) for n in KERNELS}
-        self._tables: dict[int, tuple[tuple[Any, ...], Any, int]] = {}
+        self._tables: dict[int, tuple[CodingTables, tuple[Any, ...], Any, int]] = {}
         # kernel name -> device seconds, summed over launches, while a caller profiles (``profiled``)
         self.kernel_s: dict[str, float] | None = None
         self._geo: dict[tuple, tuple[Geometry, tuple[Any, ...], tuple[Any, ...]]] = {}
@@ -110,14 +111,15 @@ class CudaCoder:
 
     def _tables_of(self, tables: CodingTables) -> tuple[tuple[Any, ...], Any, int]:
         """(kernel table args, bucket, shared bytes), on the device once per tables object."""
-        key = id(tables)  # NOTE: CodingTables live as long as their checkpoint's codecs
-        if key not in self._tables:
+        # NOTE: the entry holds its tables: a freed object's id, reused by another, never finds its entry
+        hit = self._tables.get(id(tables))
+        if hit is None or hit[0] is not tables:
             cp, flat = self.cp, FlatTables.of(tables)
             cum_pad, bucket = decode_tables(flat)
             args = (cp.asarray(cum_pad), cp.asarray(flat.freq), cp.asarray(flat.offset), cp.asarray(flat.radius),
                     np.int32(len(flat.offset)), np.int32(len(flat.cum)))
-            self._tables[key] = (args, cp.asarray(bucket), smem_bytes(flat))
-        return self._tables[key]
+            hit = self._tables[id(tables)] = (tables, args, cp.asarray(bucket), smem_bytes(flat))
+        return hit[1:]
 
     def _geometry(self, shape: Sequence[int], epl: int, layer_counts: Sequence[int]) -> tuple[Geometry, tuple, tuple]:
         """(geometry, the kernels' block arguments, spk_decode_sections' chunk arguments), on the device once."""
@@ -125,6 +127,7 @@ class CudaCoder:
         key = (heads, tokens, dim, epl, tuple(int(c) for c in layer_counts))
         if key not in self._geo:
             if len(self._geo) > 64:
+                self.cp.cuda.Device().synchronize()  # NOTE: no kernel may still read what the pool takes back
                 self._geo.clear()
             g = Geometry.of(heads, tokens, dim, epl, key[4])
             cp = self.cp
@@ -262,18 +265,13 @@ class CudaCoder:
             copied = cp.cuda.Event()
             copied.record()
             copied.synchronize()  # NOTE: two waits: this one, then the words' copy (its size: the counts' sum)
-        words = self._host(s.words[:int(nw.sum(dtype=np.int64))])
+        words = self._staging(int(nw.sum(dtype=np.int64)), np.uint16)
+        s.words[:len(words)].get(out=words)  # NOTE: blocking: the copy is done on return
         return host.encoded_chunks(s.geometry, s.layout, states, nw, words, bits)
 
     def _staging(self, shape: Any, dtype: Any) -> np.ndarray:
         """A host array the device copies from at full speed (pinned where CuPy has it)."""
         return np.empty(shape, dtype) if self.empty_pinned is None else self.empty_pinned(shape, dtype)
-
-    def _host(self, a: Any) -> np.ndarray:
-        """Device array ``a`` copied into a staging array."""
-        out = self._staging(a.shape, a.dtype)
-        a.get(out=out)  # NOTE: blocking: the copy is done on return
-        return out
 
     def encode_device(self, x: Any, mu: Any, log2_sigma: Any, layer_counts: Sequence[int], elems_per_lane: int,
                       tables: CodingTables) -> list[EncodedChunk]:

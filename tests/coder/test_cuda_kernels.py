@@ -155,6 +155,20 @@ def test_sections_sum_unary_bounds_in_64_bits(emu_work):
 
 
 @pytest.mark.gpu
+def test_cuda_never_codes_with_another_objects_cached_tables(coders, ckpt):
+    """The device copy of a tables object is cached under its id: an entry left by a freed object whose
+    id another now has (as CPython reuses ids) must not be used. Simulated: the seed model's entry filed
+    under the tuned model's id."""
+    cu, nat, _ = coders
+    seed, tuned = models_of(ckpt)[1], models_of(ckpt)[2]
+    x, mu, a, b, scales, L = _case(tuned, False, 2, 16, 1)
+    m = nat.prepare_mu(mu, a, b, scales)
+    cu.encode(x, m, L, [2], 16, seed.tables)
+    cu._tables[id(tuned.tables)] = cu._tables[id(seed.tables)]
+    _assert_same_streams(cu.encode(x, m, L, [2], 16, tuned.tables), nat.encode(x, m, L, [2], 16, tuned.tables))
+
+
+@pytest.mark.gpu
 def test_cuda_refuses_levels_as_native(coders, ckpt):
     """L out of range or of the wrong size: the native coder's ValueError, L on the host or the device."""
     cu, nat, _ = coders
