@@ -103,7 +103,7 @@ sanitize() {
         timeout 130 compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
             "${t}_equals_native_at_odd_geometries[device-2-5-40-3-False]" \
             "${t}_equals_native_at_odd_geometries[device-1-33-97-16-True]" \
-            "${t}_checks_sections_as_native[device]" "${t}_decodes_streams_kept_on_the_device[device-False]" \
+            "${t}_checks_sections_as_native[device-True]" "${t}_decodes_streams_kept_on_the_device[device-False]" \
             > "$O/sanitize_$tool.log" 2>&1
         echo "$tool rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$O/sanitize_$tool.log" | tail -3
     done
