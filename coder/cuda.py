@@ -338,7 +338,7 @@ class CudaCoder:
         geo, chunks = geo
         targs, bucket, smem = self._tables_of(tables)
         info = cp.empty(max(g.n_elements, 1), cp.uint32)
-        tally, status = cp.zeros((nb, 5), cp.uint64), cp.zeros(nb, cp.int32)
+        tally, status = cp.empty((nb, 5), cp.uint64), cp.empty(nb, cp.int32)  # NOTE: every block writes its own
         ctxs = cp.empty(max(g.n_elements, 1), cp.uint32)  # NOTE: the contexts, then the unary codes' deltas
         self._launch(f"spk_decode_context_{sfx}", nb, geo + (mu, L, ctxs))
         self._launch(f"spk_decode_rans_{sfx}", nb, geo + targs + (bucket, ctxs) + words + (info, tally, status), smem)

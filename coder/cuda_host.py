@@ -106,9 +106,16 @@ def encode_layout(counts: np.ndarray, g: Geometry) -> EncodeLayout:
     size = (tot + _U64(7)) // _U64(8)  # (chunks, 4) bytes per byte-padded section
     sec0 = 8 * (np.cumsum(size, axis=1, dtype=_U64) - size)
     length = size.sum(axis=1, dtype=_U64)
-    span = (length + _U64(3)) // _U64(4) * _U64(4)
-    chunk_byte = np.cumsum(span, dtype=_U64) - span
-    return EncodeLayout(rel + sec0[g.block_chunk], length, chunk_byte, int(span.sum()) + 8)
+    chunk_byte, total = chunk_spans(length)
+    return EncodeLayout(rel + sec0[g.block_chunk], length, chunk_byte, total)
+
+
+def chunk_spans(length: np.ndarray) -> tuple[np.ndarray, int]:
+    """Where chunks of ``length`` bytes go in one buffer: each at a 4-byte aligned offset (the section
+    pass reads u32 words), 8 bytes after the last (spk_read_bits reads up to 3 bytes ahead); (offsets,
+    buffer bytes)."""
+    span = (np.asarray(length, _U64) + _U64(3)) // _U64(4) * _U64(4)
+    return np.cumsum(span, dtype=_U64) - span, int(span.sum()) + 8
 
 
 @dataclass
@@ -192,14 +199,13 @@ def concat_streams(g: Geometry, streams: Sequence[tuple[RansBlocks, bytes]],
 
 
 def concat_bits(bits: Sequence[bytes], alloc: Any = np.empty) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The chunks' bytes in one buffer (``alloc``'s), as the encoder's device buffer lays them out
-    (encode_layout): each chunk at a 4-byte aligned offset, 8 zero bytes after the last
-    (spk_read_bits reads up to 3 bytes ahead); (buffer, offsets, lengths)."""
+    """The chunks' bytes in one buffer (``alloc``'s), laid out as the encoder's device buffer
+    (chunk_spans), the gaps and the tail zeroed; (buffer, offsets, lengths)."""
     length = np.array([len(b) for b in bits], np.uint64)
-    span = (length + _U64(3)) // _U64(4) * _U64(4)
-    offset = np.cumsum(span, dtype=_U64) - span
-    buf = alloc(int(span.sum()) + 8, np.uint8)
-    buf[...] = 0
-    for b, o in zip(bits, offset, strict=True):
-        buf[int(o):int(o) + len(b)] = np.frombuffer(b, np.uint8)
+    offset, total = chunk_spans(length)
+    buf = alloc(total, np.uint8)
+    ends = [int(o) + len(b) for b, o in zip(bits, offset, strict=True)]
+    for b, o, e, nxt in zip(bits, offset, ends, list(offset[1:]) + [total], strict=True):
+        buf[int(o):e] = np.frombuffer(b, np.uint8)
+        buf[e:int(nxt)] = 0
     return buf, offset, length

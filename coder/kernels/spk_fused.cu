@@ -348,17 +348,16 @@ extern "C" __global__ void __launch_bounds__(SPK_MODEL_CTA) spk_decode_sections(
     const SpkChunkArgs C = {chunk_b0[c], chunk_blocks[c], chunk_e0[c], bits + chunk_byte[c], chunk_len[c]};
     unsigned long long t[6], *r = rec + SPK_REC * c;
     spk_sections_sums(C, tally, status, sec, t);
-    const int early = spk_sections_check(C, t, mant, width, r);  // NOTE: the same in every thread
+    const SpkSizes S(t, mant, width, C.len);  // NOTE: every thread its own (rec is thread 0's, no barrier)
+    const int early = spk_sections_check(C, t, S, mant, width, r);  // NOTE: the same in every thread
     for (long long i = threadIdx.x; i < C.blocks; i += blockDim.x) skip[C.b0 + i] = early != SPK_OK;
     if (early) return;
-    const unsigned long long s_low = (t[0] + 7) / 8, s_zman = (t[1] * mant + 7) / 8, s_esc = (t[2] * width + 7) / 8;
-    const unsigned long long s_un = C.len - s_low - s_zman - s_esc;  // NOTE: not r[6]: thread 0 wrote it, no barrier
     for (long long i = threadIdx.x; i < C.blocks; i += blockDim.x) {  // NOTE: the blocks pass 1 gave this thread
         unsigned long long* s = sec + 4 * (C.b0 + i);
         const unsigned long long z = s[1], e = s[2];
-        s[1] = s_low * 8 + z * mant, s[2] = (s_low + s_zman) * 8 + e * width, s[3] = C.e0 + z;
+        s[1] = S.low * 8 + z * mant, s[2] = (S.low + S.zman) * 8 + e * width, s[3] = C.e0 + z;
     }
-    spk_sections_unary(C, C.len - s_un, s_un, t[1], deltas, r);
+    spk_sections_unary(C, C.len - S.un, S.un, t[1], deltas, r);
 }
 
 // -- entry points per format (BF16 KV: x, mu BF16; FP8 KV: x e4m3, mu fp32) --------------------

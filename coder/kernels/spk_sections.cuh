@@ -141,23 +141,30 @@ __device__ __forceinline__ void spk_sections_unary(const SpkChunkArgs& C, unsign
     if (threadIdx.x == 0) rec[5] = ones, rec[7] = (unsigned long long)(last + 1);
 }
 
+// A chunk's byte-padded section sizes, from its totals t (LOW bits, zero-bin elements, escapes, ...);
+// UNARY takes the bytes left (valid once low + zman + esc <= len).
+struct SpkSizes {
+    unsigned long long low, zman, esc, un;
+    __device__ __forceinline__ SpkSizes(const unsigned long long t[6], int mant, int width, unsigned long long len)
+        : low((t[0] + 7) / 8), zman((t[1] * mant + 7) / 8), esc((t[2] * width + 7) / 8), un(len - low - zman - esc) {}
+};
+
 // Pass 2: the checks before any field is read (bitpack's order; the host applies the rest), into rec:
 // early, its figure, padding after LOW | ZMAN | ESC (bits 0-2), mu bad, zero-bin elements, unary bytes.
 // Returns early: SPK_OK, SPK_ERR_SHORT, SPK_ERR_UNARY_LONG, or -1 where a block failed its rANS checks.
-__device__ __forceinline__ int spk_sections_check(const SpkChunkArgs& C, const unsigned long long t[6], int mant,
-                                                  int width, unsigned long long* __restrict__ rec) {
-    const unsigned long long s_low = (t[0] + 7) / 8, s_zman = (t[1] * mant + 7) / 8, s_esc = (t[2] * width + 7) / 8;
+__device__ __forceinline__ int spk_sections_check(const SpkChunkArgs& C, const unsigned long long t[6],
+                                                  const SpkSizes& S, int mant, int width,
+                                                  unsigned long long* __restrict__ rec) {
     int early = t[5] ? -1 : SPK_OK;
-    if (!early && s_low + s_zman + s_esc > C.len) early = SPK_ERR_SHORT;
-    const unsigned long long s_un = early ? 0 : C.len - s_low - s_zman - s_esc;
-    if (!early && 8 * s_un > t[3] + 7) early = SPK_ERR_UNARY_LONG;  // NOTE: bound it before reading it
+    if (!early && S.low + S.zman + S.esc > C.len) early = SPK_ERR_SHORT;
+    if (!early && 8 * S.un > t[3] + 7) early = SPK_ERR_UNARY_LONG;  // NOTE: bound it before reading it
     if (threadIdx.x == 0) {
         auto padded = [&](unsigned long long end) { return end % 8 && (C.buf[end / 8] & ((1u << (8 - end % 8)) - 1u)); };
         const bool ok = early == SPK_OK;
         rec[0] = (unsigned long long)(long long)early, rec[1] = early == SPK_ERR_SHORT ? C.len : 0;
-        rec[2] = ok ? (uint32_t)padded(t[0]) | (uint32_t)padded(s_low * 8 + t[1] * mant) << 1 |
-                      (uint32_t)padded((s_low + s_zman) * 8 + t[2] * width) << 2 : 0u;
-        rec[3] = t[4] != 0, rec[4] = t[1], rec[5] = 0, rec[6] = s_un, rec[7] = 0;
+        rec[2] = ok ? (uint32_t)padded(t[0]) | (uint32_t)padded(S.low * 8 + t[1] * mant) << 1 |
+                      (uint32_t)padded((S.low + S.zman) * 8 + t[2] * width) << 2 : 0u;
+        rec[3] = t[4] != 0, rec[4] = t[1], rec[5] = 0, rec[6] = early ? 0 : S.un, rec[7] = 0;
     }
     return early;
 }
