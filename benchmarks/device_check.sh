@@ -14,7 +14,8 @@
 #   sweep: benchmarks/gpu_check.py --sweep, the kernels' tunings (coder/cuda.py SWEEP) timed on the
 #          batched and 4-request cases, each checked against the defaults' streams (after `coder`).
 #   sanitize: compute-sanitizer's racecheck, synccheck, memcheck and initcheck over device cases
-#          of the fused coder, the section checks and the kept streams included (after `coder`).
+#          of the fused coder, the section checks, the kept streams and batches of requests included
+#          (after `coder`).
 #
 # .dev (ignored; made here): wheels/ (pip download for cp312: grpcio, grpcio-status,
 # grpcio-health-checking, grpcio-reflection, protobuf, zlib-ng, zstandard, lz4, gguf), a/gguf.part
@@ -98,12 +99,13 @@ EOF
 # what the CPU's warp emulator cannot see (its threads never run at once). Needs a Firecracker
 # machine (KINDS.md: gVisor's refuses the device). Its own call, after `coder` (~4 minutes).
 sanitize() {
-    local t='tests/coder/test_cuda_kernels.py::test_cuda'
+    local t='tests/coder/test_cuda_kernels.py::test_cuda' b='tests/coder/test_cuda_batch.py::test_batch'
     for tool in racecheck synccheck memcheck initcheck; do
         timeout 130 compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
             "${t}_equals_native_at_odd_geometries[device-2-5-40-3-False]" \
             "${t}_equals_native_at_odd_geometries[device-1-33-97-16-True]" \
             "${t}_checks_sections_as_native[device-True]" "${t}_decodes_streams_kept_on_the_device[device-False]" \
+            "${b}_streams_kept_on_the_device[device-True]" "${b}_fails_only_the_corrupt_request[device-words]" \
             > "$O/sanitize_$tool.log" 2>&1
         echo "$tool rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$O/sanitize_$tool.log" | tail -3
     done

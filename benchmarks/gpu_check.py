@@ -35,91 +35,17 @@ from typing import Any, Callable
 
 import numpy as np
 
-from speckv.coder.model import E4M3_F32, fp8_log2_sigma
+from speckv.coder.model import fp8_log2_sigma
 from speckv.coder.native import EncodedChunk, NativeCoder
-from speckv.coder.residual import ResidualModel, f32_to_bf16, models_of
-from speckv.predictor.checkpoint import load_checkpoint
-from speckv.predictor.store import default_checkpoint_dir
+from speckv.coder.residual import ResidualModel
+
+sys.path.insert(0, str(Path(__file__).parent))
+# NOTE: re-exported: cuda_host_cost.py and the tests take the inputs from here
+from gpu_inputs import affine, levels, load_models, synth, typical, typical_fp8  # noqa: E402, F401
 
 DIGESTS = Path(__file__).with_name("gpu_check_digests.json")
-HEADS, DIM = 3, 64  # the shipped checkpoint's KV geometry (checked in load_models)
 # (name, layers, tokens, elems_per_lane, layers_per_chunk): small enough for the CPU test
 CASES = (("lanes64", 30, 64, 64, 2), ("partial", 30, 37, 1024, 7))
-SPECIAL_BF16 = np.array([0x0000, 0x8000, 0x0001, 0x807F, 0x7F7F, 0xFF7F, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1],
-                        np.uint16)
-
-
-# -- deterministic inputs (numpy, fixed seeds: any machine makes the same bytes) ------------------
-def bf16(f: np.ndarray) -> np.ndarray:
-    """float32 -> BF16 bit patterns, nearest even (the residual model's own rounding)."""
-    return f32_to_bf16(np.asarray(f, np.float32))
-
-
-def e4m3(f: np.ndarray) -> np.ndarray:
-    """Nearest e4m3fn code of each finite float32 (saturating at 448)."""
-    pos = E4M3_F32[:127]  # codes 0..126: ascending non-negative values (0x7F is NaN)
-    a = np.minimum(np.abs(f), pos[-1])
-    i = np.clip(np.searchsorted(pos, a), 1, 126)
-    i -= (a - pos[i - 1]) <= (pos[i] - a)
-    return (i | (np.signbit(f) << 7)).astype(np.uint8)
-
-
-def synth(seed: int, layers: int, tokens: int, fp8: bool) -> dict[str, np.ndarray]:
-    """KV near mu (Gaussian residuals per channel) with special values mixed in."""
-    rng = np.random.default_rng(seed)
-    shape = (layers, 2, HEADS, tokens, DIM)
-    scale = np.exp(rng.normal(0, 1.5, (layers, 2, HEADS, 1, DIM))).astype(np.float32)
-    mu_f = (rng.standard_normal(shape, np.float32) * scale).astype(np.float32)
-    x_f = mu_f + (rng.standard_normal(shape, np.float32) * 0.1 * scale).astype(np.float32)
-    mu = bf16(mu_f)
-    mu.reshape(-1)[::1009] = rng.choice(SPECIAL_BF16, mu.reshape(-1)[::1009].size)
-    if not fp8:
-        x = bf16(x_f)
-        x.reshape(-1)[::997] = rng.choice(SPECIAL_BF16, x.reshape(-1)[::997].size)
-        return {"x": x, "mu": mu}
-    scales = (np.abs(x_f).max(axis=(2, 3, 4)) / 448).astype(np.float32)
-    scales[0, 0] = 0.0  # degenerate: mu / scale is inf or NaN, every element escapes
-    x = e4m3(x_f / np.maximum(scales, 1e-30)[:, :, None, None, None])
-    x.reshape(-1)[::991] = 0x7F  # NaN codes
-    return {"x": x, "mu": mu, "scales": scales}
-
-
-def typical(seed: int, L: np.ndarray, tokens: int) -> dict[str, np.ndarray]:
-    """KV as the checkpoint expects it: x - mu Gaussian with each channel's calibrated
-    sigma ``L`` (about 5.6 bits/scalar, like real KV), for throughput; ``synth`` is the hard case."""
-    rng = np.random.default_rng(seed)
-    shape = (L.shape[0], 2, HEADS, tokens, DIM)
-    sigma = np.exp2(L / 8.0)[:, :, :, None, :].astype(np.float32)
-    mu_f = rng.standard_normal(shape, np.float32)
-    x_f = mu_f + rng.standard_normal(shape, np.float32) * sigma
-    return {"x": bf16(x_f), "mu": bf16(mu_f)}
-
-
-def load_models() -> dict[str, ResidualModel]:
-    ms = models_of(load_checkpoint(default_checkpoint_dir()))
-    names = {1: "seed", 2: "tuned"}
-    assert all(m.log2_sigma.shape[2:] == (HEADS, DIM) for m in ms.values())
-    return {names[k]: m for k, m in sorted(ms.items())}
-
-
-def levels(model: ResidualModel, layers: int, scales: np.ndarray | None) -> np.ndarray:
-    """L per channel for ``layers`` layers (tiled: stacked requests repeat the model's)."""
-    lg = np.resize(model.log2_sigma, (layers,) + model.log2_sigma.shape[1:])
-    if scales is not None:
-        lg = fp8_log2_sigma(lg, scales.view(np.uint32)[:, :, None, None])
-    return np.ascontiguousarray(lg, np.int32)
-
-
-def affine(model: ResidualModel, layers: int) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """The model's mu correction for ``layers`` layers, with identity-scale channels whose shifts are
-    subnormal or -0 mixed in (a device compare once flushed a subnormal shift to 0: spk_affine_bf16)."""
-    if model.mu_scale is None or model.mu_shift is None:
-        return None, None
-    shape = (layers,) + model.mu_scale.shape[1:]
-    a, b = np.resize(model.mu_scale, shape).astype(np.float32), np.resize(model.mu_shift, shape).astype(np.float32)
-    a[..., :3] = 1.0
-    b[..., 0], b[..., 1], b[..., 2] = np.float32(1e-40), np.float32(-3e-39), np.float32(-0.0)
-    return a, b
 
 
 # -- backends: the device one takes arrays in its memory; native stands in on a CPU ---------------
@@ -217,15 +143,6 @@ def timed(dev: Device, fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
-def typical_fp8(seed: int, L: np.ndarray, tokens: int) -> dict[str, np.ndarray]:
-    """``typical`` KV as e4m3 codes with one scale per (layer, kv), as an FP8 cache holds it."""
-    data = typical(seed, L, tokens)
-    x_f = data["x"].astype(np.uint32) << 16
-    x_f = x_f.view(np.float32)
-    scales = (np.abs(x_f).max(axis=(2, 3, 4)) / 448).astype(np.float32)
-    return {"x": e4m3(x_f / scales[:, :, None, None, None]), "mu": data["mu"], "scales": scales}
-
-
 def floor_gb_s(raw: int, moved: int, copy_gb_s: float | None) -> float | None:
     """GB/s of raw KV when a call moves ``moved`` bytes (read + written) at the device's copy
     bandwidth (``copy_gb_s`` counts each byte copied once: read and written)."""
@@ -288,6 +205,54 @@ THROUGHPUT = (("streaming", 2, 2048, 1, 1024, False), ("batched", 30, 2048, 1, 1
               ("streaming_epl256", 2, 2048, 1, 256, False), ("batched_fp8", 30, 2048, 1, 1024, True))
 
 
+MIXED_TOKENS = (512, 1024, 2048, 3072)  # prompts of other lengths (30 layers each: 153 MB of BF16 KV)
+
+
+def mixed_requests(dev: Device, model: ResidualModel, repeats: int, tokens: tuple[int, ...] = MIXED_TOKENS,
+                   layers: int = 30, epl: int = 1024) -> dict:
+    """Prompts of other lengths: coded one call per prompt, and all in one call each way
+    (``encode_batch`` / ``decode_batch``: one launch a pass; the native coder has no batch, so there
+    both columns are a call per prompt). GB/s of their raw KV; whether each prompt's streams in the
+    batch equal its own call's, and every prompt decodes bit for bit."""
+    L, (a, b) = levels(model, layers, None), affine(model, layers)
+    counts = [min(2, layers - i) for i in range(0, layers, 2)]
+    data = [typical(11 + i, L, t) for i, t in enumerate(tokens)]
+    xs = [(d["x"], dev.put(d["x"]), dev.prepare_mu(dev.put(d["mu"]), a, b, None)) for d in data]
+    outs = [dev.xp.empty(x.shape, x.dtype) for x, _, _ in xs]
+
+    def enc_one() -> list:
+        return [dev.encode(xd, m, L, counts, epl, model.tables) for _, xd, m in xs]
+
+    alone = enc_one()
+
+    def dec_one() -> list:
+        return [dev.decode(m, L, counts, epl, _streams(p), model.tables, o)
+                for (_, _, m), p, o in zip(xs, alone, outs, strict=True)]
+
+    enc, dec = enc_one, dec_one
+    if dev.name == "cuda":
+        from speckv.coder.cuda import Request
+
+        def enc() -> list:
+            return dev.coder.encode_batch([Request(xd, m, L, counts) for _, xd, m in xs], epl, model.tables)
+
+        def dec() -> list:
+            reqs = [Request(o, m, L, counts) for (_, _, m), o in zip(xs, outs, strict=True)]
+            return dev.coder.decode_batch(reqs, epl, [_streams(p) for p in alone], model.tables)
+
+    same = all(stream_digest(p) == stream_digest(q) for p, q in zip(enc(), alone, strict=True))
+    for o in outs:
+        o.fill(0)
+    errors = dec()
+    correct = all(e is None for e in errors) and all(
+        np.array_equal(dev.get(o), x) for (x, _, _), o in zip(xs, outs, strict=True))
+    raw = sum(x.nbytes for x, _, _ in xs)
+    gb_s = lambda fn: raw / timed(dev, fn, repeats) / 1e9  # noqa: E731
+    return {"tokens": list(tokens), "layers": layers, "raw_mb": raw / 1e6, "encode_gb_s": gb_s(enc),
+            "decode_gb_s": gb_s(dec), "one_call_a_prompt_encode_gb_s": gb_s(enc_one),
+            "one_call_a_prompt_decode_gb_s": gb_s(dec_one), "same_streams_as_alone": same, "decode_correct": correct}
+
+
 # (name, layers, tokens, requests): the cases each tuning runs
 SWEEP_CASES = (("batched", 30, 2048, 1), ("requests4", 30, 2048, 4))
 
@@ -325,10 +290,12 @@ def run(backend: str, repeats: int, speed: bool, tuned: bool = False) -> dict:
         rep["throughput"] = {name: throughput(dev, models["tuned"], layers, tokens, req, repeats, epl, fp8=fp8,
                                               copy_gb_s=rep["copy_gb_s"])
                              for name, layers, tokens, req, epl, fp8 in THROUGHPUT}
+        rep["mixed"] = mixed_requests(dev, models["tuned"], repeats)
     if tuned:
         rep["sweep"] = sweep(models, repeats, rep["copy_gb_s"])
     checks = [v[k] for v in rep["cases"].values() for k in ("streams_equal", "mu_equal", "gpu_to_cpu", "cpu_to_gpu")]
     checks += [t["decode_correct"] for t in rep.get("throughput", {}).values()]
+    checks += [rep["mixed"][k] for k in ("same_streams_as_alone", "decode_correct") if "mixed" in rep]
     for r in rep.get("sweep", []):
         checks += [r["same_streams"]] + [f["decode_correct"] for f in r["cases"].values()]
     rep["ok"] = all(checks) and rep["digests_match"]
@@ -377,6 +344,10 @@ def main() -> int:
               f"| D2D copy | {rep['copy_gb_s']:.1f} | | {rep['copy_gb_s']:.1f} | | | |")
         for name, t in rep["throughput"].items():
             print(f"| {name} ({t['raw_mb']:.1f} MB) | {_row(t)} | {t['bits_per_scalar']:.2f} |")
+        m = rep["mixed"]
+        print(f"prompts of {m['tokens']} tokens ({m['raw_mb']:.1f} MB): one call each way {m['encode_gb_s']:.2f} / "
+              f"{m['decode_gb_s']:.2f} GB/s, a call a prompt {m['one_call_a_prompt_encode_gb_s']:.2f} / "
+              f"{m['one_call_a_prompt_decode_gb_s']:.2f}; streams as alone {m['same_streams_as_alone']}")
         for name, t in rep["throughput"].items():
             for way in ("encode", "decode"):
                 if f"{way}_profile_ms" in t:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any, Sequence
@@ -33,9 +32,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import cuda_host as host
-from .cuda_host import FORMATS, Geometry, decode_tables, encode_layout, smem_bytes
+from .cuda_args import DeviceArgs, DeviceStreams, Request, address
+from .cuda_host import FORMATS, Geometry, encode_layout
 from .cuda_tuning import DEFAULT, Tuning
-from .native import EncodedChunk, FlatTables, _raise
+from .native import EncodedChunk
 from .rans import LANES, RansBlocks
 from .tables import CodingTables
 
@@ -70,16 +70,14 @@ class CudaCoder:
 
     def __init__(self, cp: Any, empty_pinned: Any = None, tuning: Tuning = DEFAULT) -> None:
         self.cp, self.tuning = cp, tuning
-        self.empty_pinned = empty_pinned  # cupyx.empty_pinned: host arrays the device copies into at full speed
+        self.args = DeviceArgs(cp, empty_pinned)
         # NOTE: FP32 operations must not contract. CuPy appends -ftz=true to these options, so
         # spk_model.cuh keeps subnormals by emulating its float32 operations in float64
         opts = ("-std=c++17", f"-I{source_dir()}", "--fmad=false") + tuning.defines()
         self.module = cp.RawModule(code=source(), options=opts)
         self.k = {n: self.module.get_function(n) for n in KERNELS}
-        self._tables: dict[int, tuple[CodingTables, tuple[Any, ...], Any, int]] = {}
         # kernel name -> device seconds, summed over launches, while a caller profiles (``profiled``)
         self.kernel_s: dict[str, float] | None = None
-        self._geo: dict[tuple, tuple[Geometry, tuple[Any, ...], tuple[Any, ...]]] = {}
 
     @classmethod
     def load(cls) -> "CudaCoder":
@@ -91,55 +89,6 @@ class CudaCoder:
 
                 cls._cache = cls(cp, cupyx.empty_pinned)
             return cls._cache
-
-    # -- arrays --------------------------------------------------------------------------
-    def _bits(self, a: Any, itemsize: int, name: str) -> Any:
-        """A contiguous unsigned view of bit patterns (int16 views of BF16 tensors welcome)."""
-        a = self.cp.ascontiguousarray(self.cp.asarray(a))
-        if a.dtype.kind not in "iu" or a.dtype.itemsize != itemsize:
-            raise ValueError(f"{name}: expected {8 * itemsize}-bit bit patterns, not {a.dtype}")
-        return a.view(f"u{itemsize}")
-
-    def _levels(self, log2_sigma: Any, n: int) -> Any:
-        # NOTE: a host array is checked on the host: on the device, min and max would cost two waits a call
-        lg = log2_sigma if isinstance(log2_sigma, np.ndarray) else self.cp.asarray(log2_sigma)
-        if lg.size != n:
-            raise ValueError(f"L: {lg.size} values, expected {n}")
-        if lg.size and (int(lg.min()) < -(1 << 30) or int(lg.max()) >= 1 << 30):
-            raise ValueError("log2 sigma out of range")
-        return self.cp.ascontiguousarray(self.cp.asarray(lg), self.cp.int32)
-
-    def _tables_of(self, tables: CodingTables) -> tuple[tuple[Any, ...], Any, int]:
-        """(kernel table args, bucket, shared bytes), on the device once per tables object."""
-        # NOTE: the entry holds its tables: a freed object's id, reused by another, never finds its entry
-        hit = self._tables.get(id(tables))
-        if hit is None or hit[0] is not tables:
-            cp, flat = self.cp, FlatTables.of(tables)
-            cum_pad, bucket = decode_tables(flat)
-            args = (cp.asarray(cum_pad), cp.asarray(flat.freq), cp.asarray(flat.offset), cp.asarray(flat.radius),
-                    np.int32(len(flat.offset)), np.int32(len(flat.cum)))
-            hit = self._tables[id(tables)] = (tables, args, cp.asarray(bucket), smem_bytes(flat))
-        return hit[1:]
-
-    def _geometry(self, shape: Sequence[int], epl: int, layer_counts: Sequence[int]) -> tuple[Geometry, tuple, tuple]:
-        """(geometry, the kernels' block arguments, spk_decode_sections' chunk arguments), on the device once."""
-        _, _, heads, tokens, dim = (int(s) for s in shape)
-        key = (heads, tokens, dim, epl, tuple(int(c) for c in layer_counts))
-        if key not in self._geo:
-            if len(self._geo) > 64:
-                self.cp.cuda.Device().synchronize()  # NOTE: no kernel may still read what the pool takes back
-                self._geo.clear()
-            g = Geometry.of(heads, tokens, dim, epl, key[4])
-            cp = self.cp
-            args = (cp.asarray(g.block_e0), cp.asarray(g.block_n), np.int32(g.n_blocks), np.int32(epl),
-                    np.int64(tokens), np.int32(dim))
-            e0 = np.cumsum(g.chunk_n) - g.chunk_n
-            chunks = tuple(cp.asarray(np.asarray(a, np.int64)) for a in (g.chunk_b0, g.chunk_blocks, e0))
-            self._geo[key] = (g, args, chunks)
-        g = self._geo[key][0]
-        if int(np.prod(shape)) != g.n_elements:
-            raise ValueError(f"{tuple(shape)} does not hold layers {list(layer_counts)}")
-        return self._geo[key]
 
     def _launch(self, name: str, n_blocks: int, args: tuple, smem: int = 0) -> None:
         if n_blocks == 0:
@@ -182,7 +131,7 @@ class CudaCoder:
     def prepare_mu_device(self, mu: Any, a: Any, b: Any, scales: Any) -> Any:
         """NativeCoder.prepare_mu on device arrays; returns a CuPy array (u16, or u32 for FP8)."""
         cp = self.cp
-        mu = self._bits(mu, 2, "mu")
+        mu = self.args.bits(mu, 2, "mu")
         layers, _, heads, tokens, dim = mu.shape
         fp8, affine = scales is not None, a is not None
         out = cp.empty(mu.shape, cp.uint32 if fp8 else cp.uint16)
@@ -206,26 +155,27 @@ class CudaCoder:
         """NativeCoder.prepare_mu (numpy in, numpy out)."""
         return self.cp.asnumpy(self.prepare_mu_device(np.ascontiguousarray(mu, np.uint16), a, b, scales))
 
-    # -- encode --------------------------------------------------------------------------
+    # -- encode ------------------------------------------------------------------------
     def encode_streams(self, x: Any, mu: Any, log2_sigma: Any, layer_counts: Sequence[int], elems_per_lane: int,
-                       tables: CodingTables) -> "DeviceStreams | None":
+                       tables: CodingTables) -> DeviceStreams | None:
         """The encode, its streams left in device memory (for a sender that reads them there, such as
         GPUDirect RDMA; ``to_host`` brings them over). None when the KV holds no element."""
+        return self.encode_batch_streams([Request(x, mu, log2_sigma, layer_counts)], elems_per_lane, tables)
+
+    def encode_batch_streams(self, requests: Sequence[Request], elems_per_lane: int,
+                             tables: CodingTables) -> DeviceStreams | None:
+        """``encode_streams`` of several requests (prompts of any lengths) in one launch a pass: their
+        chunks one after another in the streams (``DeviceStreams.geometry.by_request`` splits them)."""
         cp = self.cp
-        x = cp.asarray(x)
-        fp8 = x.dtype.itemsize == 1
-        x, mu = self._bits(x, 1 if fp8 else 2, "x"), self._bits(mu, 4 if fp8 else 2, "mu")
-        g, geo, _ = self._geometry(x.shape, elems_per_lane, layer_counts)
-        if mu.size != x.size:
-            raise ValueError(f"mu: {mu.size} values, expected {x.size}")
-        L = self._levels(log2_sigma, _channels(x.shape))
+        g, geo, _, fp8, held = self.args.requests(requests, elems_per_lane, encode=True)
         nb, sfx = g.n_blocks, "fp8" if fp8 else "bf16"
         if nb == 0:
             return None
-        targs = self._tables_of(tables)[0]
-        counts, host_counts = cp.empty((nb, 4), cp.uint64), self._staging((nb, 4), np.uint64)
-        ops, raw = cp.empty(x.size, cp.uint32), cp.empty(x.size, cp.uint32)  # NOTE: 8 bytes an element
-        self._launch(f"spk_encode_model_{sfx}", nb, geo + targs + (x, mu, L, ops, raw, counts))
+        targs = self.args.tables_of(tables)[0]
+        counts, host_counts = cp.empty((nb, 4), cp.uint64), self.args.staging((nb, 4), np.uint64)
+        ops, raw = cp.empty(g.n_elements, cp.uint32), cp.empty(g.n_elements, cp.uint32)  # NOTE: 8 bytes an element
+        self._launch(f"spk_encode_model_{sfx}", nb, geo + targs + (ops, raw, counts))
+        del held  # NOTE: queued: the pool may hand their memory to later work of this stream only
         cp.asnumpy(counts, out=host_counts, blocking=False)
         counted = cp.cuda.Event()
         counted.record()
@@ -250,14 +200,14 @@ class CudaCoder:
         ready.record()
         return DeviceStreams(g, lay, states, n_words, words, bits, ready)
 
-    def to_host(self, s: "DeviceStreams") -> list[EncodedChunk]:
+    def to_host(self, s: DeviceStreams) -> list[EncodedChunk]:
         """Per chunk: its blocks' states, counts, words and bits, on the host (through pinned memory
         where CuPy has it: a pageable copy runs at a fraction of the link's speed).
         NOTE: the chunks' words are views of one pinned array, which CuPy's pinned pool takes back
         when the last chunk is dropped (it keeps the pages for the next encode, never the OS)."""
         cp = self.cp
         cp.cuda.get_current_stream().wait_event(s.ready)  # NOTE: this thread's stream may not be the encoder's
-        nw, states, bits = (self._staging(a.shape, a.dtype) for a in (s.n_words, s.states, s.bits))
+        nw, states, bits = (self.args.staging(a.shape, a.dtype) for a in (s.n_words, s.states, s.bits))
         try:
             for a, out in ((s.n_words, nw), (s.states, states), (s.bits, bits)):
                 cp.asnumpy(a, out=out, blocking=False)
@@ -265,22 +215,24 @@ class CudaCoder:
             copied = cp.cuda.Event()
             copied.record()
             copied.synchronize()  # NOTE: two waits: this one, then the words' copy (its size: the counts' sum)
-        words = self._staging(int(nw.sum(dtype=np.int64)), np.uint16)
+        words = self.args.staging(int(nw.sum(dtype=np.int64)), np.uint16)
         s.words[:len(words)].get(out=words)  # NOTE: blocking: the copy is done on return
         return host.encoded_chunks(s.geometry, s.layout, states, nw, words, bits)
-
-    def _staging(self, shape: Any, dtype: Any) -> np.ndarray:
-        """A host array the device copies from at full speed (pinned where CuPy has it)."""
-        return np.empty(shape, dtype) if self.empty_pinned is None else self.empty_pinned(shape, dtype)
 
     def encode_device(self, x: Any, mu: Any, log2_sigma: Any, layer_counts: Sequence[int], elems_per_lane: int,
                       tables: CodingTables) -> list[EncodedChunk]:
         """NativeCoder.encode on device arrays: only the streams come back to the host."""
-        s = self.encode_streams(x, mu, log2_sigma, layer_counts, elems_per_lane, tables)
+        return self.encode_batch([Request(x, mu, log2_sigma, layer_counts)], elems_per_lane, tables)[0]
+
+    def encode_batch(self, requests: Sequence[Request], elems_per_lane: int,
+                     tables: CodingTables) -> list[list[EncodedChunk]]:
+        """``encode_device`` of several requests in one launch a pass: per request, its chunks, the
+        native coder's bytes for that request alone."""
+        s = self.encode_batch_streams(requests, elems_per_lane, tables)
         if s is None:
             empty = RansBlocks(np.zeros((0, LANES), np.uint32), np.zeros(0, np.uint32), np.zeros(0, np.uint16))
-            return [EncodedChunk(empty, b"") for _ in layer_counts]
-        return self.to_host(s)
+            return [[EncodedChunk(empty, b"") for _ in r.layer_counts] for r in requests]
+        return s.geometry.by_request(self.to_host(s))
 
     def encode(self, x: np.ndarray, mu: np.ndarray, log2_sigma: np.ndarray, layer_counts: Sequence[int],
                elems_per_lane: int, tables: CodingTables) -> list[EncodedChunk]:
@@ -296,51 +248,61 @@ class CudaCoder:
         from streams on the host (copied over through pinned memory, then decoded as ``decode_streams``).
 
         Raises RansDecodeError or IntegrityError, as the numpy decoder does, on a corrupt stream."""
-        cp = self.cp
-        g, geo, mu, L, fp8 = self._decode_args(mu, log2_sigma, layer_counts, elems_per_lane, out)
-        states, counts, words = host.concat_streams(g, streams, self._staging)
-        bits, cbyte, clen = host.concat_bits([s[1] for s in streams], self._staging)
-        word_lo = np.cumsum(counts, dtype=np.int64) - counts  # NOTE: chunks' words are concatenated in order
-        self._decode(g, geo, mu, L, fp8, tables, (cp.asarray(states), cp.asarray(counts), cp.asarray(word_lo),
-                     cp.asarray(words if words.size else np.zeros(1, np.uint16))), cp.asarray(bits), cbyte, clen, out)
+        _first_error(self.decode_batch([Request(out, mu, log2_sigma, layer_counts)], elems_per_lane, [streams], tables))
 
-    def decode_streams(self, s: "DeviceStreams", mu: Any, log2_sigma: Any, layer_counts: Sequence[int],
+    def decode_batch(self, requests: Sequence[Request], elems_per_lane: int,
+                     streams: Sequence[Sequence[tuple[RansBlocks, bytes]]],
+                     tables: CodingTables) -> list[Exception | None]:
+        """``decode_device`` of several requests in one launch a pass, each into its ``Request.kv``;
+        per request, the error decoding it alone raises (RansDecodeError, IntegrityError) or None: a
+        corrupt stream fails its own request only. Malformed input (chunk counts, shapes) raises."""
+        cp = self.cp
+        g, geo, chunks, fp8, held = self.args.requests(requests, elems_per_lane, encode=False)
+        if len(streams) != len(requests):
+            raise ValueError(f"need {len(requests)} requests' streams, not {len(streams)}")
+        for r, st in zip(requests, streams, strict=True):
+            if len(st) != len(r.layer_counts):
+                raise ValueError(f"need a list of {len(r.layer_counts)} chunk streams")
+        flat = [c for st in streams for c in st]
+        states, counts, words = host.concat_streams(g, flat, self.args.staging)
+        bits, cbyte, clen = host.concat_bits([c[1] for c in flat], self.args.staging)
+        word_lo = np.cumsum(counts, dtype=np.int64) - counts  # NOTE: chunks' words are concatenated in order
+        return self._decode(g, (geo, chunks), fp8, tables, (cp.asarray(states), cp.asarray(counts), cp.asarray(word_lo),
+                            cp.asarray(words if words.size else np.zeros(1, np.uint16))), cp.asarray(bits), cbyte, clen)
+
+    def decode_streams(self, s: DeviceStreams, mu: Any, log2_sigma: Any, layer_counts: Sequence[int],
                        elems_per_lane: int, tables: CodingTables, out: Any) -> None:
         """NativeCoder.decode of streams in device memory (``encode_streams``'s, or a receiver's laid out
         the same way) into a device array ``out``: only the checks' figures cross to the host."""
+        _first_error(self.decode_streams_batch(s, [Request(out, mu, log2_sigma, layer_counts)], elems_per_lane, tables))
+
+    def decode_streams_batch(self, s: DeviceStreams, requests: Sequence[Request], elems_per_lane: int,
+                             tables: CodingTables) -> list[Exception | None]:
+        """``decode_streams`` of a batch's streams (``encode_batch_streams``'s), as ``decode_batch``."""
         cp = self.cp
-        g, geo, mu, L, fp8 = self._decode_args(mu, log2_sigma, layer_counts, elems_per_lane, out)
-        if not (np.array_equal(g.chunk_n, s.geometry.chunk_n) and g.epl == s.geometry.epl):
+        g, geo, chunks, fp8, held = self.args.requests(requests, elems_per_lane, encode=False)
+        if not g.same_layout(s.geometry):
             raise ValueError("the streams were coded for another geometry")
         # NOTE: the sections pass reads the bits as u32 words: a misaligned one would end the CUDA context
-        if _address(s.bits) % 4 or np.any(np.asarray(s.layout.chunk_byte, np.uint64) % np.uint64(4)):
+        if address(s.bits) % 4 or np.any(np.asarray(s.layout.chunk_byte, np.uint64) % np.uint64(4)):
             raise ValueError("bits: each chunk's bytes must start 4-byte aligned in device memory")
         cp.cuda.get_current_stream().wait_event(s.ready)  # NOTE: they may have been coded on another stream
         word_lo = cp.cumsum(s.n_words, dtype=cp.int64) - s.n_words
-        self._decode(g, geo, mu, L, fp8, tables, (s.states, s.n_words, word_lo, s.words), s.bits,
-                     s.layout.chunk_byte, s.layout.chunk_len, out)
+        return self._decode(g, (geo, chunks), fp8, tables, (s.states, s.n_words, word_lo, s.words), s.bits,
+                            s.layout.chunk_byte, s.layout.chunk_len)
 
-    def _decode_args(self, mu: Any, log2_sigma: Any, layer_counts: Sequence[int], epl: int, out: Any) -> tuple:
-        fp8 = out.dtype.itemsize == 1
-        if not out.flags.c_contiguous:
-            raise ValueError("out must be C-contiguous")
-        mu = self._bits(mu, 4 if fp8 else 2, "mu")
-        g, geo, chunks = self._geometry(out.shape, epl, layer_counts)
-        if mu.size != out.size:
-            raise ValueError(f"mu: {mu.size} values, expected {out.size}")
-        return g, (geo, chunks), mu, self._levels(log2_sigma, _channels(out.shape)), fp8
-
-    def _decode(self, g: Geometry, geo: tuple, mu: Any, L: Any, fp8: bool, tables: CodingTables, words: tuple,
-                bits: Any, cbyte: np.ndarray, clen: np.ndarray, out: Any) -> None:
+    def _decode(self, g: Geometry, geo: tuple, fp8: bool, tables: CodingTables, words: tuple, bits: Any,
+                cbyte: np.ndarray, clen: np.ndarray) -> list[Exception | None]:
         """The four passes, queued without a wait: contexts, rANS, sections (the checks, unary codes),
-        values; then one wait for the statuses. ``words``: (states, counts, first word, words) on the device."""
+        values; then one wait for the statuses. ``words``: (states, counts, first word, words) on the device;
+        ``geo``: the kernels' block arguments (req_ptr last) and the chunks'."""
         cp, nb, nc, sfx = self.cp, g.n_blocks, len(g.chunk_n), "fp8" if fp8 else "bf16"
         geo, chunks = geo
-        targs, bucket, smem = self._tables_of(tables)
+        targs, bucket, smem = self.args.tables_of(tables)
         info = cp.empty(max(g.n_elements, 1), cp.uint32)
         tally, status = cp.empty((nb, 5), cp.uint64), cp.empty(nb, cp.int32)  # NOTE: every block writes its own
         ctxs = cp.empty(max(g.n_elements, 1), cp.uint32)  # NOTE: the contexts, then the unary codes' deltas
-        self._launch(f"spk_decode_context_{sfx}", nb, geo + (mu, L, ctxs))
+        self._launch(f"spk_decode_context_{sfx}", nb, geo + (ctxs,))
         self._launch(f"spk_decode_rans_{sfx}", nb, geo + targs + (bucket, ctxs) + words + (info, tally, status), smem)
         sec, skip = cp.empty((max(nb, 1), 4), cp.uint64), cp.empty(max(nb, 1), cp.uint8)
         rec = cp.empty((max(nc, 1), host.REC), cp.uint64)
@@ -348,20 +310,10 @@ class CudaCoder:
         self._launch("spk_decode_sections", nc, chunks + (cp.asarray(cb), cp.asarray(np.asarray(clen, np.uint64)),
                       np.int32(nc), np.int32(mant), np.int32(width), tally, status, bits, sec, skip, ctxs, rec))
         flags = cp.zeros((nb, 2), cp.uint32)
-        self._launch(f"spk_decode_values_{sfx}", nb, geo + (
-            info, sec, cp.asarray(cb[g.block_chunk]), skip, bits, ctxs, out, flags))
+        self._launch(f"spk_decode_values_{sfx}", nb, geo + (info, sec, cp.asarray(cb[g.block_chunk]), skip, bits, ctxs,
+                                                             flags))
         st = cp.asnumpy(status)  # NOTE: the one wait
-        bad = np.flatnonzero(st)
-        if len(bad):
-            b = int(bad[0])
-            c = int(g.block_chunk[b])
-            _raise(int(st[b]), c, b - int(g.chunk_b0[c]), 0, 0)
-        recs, fl = cp.asnumpy(rec), cp.asnumpy(flags)
-        for c in range(nc):
-            blk = slice(int(g.chunk_b0[c]), int(g.chunk_b0[c] + g.chunk_blocks[c]))
-            s, f1, f2 = host.chunk_status(host.ChunkCheck.of(recs[c]), bool(fl[blk, 0].any()), bool(fl[blk, 1].any()))
-            if s:
-                _raise(s, c, -1, f1, f2)
+        return host.request_errors(g, st, cp.asnumpy(rec), cp.asnumpy(flags))
 
     def decode(self, mu: np.ndarray, log2_sigma: np.ndarray, layer_counts: Sequence[int], elems_per_lane: int,
                streams: Sequence[tuple[RansBlocks, bytes]], tables: CodingTables, out: np.ndarray) -> None:
@@ -373,26 +325,6 @@ class CudaCoder:
         out[...] = cp.asnumpy(dev)
 
 
-def _address(a: Any) -> int:
-    """Device address of an array's first byte (__cuda_array_interface__, as CuPy and torch give it)."""
-    return int(a.__cuda_array_interface__["data"][0])
-
-
-def _channels(shape: Sequence[int]) -> int:
-    """Values of L: one per (layer, kv, head, dim) channel."""
-    return int(shape[0]) * int(shape[1]) * int(shape[2]) * int(shape[4])
-
-
-@dataclass(frozen=True)
-class DeviceStreams:
-    """An encode's streams in device memory: per block final states (blocks, LANES) and word counts,
-    the words of all blocks in order, the chunks' bit sections at ``layout.chunk_byte``; complete
-    once ``ready`` (a CUDA event) has passed: a reader on another stream waits on it first."""
-
-    geometry: Geometry
-    layout: Any  # cuda_host.encode_layout's
-    states: Any
-    n_words: Any
-    words: Any
-    bits: Any
-    ready: Any
+def _first_error(errors: list[Exception | None]) -> None:
+    if errors[0] is not None:
+        raise errors[0]

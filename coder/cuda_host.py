@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .native import EncodedChunk, FlatTables
+from .native import EncodedChunk, FlatTables, _error
 from .rans import LANES, PROB_SCALE, RansBlocks, _check_blocks
 
 BUCKET_SHIFT = 7  # spk_consts.h SPK_BUCKET_SHIFT
@@ -25,18 +25,24 @@ FORMATS = {False: (7, 16), True: (3, 8)}  # fp8 -> (mantissa bits, pattern bits)
 
 @dataclass(frozen=True)
 class Geometry:
-    """Blocks of a batch of consecutive chunks, (layers, 2, heads, tokens, dim) C order."""
+    """Blocks of a batch of requests, each request's chunks consecutive and each request
+    (layers, 2, heads, tokens, dim) in C order, one request after another: their tokens differ,
+    their heads and dim do not (one model)."""
 
     heads: int
-    tokens: int
     dim: int
     epl: int
+    req_tokens: np.ndarray  # (requests,) i64
+    req_e0: np.ndarray  # (requests,) i64 first element (global)
+    req_chunks: np.ndarray  # (requests,) chunks of each request
     chunk_n: np.ndarray  # (chunks,) elements
     chunk_b0: np.ndarray  # (chunks,) first block
     chunk_blocks: np.ndarray  # (chunks,)
     block_e0: np.ndarray  # (blocks,) i64 first element (global)
     block_n: np.ndarray  # (blocks,) i32 elements
     block_chunk: np.ndarray  # (blocks,) i64
+    block_req: np.ndarray  # (blocks,) i32
+    chunk_req: np.ndarray  # (chunks,) i64
 
     @property
     def n_blocks(self) -> int:
@@ -48,17 +54,46 @@ class Geometry:
 
     @classmethod
     def of(cls, heads: int, tokens: int, dim: int, epl: int, layer_counts: Sequence[int]) -> "Geometry":
-        if heads < 1 or tokens < 0 or dim < 1 or not 1 <= epl <= 65536 or any(c < 1 for c in layer_counts):
+        """One request's."""
+        return cls.batch(heads, dim, epl, [(tokens, layer_counts)])
+
+    @classmethod
+    def batch(cls, heads: int, dim: int, epl: int, requests: Sequence[tuple[int, Sequence[int]]]) -> "Geometry":
+        """``requests``: (tokens, layers of each chunk) of each."""
+        if (heads < 1 or dim < 1 or not 1 <= epl <= 65536 or not requests
+                or any(t < 0 or any(c < 1 for c in counts) for t, counts in requests)):
             raise ValueError("bad geometry")
         per = LANES * epl
-        n = np.asarray(layer_counts, np.int64) * 2 * heads * tokens * dim
+        tok = np.array([t for t, _ in requests], np.int64)
+        req_chunks = np.array([len(counts) for _, counts in requests], np.int64)
+        chunk_req = np.repeat(np.arange(len(requests)), req_chunks)
+        layers = np.array([c for _, counts in requests for c in counts], np.int64).reshape(-1)
+        n = layers * 2 * heads * tok[chunk_req] * dim
         nb = -(-n // per)
         b0 = np.cumsum(nb) - nb
         chunk = np.repeat(np.arange(len(n)), nb)
         local = np.arange(int(nb.sum()), dtype=np.int64) - b0[chunk]
         e0 = (np.cumsum(n) - n)[chunk] + local * per
         bn = np.minimum(per, n[chunk] - local * per).astype(np.int32)
-        return cls(heads, tokens, dim, epl, n, b0, nb, e0, bn, chunk)
+        req_n = np.bincount(chunk_req, n, minlength=len(requests)).astype(np.int64)
+        return cls(heads, dim, epl, tok, np.cumsum(req_n) - req_n, req_chunks, n, b0, nb, e0, bn, chunk,
+                   chunk_req[chunk].astype(np.int32), chunk_req)
+
+    @property
+    def req_chunk0(self) -> np.ndarray:
+        """(requests,) each request's first chunk."""
+        return np.cumsum(self.req_chunks) - self.req_chunks
+
+    def same_layout(self, other: "Geometry") -> bool:
+        """Whether streams coded for ``other`` hold this geometry's blocks (requests, tokens, chunks)."""
+        return (self.heads, self.dim, self.epl) == (other.heads, other.dim, other.epl) and all(
+            np.array_equal(a, b) for a, b in ((self.req_tokens, other.req_tokens), (self.req_chunks, other.req_chunks),
+                                              (self.chunk_n, other.chunk_n)))
+
+    def by_request(self, items: Sequence[Any]) -> list[list[Any]]:
+        """Per-chunk ``items`` (in chunk order), grouped by request."""
+        ends = np.cumsum(self.req_chunks)
+        return [list(items[int(e - c):int(e)]) for e, c in zip(ends, self.req_chunks, strict=True)]
 
 
 def decode_tables(flat: FlatTables) -> tuple[np.ndarray, np.ndarray]:
@@ -86,10 +121,11 @@ def smem_bytes(flat: FlatTables) -> int:
 
 def _segmented(v: np.ndarray, g: Geometry) -> tuple[np.ndarray, np.ndarray]:
     """Per block, the sums of ``v`` (blocks, k) over the earlier blocks of its chunk; per chunk, totals."""
-    incl = np.cumsum(v, axis=0, dtype=_U64)
-    excl = incl - v.astype(_U64)
-    first = excl[g.chunk_b0]
-    return excl - first[g.block_chunk], incl[g.chunk_b0 + g.chunk_blocks - 1] - first
+    # NOTE: a sum before each block and one past the last: a chunk without blocks (a request of no
+    # tokens in a batch) totals zero
+    before = np.concatenate([np.zeros((1,) + v.shape[1:], _U64), np.cumsum(v, axis=0, dtype=_U64)])
+    first = before[g.chunk_b0]
+    return before[:-1] - first[g.block_chunk], before[g.chunk_b0 + g.chunk_blocks] - first
 
 
 @dataclass(frozen=True)
@@ -163,6 +199,25 @@ def chunk_status(s: ChunkCheck, normal_bad: bool, zero_bad: bool) -> tuple[int, 
     if s.mu_bad:
         return NOT_ESCAPED, 0, 0
     return OK, 0, 0
+
+
+def request_errors(g: Geometry, status: np.ndarray, recs: np.ndarray, flags: np.ndarray) -> list[Exception | None]:
+    """Per request of a decode, the error decoding it alone raises, or None: its first block with a
+    rANS status, else its first chunk whose checks fail (``chunk_status``), numbered within it."""
+    errors: list[Exception | None] = [None] * len(g.req_chunks)
+    c0 = g.req_chunk0
+    for b in np.flatnonzero(status):
+        q, c = int(g.block_req[b]), int(g.block_chunk[b])
+        if errors[q] is None:
+            errors[q] = _error(int(status[b]), c - int(c0[q]), int(b - g.chunk_b0[c]), 0, 0)
+    for c in range(len(g.chunk_n)):
+        q = int(g.chunk_req[c])
+        if errors[q] is None:
+            blk = slice(int(g.chunk_b0[c]), int(g.chunk_b0[c] + g.chunk_blocks[c]))
+            s, f1, f2 = chunk_status(ChunkCheck.of(recs[c]), bool(flags[blk, 0].any()), bool(flags[blk, 1].any()))
+            if s:
+                errors[q] = _error(s, c - int(c0[q]), -1, f1, f2)
+    return errors
 
 
 def encoded_chunks(g: Geometry, lay: Any, states: np.ndarray, n_words: np.ndarray, words: np.ndarray,

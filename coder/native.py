@@ -247,8 +247,13 @@ def _levels(log2_sigma: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(lg, np.int32)
 
 
-def _raise(status: int, chunk: int, block: int, a: int, b: int) -> Any:
+def _error(status: int, chunk: int, block: int, a: int, b: int) -> Exception:
+    """The typed error of a decoder status (chunk and block: where it was found)."""
     if status in _RANS_STATUS:
-        raise RansDecodeError(f"chunk {chunk}, block {block}: {_RANS_STATUS[status]}")
+        return RansDecodeError(f"chunk {chunk}, block {block}: {_RANS_STATUS[status]}")
     msg = _VALUE_STATUS.get(status, "native decoder status {2}").format(a, b, status)
-    raise IntegrityError(f"chunk {chunk}: {msg}")
+    return IntegrityError(f"chunk {chunk}: {msg}")
+
+
+def _raise(status: int, chunk: int, block: int, a: int, b: int) -> Any:
+    raise _error(status, chunk, block, a, b)

@@ -59,11 +59,13 @@ __device__ __forceinline__ SpkTab spk_stage(const uint16_t* __restrict__ cum_pad
     return t;
 }
 
+// NOTE: through the read-only cache (__ldg): a request's arrays come from req_ptr, so the compiler
+// cannot see that no store of the kernel reaches them
 template <class F>
 __device__ __forceinline__ uint32_t spk_load(const void* a, long long i) {
-    if (F::bits == 8) return ((const uint8_t*)a)[i];
-    if (F::bits == 16) return ((const uint16_t*)a)[i];
-    return ((const uint32_t*)a)[i];
+    if (F::bits == 8) return __ldg((const uint8_t*)a + i);
+    if (F::bits == 16) return __ldg((const uint16_t*)a + i);
+    return __ldg((const uint32_t*)a + i);
 }
 
 __device__ __forceinline__ uint32_t spk_warp_sum(uint32_t v) {
@@ -101,22 +103,44 @@ __device__ __forceinline__ uint32_t spk_read_bits(const uint8_t* buf, unsigned l
 }
 
 #define SPK_WARP_ID ((long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5))
+// A launch codes the blocks of a batch of requests (prompts: tokens differ, heads and dim do not):
+// block b codes elements block_e0[b] .. + block_n[b] of the batch (the scratch arrays' index), which
+// are elements block_e0[b] - req_e0[q] .. of request q = block_req[b], whose arrays are at
+// req_ptr[SPK_REQ_PTRS q ..] (x or out, mu, L) and whose rows are req_tok[q] tokens long.
 #define SPK_GEO_ARGS const long long *__restrict__ block_e0, const int32_t *__restrict__ block_n, \
-    int n_blocks, int epl, long long tokens, int dim
+    int n_blocks, int epl, const int32_t *__restrict__ block_req, const long long *__restrict__ req_e0, \
+    const long long *__restrict__ req_tok, int dim, const unsigned long long *__restrict__ req_ptr
+#define SPK_REQ_PTRS 3  // per request: x (encode) or out (decode), mu, L
+
+struct SpkReq {  // block b's request: its arrays, its first element's index there, its tokens
+    const void *x, *mu;
+    void* out;
+    const int32_t* L;
+    long long e0;
+    long long tokens;
+};
+__device__ __forceinline__ SpkReq spk_req(const long long* __restrict__ block_e0, const int32_t* __restrict__ block_req,
+                                          const long long* __restrict__ req_e0, const long long* __restrict__ req_tok,
+                                          const unsigned long long* __restrict__ req_ptr, long long b) {
+    const int q = block_req[b];
+    const unsigned long long* p = req_ptr + SPK_REQ_PTRS * q;
+    return {(const void*)p[0], (const void*)p[1], (void*)p[0], (const int32_t*)p[2], block_e0[b] - req_e0[q],
+            req_tok[q]};
+}
+#define SPK_REQ(b) spk_req(block_e0, block_req, req_e0, req_tok, req_ptr, (b))
 #define SPK_TAB_ARGS const uint16_t *__restrict__ cum_pad, const uint16_t *__restrict__ freq, \
     const int32_t *__restrict__ toff, const int32_t *__restrict__ trad, int n_tab, int n_sym
 
 // The elements a thread takes of its CTA's block (threadIdx.x, + blockDim.x, ...: the one-CTA-per-block
 // model kernels), each handed with its context: f(e, ctx), e relative to the block's first e0.
 template <class FX, class FM, class F>
-__device__ __forceinline__ void spk_block_contexts(long long e0, int n, long long tokens, int dim,
-                                                   const void* __restrict__ mu, const int32_t* __restrict__ L, F f) {
+__device__ __forceinline__ void spk_block_contexts(const SpkReq& r, int n, int dim, F f) {
     const int step = (int)blockDim.x;
     SpkCursor cur;
-    cur.init(e0 + threadIdx.x, tokens, dim);
+    cur.init(r.e0 + threadIdx.x, r.tokens, dim);
     for (int e = (int)threadIdx.x; e < n; e += step) {
-        f(e, spk_context<FX, FM>(spk_load<FM>(mu, e0 + e), L[cur.channel(dim)]));
-        if (e + step < n) cur.forward(tokens, dim, step);
+        f(e, spk_context<FX, FM>(spk_load<FM>(r.mu, r.e0 + e), __ldg(r.L + cur.channel(dim))));
+        if (e + step < n) cur.forward(r.tokens, dim, step);
     }
 }
 

@@ -46,8 +46,7 @@ extern "C" __global__ void spk_prepare_mu(const uint16_t* __restrict__ mu, const
 // op and raw field for the lane pass, and counts[4 b + s]: bits block b puts in section s
 // (LOW, ZMAN, ESC, UNARY). Tables are read through the cache (no staging: one pass over them).
 template <class FX, class FM>
-__device__ void encode_model(SPK_GEO_ARGS, SPK_TAB_ARGS, const void* __restrict__ x, const void* __restrict__ mu,
-                             const int32_t* __restrict__ L, uint32_t* __restrict__ ops, uint32_t* __restrict__ raw,
+__device__ void encode_model(SPK_GEO_ARGS, SPK_TAB_ARGS, uint32_t* __restrict__ ops, uint32_t* __restrict__ raw,
                              unsigned long long* __restrict__ counts) {
     static_assert(FX::bits <= 16 && FX::k_max + FX::bias - 1 < 256, "spk_pack_raw: 16-bit fields, 8-bit deltas");
     static_assert(SPK_LANES * (FX::k_max + FX::bias) < 65536u, "a step's UNARY bits: one 16-bit half of a scan");
@@ -55,9 +54,10 @@ __device__ void encode_model(SPK_GEO_ARGS, SPK_TAB_ARGS, const void* __restrict_
     const long long b = blockIdx.x;
     if (b >= n_blocks) return;  // the whole CTA: before the barrier
     const long long e0 = block_e0[b];
+    const SpkReq r = SPK_REQ(b);
     uint32_t c[4] = {0, 0, 0, 0};  // LOW bits, zero-bin elements, escapes, UNARY bits
-    spk_block_contexts<FX, FM>(e0, block_n[b], tokens, dim, mu, L, [&](int e, const SpkContext& ctx) {
-        const SpkSymbol s = spk_symbolize<FX>(spk_load<FX>(x, e0 + e), ctx, trad[ctx.t]);
+    spk_block_contexts<FX, FM>(r, block_n[b], dim, [&](int e, const SpkContext& ctx) {
+        const SpkSymbol s = spk_symbolize<FX>(spk_load<FX>(r.x, r.e0 + e), ctx, trad[ctx.t]);
         const int32_t o = toff[ctx.t];
         ops[e0 + e] = spk_pack_op(cum_pad[o + ctx.t + (int32_t)s.j], freq[o + (int32_t)s.j]);
         raw[e0 + e] = spk_pack_raw(s);
@@ -182,12 +182,11 @@ extern "C" __global__ void spk_gather(const uint16_t* __restrict__ scratch, cons
 // One CTA per block, one thread per element: every element's context, packed (spk_pack_context),
 // for the rANS pass: it depends on mu and sigma only, never on a decoded value.
 template <class FX, class FM>
-__device__ void decode_context(SPK_GEO_ARGS, const void* __restrict__ mu, const int32_t* __restrict__ L,
-                               uint32_t* __restrict__ ctxs) {
+__device__ void decode_context(SPK_GEO_ARGS, uint32_t* __restrict__ ctxs) {
     const long long b = blockIdx.x;
     if (b >= n_blocks) return;
     const long long e0 = block_e0[b];
-    spk_block_contexts<FX, FM>(e0, block_n[b], tokens, dim, mu, L,
+    spk_block_contexts<FX, FM>(SPK_REQ(b), block_n[b], dim,
                                [&](int e, const SpkContext& ctx) { ctxs[e0 + e] = spk_pack_context(ctx); });
 }
 
@@ -283,11 +282,12 @@ template <class FX>
 __device__ void decode_values(SPK_GEO_ARGS, const uint32_t* __restrict__ info,
                               const unsigned long long* __restrict__ sec, const unsigned long long* __restrict__ chunk_byte,
                               const uint8_t* __restrict__ skip, const uint8_t* __restrict__ bits,
-                              const uint32_t* __restrict__ deltas, void* __restrict__ out, uint32_t* __restrict__ flags) {
+                              const uint32_t* __restrict__ deltas, uint32_t* __restrict__ flags) {
     const long long b = blockIdx.x;
     if (b >= n_blocks || skip[b]) return;  // the whole CTA: before the barrier
     const uint32_t lane = threadIdx.x & 31u;
     const long long e0 = block_e0[b];
+    const SpkReq r = SPK_REQ(b);
     const int n = block_n[b];
     SpkSegment seg;
     seg.init(n);
@@ -323,8 +323,8 @@ __device__ void decode_values(SPK_GEO_ARGS, const uint32_t* __restrict__ info,
             v = spk_read_bits(buf, esc + (unsigned long long)lane_rank(xb, lane) * FX::bits, FX::bits);
         }
         if (e < n) {
-            if (FX::bits == 8) ((uint8_t*)out)[e0 + e] = (uint8_t)v;
-            else ((uint16_t*)out)[e0 + e] = (uint16_t)v;
+            if (FX::bits == 8) ((uint8_t*)r.out)[r.e0 + e] = (uint8_t)v;
+            else ((uint16_t*)r.out)[r.e0 + e] = (uint16_t)v;
         }
         low += tot, zman += (unsigned long long)popcount32(zb) * FX::mant;
         esc += (unsigned long long)popcount32(xb) * FX::bits, z += popcount32(zb);
@@ -361,17 +361,16 @@ extern "C" __global__ void __launch_bounds__(SPK_MODEL_CTA) spk_decode_sections(
 }
 
 // -- entry points per format (BF16 KV: x, mu BF16; FP8 KV: x e4m3, mu fp32) --------------------
-#define SPK_GEO block_e0, block_n, n_blocks, epl, tokens, dim
+#define SPK_GEO block_e0, block_n, n_blocks, epl, block_req, req_e0, req_tok, dim, req_ptr
 #define SPK_TAB cum_pad, freq, toff, trad, n_tab, n_sym
 #define SPK_ENTRY(name, FX, FM)                                                                               \
     extern "C" __global__ void __launch_bounds__(SPK_MODEL_CTA) spk_encode_model_##name(                    \
-        SPK_GEO_ARGS, SPK_TAB_ARGS, const void* x, const void* mu, const int32_t* L, uint32_t* ops, uint32_t* raw, \
-        unsigned long long* counts) {                                                                        \
-        encode_model<FX, FM>(SPK_GEO, SPK_TAB, x, mu, L, ops, raw, counts);                                  \
+        SPK_GEO_ARGS, SPK_TAB_ARGS, uint32_t* ops, uint32_t* raw, unsigned long long* counts) {             \
+        encode_model<FX, FM>(SPK_GEO, SPK_TAB, ops, raw, counts);                                            \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(SPK_MODEL_CTA) spk_decode_context_##name(                  \
-        SPK_GEO_ARGS, const void* mu, const int32_t* L, uint32_t* ctxs) {                                    \
-        decode_context<FX, FM>(SPK_GEO, mu, L, ctxs);                                                        \
+        SPK_GEO_ARGS, uint32_t* ctxs) {                                                                      \
+        decode_context<FX, FM>(SPK_GEO, ctxs);                                                               \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(SPK_MAX_CTA) spk_decode_rans_##name(                       \
         SPK_GEO_ARGS, SPK_TAB_ARGS, const uint16_t* bucket, const uint32_t* ctxs, const uint32_t* states,    \
@@ -381,8 +380,8 @@ extern "C" __global__ void __launch_bounds__(SPK_MODEL_CTA) spk_decode_sections(
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(SPK_MODEL_CTA) spk_decode_values_##name(                     \
         SPK_GEO_ARGS, const uint32_t* info, const unsigned long long* sec, const unsigned long long* chunk_byte, \
-        const uint8_t* skip, const uint8_t* bits, const uint32_t* deltas, void* out, uint32_t* flags) {      \
-        decode_values<FX>(SPK_GEO, info, sec, chunk_byte, skip, bits, deltas, out, flags);                   \
+        const uint8_t* skip, const uint8_t* bits, const uint32_t* deltas, uint32_t* flags) {                 \
+        decode_values<FX>(SPK_GEO, info, sec, chunk_byte, skip, bits, deltas, flags);                        \
     }
 
 SPK_ENTRY(bf16, SpkBF16, SpkBF16)

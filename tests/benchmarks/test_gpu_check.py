@@ -128,9 +128,27 @@ def test_device_check_names_tests_that_exist():
 
     root = Path(__file__).parents[2]
     text = (root / "benchmarks" / "device_check.sh").read_text()
-    base = re.search(r"local t='([^']+)'", text).group(1)
-    ids = [base + m for m in re.findall(r'"\$\{t\}(\w+\[[^\]]+\])"', text)]
-    assert len(ids) == 4
+    prefix = dict(re.findall(r"(\w)='(tests/[^']+)'", re.search(r"local (t=.+)", text).group(1)))
+    ids = [prefix[v] + m for v, m in re.findall(r'"\$\{(\w)\}(\w+\[[^\]]+\])"', text)]
+    assert len(ids) == 6
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *ids],
                          cwd=root, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and f"{len(ids)} tests collected" in out.stdout, out.stdout + out.stderr
+
+
+def test_mixed_prompts_in_one_call(gpu_check, emu_work):
+    """Prompts of other lengths (here 5, 40 and 1 tokens): on the emulated device in one launch a pass
+    (``encode_batch``), each prompt's streams as its own call's, all decoded bit for bit; on the native
+    coder, a call a prompt both ways."""
+    from cuda_emu import emulated_cupy
+
+    from speckv.coder.cuda import CudaCoder
+
+    model = gpu_check.load_models()["tuned"]
+    emu = gpu_check.Device("native")
+    cp = emulated_cupy(emu_work)
+    emu.name, emu.xp, emu.coder = "cuda", cp, CudaCoder(cp, empty_pinned=np.empty)
+    for dev in (gpu_check.Device("native"), emu):
+        r = gpu_check.mixed_requests(dev, model, 1, tokens=(5, 40, 1), layers=3, epl=16)
+        assert r["same_streams_as_alone"] and r["decode_correct"], dev.name
+        assert r["raw_mb"] == 3 * 2 * 3 * 46 * 64 * 2 / 1e6 and r["encode_gb_s"] > 0 and r["decode_gb_s"] > 0

@@ -8,11 +8,15 @@ SPECKV_REQUIRE_NATIVE)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+from cuda_emu import emulated_cupy
 from require import missing
 
-from speckv.coder import native
+from speckv.coder import backends, native
 from speckv.coder.codec import Codec, CodecConfig
+from speckv.coder.cuda import CudaCoder
+from speckv.coder.cuda_tuning import Tuning
 from speckv.predictor.checkpoint import load_checkpoint
 from speckv.predictor.store import default_checkpoint_dir
 
@@ -56,3 +60,23 @@ def codecs(ckpt):
     from native_helpers import native_codecs
 
     return native_codecs(ckpt)
+
+
+# every knob off its default: 8 warps a CTA (more than some calls have blocks), a group of 3 steps
+# (no divisor of any lane length), CTAs of 2 warps for the per-block passes, the decoder's word window
+TUNED = Tuning(rans_warps=8, model_cta=64, ahead=3, word_window=True)
+
+
+@pytest.fixture(scope="module", params=["emulator", "emulator-tuned", "device"])
+def coders(request, emu_work):
+    """(the CUDA coder, the native coder, layers a case has: fewer on the emulator, one thread at a time)."""
+    if not native.available():
+        missing("NATIVE", f"the native coder is not built ({native.IMPORT_ERROR})")
+    if request.param == "device":
+        if not backends.cuda_available():
+            pytest.skip("no CUDA device or CuPy")
+        return CudaCoder.load(), native.NativeCoder(threads=2), 30
+    # NOTE: np.empty for cupyx.empty_pinned: the host copies take CudaCoder's pinned path
+    tuning = TUNED if request.param == "emulator-tuned" else Tuning()
+    emu = CudaCoder(emulated_cupy(emu_work), empty_pinned=np.empty, tuning=tuning)
+    return emu, native.NativeCoder(threads=2), 12

@@ -8,60 +8,15 @@ here without a GPU. It cannot say anything about speed (benchmarks/gpu_check.py 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 
 import numpy as np
 import pytest
-from cuda_emu import _Module, build, emulated_cupy
-from require import missing
+from cuda_emu import _Module, build
+from cuda_helpers import assert_same_streams, decode_outcome, kv_case
 
-from speckv.coder import backends, native
-from speckv.coder.cuda import CudaCoder
 from speckv.coder.cuda_tuning import Tuning
 from speckv.coder.model import fp8_log2_sigma
 from speckv.coder.residual import models_of
-from speckv.errors import IntegrityError, RansDecodeError
-
-# every knob off its default: 8 warps a CTA (more than some calls have blocks), a group of 3 steps
-# (no divisor of any lane length), CTAs of 2 warps for the per-block passes, the decoder's word window
-TUNED = Tuning(rans_warps=8, model_cta=64, ahead=3, word_window=True)
-
-
-@pytest.fixture(scope="module", params=["emulator", "emulator-tuned", "device"])
-def coders(request, emu_work):
-    """(the CUDA coder, the native coder, layers a case has: fewer on the emulator, one thread at a time)."""
-    if not native.available():
-        missing("NATIVE", f"the native coder is not built ({native.IMPORT_ERROR})")
-    if request.param == "device":
-        if not backends.cuda_available():
-            pytest.skip("no CUDA device or CuPy")
-        return CudaCoder.load(), native.NativeCoder(threads=2), 30
-    # NOTE: np.empty for cupyx.empty_pinned: the host copies take CudaCoder's pinned path
-    tuning = TUNED if request.param == "emulator-tuned" else Tuning()
-    emu = CudaCoder(emulated_cupy(emu_work), empty_pinned=np.empty, tuning=tuning)
-    return emu, native.NativeCoder(threads=2), 12
-
-
-def _case(model, fp8, layers, tokens, seed):
-    rng = np.random.default_rng(seed)
-    shape = (layers, 2, 3, tokens, 64)
-    mu = rng.integers(0, 1 << 16, shape, dtype=np.uint16)
-    x = rng.integers(0, 256, shape, dtype=np.uint8) if fp8 else (mu ^ rng.integers(0, 16, shape)).astype(np.uint16)
-    scales = rng.uniform(1e-3, 4, (layers, 2)).astype(np.float32) if fp8 else None
-    a = None if model.mu_scale is None else model.mu_scale[:layers]
-    b = None if model.mu_shift is None else model.mu_shift[:layers]
-    L = model.log2_sigma[:layers].astype(np.int32)
-    if fp8:
-        L = fp8_log2_sigma(L, scales.view(np.uint32)[:, :, None, None]).astype(np.int32)
-    return x, mu, a, b, scales, L
-
-
-def _assert_same_streams(pc, pn):
-    assert len(pc) == len(pn)
-    for c, n in zip(pc, pn, strict=True):
-        assert c.bits == n.bits and np.array_equal(c.blocks.words, n.blocks.words)
-        assert np.array_equal(c.blocks.states, n.blocks.states)
-        assert np.array_equal(c.blocks.word_counts, n.blocks.word_counts)
 
 
 @pytest.mark.gpu
@@ -70,12 +25,12 @@ def _assert_same_streams(pc, pn):
 def test_cuda_equals_native(coders, ckpt, fp8, tokens, epl, lpc):
     cu, nat, layers = coders
     for mid, model in models_of(ckpt).items():
-        x, mu, a, b, scales, L = _case(model, fp8, layers, tokens, mid + tokens)
+        x, mu, a, b, scales, L = kv_case(model, fp8, layers, tokens, mid + tokens)
         m_c, m_n = cu.prepare_mu(mu, a, b, scales), nat.prepare_mu(mu, a, b, scales)
         assert np.array_equal(m_c, m_n)
         counts = [min(lpc, layers - i) for i in range(0, layers, lpc)]
         pc, pn = cu.encode(x, m_c, L, counts, epl, model.tables), nat.encode(x, m_n, L, counts, epl, model.tables)
-        _assert_same_streams(pc, pn)
+        assert_same_streams(pc, pn)
         out = np.empty_like(x)
         cu.decode(m_c, L, counts, epl, [(p.blocks, p.bits) for p in pn], model.tables, out)
         assert np.array_equal(out, x)
@@ -100,7 +55,7 @@ def test_cuda_equals_native_at_odd_geometries(coders, ckpt, fp8, heads, tokens, 
     m = nat.prepare_mu(mu, None, None, scales)
     assert np.array_equal(cu.prepare_mu(mu, None, None, scales), m)
     pc, pn = cu.encode(x, m, L, [2, 1], epl, model.tables), nat.encode(x, m, L, [2, 1], epl, model.tables)
-    _assert_same_streams(pc, pn)
+    assert_same_streams(pc, pn)
     out = np.empty_like(x)
     cu.decode(m, L, [2, 1], epl, [(p.blocks, p.bits) for p in pn], model.tables, out)
     assert np.array_equal(out, x)
@@ -113,7 +68,7 @@ def test_cuda_decodes_streams_kept_on_the_device(coders, ckpt, fp8):
     streams, copied out, are the native coder's; streams of another chunking are refused."""
     cu, nat, layers = coders
     model = models_of(ckpt)[2]
-    x, mu, a, b, scales, L = _case(model, fp8, layers, 37, 4)
+    x, mu, a, b, scales, L = kv_case(model, fp8, layers, 37, 4)
     counts = [min(5, layers - i) for i in range(0, layers, 5)]
     m = cu.prepare_mu_device(cu.cp.asarray(mu), a, b, scales)
     kept = cu.encode_streams(cu.cp.asarray(x), m, L, counts, 64, model.tables)
@@ -121,7 +76,7 @@ def test_cuda_decodes_streams_kept_on_the_device(coders, ckpt, fp8):
     cu.decode_streams(kept, m, L, counts, 64, model.tables, out)
     assert np.array_equal(cu.cp.asnumpy(out), x)
     m_n = nat.prepare_mu(mu, a, b, scales)
-    _assert_same_streams(cu.to_host(kept), nat.encode(x, m_n, L, counts, 64, model.tables))
+    assert_same_streams(cu.to_host(kept), nat.encode(x, m_n, L, counts, 64, model.tables))
     with pytest.raises(ValueError, match="another geometry"):
         cu.decode_streams(kept, m, L, [layers], 64, model.tables, out)
     with pytest.raises(ValueError, match="4-byte aligned"):  # a misaligned u32 load would end the CUDA context
@@ -161,11 +116,11 @@ def test_cuda_never_codes_with_another_objects_cached_tables(coders, ckpt):
     under the tuned model's id."""
     cu, nat, _ = coders
     seed, tuned = models_of(ckpt)[1], models_of(ckpt)[2]
-    x, mu, a, b, scales, L = _case(tuned, False, 2, 16, 1)
+    x, mu, a, b, scales, L = kv_case(tuned, False, 2, 16, 1)
     m = nat.prepare_mu(mu, a, b, scales)
     cu.encode(x, m, L, [2], 16, seed.tables)
-    cu._tables[id(tuned.tables)] = cu._tables[id(seed.tables)]
-    _assert_same_streams(cu.encode(x, m, L, [2], 16, tuned.tables), nat.encode(x, m, L, [2], 16, tuned.tables))
+    cu.args._tables[id(tuned.tables)] = cu.args._tables[id(seed.tables)]
+    assert_same_streams(cu.encode(x, m, L, [2], 16, tuned.tables), nat.encode(x, m, L, [2], 16, tuned.tables))
 
 
 @pytest.mark.gpu
@@ -173,7 +128,7 @@ def test_cuda_refuses_levels_as_native(coders, ckpt):
     """L out of range or of the wrong size: the native coder's ValueError, L on the host or the device."""
     cu, nat, _ = coders
     model = models_of(ckpt)[2]
-    x, mu, a, b, scales, L = _case(model, False, 2, 8, 1)
+    x, mu, a, b, scales, L = kv_case(model, False, 2, 8, 1)
     m = nat.prepare_mu(mu, a, b, scales)
     parts = nat.encode(x, m, L, [2], 4, model.tables)
     streams = [(p.blocks, p.bits) for p in parts]
@@ -185,17 +140,6 @@ def test_cuda_refuses_levels_as_native(coders, ckpt):
                     coder.encode(x, m, where(bad.astype(np.int32)), [2], 4, model.tables)
                 with pytest.raises(ValueError, match=why):
                     coder.decode(m, where(bad.astype(np.int32)), [2], 4, streams, model.tables, np.empty_like(x))
-
-
-def _outcome(coder, m, L, counts, epl, streams, tables, like):
-    """The decode's error, or "ok" and a digest of what it wrote (a stream the checks accept may still
-    decode to other values: the codec's checksum catches those; both coders must write the same)."""
-    out = np.empty_like(like)
-    try:
-        coder.decode(m, L, counts, epl, streams, tables, out)
-        return f"ok {hashlib.sha256(out.tobytes()).hexdigest()[:16]}"
-    except (IntegrityError, RansDecodeError) as e:
-        return f"{type(e).__name__}: {e}"
 
 
 def _swap_unary_bits(bits: bytes) -> bytes:
@@ -217,7 +161,7 @@ def test_cuda_checks_sections_as_native(coders, ckpt, fp8):
     native coder's error and message, or the same values where the checks pass."""
     cu, nat, _ = coders
     model = models_of(ckpt)[2]
-    x, mu, a, b, scales, L = _case(model, fp8, 4, 40, 3)
+    x, mu, a, b, scales, L = kv_case(model, fp8, 4, 40, 3)
     m = nat.prepare_mu(mu, a, b, scales)
     parts = nat.encode(x, m, L, [2, 2], 16, model.tables)
     bits = parts[1].bits
@@ -228,10 +172,10 @@ def test_cuda_checks_sections_as_native(coders, ckpt, fp8):
     for name, v in tampered.items():
         streams = [(p.blocks, p.bits) for p in parts]
         streams[1] = (parts[1].blocks, v)
-        want = _outcome(nat, m, L, [2, 2], 16, streams, model.tables, x)
-        assert _outcome(cu, m, L, [2, 2], 16, streams, model.tables, x) == want, name
+        want = decode_outcome(nat, m, L, [2, 2], 16, streams, model.tables, x)
+        assert decode_outcome(cu, m, L, [2, 2], 16, streams, model.tables, x) == want, name
         seen[name] = want
-    assert seen["a code moved"].startswith("ok") and seen["a code moved"] != _outcome(
+    assert seen["a code moved"].startswith("ok") and seen["a code moved"] != decode_outcome(
         nat, m, L, [2, 2], 16, [(p.blocks, p.bits) for p in parts], model.tables, x)
     # NOTE: FP8's unary bound is tight (k + bias <= 12 bits a code): a byte more is already too long
     kinds = {"unary codes, found", "bytes present", "unary section"} | (set() if fp8 else {"bytes for"})
@@ -244,7 +188,7 @@ def test_cuda_rejects_corrupt_streams_as_native(coders, ckpt, part):
     """A flipped bit anywhere gives the native coder's outcome: the same error, message and all."""
     cu, nat, _ = coders
     model = models_of(ckpt)[2]
-    x, mu, a, b, scales, L = _case(model, False, 4, 40, 9)
+    x, mu, a, b, scales, L = kv_case(model, False, 4, 40, 9)
     m = nat.prepare_mu(mu, a, b, scales)
     parts = nat.encode(x, m, L, [2, 2], 16, model.tables)
     rng = np.random.default_rng({"bits": 1, "words": 2, "states": 3}[part])
@@ -258,8 +202,8 @@ def test_cuda_rejects_corrupt_streams_as_native(coders, ckpt, part):
         target[int(rng.integers(0, target.size))] ^= np.uint8(1 << int(rng.integers(0, 8)))
         streams = [(p.blocks, p.bits) for p in parts]
         streams[c] = (type(blocks)(states, blocks.word_counts, words), bytes(bits))
-        want = _outcome(nat, m, L, [2, 2], 16, streams, model.tables, x)
-        assert _outcome(cu, m, L, [2, 2], 16, streams, model.tables, x) == want
+        want = decode_outcome(nat, m, L, [2, 2], 16, streams, model.tables, x)
+        assert decode_outcome(cu, m, L, [2, 2], 16, streams, model.tables, x) == want
         outcomes.add(want.split(":")[0])
     assert outcomes - {"ok"}, "no corruption was caught: the case checks nothing"
 

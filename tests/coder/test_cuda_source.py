@@ -82,6 +82,22 @@ def test_geometry_blocks_tile_chunks():
     assert Geometry.of(3, 0, 7, 2, [1, 2]).n_blocks == 0
 
 
+def test_geometry_batches_requests_of_other_lengths():
+    """Requests one after another (5, 0 and 3 tokens): a request without tokens has chunks without blocks,
+    whose sections are empty."""
+    g = Geometry.batch(3, 7, 2, [(5, [1, 2]), (0, [1]), (3, [2])])
+    assert list(g.req_e0) == [0, 630, 630] and list(g.chunk_n) == [210, 420, 0, 252]
+    assert list(g.chunk_blocks) == [4, 7, 0, 4] and list(g.chunk_req) == [0, 0, 1, 2]
+    assert list(g.block_req) == [0] * 11 + [2] * 4 and g.block_e0[11] == 630 and g.block_n[-1] == 252 - 3 * 64
+    assert g.by_request("abcd") == [["a", "b"], ["c"], ["d"]]
+    assert g.same_layout(Geometry.batch(3, 7, 2, [(5, [1, 2]), (0, [1]), (3, [2])]))
+    assert not g.same_layout(Geometry.batch(3, 7, 2, [(5, [1, 2]), (3, [2]), (0, [1])]))
+    lay = encode_layout(np.full((15, 4), 8, np.uint64), g)  # a byte a block a section
+    assert list(lay.chunk_len) == [16, 28, 0, 16] and list(lay.chunk_byte) == [0, 16, 44, 44]
+    with pytest.raises(ValueError, match="bad geometry"):
+        Geometry.batch(3, 7, 2, [])
+
+
 def test_decode_tables_find_every_slot(ckpt):
     flat = native.FlatTables.of(ckpt.seed_tables)
     cum_pad, bucket = decode_tables(flat)

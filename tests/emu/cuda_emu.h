@@ -140,6 +140,8 @@ inline int __all_sync(unsigned mask, int p) { return (int)spk_emu::collective(sp
 inline int __any_sync(unsigned mask, int p) { return (int)spk_emu::collective(spk_emu::ANY, mask, p != 0, 0); }
 inline void __syncthreads() { spk_emu::collective(spk_emu::SYNC, 0, 0, 0); }
 
+template <class T>
+inline T __ldg(const T* p) { return *p; }  // the read-only cache: a plain load here
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline int __popcll(unsigned long long v) { return __builtin_popcountll(v); }
 inline int __clz(unsigned v) { return v ? __builtin_clz(v) : 32; }
