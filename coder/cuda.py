@@ -175,7 +175,6 @@ class CudaCoder:
         counts, host_counts = cp.empty((nb, 4), cp.uint64), self.args.staging((nb, 4), np.uint64)
         ops, raw = cp.empty(g.n_elements, cp.uint32), cp.empty(g.n_elements, cp.uint32)  # NOTE: 8 bytes an element
         self._launch(f"spk_encode_model_{sfx}", nb, geo + targs + (ops, raw, counts))
-        del held  # NOTE: queued: the pool may hand their memory to later work of this stream only
         cp.asnumpy(counts, out=host_counts, blocking=False)
         counted = cp.cuda.Event()
         counted.record()
@@ -187,6 +186,7 @@ class CudaCoder:
             # NOTE: the one wait mid-call (bit positions need the counts), while the device runs the rANS
             # pass; also on an error: the pinned pool must not take host_counts back with a copy pending
             counted.synchronize()
+        del held  # NOTE: read: spk_encode_model has run (the only kernel that reads through req_ptr)
         lay = encode_layout(host_counts, g)
         bits = cp.zeros(lay.total, cp.uint8)
         mant, width = FORMATS[fp8]
@@ -253,9 +253,11 @@ class CudaCoder:
     def decode_batch(self, requests: Sequence[Request], elems_per_lane: int,
                      streams: Sequence[Sequence[tuple[RansBlocks, bytes]]],
                      tables: CodingTables) -> list[Exception | None]:
-        """``decode_device`` of several requests in one launch a pass, each into its ``Request.kv``;
-        per request, the error decoding it alone raises (RansDecodeError, IntegrityError) or None: a
-        corrupt stream fails its own request only. Malformed input (chunk counts, shapes) raises."""
+        """``decode_device`` of several requests in one launch a pass, each into its ``Request.kv``
+        (a device array); per request, the error decoding it alone raises (RansDecodeError,
+        IntegrityError, or ValueError for blocks of the wrong shape) or None: a corrupt stream fails its
+        own request only, whose array may then hold part of a KV. Malformed requests (arrays, a list of
+        streams of another length) raise."""
         cp = self.cp
         g, geo, chunks, fp8, held = self.args.requests(requests, elems_per_lane, encode=False)
         if len(streams) != len(requests):
@@ -263,6 +265,15 @@ class CudaCoder:
         for r, st in zip(requests, streams, strict=True):
             if len(st) != len(r.layer_counts):
                 raise ValueError(f"need a list of {len(r.layer_counts)} chunk streams")
+        errors = host.stream_errors(g, streams)
+        keep = [q for q, e in enumerate(errors) if e is None]
+        if len(keep) < len(requests):  # NOTE: the others decode without the requests whose blocks failed
+            if keep:
+                done = self.decode_batch([requests[q] for q in keep], elems_per_lane, [streams[q] for q in keep],
+                                         tables)
+                for q, e in zip(keep, done, strict=True):
+                    errors[q] = e
+            return errors
         flat = [c for st in streams for c in st]
         states, counts, words = host.concat_streams(g, flat, self.args.staging)
         bits, cbyte, clen = host.concat_bits([c[1] for c in flat], self.args.staging)

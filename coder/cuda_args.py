@@ -53,55 +53,76 @@ class DeviceArgs:
         return hit[1:]
 
     def geometry(self, shapes: Sequence[Sequence[int]], epl: int,
-                  layer_counts: Sequence[Sequence[int]]) -> tuple[Geometry, tuple, tuple]:
+                 layer_counts: Sequence[Sequence[int]]) -> tuple[Geometry, tuple, tuple]:
         """(geometry, the kernels' block arguments, spk_decode_sections' chunk arguments) of a batch
-        of requests' arrays, on the device once."""
+        of requests' arrays (shapes checked by ``requests``); a request alone's on the device once.
+        NOTE: a batch's is made for its call only: batches of prompts seldom repeat, and a full cache
+        drains the device before it empties."""
         heads, dim = int(shapes[0][2]), int(shapes[0][4])
-        if any(len(s) != 5 or int(s[2]) != heads or int(s[4]) != dim for s in shapes):
-            raise ValueError("a batch's requests: (layers, 2, heads, tokens, dim) arrays of one heads and dim")
         reqs = tuple((int(s[3]), tuple(int(c) for c in lc)) for s, lc in zip(shapes, layer_counts, strict=True))
         key = (heads, dim, epl, reqs)
-        if key not in self._geo:
-            if len(self._geo) > 64:
-                self.cp.cuda.Device().synchronize()  # NOTE: no kernel may still read what the pool takes back
-                self._geo.clear()
-            g = Geometry.batch(heads, dim, epl, reqs)
-            cp = self.cp
-            args = (cp.asarray(g.block_e0), cp.asarray(g.block_n), np.int32(g.n_blocks), np.int32(epl),
-                    cp.asarray(g.block_req), cp.asarray(g.req_e0), cp.asarray(g.req_tokens), np.int32(dim))
-            e0 = np.cumsum(g.chunk_n) - g.chunk_n
-            chunks = tuple(cp.asarray(np.asarray(a, np.int64)) for a in (g.chunk_b0, g.chunk_blocks, e0))
-            self._geo[key] = (g, args, chunks)
-        g = self._geo[key][0]
-        for q, s in enumerate(shapes):
-            n = int(g.req_e0[q + 1] if q + 1 < len(shapes) else g.n_elements) - int(g.req_e0[q])
-            if int(np.prod(s)) != n:
-                raise ValueError(f"{tuple(s)} does not hold layers {list(layer_counts[q])}")
-        return self._geo[key]
+        hit = self._geo.get(key)  # NOTE: read once: another thread may empty the cache meanwhile
+        if hit is None:
+            hit = self._geometry_on_device(Geometry.batch(heads, dim, epl, reqs))
+            if len(reqs) == 1:
+                if len(self._geo) > 64:
+                    self.cp.cuda.Device().synchronize()  # NOTE: no kernel may still read what the pool takes back
+                    self._geo.clear()
+                self._geo[key] = hit
+        return hit
+
+    def _geometry_on_device(self, g: Geometry) -> tuple[Geometry, tuple, tuple]:
+        cp = self.cp
+        args = (cp.asarray(g.block_e0), cp.asarray(g.block_n), np.int32(g.n_blocks), np.int32(g.epl),
+                cp.asarray(g.block_req), cp.asarray(g.req_e0), cp.asarray(g.req_tokens), np.int32(g.dim))
+        e0 = np.cumsum(g.chunk_n) - g.chunk_n
+        return g, args, tuple(cp.asarray(np.asarray(a, np.int64)) for a in (g.chunk_b0, g.chunk_blocks, e0))
 
     def requests(self, reqs: Sequence["Request"], epl: int, encode: bool) -> tuple:
         """A batch's arrays checked: (geometry, kernel block arguments + req_ptr, chunk arguments, fp8,
-        the arrays req_ptr points at: held until the call's kernels are queued)."""
+        the arrays req_ptr points at: the caller holds them until the call's kernels have read them)."""
         if not reqs:
             raise ValueError("a batch needs at least one request")
         cp, held, ptrs = self.cp, [], []
-        kvs = [cp.asarray(r.kv) for r in reqs]  # NOTE: views of torch CUDA tensors, never copies
-        fp8 = kvs[0].dtype.itemsize == 1
+        kvs = [self._kv(r.kv, encode) for r in reqs]
+        fp8, (heads, dim) = kvs[0].dtype.itemsize == 1, (kvs[0].shape[2], kvs[0].shape[4])
+        device = cp.cuda.Device().id
         for r, kv in zip(reqs, kvs, strict=True):
             if (kv.dtype.itemsize == 1) != fp8:
                 raise ValueError("a batch's requests: one KV dtype (BF16 or FP8)")
-            if encode:
-                kv = self.bits(kv, 1 if fp8 else 2, "x")
-            elif not kv.flags.c_contiguous:
-                raise ValueError("out must be C-contiguous")
+            if (kv.shape[2], kv.shape[4]) != (heads, dim):
+                raise ValueError("a batch's requests: (layers, 2, heads, tokens, dim) arrays of one heads and dim")
+            if sum(int(c) for c in r.layer_counts) != kv.shape[0]:
+                raise ValueError(f"{tuple(kv.shape)} does not hold layers {list(r.layer_counts)}")
             mu = self.bits(r.mu, 4 if fp8 else 2, "mu")
             if mu.size != kv.size:
                 raise ValueError(f"mu: {mu.size} values, expected {kv.size}")
             L = self.levels(r.log2_sigma, channels(kv.shape))
+            for a in (kv, mu, L):  # NOTE: a kernel reads req_ptr's addresses as the current device's
+                if getattr(getattr(a, "device", None), "id", device) != device:
+                    raise ValueError(f"an array on device {a.device.id}: this coder runs on device {device}")
             held.append((kv, mu, L))
             ptrs += [address(kv), address(mu), address(L)]  # NOTE: spk_device.cuh SPK_REQ_PTRS order
         g, geo, chunks = self.geometry([h[0].shape for h in held], epl, [r.layer_counts for r in reqs])
         return g, geo + (cp.asarray(np.array(ptrs, np.uint64)),), chunks, fp8, held
+
+    def _kv(self, kv: Any, encode: bool) -> Any:
+        """A request's KV (encode: its bit patterns, on the device) or the device array it decodes into."""
+        if encode:
+            a = self.cp.asarray(kv)  # NOTE: a view of a torch CUDA tensor; a host array is copied over
+            a = self.bits(a, 1 if a.dtype.itemsize == 1 else 2, "x")
+        else:
+            # NOTE: a host array would be copied to the device, decoded into there and dropped: refused
+            if not hasattr(kv, "__cuda_array_interface__"):
+                raise ValueError("out must be a device array (CuPy, or a torch CUDA tensor's int16 / uint8 view)")
+            a = self.cp.asarray(kv)
+            if address(a) != address(kv) or a.dtype.kind not in "iu" or a.dtype.itemsize not in (1, 2):
+                raise ValueError(f"out: expected 16- or 8-bit bit patterns in place, not {a.dtype}")
+            if not a.flags.c_contiguous:
+                raise ValueError("out must be C-contiguous")
+        if a.ndim != 5:
+            raise ValueError(f"expected (layers, 2, heads, tokens, dim) arrays, not {tuple(a.shape)}")
+        return a
 
     def staging(self, shape: Any, dtype: Any) -> np.ndarray:
         """A host array the device copies from at full speed (pinned where CuPy has it)."""

@@ -13,6 +13,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from speckv.errors import RansDecodeError
+
 from .native import EncodedChunk, FlatTables, _error
 from .rans import LANES, PROB_SCALE, RansBlocks, _check_blocks
 
@@ -236,17 +238,34 @@ def encoded_chunks(g: Geometry, lay: Any, states: np.ndarray, n_words: np.ndarra
     return out
 
 
+def _chunk_blocks(blocks: RansBlocks, n_blocks: int) -> tuple[np.ndarray, ...]:
+    """A chunk's (states, counts, words), checked as NativeCoder.decode does (RansDecodeError, ValueError)."""
+    states, counts, words = _check_blocks(blocks)
+    if states.shape[0] != n_blocks:
+        raise ValueError(f"states: {states.nbytes} bytes, expected {int(n_blocks) * LANES * 4}")
+    return states, counts, words
+
+
+def stream_errors(g: Geometry, streams: Sequence[Sequence[tuple[RansBlocks, bytes]]]) -> list[Exception | None]:
+    """Per request, what ``concat_streams`` would raise on its chunks' blocks, or None."""
+    errors: list[Exception | None] = []
+    for q, st in enumerate(streams):
+        c0 = int(g.req_chunk0[q])
+        try:
+            for (blocks, _), nb in zip(st, g.chunk_blocks[c0:c0 + len(st)], strict=True):
+                _chunk_blocks(blocks, int(nb))
+            errors.append(None)
+        except (ValueError, RansDecodeError) as e:
+            errors.append(e)
+    return errors
+
+
 def concat_streams(g: Geometry, streams: Sequence[tuple[RansBlocks, bytes]],
                    alloc: Any = np.empty) -> tuple[np.ndarray, ...]:
     """The chunks' states, word counts and words (into ``alloc``'s array), checked as NativeCoder.decode does."""
     if len(streams) != len(g.chunk_n):
         raise ValueError(f"need a list of {len(g.chunk_n)} chunk streams")
-    parts = []
-    for (blocks, _), nb in zip(streams, g.chunk_blocks, strict=True):
-        states, counts, words = _check_blocks(blocks)
-        if states.shape[0] != nb:
-            raise ValueError(f"states: {states.nbytes} bytes, expected {int(nb) * LANES * 4}")
-        parts.append((states, counts, words))
+    parts = [_chunk_blocks(blocks, nb) for (blocks, _), nb in zip(streams, g.chunk_blocks, strict=True)]
     if not parts:
         return np.zeros((0, LANES), np.uint32), np.zeros(0, np.uint32), np.zeros(0, np.uint16)
     words = np.concatenate([p[2] for p in parts], out=alloc(sum(len(p[2]) for p in parts), np.uint16))

@@ -316,9 +316,9 @@ __device__ void decode_values(SPK_GEO_ARGS, const uint32_t* __restrict__ info,
         if (kind == SPK_KIND_NORMAL) {
             v = spk_normal_value<FX>(k, c, spk_read_bits(buf, low + inc - w, w), &normal_bad);
         } else if (kind == SPK_KIND_ZERO) {
-            const uint32_t r = lane_rank(zb, lane);
-            v = spk_zero_value<FX>(k, c, spk_read_bits(buf, zman + (unsigned long long)r * FX::mant, FX::mant),
-                                   deltas[z + r], &zero_bad);
+            const uint32_t rank = lane_rank(zb, lane);
+            v = spk_zero_value<FX>(k, c, spk_read_bits(buf, zman + (unsigned long long)rank * FX::mant, FX::mant),
+                                   deltas[z + rank], &zero_bad);
         } else if (kind == SPK_KIND_ESC) {
             v = spk_read_bits(buf, esc + (unsigned long long)lane_rank(xb, lane) * FX::bits, FX::bits);
         }

@@ -108,6 +108,30 @@ def test_batch_fails_only_the_corrupt_request(coders, ckpt, part):
 
 
 @pytest.mark.gpu
+def test_batch_fails_only_the_request_whose_blocks_are_malformed(coders, ckpt):
+    """Blocks the host refuses before any kernel runs (a state below RANS_L, words cut short, a block
+    too few): that request's error as decoding it alone, the others decoded."""
+    cu, nat, _ = coders
+    model = models_of(ckpt)[2]
+    reqs = _requests(cu, nat, model, False)
+    streams = [[(p.blocks, p.bits) for p in r[4]] for r in reqs]
+    b0, b3, b1 = streams[0][1][0], streams[3][0][0], streams[1][0][0]
+    low = b0.states.copy()
+    low[0, 5] = 5
+    streams[0][1] = (type(b0)(low, b0.word_counts, b0.words), streams[0][1][1])
+    streams[3][0] = (type(b3)(b3.states, b3.word_counts, b3.words[:-1]), streams[3][0][1])
+    streams[1][0] = (type(b1)(b1.states[:0], b1.word_counts[:0], b1.words[:0]), streams[1][0][1])
+    want = {q: decode_outcome(nat, reqs[q][1], reqs[q][2], reqs[q][3], 16, streams[q], model.tables, reqs[q][0])
+            for q in (0, 3)}
+    outs = _device(cu, reqs, out=True)
+    errors = cu.decode_batch(outs, 16, streams, model.tables)
+    for q in (0, 3):
+        assert f"{type(errors[q]).__name__}: {errors[q]}" == want[q] and "RansDecodeError" in want[q]
+    assert isinstance(errors[1], ValueError) and "states:" in str(errors[1])
+    assert errors[2] is None and np.array_equal(cu.cp.asnumpy(outs[2].kv), reqs[2][0])
+
+
+@pytest.mark.gpu
 def test_one_request_calls_raise_the_batch_error(coders, ckpt):
     cu, nat, _ = coders
     model = models_of(ckpt)[2]
@@ -163,6 +187,16 @@ def test_batch_refuses_requests_it_cannot_code_together(coders, ckpt):
         "need a list of 2 chunk streams": lambda: cu.decode_batch(reqs, 16, [streams[0][:1]] + streams[1:],
                                                                    model.tables),
         "mu: ": lambda: cu.encode_batch([dataclasses.replace(reqs[0], mu=reqs[3].mu)], 16, model.tables),
+        "expected \\(layers, 2, heads, tokens, dim\\) arrays": lambda: cu.encode_batch(
+            [dataclasses.replace(reqs[0], kv=reqs[0].kv[0])], 16, model.tables),
+        "does not hold layers": lambda: cu.encode_batch(  # no tokens: no element to count, the layers still
+            [dataclasses.replace(reqs[2], layer_counts=[1])], 16, model.tables),
+        # NOTE: a host array would be copied to the device and decoded into there: the caller's never written
+        "out must be a device array": lambda: cu.decode_batch(
+            [dataclasses.replace(reqs[0], kv=np.empty(reqs[0].kv.shape, np.uint16))], 16, streams[:1], model.tables),
+        "out: expected 16- or 8-bit": lambda: cu.decode_batch(
+            [dataclasses.replace(reqs[0], kv=cu.cp.empty(reqs[0].kv.shape, np.float32))], 16, streams[:1],
+            model.tables),
     }
     for why, call in cases.items():
         with pytest.raises(ValueError, match=why):
