@@ -54,15 +54,16 @@ def _native_or_numpy(threads: int) -> Any:
 
 
 def select_backend(coder: str, threads: int) -> Any:
-    """The backend object for ``coder`` (None = numpy): NativeCoder or CudaCoder."""
+    """The backend object for ``coder`` (None = numpy): NativeCoder, or the process's CudaCoder behind
+    its queue (QueuedCuda)."""
     if coder not in CODERS:
         raise ValueError(f"coder must be one of {CODERS}, not {coder!r}")
     if coder == "numpy":
         return None
     if (coder == "cuda" or (coder == "auto" and CUDA_IN_AUTO)) and cuda_available():
-        from .cuda import CudaCoder
+        from .cuda_queue import QueuedCuda
 
-        return CudaCoder.load()
+        return QueuedCuda.load()  # NOTE: concurrent transfers' calls share a launch a pass
     if coder == "cuda":
         _warn_once("cuda", "speckv: --coder cuda: no CUDA device or CuPy (pip install 'speckv[cuda]'); "
                    "using the CPU coder")

@@ -1,0 +1,154 @@
+"""The CUDA coder for a serving process: concurrent callers' encodes (decodes) share a launch a pass.
+
+A sidecar codes each transfer's chunks on a thread of its own (``asyncio.to_thread``), a few layers
+at a time: alone, such a call is a few dozen warps on a GPU of thousands. ``QueuedCuda`` queues the
+calls; one worker thread takes the queued calls of one kind (encode or decode) and one key (lane
+length, tables, KV dtype, heads, dim) and runs them as one ``CudaCoder.encode_batch`` /
+``decode_batch``. Each caller gets its own result or error: a corrupt stream fails its own decode
+only, and a batch that raises (an argument only one call got wrong) runs again call by call. Nothing
+waits to fill a batch: an idle coder starts a lone call at once, a busy one batches what arrived
+during the launch before (as ``server/batcher.py`` does with predictor passes). The worker thread
+exists only while calls are queued or running.
+
+Same signatures as ``CudaCoder.encode`` / ``decode`` (numpy in and out); everything else is the
+wrapped coder's.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from .cuda import CudaCoder, Request
+from .native import EncodedChunk
+from .rans import RansBlocks
+from .tables import CodingTables
+
+MAX_BATCH_ELEMENTS = 1 << 25  # a batch's KV scalars (64 MB of BF16): bounds its device scratch (~12 bytes each)
+
+
+@dataclass
+class _Call:
+    kind: str  # "encode" | "decode"
+    key: tuple
+    request: Request
+    streams: Sequence[tuple[RansBlocks, bytes]] | None  # decode
+    elements: int
+    future: "cf.Future[Any]"
+
+
+class QueuedCuda:
+    """A ``CudaCoder`` behind a queue (module docstring)."""
+
+    _load_lock = threading.Lock()
+    _cache: "QueuedCuda | None" = None
+
+    @classmethod
+    def load(cls) -> "QueuedCuda":
+        """The process's queue, in front of ``CudaCoder.load()``: every codec's calls share it."""
+        with cls._load_lock:
+            if cls._cache is None:
+                cls._cache = cls(CudaCoder.load())
+            return cls._cache
+
+    def __init__(self, coder: CudaCoder, max_elements: int = MAX_BATCH_ELEMENTS) -> None:
+        if max_elements < 1:
+            raise ValueError(f"max_elements must be >= 1, not {max_elements}")
+        self.coder, self.max_elements = coder, max_elements
+        self.name = coder.name
+        self._pending: deque[_Call] = deque()
+        self._lock = threading.Lock()
+        self._worker: threading.Thread | None = None
+        self.launches = self.calls = 0  # batches run, calls they carried (sizes: calls / launches)
+
+    def __getattr__(self, name: str) -> Any:  # prepare_mu, encode_device, ...: the coder's own
+        return getattr(self.coder, name)
+
+    def encode(self, x: np.ndarray, mu: np.ndarray, log2_sigma: np.ndarray, layer_counts: Sequence[int],
+               elems_per_lane: int, tables: CodingTables) -> list[EncodedChunk]:
+        """CudaCoder.encode, batched with the concurrent callers' encodes."""
+        x = np.ascontiguousarray(x)
+        return self._submit("encode", x, Request(x, np.ascontiguousarray(mu), log2_sigma, layer_counts),
+                            elems_per_lane, tables, None)
+
+    def decode(self, mu: np.ndarray, log2_sigma: np.ndarray, layer_counts: Sequence[int], elems_per_lane: int,
+               streams: Sequence[tuple[RansBlocks, bytes]], tables: CodingTables, out: np.ndarray) -> None:
+        """CudaCoder.decode, batched with the concurrent callers' decodes (``out`` written only on success)."""
+        dev = self.coder.cp.empty(out.shape, out.dtype)
+        self._submit("decode", out, Request(dev, np.ascontiguousarray(mu), log2_sigma, layer_counts),
+                     elems_per_lane, tables, streams)
+        out[...] = self.coder.cp.asnumpy(dev)  # NOTE: complete: decode_batch waits for its last pass
+
+    def _submit(self, kind: str, kv: np.ndarray, request: Request, epl: int, tables: CodingTables,
+                streams: Sequence[tuple[RansBlocks, bytes]] | None) -> Any:
+        # NOTE: id(tables): the caller holds them until its future ends, so no other object has that id meanwhile
+        key = (epl, id(tables), kv.dtype.itemsize, kv.shape[2:3], kv.shape[4:5])
+        call = _Call(kind, key + (tables,), request, streams, int(kv.size), cf.Future())
+        with self._lock:
+            self._pending.append(call)
+            if self._worker is None:
+                worker = threading.Thread(target=self._drain, name="speckv-cuda", daemon=True)
+                try:
+                    worker.start()
+                except BaseException:
+                    self._pending.remove(call)
+                    raise
+                self._worker = worker
+        return call.future.result()
+
+    def _take(self) -> list[_Call]:
+        """The oldest call and the queued calls of its kind and key, up to max_elements (lock held)."""
+        first = self._pending.popleft()
+        batch, n = [first], first.elements
+        for c in list(self._pending):
+            if (c.kind, c.key) == (first.kind, first.key) and n + c.elements <= self.max_elements:
+                self._pending.remove(c)
+                batch.append(c)
+                n += c.elements
+        return batch
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                if not self._pending:
+                    self._worker = None
+                    return
+                batch = self._take()
+            self._run([c for c in batch if c.future.set_running_or_notify_cancel()])
+
+    def _run(self, batch: list[_Call]) -> None:
+        """One batch; every future of it ends, whatever fails (NOTE: a worker that died here would leave
+        every later call waiting)."""
+        if not batch:
+            return
+        self.launches, self.calls = self.launches + 1, self.calls + len(batch)
+        try:
+            outcomes = self._launch(batch)
+        except Exception as e:  # noqa: BLE001 -- one call's bad argument fails a launch: each call alone
+            outcomes = [e] if len(batch) == 1 else [self._alone(c) for c in batch]
+        except BaseException as e:  # noqa: BLE001 -- every caller learns of it
+            outcomes = [e] * len(batch)
+        for c, o in zip(batch, outcomes, strict=True):
+            if isinstance(o, BaseException):
+                c.future.set_exception(o)
+            else:
+                c.future.set_result(o)
+
+    def _launch(self, batch: list[_Call]) -> list[Any]:
+        """Results (encode: chunks; decode: None) or errors, in ``batch``'s order."""
+        epl, tables = batch[0].key[0], batch[0].key[-1]
+        reqs = [c.request for c in batch]
+        if batch[0].kind == "encode":
+            return list(self.coder.encode_batch(reqs, epl, tables))
+        return list(self.coder.decode_batch(reqs, epl, [c.streams or [] for c in batch], tables))
+
+    def _alone(self, call: _Call) -> Any:
+        try:
+            return self._launch([call])[0]
+        except Exception as e:  # noqa: BLE001 -- this call's own error
+            return e
