@@ -62,9 +62,12 @@ for k, t in r.get("throughput", {}).items():
     print(k, {f: round(v, 3) if isinstance(v, float) else v for f, v in t.items() if f != "digest" and "profile" not in f})
     for way in ("encode", "decode"):
         print("   ", way, "ms", {n: round(v, 2) for n, v in t.get(f"{way}_profile_ms", {}).items()})
+for k in ("mixed", "queued"):
+    print(k, {f: round(v, 3) if isinstance(v, float) else v for f, v in r.get(k, {}).items()})
 EOF
-    timeout 150 python3 -m pytest -q -m gpu -k "not emulator" -p no:cacheprovider tests/coder/test_cuda_kernels.py \
-        tests/predictor/test_predictor_portable.py tests/predictor/test_predictor_w8a8.py > "$O/pytest_gpu.log" 2>&1
+    timeout 180 python3 -m pytest -q -m gpu -k "not emulator" -p no:cacheprovider tests/coder/test_cuda_kernels.py \
+        tests/coder/test_cuda_batch.py tests/coder/test_cuda_queue.py tests/predictor/test_predictor_portable.py \
+        tests/predictor/test_predictor_w8a8.py > "$O/pytest_gpu.log" 2>&1
     echo "pytest rc=$?"; tail -5 "$O/pytest_gpu.log"
     # the same figures from the native CPU coder on this machine's cores, for `auto`'s choice
     timeout 100 python3 benchmarks/gpu_check.py --backend native --repeats 3 --json > "$O/gpu_check_native.json" \

@@ -11,6 +11,9 @@ no model load): the shipped checkpoint's tables and sigma, seeded synthetic KV a
    at streaming granularity (2 layers x 2048 tokens), batched (30 layers), and several
    requests per launch (stacked along the layer axis), next to the device's D2D copy.
 
+   On a device also: prompts of other lengths (512 to 3072 tokens) in one call each way
+   (``encode_batch`` / ``decode_batch``) against a call a prompt, and 8 callers at once through
+   ``QueuedCuda`` against their calls one after another (benchmarks/gpu_batch.py).
 4. ``--sweep``: the batched and 4-request cases under each tuning of coder/cuda.py's SWEEP (launch
    and compile knobs: speed, never bytes; every tuning's streams must equal the default's).
 Each throughput case also reports its floor: the GB/s at which the device's copy bandwidth moves the
@@ -24,77 +27,26 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from speckv.coder.model import fp8_log2_sigma
-from speckv.coder.native import EncodedChunk, NativeCoder
+from speckv.coder.native import NativeCoder
 from speckv.coder.residual import ResidualModel
 
 sys.path.insert(0, str(Path(__file__).parent))
-# NOTE: re-exported: cuda_host_cost.py and the tests take the inputs from here
-from gpu_inputs import affine, levels, load_models, synth, typical, typical_fp8  # noqa: E402, F401
+# NOTE: re-exported: cuda_host_cost.py and the tests take them from here
+from gpu_batch import MIXED_TOKENS, mixed_requests, queued_streaming  # noqa: E402, F401
+from gpu_common import Device, _streams, affine, levels, load_models, stream_digest, synth, timed, typical, typical_fp8  # noqa: E402, F401
 
 DIGESTS = Path(__file__).with_name("gpu_check_digests.json")
 # (name, layers, tokens, elems_per_lane, layers_per_chunk): small enough for the CPU test
 CASES = (("lanes64", 30, 64, 64, 2), ("partial", 30, 37, 1024, 7))
-
-
-# -- backends: the device one takes arrays in its memory; native stands in on a CPU ---------------
-class Device:
-    def __init__(self, backend: str, tuning: Any = None) -> None:
-        self.name = backend
-        if backend == "cuda":
-            import cupy as cp
-            import cupyx
-
-            from speckv.coder.cuda import CudaCoder
-
-            self.xp = cp
-            self.coder = CudaCoder.load() if tuning is None else CudaCoder(cp, cupyx.empty_pinned, tuning)
-        else:
-            self.xp, self.coder = np, NativeCoder(threads=os.cpu_count() or 1)
-
-    def put(self, a: np.ndarray | None) -> Any:
-        return None if a is None else self.xp.asarray(a)
-
-    def prepare_mu(self, mu: Any, a: Any, b: Any, scales: Any) -> Any:
-        fn = self.coder.prepare_mu_device if self.name == "cuda" else self.coder.prepare_mu
-        return fn(mu, a, b, scales)
-
-    def encode(self, *args: Any) -> list[EncodedChunk]:
-        return (self.coder.encode_device if self.name == "cuda" else self.coder.encode)(*args)
-
-    def decode(self, *args: Any) -> None:
-        (self.coder.decode_device if self.name == "cuda" else self.coder.decode)(*args)
-
-    def get(self, a: Any) -> np.ndarray:
-        return a.get() if self.name == "cuda" else a
-
-    def sync(self) -> None:
-        if self.name == "cuda":
-            self.xp.cuda.Device().synchronize()
-
-
-def stream_digest(parts: list[EncodedChunk]) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        for a in (p.blocks.states, p.blocks.word_counts, p.blocks.words):
-            h.update(np.ascontiguousarray(a).tobytes())
-        h.update(p.bits)
-    return h.hexdigest()
-
-
-def _streams(parts: list[EncodedChunk]) -> list:
-    return [(p.blocks, p.bits) for p in parts]
 
 
 def run_case(dev: Device, ref: NativeCoder, model: ResidualModel, data: dict, epl: int, lpc: int) -> dict:
@@ -130,19 +82,6 @@ def check_all(dev: Device, models: dict[str, ResidualModel]) -> dict[str, dict]:
 
 
 # -- throughput ------------------------------------------------------------------------------------
-def timed(dev: Device, fn: Callable[[], Any], repeats: int) -> float:
-    """Median wall seconds of fn() (synchronised), after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        dev.sync()
-        t0 = time.perf_counter()
-        fn()
-        dev.sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def floor_gb_s(raw: int, moved: int, copy_gb_s: float | None) -> float | None:
     """GB/s of raw KV when a call moves ``moved`` bytes (read + written) at the device's copy
     bandwidth (``copy_gb_s`` counts each byte copied once: read and written)."""
@@ -205,54 +144,6 @@ THROUGHPUT = (("streaming", 2, 2048, 1, 1024, False), ("batched", 30, 2048, 1, 1
               ("streaming_epl256", 2, 2048, 1, 256, False), ("batched_fp8", 30, 2048, 1, 1024, True))
 
 
-MIXED_TOKENS = (512, 1024, 2048, 3072)  # prompts of other lengths (30 layers each: 153 MB of BF16 KV)
-
-
-def mixed_requests(dev: Device, model: ResidualModel, repeats: int, tokens: tuple[int, ...] = MIXED_TOKENS,
-                   layers: int = 30, epl: int = 1024) -> dict:
-    """Prompts of other lengths: coded one call per prompt, and all in one call each way
-    (``encode_batch`` / ``decode_batch``: one launch a pass; the native coder has no batch, so there
-    both columns are a call per prompt). GB/s of their raw KV; whether each prompt's streams in the
-    batch equal its own call's, and every prompt decodes bit for bit."""
-    L, (a, b) = levels(model, layers, None), affine(model, layers)
-    counts = [min(2, layers - i) for i in range(0, layers, 2)]
-    data = [typical(11 + i, L, t) for i, t in enumerate(tokens)]
-    xs = [(d["x"], dev.put(d["x"]), dev.prepare_mu(dev.put(d["mu"]), a, b, None)) for d in data]
-    outs = [dev.xp.empty(x.shape, x.dtype) for x, _, _ in xs]
-
-    def enc_one() -> list:
-        return [dev.encode(xd, m, L, counts, epl, model.tables) for _, xd, m in xs]
-
-    alone = enc_one()
-
-    def dec_one() -> list:
-        return [dev.decode(m, L, counts, epl, _streams(p), model.tables, o)
-                for (_, _, m), p, o in zip(xs, alone, outs, strict=True)]
-
-    enc, dec = enc_one, dec_one
-    if dev.name == "cuda":
-        from speckv.coder.cuda import Request
-
-        def enc() -> list:
-            return dev.coder.encode_batch([Request(xd, m, L, counts) for _, xd, m in xs], epl, model.tables)
-
-        def dec() -> list:
-            reqs = [Request(o, m, L, counts) for (_, _, m), o in zip(xs, outs, strict=True)]
-            return dev.coder.decode_batch(reqs, epl, [_streams(p) for p in alone], model.tables)
-
-    same = all(stream_digest(p) == stream_digest(q) for p, q in zip(enc(), alone, strict=True))
-    for o in outs:
-        o.fill(0)
-    errors = dec()
-    correct = all(e is None for e in errors) and all(
-        np.array_equal(dev.get(o), x) for (x, _, _), o in zip(xs, outs, strict=True))
-    raw = sum(x.nbytes for x, _, _ in xs)
-    gb_s = lambda fn: raw / timed(dev, fn, repeats) / 1e9  # noqa: E731
-    return {"tokens": list(tokens), "layers": layers, "raw_mb": raw / 1e6, "encode_gb_s": gb_s(enc),
-            "decode_gb_s": gb_s(dec), "one_call_a_prompt_encode_gb_s": gb_s(enc_one),
-            "one_call_a_prompt_decode_gb_s": gb_s(dec_one), "same_streams_as_alone": same, "decode_correct": correct}
-
-
 # (name, layers, tokens, requests): the cases each tuning runs
 SWEEP_CASES = (("batched", 30, 2048, 1), ("requests4", 30, 2048, 4))
 
@@ -290,12 +181,15 @@ def run(backend: str, repeats: int, speed: bool, tuned: bool = False) -> dict:
         rep["throughput"] = {name: throughput(dev, models["tuned"], layers, tokens, req, repeats, epl, fp8=fp8,
                                               copy_gb_s=rep["copy_gb_s"])
                              for name, layers, tokens, req, epl, fp8 in THROUGHPUT}
-        rep["mixed"] = mixed_requests(dev, models["tuned"], repeats)
+        if backend == "cuda":  # NOTE: the native coder has no batch: a call a prompt either way
+            rep["mixed"] = mixed_requests(dev, models["tuned"], repeats)
+            rep["queued"] = queued_streaming(dev, models["tuned"], repeats)
     if tuned:
         rep["sweep"] = sweep(models, repeats, rep["copy_gb_s"])
     checks = [v[k] for v in rep["cases"].values() for k in ("streams_equal", "mu_equal", "gpu_to_cpu", "cpu_to_gpu")]
     checks += [t["decode_correct"] for t in rep.get("throughput", {}).values()]
-    checks += [rep["mixed"][k] for k in ("same_streams_as_alone", "decode_correct") if "mixed" in rep]
+    checks += [rep[c][k] for c, ks in (("mixed", ("same_streams_as_alone", "decode_correct")),
+                                       ("queued", ("same_streams", "decode_correct"))) if c in rep for k in ks]
     for r in rep.get("sweep", []):
         checks += [r["same_streams"]] + [f["decode_correct"] for f in r["cases"].values()]
     rep["ok"] = all(checks) and rep["digests_match"]
@@ -344,14 +238,20 @@ def main() -> int:
               f"| D2D copy | {rep['copy_gb_s']:.1f} | | {rep['copy_gb_s']:.1f} | | | |")
         for name, t in rep["throughput"].items():
             print(f"| {name} ({t['raw_mb']:.1f} MB) | {_row(t)} | {t['bits_per_scalar']:.2f} |")
-        m = rep["mixed"]
-        print(f"prompts of {m['tokens']} tokens ({m['raw_mb']:.1f} MB): one call each way {m['encode_gb_s']:.2f} / "
-              f"{m['decode_gb_s']:.2f} GB/s, a call a prompt {m['one_call_a_prompt_encode_gb_s']:.2f} / "
-              f"{m['one_call_a_prompt_decode_gb_s']:.2f}; streams as alone {m['same_streams_as_alone']}")
         for name, t in rep["throughput"].items():
             for way in ("encode", "decode"):
                 if f"{way}_profile_ms" in t:
                     print(f"{name} {way} ms: " + ", ".join(f"{k} {v:.2f}" for k, v in t[f"{way}_profile_ms"].items()))
+    if "mixed" in rep:
+        m = rep["mixed"]
+        print(f"prompts of {m['tokens']} tokens ({m['raw_mb']:.1f} MB): one call each way {m['encode_gb_s']:.2f} / "
+              f"{m['decode_gb_s']:.2f} GB/s, a call a prompt {m['one_call_a_prompt_encode_gb_s']:.2f} / "
+              f"{m['one_call_a_prompt_decode_gb_s']:.2f}; streams as alone {m['same_streams_as_alone']}")
+    if "queued" in rep:
+        qd = rep["queued"]
+        print(f"{qd['callers']} callers at once, a streaming call each way ({qd['raw_mb']:.1f} MB): queued "
+              f"{qd['queued_gb_s']:.2f} GB/s ({qd['calls_a_launch']:.1f} calls a launch), one after another "
+              f"{qd['serial_gb_s']:.2f}; streams as the coder's {qd['same_streams']}")
     if "sweep" in rep:
         print("| tuning | case | encode GB/s | kept | decode GB/s | kept | floor GB/s | streams as the defaults' |\n"
               "|---|---|---|---|---|---|---|---|")

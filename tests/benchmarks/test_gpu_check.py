@@ -152,3 +152,40 @@ def test_mixed_prompts_in_one_call(gpu_check, emu_work):
         r = gpu_check.mixed_requests(dev, model, 1, tokens=(5, 40, 1), layers=3, epl=16)
         assert r["same_streams_as_alone"] and r["decode_correct"], dev.name
         assert r["raw_mb"] == 3 * 2 * 3 * 46 * 64 * 2 / 1e6 and r["encode_gb_s"] > 0 and r["decode_gb_s"] > 0
+
+
+def test_queued_callers_share_launches(gpu_check, emu_work):
+    """Concurrent callers through QueuedCuda on the emulated device: every call's streams as the coder's
+    own and its KV back; the figures of both ways."""
+    from cuda_emu import emulated_cupy
+
+    from speckv.coder.cuda import CudaCoder
+
+    dev = gpu_check.Device("native")
+    cp = emulated_cupy(emu_work)
+    dev.name, dev.xp, dev.coder = "cuda", cp, CudaCoder(cp, empty_pinned=np.empty)
+    r = gpu_check.queued_streaming(dev, gpu_check.load_models()["tuned"], 1, callers=3, tokens=24)
+    assert r["same_streams"] and r["decode_correct"] and 1 <= r["launches_first_round"] <= 6
+    assert r["raw_mb"] == 3 * 2 * 2 * 3 * 24 * 64 * 2 / 1e6 and r["queued_gb_s"] > 0 and r["serial_gb_s"] > 0
+
+
+def test_report_prints_every_figure(gpu_check, monkeypatch, capsys):
+    """main()'s table of a device run (its report made up here): a misspelt key would cost a lent
+    device's run its summary."""
+    tp = {"encode_gb_s": 1.0, "encode_kept_gb_s": 2.0, "decode_gb_s": 3.0, "decode_kept_gb_s": None,
+          "floor_gb_s": 9.0, "raw_mb": 3.1, "bits_per_scalar": 5.4, "encode_profile_ms": {"wall": 1.0}}
+    rep = {"cases": {}, "digests_match": True, "ok": True, "copy_gb_s": 1800.0, "throughput": {"streaming": tp},
+           "mixed": {"tokens": [512, 1024], "raw_mb": 10.0, "encode_gb_s": 1.0, "decode_gb_s": 2.0,
+                     "one_call_a_prompt_encode_gb_s": 0.5, "one_call_a_prompt_decode_gb_s": 0.4,
+                     "same_streams_as_alone": True},
+           "queued": {"callers": 8, "raw_mb": 25.2, "queued_gb_s": 3.0, "serial_gb_s": 1.0, "calls_a_launch": 4.0,
+                      "same_streams": True},
+           "sweep": [{"tuning": {"ahead": 8}, "cases": {"batched": tp}, "same_streams": True}]}
+    monkeypatch.setattr(gpu_check, "run", lambda *a, **k: rep)
+    monkeypatch.setattr("sys.argv", ["gpu_check.py", "--backend", "native"])
+    assert gpu_check.main() == 0
+    out = capsys.readouterr().out
+    for want in ("| streaming (3.1 MB) | 1.00 | 2.00 | 3.00 | - | 9.00 | 5.40 |", "a call a prompt 0.50 / 0.40",
+                 "queued 3.00 GB/s (4.0 calls a launch), one after another 1.00", "| ahead=8 | batched |",
+                 "overall ok True"):
+        assert want in out, out

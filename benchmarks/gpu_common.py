@@ -1,12 +1,20 @@
-"""Deterministic inputs of the GPU checks (benchmarks/gpu_check.py, cuda_host_cost.py): seeded
-synthetic KV and mu in numpy (any machine makes the same bytes), the shipped checkpoint's residual
-models, their sigma levels and mu corrections."""
+"""Shared by the GPU checks (benchmarks/gpu_check.py, gpu_batch.py, cuda_host_cost.py): deterministic
+inputs (seeded synthetic KV and mu in numpy: any machine makes the same bytes; the shipped
+checkpoint's residual models, their sigma levels and mu corrections), the device a check codes on
+(the native coder standing in on a CPU), stream digests and timing."""
 
 from __future__ import annotations
+
+import hashlib
+import os
+import statistics
+import time
+from typing import Any, Callable
 
 import numpy as np
 
 from speckv.coder.model import E4M3_F32, fp8_log2_sigma
+from speckv.coder.native import EncodedChunk, NativeCoder
 from speckv.coder.residual import ResidualModel, f32_to_bf16, models_of
 from speckv.predictor.checkpoint import load_checkpoint
 from speckv.predictor.store import default_checkpoint_dir
@@ -95,3 +103,65 @@ def typical_fp8(seed: int, L: np.ndarray, tokens: int) -> dict[str, np.ndarray]:
     x_f = x_f.view(np.float32)
     scales = (np.abs(x_f).max(axis=(2, 3, 4)) / 448).astype(np.float32)
     return {"x": e4m3(x_f / scales[:, :, None, None, None]), "mu": data["mu"], "scales": scales}
+
+
+# -- backends: the device one takes arrays in its memory; native stands in on a CPU ---------------
+class Device:
+    def __init__(self, backend: str, tuning: Any = None) -> None:
+        self.name = backend
+        if backend == "cuda":
+            import cupy as cp
+            import cupyx
+
+            from speckv.coder.cuda import CudaCoder
+
+            self.xp = cp
+            self.coder = CudaCoder.load() if tuning is None else CudaCoder(cp, cupyx.empty_pinned, tuning)
+        else:
+            self.xp, self.coder = np, NativeCoder(threads=os.cpu_count() or 1)
+
+    def put(self, a: np.ndarray | None) -> Any:
+        return None if a is None else self.xp.asarray(a)
+
+    def prepare_mu(self, mu: Any, a: Any, b: Any, scales: Any) -> Any:
+        fn = self.coder.prepare_mu_device if self.name == "cuda" else self.coder.prepare_mu
+        return fn(mu, a, b, scales)
+
+    def encode(self, *args: Any) -> list[EncodedChunk]:
+        return (self.coder.encode_device if self.name == "cuda" else self.coder.encode)(*args)
+
+    def decode(self, *args: Any) -> None:
+        (self.coder.decode_device if self.name == "cuda" else self.coder.decode)(*args)
+
+    def get(self, a: Any) -> np.ndarray:
+        return a.get() if self.name == "cuda" else a
+
+    def sync(self) -> None:
+        if self.name == "cuda":
+            self.xp.cuda.Device().synchronize()
+
+
+def stream_digest(parts: list[EncodedChunk]) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        for a in (p.blocks.states, p.blocks.word_counts, p.blocks.words):
+            h.update(np.ascontiguousarray(a).tobytes())
+        h.update(p.bits)
+    return h.hexdigest()
+
+
+def _streams(parts: list[EncodedChunk]) -> list:
+    return [(p.blocks, p.bits) for p in parts]
+
+
+def timed(dev: Device, fn: Callable[[], Any], repeats: int) -> float:
+    """Median wall seconds of fn() (synchronised), after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        dev.sync()
+        t0 = time.perf_counter()
+        fn()
+        dev.sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
