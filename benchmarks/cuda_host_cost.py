@@ -10,7 +10,9 @@ and of those the waits mid-call (a kernel launched after them: the device drains
 work was queued before the wait, as the encoder's rANS pass is before its wait for the bit counts).
 
 NOTE: nothing here is a kernel's time; only the host column is a figure for the device path. Cases: gpu_check.py's
-streaming (2 layers x 2048 tokens) and batched (30 layers) BF16 KV, the shipped checkpoint.
+streaming (2 layers x 2048 tokens) and batched (30 layers) BF16 KV, the shipped checkpoint; prompts4: four
+prompts of 512 to 3072 tokens (2 layers each), in one call each way against a call a prompt. Also reported:
+the largest UNARY section of a chunk, in the serial sweeps spk_decode_sections takes over it.
 Usage: python benchmarks/cuda_host_cost.py [--repeats 3] [--json]
 """
 
@@ -33,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 import cuda_emu  # noqa: E402
 import gpu_check as gc  # noqa: E402
 
-from speckv.coder.cuda import CudaCoder  # noqa: E402
+from speckv.coder.cuda import CudaCoder, Request  # noqa: E402
 
 WAITS = ("asnumpy", "get", "synchronize")  # calls that wait for the device
 SMALL = 1 << 16  # bytes: a kernel's arrays up to this size are recorded for replays
@@ -134,6 +136,36 @@ def case(cu: CudaCoder, meter: Meter, layers: int, repeats: int, tokens: int = 2
         rep[name] = meter.measure(fn, repeats)
     cu.decode_device(mu, L, counts, 1024, streams, model.tables, out)  # NOTE: for real: replays write no KV
     rep["decode_correct"] = bool(np.array_equal(np.asarray(out), data["x"]))
+    # the section pass's serial sweeps: a chunk's UNARY words, model_cta threads taking 4 words a sweep
+    lay, g = kept.layout, kept.geometry
+    unary = max(8 * int(lay.chunk_len[c]) - int(lay.start[int(g.chunk_b0[c]), 3]) for c in range(len(g.chunk_n)))
+    rep["unary_words"], rep["section_sweeps"] = -(-unary // 32), -(-unary // (32 * 4 * cu.tuning.model_cta))
+    return rep
+
+
+def prompts_case(cu: CudaCoder, meter: Meter, repeats: int, tokens: tuple[int, ...] = (512, 1024, 2048, 3072)) -> dict:
+    """Prompts of other lengths (2 layers each, a streaming call's worth), the streams kept on the
+    device: one call each way (``encode_batch_streams`` / ``decode_streams_batch``) against a call a
+    prompt."""
+    cp, model = cu.cp, gc.load_models()["tuned"]
+    L = gc.levels(model, 12, None)[10:]
+    a, b = (None if v is None else v[10:] for v in gc.affine(model, 12))
+    data = [gc.typical(31 + i, L, t) for i, t in enumerate(tokens)]
+    reqs = [Request(cp.asarray(d["x"]), cu.prepare_mu_device(cp.asarray(d["mu"]), a, b, None), L, [2]) for d in data]
+    outs = [Request(cp.empty(d["x"].shape, d["x"].dtype), r.mu, L, [2]) for d, r in zip(data, reqs, strict=True)]
+    kept = cu.encode_batch_streams(reqs, 1024, model.tables)
+    alone = [cu.encode_streams(r.kv, r.mu, L, [2], 1024, model.tables) for r in reqs]
+    calls = {"encode_kept, one call": lambda: cu.encode_batch_streams(reqs, 1024, model.tables),
+             "encode_kept, a call a prompt": lambda: [cu.encode_streams(r.kv, r.mu, L, [2], 1024, model.tables)
+                                                      for r in reqs],
+             "decode_kept, one call": lambda: cu.decode_streams_batch(kept, outs, 1024, model.tables),
+             "decode_kept, a call a prompt": lambda: [cu.decode_streams(s, o.mu, L, [2], 1024, model.tables, o.kv)
+                                                      for s, o in zip(alone, outs, strict=True)]}
+    rep: dict[str, Any] = {"raw_mb": sum(d["x"].nbytes for d in data) / 1e6, "tokens": list(tokens)}
+    for name, fn in calls.items():
+        rep[name] = meter.measure(fn, repeats)
+    cu.decode_streams_batch(kept, outs, 1024, model.tables)  # NOTE: for real: replays write no KV
+    rep["decode_correct"] = all(np.array_equal(np.asarray(o.kv), d["x"]) for o, d in zip(outs, data, strict=True))
     return rep
 
 
@@ -147,16 +179,19 @@ def main() -> int:
         cu = CudaCoder(cp, empty_pinned=np.empty)
         meter = Meter(cp)
         rep = {name: case(cu, meter, layers, args.repeats) for name, layers in (("streaming", 2), ("batched", 30))}
+        rep["prompts4"] = prompts_case(cu, meter, args.repeats)
     if args.json:
         print(json.dumps(rep))
     else:
         print("| case | call | host ms | device-array ops ms (numpy here) | launches | waits | of them mid-call |\n"
               "|---|---|---|---|---|---|---|")
         for name, r in rep.items():
-            for call in ("encode", "encode_kept", "decode", "decode_kept"):
-                c = r[call]
+            for call, c in ((k, v) for k, v in r.items() if isinstance(v, dict)):
                 print(f"| {name} ({r['raw_mb']:.1f} MB) | {call} | {c['host_ms']:.2f} | {c['device_ops_ms']:.2f} | "
                       f"{c['launches']:.0f} | {c['waits']:.0f} | {c['waits_mid_call']:.0f} |")
+        for name in ("streaming", "batched"):
+            print(f"{name}: a chunk's UNARY section at most {rep[name]['unary_words']} words, "
+                  f"{rep[name]['section_sweeps']} sweep(s) of spk_decode_sections")
     return 0 if all(r["decode_correct"] for r in rep.values()) else 1
 
 

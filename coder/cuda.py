@@ -265,7 +265,7 @@ class CudaCoder:
         for r, st in zip(requests, streams, strict=True):
             if len(st) != len(r.layer_counts):
                 raise ValueError(f"need a list of {len(r.layer_counts)} chunk streams")
-        errors = host.stream_errors(g, streams)
+        parts, errors = host.checked_blocks(g, streams)
         keep = [q for q, e in enumerate(errors) if e is None]
         if len(keep) < len(requests):  # NOTE: the others decode without the requests whose blocks failed
             if keep:
@@ -275,7 +275,7 @@ class CudaCoder:
                     errors[q] = e
             return errors
         flat = [c for st in streams for c in st]
-        states, counts, words = host.concat_streams(g, flat, self.args.staging)
+        states, counts, words = host.concat_streams([c for p in parts if p is not None for c in p], self.args.staging)
         bits, cbyte, clen = host.concat_bits([c[1] for c in flat], self.args.staging)
         word_lo = np.cumsum(counts, dtype=np.int64) - counts  # NOTE: chunks' words are concatenated in order
         return self._decode(g, (geo, chunks), fp8, tables, (cp.asarray(states), cp.asarray(counts), cp.asarray(word_lo),

@@ -23,6 +23,7 @@ class DeviceArgs:
         self.empty_pinned = empty_pinned  # cupyx.empty_pinned: host arrays the device copies into at full speed
         self._tables: dict[int, tuple[CodingTables, tuple[Any, ...], Any, int]] = {}
         self._geo: dict[tuple, tuple[Geometry, tuple[Any, ...], tuple[Any, ...]]] = {}
+        self._ptrs: dict[tuple[int, ...], Any] = {}  # request pointer tables by their addresses
 
     def bits(self, a: Any, itemsize: int, name: str) -> Any:
         """A contiguous unsigned view of bit patterns (int16 views of BF16 tensors welcome)."""
@@ -104,7 +105,18 @@ class DeviceArgs:
             held.append((kv, mu, L))
             ptrs += [address(kv), address(mu), address(L)]  # NOTE: spk_device.cuh SPK_REQ_PTRS order
         g, geo, chunks = self.geometry([h[0].shape for h in held], epl, [r.layer_counts for r in reqs])
-        return g, geo + (cp.asarray(np.array(ptrs, np.uint64)),), chunks, fp8, held
+        return g, geo + (self._pointers(tuple(ptrs)),), chunks, fp8, held
+
+    def _pointers(self, ptrs: tuple[int, ...]) -> Any:
+        """req_ptr on the device, once per set of addresses.
+        NOTE: a table is its addresses only: right whatever the arrays at them hold now."""
+        tab = self._ptrs.get(ptrs)
+        if tab is None:
+            if len(self._ptrs) > 256:
+                self.cp.cuda.Device().synchronize()  # NOTE: no kernel may still read what the pool takes back
+                self._ptrs.clear()
+            tab = self._ptrs[ptrs] = self.cp.asarray(np.array(ptrs, np.uint64))
+        return tab
 
     def _kv(self, kv: Any, encode: bool) -> Any:
         """A request's KV (encode: its bit patterns, on the device) or the device array it decodes into."""
@@ -130,8 +142,10 @@ class DeviceArgs:
 
 
 def address(a: Any) -> int:
-    """Device address of an array's first byte (__cuda_array_interface__, as CuPy and torch give it)."""
-    return int(a.__cuda_array_interface__["data"][0])
+    """Device address of an array's first byte: a CuPy array's data pointer, else its
+    __cuda_array_interface__ (as torch gives it)."""
+    ptr = getattr(getattr(a, "data", None), "ptr", None)  # NOTE: CuPy's; the interface builds a dict a call
+    return int(ptr) if ptr is not None else int(a.__cuda_array_interface__["data"][0])
 
 
 def channels(shape: Sequence[int]) -> int:

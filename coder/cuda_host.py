@@ -246,26 +246,26 @@ def _chunk_blocks(blocks: RansBlocks, n_blocks: int) -> tuple[np.ndarray, ...]:
     return states, counts, words
 
 
-def stream_errors(g: Geometry, streams: Sequence[Sequence[tuple[RansBlocks, bytes]]]) -> list[Exception | None]:
-    """Per request, what ``concat_streams`` would raise on its chunks' blocks, or None."""
+def checked_blocks(g: Geometry, streams: Sequence[Sequence[tuple[RansBlocks, bytes]]]) -> tuple[list, list]:
+    """Per request, its chunks' (states, counts, words), checked as NativeCoder.decode does, and None;
+    or None and the error that check raised (RansDecodeError, ValueError)."""
+    parts: list[list[tuple[np.ndarray, ...]] | None] = []
     errors: list[Exception | None] = []
     for q, st in enumerate(streams):
         c0 = int(g.req_chunk0[q])
         try:
-            for (blocks, _), nb in zip(st, g.chunk_blocks[c0:c0 + len(st)], strict=True):
-                _chunk_blocks(blocks, int(nb))
+            parts.append([_chunk_blocks(blocks, int(nb)) for (blocks, _), nb in
+                          zip(st, g.chunk_blocks[c0:c0 + len(st)], strict=True)])
             errors.append(None)
         except (ValueError, RansDecodeError) as e:
+            parts.append(None)
             errors.append(e)
-    return errors
+    return parts, errors
 
 
-def concat_streams(g: Geometry, streams: Sequence[tuple[RansBlocks, bytes]],
-                   alloc: Any = np.empty) -> tuple[np.ndarray, ...]:
-    """The chunks' states, word counts and words (into ``alloc``'s array), checked as NativeCoder.decode does."""
-    if len(streams) != len(g.chunk_n):
-        raise ValueError(f"need a list of {len(g.chunk_n)} chunk streams")
-    parts = [_chunk_blocks(blocks, nb) for (blocks, _), nb in zip(streams, g.chunk_blocks, strict=True)]
+def concat_streams(parts: Sequence[tuple[np.ndarray, ...]], alloc: Any = np.empty) -> tuple[np.ndarray, ...]:
+    """Checked chunks' (``checked_blocks``) states, word counts and words, each in one array (the
+    words in ``alloc``'s)."""
     if not parts:
         return np.zeros((0, LANES), np.uint32), np.zeros(0, np.uint32), np.zeros(0, np.uint16)
     words = np.concatenate([p[2] for p in parts], out=alloc(sum(len(p[2]) for p in parts), np.uint16))

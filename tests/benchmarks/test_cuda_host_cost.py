@@ -32,3 +32,16 @@ def test_calls_are_split_and_counted(host_cost, emu_work):
         assert rep[c]["host_ms"] > 0 and rep[c]["device_ops_ms"] > 0
     # mid-call: only the encode's wait for the bit counts (the rANS pass queued before it); a decode none
     assert [rep[c]["waits_mid_call"] for c in ("encode", "encode_kept", "decode", "decode_kept")] == [1, 1, 0, 0]
+    assert rep["unary_words"] > 0 and rep["section_sweeps"] >= 1
+
+
+def test_prompts_in_one_call_wait_as_one_prompt(host_cost, emu_work):
+    """Four prompts in one call each way: one call's launches and waits, where a call a prompt makes four
+    times as many; their KV round-trips."""
+    cp = host_cost.cuda_emu.emulated_cupy(emu_work)
+    cu = host_cost.CudaCoder(cp, empty_pinned=np.empty)
+    rep = host_cost.prompts_case(cu, host_cost.Meter(cp), 1, tokens=(5, 40, 1, 17))
+    assert rep["decode_correct"]
+    counted = {c: (v["launches"], v["waits"]) for c, v in rep.items() if isinstance(v, dict)}
+    assert counted == {"encode_kept, one call": (4, 1), "encode_kept, a call a prompt": (16, 4),
+                       "decode_kept, one call": (4, 3), "decode_kept, a call a prompt": (16, 12)}
