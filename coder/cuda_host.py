@@ -88,6 +88,8 @@ class Geometry:
 
     def same_layout(self, other: "Geometry") -> bool:
         """Whether streams coded for ``other`` hold this geometry's blocks (requests, tokens, chunks)."""
+        if other is self:  # NOTE: the usual case: one request's geometry comes from the coder's cache
+            return True
         return (self.heads, self.dim, self.epl) == (other.heads, other.dim, other.epl) and all(
             np.array_equal(a, b) for a, b in ((self.req_tokens, other.req_tokens), (self.req_chunks, other.req_chunks),
                                               (self.chunk_n, other.chunk_n)))
