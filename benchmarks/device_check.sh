@@ -5,7 +5,8 @@
 #
 #   coder: install speckv there (wheels of .dev/wheels, the native extension built for its
 #          python3), benchmarks/gpu_check.py (fused CUDA coder: digests, CPU<->GPU identity,
-#          throughput), the gpu-marked tests that need no embedded model; keeps the first part of
+#          throughput, prompts of other lengths in one call, callers through QueuedCuda), the
+#          gpu-marked tests that need no embedded model; keeps the first part of
 #          the embedded GGUF (.dev/a) in /tmp.
 #   model: joins the GGUF's second part (.dev/b): NOTE the 98 MB GGUF is over one call's 64 MiB,
 #          hence the two parts and two calls. Then benchmarks/gpu_predictor.py (the shipped rung
@@ -65,7 +66,7 @@ for k, t in r.get("throughput", {}).items():
 for k in ("mixed", "queued"):
     print(k, {f: round(v, 3) if isinstance(v, float) else v for f, v in r.get(k, {}).items()})
 EOF
-    timeout 180 python3 -m pytest -q -m gpu -k "not emulator" -p no:cacheprovider tests/coder/test_cuda_kernels.py \
+    timeout 150 python3 -m pytest -q -m gpu -k "not emulator" -p no:cacheprovider tests/coder/test_cuda_kernels.py \
         tests/coder/test_cuda_batch.py tests/coder/test_cuda_queue.py tests/predictor/test_predictor_portable.py \
         tests/predictor/test_predictor_w8a8.py > "$O/pytest_gpu.log" 2>&1
     echo "pytest rc=$?"; tail -5 "$O/pytest_gpu.log"

@@ -17,6 +17,7 @@ wrapped coder's.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -29,10 +30,11 @@ from .native import EncodedChunk
 from .rans import RansBlocks
 from .tables import CodingTables
 
+logger = logging.getLogger(__name__)
 MAX_BATCH_ELEMENTS = 1 << 25  # a batch's KV scalars (64 MB of BF16): bounds its device scratch (~12 bytes each)
 
 
-@dataclass
+@dataclass(eq=False)  # NOTE: compared by identity: its arrays have no truth value
 class _Call:
     kind: str  # "encode" | "decode"
     key: tuple
@@ -61,12 +63,15 @@ class QueuedCuda:
             raise ValueError(f"max_elements must be >= 1, not {max_elements}")
         self.coder, self.max_elements = coder, max_elements
         self.name = coder.name
+        self.device = coder.cp.cuda.Device().id  # the worker codes on the device the coder was made on
         self._pending: deque[_Call] = deque()
         self._lock = threading.Lock()
         self._worker: threading.Thread | None = None
         self.launches = self.calls = 0  # batches run, calls they carried (sizes: calls / launches)
 
     def __getattr__(self, name: str) -> Any:  # prepare_mu, encode_device, ...: the coder's own
+        if name == "coder" or name.startswith("__"):  # NOTE: a copy without __init__ must not recurse
+            raise AttributeError(name)
         return getattr(self.coder, name)
 
     def encode(self, x: np.ndarray, mu: np.ndarray, log2_sigma: np.ndarray, layer_counts: Sequence[int],
@@ -104,22 +109,35 @@ class QueuedCuda:
     def _take(self) -> list[_Call]:
         """The oldest call and the queued calls of its kind and key, up to max_elements (lock held)."""
         first = self._pending.popleft()
-        batch, n = [first], first.elements
-        for c in list(self._pending):
+        batch, rest, n = [first], deque[_Call](), first.elements
+        for c in self._pending:
             if (c.kind, c.key) == (first.kind, first.key) and n + c.elements <= self.max_elements:
-                self._pending.remove(c)
                 batch.append(c)
                 n += c.elements
+            else:
+                rest.append(c)
+        self._pending = rest
         return batch
 
     def _drain(self) -> None:
-        while True:
+        batch: list[_Call] = []
+        try:
+            self.coder.cp.cuda.Device(self.device).use()  # NOTE: a new thread starts on device 0
+            while True:
+                with self._lock:
+                    if not self._pending:
+                        self._worker = None
+                        return
+                    batch = self._take()
+                self._run([c for c in batch if c.future.set_running_or_notify_cancel()])
+                batch = []
+        except BaseException as e:  # noqa: BLE001 -- a dying worker fails every call it would leave waiting
             with self._lock:
-                if not self._pending:
-                    self._worker = None
-                    return
-                batch = self._take()
-            self._run([c for c in batch if c.future.set_running_or_notify_cancel()])
+                left, self._pending, self._worker = batch + list(self._pending), deque(), None
+            for c in left:
+                if not c.future.done():
+                    c.future.set_exception(e)
+            logger.error("speckv: the CUDA queue's worker failed; its calls end with the error", exc_info=e)
 
     def _run(self, batch: list[_Call]) -> None:
         """One batch; every future of it ends, whatever fails (NOTE: a worker that died here would leave

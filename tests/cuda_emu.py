@@ -205,7 +205,8 @@ def emulated_cupy(work: Path) -> Any:
         setattr(cp, name, getattr(np, name))
     cp.asnumpy = _asnumpy
     cp.ones, cp.empty_like = _device(np.ones), _device(np.empty_like)
-    cp.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0, synchronize=lambda: None), Event=_Event,
+    cp.cuda = types.SimpleNamespace(Device=lambda i=0: types.SimpleNamespace(id=i, synchronize=lambda: None,
+                                                                                use=lambda: None), Event=_Event,
                                     get_elapsed_time=lambda a, b: 1e3 * (b.t - a.t),  # ms, as CuPy's
                                     get_current_stream=lambda: _Stream())
     cp.RawModule = lambda code, options: _Module(build(code, work, tuple(options)), device_only=True)

@@ -44,7 +44,7 @@ def _concurrently(q, entered, release, calls):
         except Exception as e:  # noqa: BLE001 -- compared by the test
             out[i] = e
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]  # NOTE: a hang fails
     threads[0].start()
     assert entered.wait(60)
     for t in threads[1:]:
@@ -54,7 +54,8 @@ def _concurrently(q, entered, release, calls):
         time.sleep(0.01)
     release.set()
     for t in threads:
-        t.join(120)
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a caller still waits"
     return out
 
 
@@ -163,3 +164,39 @@ def test_the_cuda_coder_is_the_process_queue(coders, monkeypatch):
     monkeypatch.setattr(QueuedCuda, "_cache", None)
     a, b = backends.select_backend("cuda", 2), backends.select_backend("cuda", 2)
     assert isinstance(a, QueuedCuda) and a is b and a.coder is coders[0] and backends.backend_name(a) == "cuda"
+
+
+@pytest.mark.gpu
+def test_a_call_that_fits_past_one_that_does_not(coders, ckpt):
+    """The queue takes a later call that fits past an earlier one that does not (17 tokens, then 40
+    left for the next launch, then 1): every call ends with its own streams."""
+    cu, nat, _ = coders
+    model = models_of(ckpt)[2]
+    cases = _cases(nat, model)
+    order = [cases[3], cases[0], cases[1], cases[2]]  # 9 tokens gated; then 17, 40, 1 queued
+    q, entered, release = _gated(cu)
+    q.max_elements = cases[0][0].size + cases[2][0].size
+    got = _concurrently(q, entered, release, [
+        lambda c=c: q.encode(c[0], c[1], c[2], c[3], c[4], model.tables) for c in order])
+    for c, parts in zip(order, got, strict=True):
+        assert_same_streams(parts, c[5])
+    assert (q.launches, q.calls) == (3, 4)  # the gated one; the 17- and 1-token ones; the 40-token one
+
+
+def test_a_worker_that_dies_fails_its_calls_and_the_next_call_starts_another(coders, ckpt):
+    """Nothing may leave a caller waiting: a worker killed by an error outside any launch fails the
+    call it holds and those queued; the next call starts a fresh worker. A copy of the queue (made
+    without __init__) reads the coder's attributes without recursing."""
+    import copy
+
+    cu, nat, _ = coders
+    model = models_of(ckpt)[2]
+    c = _cases(nat, model)[0]
+    q = QueuedCuda(cu)
+    real, q._take = q._take, lambda: (_ for _ in ()).throw(SystemError("worker broke"))
+    with pytest.raises(SystemError, match="worker broke"):
+        q.encode(c[0], c[1], c[2], c[3], c[4], model.tables)
+    assert q._worker is None and not q._pending
+    q._take = real
+    assert_same_streams(q.encode(c[0], c[1], c[2], c[3], c[4], model.tables), c[5])
+    assert copy.copy(q).prepare_mu == cu.prepare_mu
