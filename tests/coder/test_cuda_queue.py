@@ -68,16 +68,24 @@ def _cases(nat, model, epls=None):
     return out
 
 
+def _encodes(cu, model, cases, max_elements=None):
+    """``cases`` encoded through a gated queue (the first alone, the rest queued behind it), each
+    call's streams checked against the native coder's; the queue, for its launch counts."""
+    q, entered, release = _gated(cu)
+    q.max_elements = max_elements or q.max_elements
+    got = _concurrently(q, entered, release, [
+        lambda c=c: q.encode(c[0], c[1], c[2], c[3], c[4], model.tables) for c in cases])
+    for c, parts in zip(cases, got, strict=True):
+        assert_same_streams(parts, c[5])
+    return q
+
+
 @pytest.mark.gpu
 def test_concurrent_encodes_share_a_launch(coders, ckpt):
     cu, nat, _ = coders
     model = models_of(ckpt)[2]
     cases = _cases(nat, model)
-    q, entered, release = _gated(cu)
-    got = _concurrently(q, entered, release, [
-        lambda c=c: q.encode(c[0], c[1], c[2], c[3], c[4], model.tables) for c in cases])
-    for c, parts in zip(cases, got, strict=True):
-        assert_same_streams(parts, c[5])
+    q = _encodes(cu, model, cases)
     assert (q.launches, q.calls) == (2, len(cases))  # the gated one, then the rest together
 
 
@@ -114,11 +122,7 @@ def test_calls_of_other_lane_lengths_launch_apart(coders, ckpt):
     cu, nat, _ = coders
     model = models_of(ckpt)[2]
     cases = _cases(nat, model, epls=(16, 16, 64, 64))
-    q, entered, release = _gated(cu)
-    got = _concurrently(q, entered, release, [
-        lambda c=c: q.encode(c[0], c[1], c[2], c[3], c[4], model.tables) for c in cases])
-    for c, parts in zip(cases, got, strict=True):
-        assert_same_streams(parts, c[5])
+    q = _encodes(cu, model, cases)
     assert (q.launches, q.calls) == (3, 4)  # the gated one; the other at 16; the two at 64
 
 
@@ -127,12 +131,7 @@ def test_a_batch_stays_under_its_element_bound(coders, ckpt):
     cu, nat, _ = coders
     model = models_of(ckpt)[2]
     cases = _cases(nat, model)
-    q, entered, release = _gated(cu)
-    q.max_elements = cases[1][0].size  # the 40-token call fills a launch alone
-    got = _concurrently(q, entered, release, [
-        lambda c=c: q.encode(c[0], c[1], c[2], c[3], c[4], model.tables) for c in cases])
-    for c, parts in zip(cases, got, strict=True):
-        assert_same_streams(parts, c[5])
+    q = _encodes(cu, model, cases, max_elements=cases[1][0].size)  # the 40-token call fills a launch alone
     assert (q.launches, q.calls) == (3, 4)  # the gated one; the 40-token one; the 1- and 9-token ones
 
 
@@ -174,12 +173,7 @@ def test_a_call_that_fits_past_one_that_does_not(coders, ckpt):
     model = models_of(ckpt)[2]
     cases = _cases(nat, model)
     order = [cases[3], cases[0], cases[1], cases[2]]  # 9 tokens gated; then 17, 40, 1 queued
-    q, entered, release = _gated(cu)
-    q.max_elements = cases[0][0].size + cases[2][0].size
-    got = _concurrently(q, entered, release, [
-        lambda c=c: q.encode(c[0], c[1], c[2], c[3], c[4], model.tables) for c in order])
-    for c, parts in zip(order, got, strict=True):
-        assert_same_streams(parts, c[5])
+    q = _encodes(cu, model, order, max_elements=cases[0][0].size + cases[2][0].size)
     assert (q.launches, q.calls) == (3, 4)  # the gated one; the 17- and 1-token ones; the 40-token one
 
 
