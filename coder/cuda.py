@@ -155,7 +155,7 @@ class CudaCoder:
         """NativeCoder.prepare_mu (numpy in, numpy out)."""
         return self.cp.asnumpy(self.prepare_mu_device(np.ascontiguousarray(mu, np.uint16), a, b, scales))
 
-    # -- encode ------------------------------------------------------------------------
+    # -- encode --------------------------------------------------------------------------
     def encode_streams(self, x: Any, mu: Any, log2_sigma: Any, layer_counts: Sequence[int], elems_per_lane: int,
                        tables: CodingTables) -> DeviceStreams | None:
         """The encode, its streams left in device memory (for a sender that reads them there, such as
