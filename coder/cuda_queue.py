@@ -6,9 +6,11 @@ calls; one worker thread takes the queued calls of one kind (encode or decode) a
 length, tables, KV dtype, heads, dim) and runs them as one ``CudaCoder.encode_batch`` /
 ``decode_batch``. Each caller gets its own result or error: a corrupt stream fails its own decode
 only, and a batch that raises (an argument only one call got wrong) runs again call by call. Nothing
-waits to fill a batch: an idle coder starts a lone call at once, a busy one batches what arrived
-during the launch before (as ``server/batcher.py`` does with predictor passes). The worker thread
-exists only while calls are queued or running.
+waits to fill a batch: a call that finds the coder idle runs at once on its caller's thread (no
+hand-off to another thread: a lone caller pays nothing for the queue), and the calls that arrive
+meanwhile queue; a worker thread then runs them as one batch, and the next batch with what arrived
+during that launch (as ``server/batcher.py`` does with predictor passes). The worker thread exists
+only while calls are queued or running.
 
 Same signatures as ``CudaCoder.encode`` / ``decode`` (numpy in and out); everything else is the
 wrapped coder's.
@@ -67,6 +69,7 @@ class QueuedCuda:
         self._pending: deque[_Call] = deque()
         self._lock = threading.Lock()
         self._worker: threading.Thread | None = None
+        self._inline = False  # a call runs on its caller's thread
         self.launches = self.calls = 0  # batches run, calls they carried (sizes: calls / launches)
 
     def __getattr__(self, name: str) -> Any:  # prepare_mu, encode_device, ...: the coder's own
@@ -95,16 +98,42 @@ class QueuedCuda:
         key = (epl, id(tables), kv.dtype.itemsize, kv.shape[2:3], kv.shape[4:5])
         call = _Call(kind, key + (tables,), request, streams, int(kv.size), cf.Future())
         with self._lock:
-            self._pending.append(call)
-            if self._worker is None:
-                worker = threading.Thread(target=self._drain, name="speckv-cuda", daemon=True)
-                try:
-                    worker.start()
-                except BaseException:
-                    self._pending.remove(call)
-                    raise
-                self._worker = worker
+            inline = self._worker is None and not self._inline and not self._pending
+            if inline:
+                self._inline = True
+            else:
+                self._pending.append(call)
+                if self._worker is None and not self._inline:  # NOTE: else the running call starts one
+                    try:
+                        self._start_worker()
+                    except BaseException:
+                        self._pending.remove(call)
+                        raise
+        if inline:
+            self._run_inline(call)
         return call.future.result()
+
+    def _start_worker(self) -> None:  # NOTE: lock held
+        worker = threading.Thread(target=self._drain, name="speckv-cuda", daemon=True)
+        worker.start()
+        self._worker = worker
+
+    def _run_inline(self, call: _Call) -> None:
+        """A call that found the coder idle, on its caller's thread; then a worker for the calls that
+        queued meanwhile."""
+        try:
+            with self.coder.cp.cuda.Device(self.device):  # NOTE: the caller's thread may use another device
+                self._run([call] if call.future.set_running_or_notify_cancel() else [])
+        finally:
+            with self._lock:
+                self._inline = False
+                if self._pending and self._worker is None:
+                    try:
+                        self._start_worker()
+                    except BaseException as e:  # noqa: BLE001 -- no thread: the queued calls end with the error
+                        left, self._pending = list(self._pending), deque()
+                        for c in left:
+                            c.future.set_exception(e)
 
     def _take(self) -> list[_Call]:
         """The oldest call and the queued calls of its kind and key, up to max_elements (lock held)."""

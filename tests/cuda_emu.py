@@ -192,6 +192,25 @@ def _asnumpy(a: np.ndarray, stream: Any = None, order: str = "C", out: np.ndarra
     return out
 
 
+class _Device:
+    """cupy.cuda.Device: one device, 0."""
+
+    def __init__(self, i: int = 0) -> None:
+        self.id = i
+
+    def synchronize(self) -> None:
+        pass
+
+    def use(self) -> None:
+        pass
+
+    def __enter__(self) -> "_Device":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
 def _device(fn: Any) -> Any:
     return lambda *a, **k: np.asarray(fn(*a, **k)).view(DeviceArray)
 
@@ -205,8 +224,7 @@ def emulated_cupy(work: Path) -> Any:
         setattr(cp, name, getattr(np, name))
     cp.asnumpy = _asnumpy
     cp.ones, cp.empty_like = _device(np.ones), _device(np.empty_like)
-    cp.cuda = types.SimpleNamespace(Device=lambda i=0: types.SimpleNamespace(id=i, synchronize=lambda: None,
-                                                                                use=lambda: None), Event=_Event,
+    cp.cuda = types.SimpleNamespace(Device=_Device, Event=_Event,
                                     get_elapsed_time=lambda a, b: 1e3 * (b.t - a.t),  # ms, as CuPy's
                                     get_current_stream=lambda: _Stream())
     cp.RawModule = lambda code, options: _Module(build(code, work, tuple(options)), device_only=True)

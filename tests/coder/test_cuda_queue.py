@@ -1,7 +1,8 @@
 """``QueuedCuda`` (coder/cuda_queue.py): concurrent callers' encodes and decodes share a launch a pass.
 
-The worker's first launch is held at a gate until the other callers have queued, so the test knows
-which calls share a launch; every caller must get the native coder's outcome for its own call.
+The first call (run on its caller's thread: the coder is idle) is held at a gate until the other
+callers have queued, so the test knows which calls share a launch; every caller must get the native
+coder's outcome for its own call.
 On the warp emulator everywhere, on a CUDA device where there is one."""
 from __future__ import annotations
 
@@ -179,18 +180,37 @@ def test_a_call_that_fits_past_one_that_does_not(coders, ckpt):
 
 def test_a_worker_that_dies_fails_its_calls_and_the_next_call_starts_another(coders, ckpt):
     """Nothing may leave a caller waiting: a worker killed by an error outside any launch fails the
-    call it holds and those queued; the next call starts a fresh worker. A copy of the queue (made
-    without __init__) reads the coder's attributes without recursing."""
+    calls queued for it; the next calls run (inline, and queued for a fresh worker). A copy of the
+    queue (made without __init__) reads the coder's attributes without recursing."""
     import copy
 
     cu, nat, _ = coders
     model = models_of(ckpt)[2]
-    c = _cases(nat, model)[0]
-    q = QueuedCuda(cu)
+    cases = _cases(nat, model)[:2]
+    q, entered, release = _gated(cu)
     real, q._take = q._take, lambda: (_ for _ in ()).throw(SystemError("worker broke"))
-    with pytest.raises(SystemError, match="worker broke"):
-        q.encode(c[0], c[1], c[2], c[3], c[4], model.tables)
-    assert q._worker is None and not q._pending
+    got = _concurrently(q, entered, release, [
+        lambda c=c: q.encode(c[0], c[1], c[2], c[3], c[4], model.tables) for c in cases])
+    assert_same_streams(got[0], cases[0][5])  # the inline call
+    assert isinstance(got[1], SystemError) and q._worker is None and not q._pending
     q._take = real
-    assert_same_streams(q.encode(c[0], c[1], c[2], c[3], c[4], model.tables), c[5])
+    q2, entered, release = _gated(cu)
+    got = _concurrently(q2, entered, release, [
+        lambda c=c: q2.encode(c[0], c[1], c[2], c[3], c[4], model.tables) for c in cases])
+    for c, parts in zip(cases, got, strict=True):
+        assert_same_streams(parts, c[5])
     assert copy.copy(q).prepare_mu == cu.prepare_mu
+
+
+@pytest.mark.gpu
+def test_a_lone_call_runs_on_its_callers_thread(coders, ckpt):
+    """An idle coder runs a call at once on its caller's thread: no worker, no hand-off."""
+    cu, nat, _ = coders
+    model = models_of(ckpt)[2]
+    c = _cases(nat, model)[2]
+    q, ran_on = QueuedCuda(cu), []
+    inner = q._launch
+    q._launch = lambda batch: ran_on.append(threading.current_thread()) or inner(batch)
+    for _ in range(2):
+        assert_same_streams(q.encode(c[0], c[1], c[2], c[3], c[4], model.tables), c[5])
+    assert ran_on == [threading.current_thread()] * 2 and q._worker is None and (q.launches, q.calls) == (2, 2)
