@@ -96,8 +96,7 @@ class Geometry:
 
     def by_request(self, items: Sequence[Any]) -> list[list[Any]]:
         """Per-chunk ``items`` (in chunk order), grouped by request."""
-        ends = np.cumsum(self.req_chunks)
-        return [list(items[int(e - c):int(e)]) for e, c in zip(ends, self.req_chunks, strict=True)]
+        return [list(items[int(c0):int(c0 + n)]) for c0, n in zip(self.req_chunk0, self.req_chunks, strict=True)]
 
 
 def decode_tables(flat: FlatTables) -> tuple[np.ndarray, np.ndarray]:
