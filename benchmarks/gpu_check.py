@@ -9,7 +9,9 @@ no model load): the shipped checkpoint's tables and sigma, seeded synthetic KV a
    each way (encode: KV -> streams on the host, and with the streams kept in device memory;
    decode: streams on the host -> KV in device memory, and from the streams kept there),
    at streaming granularity (2 layers x 2048 tokens), batched (30 layers), and several
-   requests per launch (stacked along the layer axis), next to the device's D2D copy.
+   requests per launch (stacked along the layer axis), next to the device's D2D copy. On a
+   device also a sidecar's calls (``--coder cuda``): KV and mu' in host memory, the streams
+   to and from there, the calls the native coder's figures on the same machine time.
 
    On a device also: prompts of other lengths (512 to 3072 tokens) in one call each way
    (``encode_batch`` / ``decode_batch``) against a call a prompt, and 8 callers at once through
@@ -89,11 +91,12 @@ def floor_gb_s(raw: int, moved: int, copy_gb_s: float | None) -> float | None:
 
 
 def throughput(dev: Device, model: ResidualModel, layers: int, tokens: int, requests: int, repeats: int,
-               epl: int = 1024, lpc: int = 2, fp8: bool = False, copy_gb_s: float | None = None) -> dict:
+               epl: int = 1024, lpc: int = 2, fp8: bool = False, copy_gb_s: float | None = None,
+               host: bool = True) -> dict:
     """KV of ``requests`` stacked requests in device memory (BF16, or e4m3 codes), coded in one
     call each way; GB/s of the raw KV (2 or 1 bytes a scalar), its floor at ``copy_gb_s``, the
     streams' digest, and on a device the seconds of each kernel in one profiled call each way (the
-    rest of a call is the host's)."""
+    rest of a call is the host's); ``host``: also a sidecar's calls, from and to host memory."""
     # NOTE: a streaming call codes 2 middle layers (hybrid:4's first layers are exact, 0 bits)
     n, first = layers * requests, 10 if layers < 30 else 0
     L = levels(model, first + n, None)[first:]
@@ -114,10 +117,11 @@ def throughput(dev: Device, model: ResidualModel, layers: int, tokens: int, requ
     # bookkeeping, without the copy of the streams to the host
     kept = lambda: dev.coder.encode_streams(x, mu, L, counts, epl, model.tables)  # noqa: E731
     t_kept = timed(dev, kept, repeats) if dev.name == "cuda" else None
-    t_kept_dec = None
+    t_kept_dec, hosted = None, None
     if dev.name == "cuda":  # ... and decoded from there (decode_streams: no copy to the device)
         s = kept()
         t_kept_dec = timed(dev, lambda: dev.coder.decode_streams(s, mu, L, counts, epl, model.tables, out), repeats)
+        hosted = host_calls(dev, model, (data["x"], dev.get(mu), L, counts, epl), parts, repeats) if host else None
     wire = sum(len(p.bits) + 2 * p.blocks.words.size + 4 * p.blocks.states.size for p in parts)
     # the fewest bytes each way: KV, mu (4 bytes a scalar for FP8: mu' / scale as fp32) and L read, streams written
     # (encode), or streams, mu and L read, KV written (decode)
@@ -126,6 +130,9 @@ def throughput(dev: Device, model: ResidualModel, layers: int, tokens: int, requ
            "raw_mb": raw / 1e6, "encode_gb_s": raw / t_enc / 1e9, "decode_gb_s": raw / t_dec / 1e9,
            "encode_kept_gb_s": None if t_kept is None else raw / t_kept / 1e9,
            "decode_kept_gb_s": None if t_kept_dec is None else raw / t_kept_dec / 1e9,
+           "encode_host_gb_s": None if hosted is None else raw / hosted["encode_s"] / 1e9,
+           "decode_host_gb_s": None if hosted is None else raw / hosted["decode_s"] / 1e9,
+           "host_correct": None if hosted is None else hosted["correct"],
            "floor_gb_s": floor_gb_s(raw, moved, copy_gb_s), "digest": stream_digest(parts),
            "bits_per_scalar": 8 * wire / scalars, "decode_correct": bool(np.array_equal(dev.get(out), data["x"]))}
     if hasattr(dev.coder, "profiled"):
@@ -133,6 +140,19 @@ def throughput(dev: Device, model: ResidualModel, layers: int, tokens: int, requ
             wall, kernels = dev.coder.profiled(fn)
             rep[f"{name}_profile_ms"] = {"wall": 1e3 * wall, **{k: 1e3 * v for k, v in kernels.items()}}
     return rep
+
+
+def host_calls(dev: Device, model: ResidualModel, args: tuple, parts: list, repeats: int) -> dict:
+    """Median seconds of a sidecar's calls each way (``--coder cuda``: KV and mu' in host memory, the
+    streams to and from there; the native coder's figures on the same machine are the same calls on
+    its cores), and whether they wrote ``parts``' streams and the KV back."""
+    x, mu, L, counts, epl = args
+    out = np.empty_like(x)
+    enc = lambda: dev.coder.encode(x, mu, L, counts, epl, model.tables)  # noqa: E731
+    dec = lambda: dev.coder.decode(mu, L, counts, epl, _streams(parts), model.tables, out)  # noqa: E731
+    same = stream_digest(enc()) == stream_digest(parts)
+    t_enc, t_dec = timed(dev, enc, repeats), timed(dev, dec, repeats)
+    return {"encode_s": t_enc, "decode_s": t_dec, "correct": same and bool(np.array_equal(out, x))}
 
 
 # (name, layers, tokens, requests, elems_per_lane, fp8): streaming, batched and several requests at
@@ -157,7 +177,7 @@ def sweep(models: dict[str, ResidualModel], repeats: int, copy_gb_s: float | Non
     rows: list[dict] = []
     for t in SWEEP:
         dev = make(t)
-        figures = {name: throughput(dev, models["tuned"], layers, tokens, req, repeats, copy_gb_s=copy_gb_s)
+        figures = {name: throughput(dev, models["tuned"], layers, tokens, req, repeats, copy_gb_s=copy_gb_s, host=False)
                    for name, layers, tokens, req in cases}
         same = all(f["digest"] == rows[0]["cases"][n]["digest"] for n, f in figures.items()) if rows else True
         rows.append({"tuning": dataclasses.asdict(t), "cases": figures, "same_streams": same})
@@ -187,7 +207,8 @@ def run(backend: str, repeats: int, speed: bool, tuned: bool = False) -> dict:
     if tuned:
         rep["sweep"] = sweep(models, repeats, rep["copy_gb_s"])
     checks = [v[k] for v in rep["cases"].values() for k in ("streams_equal", "mu_equal", "gpu_to_cpu", "cpu_to_gpu")]
-    checks += [t["decode_correct"] for t in rep.get("throughput", {}).values()]
+    checks += [t[k] for t in rep.get("throughput", {}).values() for k in ("decode_correct", "host_correct")
+               if t[k] is not None]
     checks += [rep[c][k] for c, ks in (("mixed", ("same_streams_as_alone", "decode_correct")),
                                        ("queued", ("same_streams", "decode_correct"))) if c in rep for k in ks]
     for r in rep.get("sweep", []):
@@ -196,11 +217,12 @@ def run(backend: str, repeats: int, speed: bool, tuned: bool = False) -> dict:
     return rep
 
 
-def _row(t: dict) -> str:
-    """encode | kept | decode | kept | floor cells of a throughput case"""
+def _row(t: dict, host: bool = True) -> str:
+    """encode | kept | (from the host) | decode | kept | (to the host) | floor cells of a throughput case"""
     cell = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-    return " | ".join(cell(t[k]) for k in ("encode_gb_s", "encode_kept_gb_s", "decode_gb_s", "decode_kept_gb_s",
-                                           "floor_gb_s"))
+    keys = ("encode_gb_s", "encode_kept_gb_s", "encode_host_gb_s", "decode_gb_s", "decode_kept_gb_s",
+            "decode_host_gb_s", "floor_gb_s")
+    return " | ".join(cell(t.get(k)) for k in keys if host or "_host_" not in k)
 
 
 def main() -> int:
@@ -233,9 +255,10 @@ def main() -> int:
               f"GPU->CPU {r['gpu_to_cpu']}, CPU->GPU {r['cpu_to_gpu']} ({r['bytes']} B)")
     print(f"digests match {DIGESTS.name}: {rep['digests_match']}")
     if "throughput" in rep:
-        print(f"| figure | encode GB/s | encode, streams kept on the device | decode GB/s | decode, from streams on "
-              f"the device | floor GB/s | bits/scalar |\n|---|---|---|---|---|---|---|\n"
-              f"| D2D copy | {rep['copy_gb_s']:.1f} | | {rep['copy_gb_s']:.1f} | | | |")
+        print(f"| figure | encode GB/s | encode, streams kept on the device | encode from host memory | decode GB/s | "
+              f"decode, from streams on the device | decode to host memory | floor GB/s | bits/scalar |\n"
+              f"|---|---|---|---|---|---|---|---|---|\n"
+              f"| D2D copy | {rep['copy_gb_s']:.1f} | | | {rep['copy_gb_s']:.1f} | | | | |")
         for name, t in rep["throughput"].items():
             print(f"| {name} ({t['raw_mb']:.1f} MB) | {_row(t)} | {t['bits_per_scalar']:.2f} |")
         for name, t in rep["throughput"].items():
@@ -258,7 +281,7 @@ def main() -> int:
         for r in rep["sweep"]:
             knobs = " ".join(f"{k}={v}" for k, v in r["tuning"].items())
             for name, t in r["cases"].items():
-                print(f"| {knobs} | {name} | {_row(t)} | {r['same_streams']} |")
+                print(f"| {knobs} | {name} | {_row(t, host=False)} | {r['same_streams']} |")
     print(f"overall ok {rep['ok']}")
     return 0 if rep["ok"] else 1
 

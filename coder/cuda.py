@@ -333,7 +333,15 @@ class CudaCoder:
         dev = cp.empty(out.shape, out.dtype)
         self.decode_device(cp.asarray(np.ascontiguousarray(mu)), np.asarray(log2_sigma), layer_counts,
                            elems_per_lane, streams, tables, dev)
-        out[...] = cp.asnumpy(dev)
+        self.copy_out(dev, out)
+
+    def copy_out(self, dev: Any, out: np.ndarray) -> None:
+        """A decoded device array into the host array ``out``: straight into it where it is a contiguous
+        numpy array (one copy, where ``out[...] = asnumpy(dev)`` made a second of the whole KV on the host)."""
+        if type(out) is np.ndarray and out.flags.c_contiguous and out.dtype == dev.dtype and out.shape == dev.shape:
+            dev.get(out=out)  # NOTE: blocking: the copy is done on return
+        else:
+            out[...] = self.cp.asnumpy(dev)
 
 
 def _first_error(errors: list[Exception | None]) -> None:

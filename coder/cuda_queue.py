@@ -90,7 +90,7 @@ class QueuedCuda:
         dev = self.coder.cp.empty(out.shape, out.dtype)
         self._submit("decode", out, Request(dev, np.ascontiguousarray(mu), log2_sigma, layer_counts),
                      elems_per_lane, tables, streams)
-        out[...] = self.coder.cp.asnumpy(dev)  # NOTE: complete: decode_batch waits for its last pass
+        self.coder.copy_out(dev, out)  # NOTE: complete: decode_batch waits for its last pass
 
     def _submit(self, kind: str, kv: np.ndarray, request: Request, epl: int, tables: CodingTables,
                 streams: Sequence[tuple[RansBlocks, bytes]] | None) -> Any:

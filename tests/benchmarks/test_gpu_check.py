@@ -84,8 +84,31 @@ def test_cuda_path_on_the_emulated_device(gpu_check, emu_work):
         assert r["streams_equal"] and r["mu_equal"] and r["gpu_to_cpu"] and r["cpu_to_gpu"], name
     r = gpu_check.throughput(dev, models["tuned"], 2, 96, 1, 1, 64)
     assert r["decode_correct"] and r["encode_kept_gb_s"] > 0 and r["decode_kept_gb_s"] > 0
+    assert r["host_correct"] and r["encode_host_gb_s"] > 0 and r["decode_host_gb_s"] > 0  # a sidecar's calls
     ran = set(r["encode_profile_ms"]) | set(r["decode_profile_ms"])
     assert ran == {k for k in KERNELS if not k.endswith("_fp8")} - {"spk_prepare_mu"} | {"wall"}  # BF16 KV
+
+
+def test_host_calls_check_what_they_time(gpu_check, emu_work, monkeypatch):
+    """A sidecar's calls (host arrays in and out) are timed only as checked: a decode whose copy to the
+    host loses the KV, or an encode writing other streams, reads as not correct (and fails ``ok``)."""
+    from cuda_emu import emulated_cupy
+
+    from speckv.coder.cuda import CudaCoder
+
+    dev = gpu_check.Device("native")
+    cp = emulated_cupy(emu_work)
+    dev.name, dev.xp, dev.coder = "cuda", cp, CudaCoder(cp, empty_pinned=np.empty)
+    model = gpu_check.load_models()["tuned"]
+    L = gpu_check.levels(model, 2, None)
+    data = gpu_check.typical(3, L, 40)
+    args = (data["x"], data["mu"], L, [2], 64)
+    parts = dev.coder.encode(*args, model.tables)
+    assert gpu_check.host_calls(dev, model, args, parts, 1)["correct"]
+    other = dev.coder.encode(data["x"] ^ np.uint16(1), *args[1:], model.tables)
+    assert not gpu_check.host_calls(dev, model, args, other, 1)["correct"]
+    monkeypatch.setattr(dev.coder, "copy_out", lambda d, out: out.fill(0))
+    assert not gpu_check.host_calls(dev, model, args, parts, 1)["correct"]
 
 
 def test_sweep_times_each_tuning_and_compares_its_streams(gpu_check, emu_work, monkeypatch):
@@ -172,8 +195,9 @@ def test_queued_callers_share_launches(gpu_check, emu_work):
 def test_report_prints_every_figure(gpu_check, monkeypatch, capsys):
     """main()'s table of a device run (its report made up here): a misspelt key would cost a lent
     device's run its summary."""
-    tp = {"encode_gb_s": 1.0, "encode_kept_gb_s": 2.0, "decode_gb_s": 3.0, "decode_kept_gb_s": None,
-          "floor_gb_s": 9.0, "raw_mb": 3.1, "bits_per_scalar": 5.4, "encode_profile_ms": {"wall": 1.0}}
+    tp = {"encode_gb_s": 1.0, "encode_kept_gb_s": 2.0, "encode_host_gb_s": 0.5, "decode_gb_s": 3.0,
+          "decode_kept_gb_s": None, "decode_host_gb_s": 0.25, "floor_gb_s": 9.0, "raw_mb": 3.1, "bits_per_scalar": 5.4,
+          "encode_profile_ms": {"wall": 1.0}}
     rep = {"cases": {}, "digests_match": True, "ok": True, "copy_gb_s": 1800.0, "throughput": {"streaming": tp},
            "mixed": {"tokens": [512, 1024], "raw_mb": 10.0, "encode_gb_s": 1.0, "decode_gb_s": 2.0,
                      "one_call_a_prompt_encode_gb_s": 0.5, "one_call_a_prompt_decode_gb_s": 0.4,
@@ -185,7 +209,8 @@ def test_report_prints_every_figure(gpu_check, monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["gpu_check.py", "--backend", "native"])
     assert gpu_check.main() == 0
     out = capsys.readouterr().out
-    for want in ("| streaming (3.1 MB) | 1.00 | 2.00 | 3.00 | - | 9.00 | 5.40 |", "a call a prompt 0.50 / 0.40",
+    for want in ("| streaming (3.1 MB) | 1.00 | 2.00 | 0.50 | 3.00 | - | 0.25 | 9.00 | 5.40 |",
+                 "| ahead=8 | batched | 1.00 | 2.00 | 3.00 | - | 9.00 | True |", "a call a prompt 0.50 / 0.40",
                  "queued 3.00 GB/s (4.0 calls a launch), one after another 1.00", "| ahead=8 | batched |",
                  "overall ok True"):
         assert want in out, out

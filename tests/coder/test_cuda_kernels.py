@@ -83,6 +83,21 @@ def test_cuda_decodes_streams_kept_on_the_device(coders, ckpt, fp8):
         cu.decode_streams(dataclasses.replace(kept, bits=kept.bits[1:]), m, L, counts, 64, model.tables, out)
 
 
+@pytest.mark.gpu
+def test_copy_out_writes_any_host_array(coders):
+    """A decode's device KV into the host array the native signature gives: straight into a contiguous
+    one, and through a copy into a strided view (only its elements written)."""
+    cu = coders[0]
+    want = np.arange(2 * 2 * 3 * 5 * 4, dtype=np.uint16).reshape(2, 2, 3, 5, 4)
+    dev = cu.cp.asarray(want)
+    out = np.zeros_like(want)
+    cu.copy_out(dev, out)
+    assert np.array_equal(out, want)
+    wide = np.zeros(want.shape[:-1] + (8,), np.uint16)
+    cu.copy_out(dev, wide[..., ::2])
+    assert np.array_equal(wide[..., ::2], want) and not wide[..., 1::2].any()
+
+
 def test_sections_sum_unary_bounds_in_64_bits(emu_work):
     """spk_decode_sections sums the blocks' unary bounds in 64 bits: 32 blocks of 2^28 bits each
     (lanes of ~2^16 elements can have such bounds) total 2^33, which a 32-bit warp sum wraps to 0,
