@@ -196,6 +196,14 @@ _RUNNERS: dict[str, Callable[[tgt.Target, np.ndarray], "torch.Tensor"]] = {
     "threads1": _threads1, "avx2": _child_process, "batch2": _batch2, "fp8cache": _fp8cache}
 
 
+def same_computation(engine: str) -> bool:
+    """Whether this CPU computes ``engine`` with the sidecars' own kernels, bit for bit: an AVX2-only
+    CPU (no AVX-512) already runs the ``avx2`` engine's kernel path, so its KV is same-kernel KV there."""
+    import torch
+
+    return engine == SAME or (engine == "avx2" and torch.backends.cpu.get_cpu_capability() == "AVX2")
+
+
 def differing_fraction(kv: "torch.Tensor", same: "torch.Tensor") -> float:
     """The fraction of KV scalars whose bits differ from the same-kernel KV's."""
     from speckv.kv import bf16_bits
