@@ -33,6 +33,12 @@ from speckv.predictor.fp8 import kv_to_fp8
 TEXT = "tinyshakespeare.txt"  # ../shared/corpus/
 TOKENS = 512  # the first 512 tokens of it: ~5.9 M scalars, a few seconds to code
 REL = 0.02  # each figure must lie within 2% of the measured one
+# NOTE: the tuned model's saving over the seed's moves more with the CPU's kernels than either figure
+# (a ratio of their small difference): 0.598% (BF16) and 1.654% (FP8) where WIRE_BITS were measured,
+# 0.564% and 1.584% on a 2-core AMD EPYC with AVX2 only (2026-12-06: -5.6% and -4.3% of it; its
+# figures there: tuned 5.2203 / 1.9860, seed 5.2499 / 2.0179). A tuned model that lost a tenth of
+# its saving, or all of it, fails
+REL_SAVING = 0.08
 
 # wire bits per scalar = 8 * sum(len(record)) / scalars, default CodecConfig
 # (elems_per_lane 1024, layers_per_chunk 2), measured by the command in the docstring
@@ -104,9 +110,9 @@ def test_seed_model_bits_per_scalar(wire_bits, dtype):
 def test_tuned_model_saving_over_seed(wire_bits, dtype):
     """What the tuned residual model saves over the seed model on the same KV and mu
     (0.60% BF16, 1.65% FP8 under w8a8x:4 with 14-bit K/V activations and the fine sigma steps;
-    0.57% and 1.59% before those steps, 0.46% and 1.34% with 8-bit K/V activations), within 2% of
-    itself: both absolute figures' 2% windows are wider than the saving, so they alone would not
-    notice the tuned model degrading to the seed's figures."""
+    0.57% and 1.59% before those steps, 0.46% and 1.34% with 8-bit K/V activations), within
+    REL_SAVING of itself: both absolute figures' 2% windows are wider than the saving, so they alone
+    would not notice the tuned model degrading to the seed's figures."""
     want = 1 - WIRE_BITS[dtype, "tuned"] / WIRE_BITS[dtype, "seed"]
     got = 1 - wire_bits(dtype, "auto") / wire_bits(dtype, "seed")
-    assert got == pytest.approx(want, rel=REL)
+    assert got == pytest.approx(want, rel=REL_SAVING)
