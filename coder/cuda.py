@@ -337,8 +337,11 @@ class CudaCoder:
 
     def copy_out(self, dev: Any, out: np.ndarray) -> None:
         """A decoded device array into the host array ``out``: straight into it where it is a contiguous
-        numpy array (one copy, where ``out[...] = asnumpy(dev)`` made a second of the whole KV on the host)."""
-        if type(out) is np.ndarray and out.flags.c_contiguous and out.dtype == dev.dtype and out.shape == dev.shape:
+        numpy array (one copy, where ``out[...] = asnumpy(dev)`` made a second of the whole KV on the host).
+        NOTE: CuPy's get(out=) writes through the array's address, read-only or not: a read-only ``out``
+        takes the assignment, which refuses it (ValueError), as the native coder does."""
+        if (type(out) is np.ndarray and out.flags.c_contiguous and out.flags.writeable and out.dtype == dev.dtype
+                and out.shape == dev.shape):
             dev.get(out=out)  # NOTE: blocking: the copy is done on return
         else:
             out[...] = self.cp.asnumpy(dev)

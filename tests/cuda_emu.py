@@ -156,7 +156,10 @@ class DeviceArray(np.ndarray):
             return np.array(self, copy=True)
         if type(out) is not np.ndarray or out.shape != self.shape or out.dtype != self.dtype:
             raise ValueError("get(out=): a host array of the same shape and dtype")  # as CuPy's
-        out[...] = self
+        if not out.flags.c_contiguous:
+            raise RuntimeError("get(out=): a contiguous array")  # CuPy's refuses it too
+        # NOTE: as CuPy's (a DMA to out's address): a read-only array is written too
+        ctypes.memmove(out.ctypes.data, np.ascontiguousarray(self).ctypes.data, out.nbytes)
         return out
 
 

@@ -96,6 +96,11 @@ def test_copy_out_writes_any_host_array(coders):
     wide = np.zeros(want.shape[:-1] + (8,), np.uint16)
     cu.copy_out(dev, wide[..., ::2])
     assert np.array_equal(wide[..., ::2], want) and not wide[..., 1::2].any()
+    frozen = np.zeros_like(want)
+    frozen.flags.writeable = False  # refused, as the native coder refuses it (CuPy's get would write it)
+    with pytest.raises(ValueError, match="read-only"):
+        cu.copy_out(dev, frozen)
+    assert not frozen.any()
 
 
 def test_sections_sum_unary_bounds_in_64_bits(emu_work):
