@@ -207,6 +207,8 @@ def _parser() -> argparse.ArgumentParser:
     chk.add_argument("--text", required=True, help="text whose mu is compared")
     chk.add_argument("--tokens", type=_positive, default=512, help="tokens of the text")
     chk.add_argument("--target", default="default", help="the target the checkpoint was built for")
+    chk.add_argument("--jobs", type=_positive, default=None,
+                     help="environments run at a time (default: one per two CPUs)")
     chk.add_argument("--json", action="store_true", help="print the report as JSON")
     return ap
 
@@ -256,7 +258,7 @@ def cmd_predictor(args: argparse.Namespace) -> int:
     if args.pcmd == "check":
         from speckv.predictor.check import check
 
-        rep = check(Path(args.dir), Path(args.text), args.tokens, args.target)
+        rep = check(Path(args.dir), Path(args.text), args.tokens, args.target, jobs=args.jobs)
         if args.json:
             print(json.dumps(rep))
         else:

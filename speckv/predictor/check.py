@@ -13,6 +13,10 @@ default environment on that same prefix. The report is
 two environments with the same token count disagree or one fails. An environment this machine
 cannot run at all (``UNAVAILABLE``: torch's own limits, not the checkpoint's) is reported with
 ``"unavailable"`` instead of a digest and does not count.
+
+The children run ``jobs`` at a time (default: one per two CPUs of this machine): each is its own
+process with its own thread count, so running them side by side changes how long the check takes,
+never a digest.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,9 +83,16 @@ def run_child(ckpt: Path, text: Path, tokens: int, target: str, e: Environment, 
     return {"name": e.name, **json.loads(proc.stdout.strip().splitlines()[-1])}
 
 
-def check(ckpt: Path, text: Path, tokens: int, target: str = "default", timeout: float = 1800.0) -> dict[str, Any]:
-    """Run every environment; ``agree`` is False when two digests of the same token count differ
-    or an environment failed (one this machine cannot run is left out: ``UNAVAILABLE``)."""
+def default_jobs() -> int:
+    """Children at a time: one per two CPUs (the default environment itself runs 2 threads)."""
+    return max(1, (os.cpu_count() or 1) // 2)
+
+
+def check(ckpt: Path, text: Path, tokens: int, target: str = "default", timeout: float = 1800.0,
+          jobs: int | None = None) -> dict[str, Any]:
+    """Run every environment, ``jobs`` children at a time (``default_jobs()``); ``agree`` is False
+    when two digests of the same token count differ or an environment failed (one this machine
+    cannot run is left out: ``UNAVAILABLE``). The report lists the environments in their order."""
     import torch
 
     from .checkpoint import load_checkpoint
@@ -88,7 +100,8 @@ def check(ckpt: Path, text: Path, tokens: int, target: str = "default", timeout:
 
     rung = load_checkpoint(ckpt).rung
     envs = environments(rung.kind == PORTABLE, torch.cuda.is_available())
-    results = [run_child(ckpt, text, tokens, target, e, timeout) for e in envs]
+    with ThreadPoolExecutor(max(1, jobs or default_jobs())) as pool:  # NOTE: threads that wait on processes
+        results = list(pool.map(lambda e: run_child(ckpt, text, tokens, target, e, timeout), envs))
     digests: dict[int, set[str]] = {}
     for r in results:
         if "mu_sha256" in r:

@@ -81,7 +81,7 @@ def test_checkpoint_pins_weights_and_tables(portable_dir, tiny_target):
 
 
 def test_check_agrees_across_processes_and_environments(portable_dir, tiny_model_dir, tiny_text):
-    rep = check(portable_dir, tiny_text, 200, str(tiny_model_dir), timeout=600)
+    rep = check(portable_dir, tiny_text, 200, str(tiny_model_dir), timeout=600, jobs=2)
     names = [e["name"] for e in rep["environments"]]
     assert rep["agree"], rep
     assert "int64 reference (prefix)" in names and "ATEN_CPU_CAPABILITY=default" in names
@@ -98,7 +98,7 @@ def test_check_finds_the_float_rungs_environment_dependence(tiny_target, tiny_mo
     d = tmp_path / "fp8"
     build_checkpoint(tiny_target, tiny_text, d, tokens=64, segment=32, rung="fp8")
     code = main(["predictor", "check", str(d), "--text", str(tiny_text), "--tokens", "200",
-                 "--target", str(tiny_model_dir), "--json"])
+                 "--target", str(tiny_model_dir), "--jobs", "2", "--json"])
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rep["rung"] == "fp8" and not [e for e in rep["environments"] if "error" in e]
     digests = {e["name"]: e.get("mu_sha256") for e in rep["environments"]}
@@ -138,6 +138,31 @@ def test_only_torchs_known_limits_leave_an_environment_out(monkeypatch, tmp_path
     monkeypatch.setattr(chk, "environments", lambda *a: envs)
     monkeypatch.setattr("speckv.predictor.checkpoint.load_checkpoint", lambda p: type("C", (), {"rung": _Rung})())
     assert chk.check(tmp_path, tmp_path, 8)["agree"] is (kind == "unavailable")
+
+
+def test_environments_run_side_by_side_and_report_in_order(monkeypatch, tmp_path):
+    """jobs=2: two children at once (each waits for the other at a barrier, which one at a time
+    never passes), the report in the environments' order whichever child ends first."""
+    import threading
+    import time
+
+    from speckv.predictor import check as chk
+
+    def children(barrier):
+        def child(*a, **k):
+            barrier.wait()
+            time.sleep(0.05 * (3 - int(a[4].name[1:])))  # NOTE: later environments end first
+            return {"name": a[4].name, "tokens": 8, "mu_sha256": "x"}
+        return child
+
+    monkeypatch.setattr(chk, "environments", lambda *a: [chk.Environment(f"e{i}") for i in range(4)])
+    monkeypatch.setattr("speckv.predictor.checkpoint.load_checkpoint", lambda p: type("C", (), {"rung": _Rung})())
+    monkeypatch.setattr(chk, "run_child", children(threading.Barrier(2, timeout=10)))
+    rep = chk.check(tmp_path, tmp_path, 8, jobs=2)
+    assert [e["name"] for e in rep["environments"]] == ["e0", "e1", "e2", "e3"] and rep["agree"]
+    monkeypatch.setattr(chk, "run_child", children(threading.Barrier(2, timeout=0.5)))
+    with pytest.raises(threading.BrokenBarrierError):  # one at a time: the first child waits alone
+        chk.check(tmp_path, tmp_path, 8, jobs=1)
 
 
 class _Rung:
