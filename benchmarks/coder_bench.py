@@ -47,7 +47,8 @@ def measure(tokens: int, text: str | None) -> list[dict[str, Any]]:
 
 def alternating(tokens: int, text: str | None, runs: int) -> dict[str, dict[str, float]]:
     """Per dtype, the native coder's median encode and decode seconds with 1 and 2 threads,
-    timed alternately (1, 2, 1, 2, ...) on one KV and mu, each decode checked bit for bit."""
+    timed alternately (1, 2, 1, 2, ...) on one KV and mu, each decode checked bit for bit; and
+    the process's CPU seconds of the same calls (``*_cpu_*``: every thread's, Python's included)."""
     import statistics
 
     import numpy as np
@@ -66,17 +67,20 @@ def alternating(tokens: int, text: str | None, runs: int) -> dict[str, dict[str,
     out: dict[str, dict[str, float]] = {}
     for dtype, kv in kvs.items():
         want = kv.codes if isinstance(kv, Fp8KV) else bf16_bits(kv)
-        times: dict[str, list[float]] = {f"{w}_{t}": [] for w in ("encode", "decode", "zstd") for t in (1, 2)}
+        times: dict[str, list[float]] = {f"{w}_{t}": [] for w in ("encode", "decode", "zstd", "encode_cpu",
+                                                                  "decode_cpu") for t in (1, 2)}
         for _ in range(runs):
             for t in (1, 2):
                 times[f"zstd_{t}"].append(zstd_halves(want.tobytes(), t))
             for t, codec in codecs.items():
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 records = list(codec.encode(kv, ids, pre.mu))
-                t1 = time.perf_counter()
+                c1, t1 = time.process_time(), time.perf_counter()
                 back = codec.decode(records, ids, pre.mu)
                 times[f"encode_{t}"].append(t1 - t0)
                 times[f"decode_{t}"].append(time.perf_counter() - t1)
+                times[f"encode_cpu_{t}"].append(c1 - c0)
+                times[f"decode_cpu_{t}"].append(time.process_time() - c1)
                 assert np.array_equal(back.codes if isinstance(back, Fp8KV) else back, want)
         out[dtype] = {k: statistics.median(v) for k, v in times.items()}
     return out
@@ -122,9 +126,22 @@ def section(rows: list[dict[str, Any]], tokens: int, alt: dict[str, dict[str, fl
                   f"{m['encode_2']:.3f} s), {m['decode_1'] / m['decode_2']:.2f}x decode ({m['decode_1']:.3f} s / "
                   f"{m['decode_2']:.3f} s)" + (f"; zstd-3 on two halves of the same KV, the same pairs: "
                                                 f"{m['zstd_1'] / m['zstd_2']:.2f}x" if "zstd_1" in m else "")
-                  + ".", ""]
+                  + ".", *cpu_line(m), ""]
     lines.append(END)
     return "\n".join(lines)
+
+
+def cpu_line(m: dict[str, float]) -> list[str]:
+    """Where a 2-thread shortfall comes from: the share of 2 cores the 2-thread calls kept busy (idle
+    threads: serial work or imbalance in the coder), and their CPU seconds against the 1-thread calls'
+    (above 1: the same work cost more, the cores slowed each other or the machine was shared)."""
+    if "encode_cpu_1" not in m:
+        return []
+    busy = {w: m[f"{w}_cpu_2"] / (2 * m[f"{w}_2"]) for w in ("encode", "decode")}
+    cost = {w: m[f"{w}_cpu_2"] / m[f"{w}_cpu_1"] for w in ("encode", "decode")}
+    return ["", f"The 2-thread calls kept {100 * busy['encode']:.0f}% (encode) and {100 * busy['decode']:.0f}% "
+                f"(decode) of 2 cores busy, at {cost['encode']:.2f}x and {cost['decode']:.2f}x the 1-thread calls' "
+                "CPU seconds."]
 
 
 def scaling(rows: list[dict[str, Any]]) -> list[str]:

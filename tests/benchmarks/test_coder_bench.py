@@ -32,6 +32,9 @@ def test_section_scaling_and_update(cb, tmp_path):
     alt["bf16"] |= {"zstd_1": 0.1, "zstd_2": 0.0625}
     assert ("1.50x decode (0.300 s / 0.200 s); zstd-3 on two halves of the same KV, the same pairs: 1.60x."
             in cb.section(rows, 8, alt, 5))
+    alt["bf16"] |= {"encode_cpu_1": 0.2, "encode_cpu_2": 0.198, "decode_cpu_1": 0.3, "decode_cpu_2": 0.36}
+    assert ("The 2-thread calls kept 90% (encode) and 90% (decode) of 2 cores busy, at 0.99x and 1.20x the "
+            "1-thread calls' CPU seconds.") in cb.section(rows, 8, alt, 5)
     rows[2]["coded_bytes"] = 999
     assert "coded bytes DIFFER" in cb.section(rows, 8)
     path = tmp_path / "RESULTS.md"
